@@ -1,0 +1,271 @@
+//! The arena of parsed values and read-only views over it.
+
+use std::fmt;
+
+/// One value in a [`Document`]: an 8-byte handle, cheap to copy.
+///
+/// Small integers, `None` and booleans live inside the handle; everything
+/// else is an index into the document's tables. Two slots that refer to the
+/// same shared object (through the pickle memo) are equal.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Slot(pub(crate) u64);
+
+pub(crate) const TAG_BITS: u32 = 3;
+pub(crate) const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+pub(crate) const T_INT: u64 = 0;
+pub(crate) const T_STR: u64 = 1;
+pub(crate) const T_CONT: u64 = 2;
+pub(crate) const T_FLOAT: u64 = 3;
+pub(crate) const T_BIGINT: u64 = 4;
+pub(crate) const T_BYTES: u64 = 5;
+pub(crate) const T_CONST: u64 = 6;
+pub(crate) const T_BYTEARRAY: u64 = 7;
+
+/// The largest integer stored inline in a slot.
+pub(crate) const INLINE_MAX: i64 = (1 << 60) - 1;
+/// The smallest integer stored inline in a slot.
+pub(crate) const INLINE_MIN: i64 = -(1 << 60);
+
+impl Slot {
+    pub(crate) const NONE: Slot = Slot(T_CONST);
+    pub(crate) const FALSE: Slot = Slot((1 << TAG_BITS) | T_CONST);
+    pub(crate) const TRUE: Slot = Slot((2 << TAG_BITS) | T_CONST);
+    /// Marks an empty memo cell; never handed out.
+    pub(crate) const EMPTY: Slot = Slot(u64::MAX);
+
+    pub(crate) fn int(v: i64) -> Slot {
+        debug_assert!((INLINE_MIN..=INLINE_MAX).contains(&v));
+        Slot(((v as u64) << TAG_BITS) | T_INT)
+    }
+    pub(crate) fn tagged(tag: u64, index: usize) -> Slot {
+        Slot(((index as u64) << TAG_BITS) | tag)
+    }
+    pub(crate) fn tag(self) -> u64 {
+        self.0 & TAG_MASK
+    }
+    pub(crate) fn index(self) -> usize {
+        (self.0 >> TAG_BITS) as usize
+    }
+}
+
+impl fmt::Debug for Slot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Slot(tag={}, {})", self.tag(), self.0 >> TAG_BITS)
+    }
+}
+
+/// The Python type of a container.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A `list`.
+    List,
+    /// A `tuple`.
+    Tuple,
+    /// A `dict`; its items alternate key, value.
+    Dict,
+    /// A `set`.
+    Set,
+    /// A `frozenset`.
+    FrozenSet,
+}
+
+/// Where a container's items live.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Container {
+    /// Start in the slab, or index in `own` when `own` is set.
+    pub(crate) start: u64,
+    pub(crate) len: u32,
+    pub(crate) kind: Kind,
+    pub(crate) own: bool,
+}
+
+/// A byte range of the input.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Span {
+    pub(crate) off: usize,
+    pub(crate) len: usize,
+}
+
+/// A decoded view of one [`Slot`].
+#[derive(Clone, Copy, Debug)]
+pub enum Value<'d> {
+    /// `None`.
+    None,
+    /// `True` or `False`.
+    Bool(bool),
+    /// An integer that fits in 61 bits.
+    Int(i64),
+    /// A wider integer, as little-endian two's complement bytes.
+    BigInt(&'d [u8]),
+    /// A `float`.
+    Float(f64),
+    /// A `str`.
+    Str(&'d str),
+    /// A `bytes` value.
+    Bytes(&'d [u8]),
+    /// A `bytearray` value.
+    ByteArray(&'d [u8]),
+    /// A container; read its items with [`Document::seq`] or [`Document::dict_items`].
+    Container(Kind),
+}
+
+/// A parsed pickle: the arena of its values and the root slot.
+///
+/// The arena is flat, so dropping it never recurses, and it may contain
+/// cycles (a list that holds itself) exactly as the pickle describes them.
+pub struct Document<'a> {
+    pub(crate) data: &'a [u8],
+    pub(crate) spans: Vec<Span>,
+    pub(crate) floats: Vec<f64>,
+    pub(crate) containers: Vec<Container>,
+    pub(crate) slab: Vec<Slot>,
+    pub(crate) own: Vec<Vec<Slot>>,
+    pub(crate) root: Slot,
+    pub(crate) protocol: u8,
+}
+
+impl<'a> Document<'a> {
+    /// Returns the object the pickle evaluates to.
+    pub fn root(&self) -> Slot {
+        self.root
+    }
+
+    /// Returns the protocol named by the pickle's `PROTO` opcode (0 if absent).
+    pub fn protocol(&self) -> u8 {
+        self.protocol
+    }
+
+    /// Returns how many containers the arena holds.
+    pub fn container_count(&self) -> usize {
+        self.containers.len()
+    }
+
+    /// Decodes a slot.
+    pub fn value(&self, slot: Slot) -> Value<'a> {
+        match slot.tag() {
+            T_INT => Value::Int((slot.0 as i64) >> TAG_BITS),
+            T_STR => Value::Str(self.str_at(slot.index())),
+            T_CONT => Value::Container(self.containers[slot.index()].kind),
+            T_FLOAT => Value::Float(self.floats[slot.index()]),
+            T_BIGINT => Value::BigInt(self.span(slot.index())),
+            T_BYTES => Value::Bytes(self.span(slot.index())),
+            T_BYTEARRAY => Value::ByteArray(self.span(slot.index())),
+            _ => match slot.index() {
+                1 => Value::Bool(false),
+                2 => Value::Bool(true),
+                _ => Value::None,
+            },
+        }
+    }
+
+    fn span(&self, i: usize) -> &'a [u8] {
+        let s = self.spans[i];
+        &self.data[s.off..s.off + s.len]
+    }
+
+    fn str_at(&self, i: usize) -> &'a str {
+        // Validated when parsed; checking again keeps this crate free of
+        // unsafe code and costs little on the short strings of snapshots.
+        std::str::from_utf8(self.span(i)).unwrap_or("")
+    }
+
+    /// Returns the string in `slot`, if it is one.
+    pub fn as_str(&self, slot: Slot) -> Option<&'a str> {
+        (slot.tag() == T_STR).then(|| self.str_at(slot.index()))
+    }
+
+    /// Returns the raw UTF-8 bytes of a string slot without validating them again.
+    pub fn str_bytes(&self, slot: Slot) -> Option<&'a [u8]> {
+        (slot.tag() == T_STR).then(|| self.span(slot.index()))
+    }
+
+    /// Returns the integer in `slot` if it fits in an `i64` (booleans count as 0 and 1).
+    pub fn as_i64(&self, slot: Slot) -> Option<i64> {
+        match self.value(slot) {
+            Value::Int(v) => Some(v),
+            Value::Bool(b) => Some(b as i64),
+            Value::BigInt(bytes) => bigint_to_i128(bytes).and_then(|v| i64::try_from(v).ok()),
+            _ => None,
+        }
+    }
+
+    /// Returns the integer in `slot` if it fits in an `i128`.
+    pub fn as_i128(&self, slot: Slot) -> Option<i128> {
+        match self.value(slot) {
+            Value::BigInt(bytes) => bigint_to_i128(bytes),
+            _ => self.as_i64(slot).map(i128::from),
+        }
+    }
+
+    /// Returns the number in `slot` as a float, for ints and floats alike.
+    pub fn as_f64(&self, slot: Slot) -> Option<f64> {
+        match self.value(slot) {
+            Value::Float(f) => Some(f),
+            _ => self.as_i128(slot).map(|v| v as f64),
+        }
+    }
+
+    /// Returns the container kind of `slot`, if it is a container.
+    pub fn kind(&self, slot: Slot) -> Option<Kind> {
+        (slot.tag() == T_CONT).then(|| self.containers[slot.index()].kind)
+    }
+
+    /// Returns a container's raw items (for a dict: key, value, key, value, ...).
+    pub fn items(&self, slot: Slot) -> Option<&[Slot]> {
+        if slot.tag() != T_CONT {
+            return None;
+        }
+        let c = self.containers[slot.index()];
+        Some(if c.own {
+            &self.own[c.start as usize]
+        } else {
+            &self.slab[c.start as usize..c.start as usize + c.len as usize]
+        })
+    }
+
+    /// Returns the items of a list, tuple, set or frozenset.
+    pub fn seq(&self, slot: Slot) -> Option<&[Slot]> {
+        match self.kind(slot)? {
+            Kind::Dict => None,
+            _ => self.items(slot),
+        }
+    }
+
+    /// Iterates over a dict's `(key, value)` pairs in pickle order, duplicates included.
+    pub fn dict_items(&self, slot: Slot) -> Option<impl Iterator<Item = (Slot, Slot)> + '_> {
+        if self.kind(slot)? != Kind::Dict {
+            return None;
+        }
+        Some(self.items(slot)?.chunks_exact(2).map(|p| (p[0], p[1])))
+    }
+
+    /// Looks up a string key in a dict; the last duplicate wins, as in Python.
+    pub fn dict_get(&self, slot: Slot, key: &str) -> Option<Slot> {
+        if self.kind(slot)? != Kind::Dict {
+            return None;
+        }
+        let items = self.items(slot)?;
+        items
+            .chunks_exact(2)
+            .rev()
+            .find(|p| self.str_bytes(p[0]) == Some(key.as_bytes()))
+            .map(|p| p[1])
+    }
+}
+
+/// Converts little-endian two's complement bytes to an `i128` when they fit.
+pub(crate) fn bigint_to_i128(bytes: &[u8]) -> Option<i128> {
+    if bytes.is_empty() {
+        return Some(0);
+    }
+    let negative = bytes[bytes.len() - 1] & 0x80 != 0;
+    let fill = if negative { 0xff } else { 0 };
+    // Sign-extension bytes beyond 16 do not change the value.
+    let significant = bytes.iter().rposition(|&b| b != fill).map_or(0, |i| i + 1);
+    if significant > 16 || (significant == 16 && (bytes[15] & 0x80 != 0) != negative) {
+        return None;
+    }
+    let mut buf = [fill; 16];
+    buf[..significant].copy_from_slice(&bytes[..significant]);
+    Some(i128::from_le_bytes(buf))
+}

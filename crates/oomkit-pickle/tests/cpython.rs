@@ -1,0 +1,227 @@
+//! Differential tests: CPython writes and reads each value, we read it, and
+//! the two canonical renderings must be identical.
+
+use oomkit_pickle::{Document, Error, Value};
+use proptest::prelude::*;
+use serde_json::{json, Value as Json};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+struct Python {
+    _child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+fn python() -> &'static Mutex<Python> {
+    static PY: OnceLock<Mutex<Python>> = OnceLock::new();
+    PY.get_or_init(|| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cpython_pickle.py");
+        let mut child = Command::new(std::env::var("PYTHON").unwrap_or("python3".into()))
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 is needed for the differential tests");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Mutex::new(Python {
+            _child: child,
+            stdin,
+            stdout,
+        })
+    })
+}
+
+/// Asks CPython to pickle a value; returns the pickle and CPython's canonical reading.
+fn cpython(req: Json) -> (Vec<u8>, String) {
+    let mut py = python().lock().unwrap_or_else(|e| e.into_inner());
+    writeln!(py.stdin, "{req}").unwrap();
+    py.stdin.flush().unwrap();
+    let mut line = String::new();
+    py.stdout.read_line(&mut line).unwrap();
+    let reply: Json = serde_json::from_str(&line).unwrap();
+    if let Some(e) = reply.get("error") {
+        panic!("CPython failed on {req}: {e}");
+    }
+    let hex = reply["pickle"].as_str().unwrap();
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    (bytes, reply["canon"].as_str().unwrap().to_string())
+}
+
+fn ours(bytes: &[u8]) -> String {
+    let doc = Document::parse(bytes).unwrap_or_else(|e| panic!("{e}"));
+    doc.repr(doc.root(), 1000)
+}
+
+fn hexs(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Generates value descriptions that CPython pickles with data opcodes only
+/// at `proto` (bytes need 3, sets and frozensets 4, bytearray 5).
+fn desc(proto: u8) -> impl Strategy<Value = Json> {
+    let int = prop_oneof![
+        any::<i64>().prop_map(|v| v.to_string()),
+        (-300i64..300).prop_map(|v| v.to_string()),
+        any::<u128>().prop_map(|v| v.to_string()),
+        any::<i128>().prop_map(|v| format!("{v}{}", "0".repeat((v.unsigned_abs() % 40) as usize))),
+    ];
+    let mut leaf = vec![
+        Just(json!({"n": null})).boxed(),
+        any::<bool>().prop_map(|b| json!({"b": b})).boxed(),
+        int.prop_map(|s| json!({"i": s})).boxed(),
+        any::<u64>()
+            .prop_map(|b| json!({"f": hexs(&b.to_le_bytes())}))
+            .boxed(),
+        ".{0,300}".prop_map(|s| json!({"s": s})).boxed(),
+    ];
+    if proto >= 3 {
+        leaf.push(
+            proptest::collection::vec(any::<u8>(), 0..300)
+                .prop_map(|b| json!({"y": hexs(&b)}))
+                .boxed(),
+        );
+    }
+    if proto >= 5 {
+        leaf.push(
+            proptest::collection::vec(any::<u8>(), 0..40)
+                .prop_map(|b| json!({"ba": hexs(&b)}))
+                .boxed(),
+        );
+    }
+    let leaf = proptest::strategy::Union::new(leaf);
+    leaf.prop_recursive(5, 200, 12, move |inner| {
+        let key = prop_oneof![
+            "[a-z_]{0,12}".prop_map(|s| json!({"s": s})),
+            any::<i32>().prop_map(|v| json!({"i": v.to_string()})),
+        ];
+        let mut branches = vec![
+            proptest::collection::vec(inner.clone(), 0..12)
+                .prop_map(|v| json!({"l": v}))
+                .boxed(),
+            proptest::collection::vec(inner.clone(), 0..6)
+                .prop_map(|v| json!({"t": v}))
+                .boxed(),
+            proptest::collection::vec((key, inner.clone()), 0..10)
+                .prop_map(
+                    |v| json!({"d": v.into_iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>()}),
+                )
+                .boxed(),
+            (0usize..8).prop_map(|k| json!({"share": k})).boxed(),
+        ];
+        if proto >= 4 {
+            branches.push(
+                proptest::collection::vec("[a-z]{0,6}".prop_map(|s| json!({"s": s})), 0..8)
+                    .prop_map(|v| json!({"set": v}))
+                    .boxed(),
+            );
+            branches.push(
+                proptest::collection::vec("[a-z]{0,6}".prop_map(|s| json!({"s": s})), 0..8)
+                    .prop_map(|v| json!({"fs": v}))
+                    .boxed(),
+            );
+        }
+        proptest::strategy::Union::new(branches)
+    })
+}
+
+fn check(proto: u8, value: Json) -> Result<(), TestCaseError> {
+    let (bytes, theirs) = cpython(json!({"proto": proto, "value": value}));
+    prop_assert_eq!(ours(&bytes), theirs);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn protocol_2(v in desc(2)) { check(2, v)?; }
+    #[test]
+    fn protocol_3(v in desc(3)) { check(3, v)?; }
+    #[test]
+    fn protocol_4(v in desc(4)) { check(4, v)?; }
+    #[test]
+    fn protocol_5(v in desc(5)) { check(5, v)?; }
+}
+
+#[test]
+fn shared_objects_stay_shared() {
+    let (bytes, _) =
+        cpython(json!({"proto": 4, "special": "(lambda f: [f, f, {'x': f}])({'name': 'fwd'})"}));
+    let doc = Document::parse(&bytes).unwrap();
+    let items = doc.seq(doc.root()).unwrap();
+    assert_eq!(items[0], items[1], "both references must be one object");
+    assert_eq!(doc.dict_get(items[2], "x"), Some(items[0]));
+}
+
+#[test]
+fn cycles_and_recursive_tuples() {
+    for expr in [
+        "(lambda l: (l.append(l), l)[1])([])",
+        "(lambda l: (l.append((l, 1, 2, 3)), (l, 'a'))[1])([])",
+        "(lambda d: (d.__setitem__('self', d), d)[1])({})",
+    ] {
+        for proto in 2..=5 {
+            let (bytes, theirs) = cpython(json!({"proto": proto, "special": expr}));
+            assert_eq!(ours(&bytes), theirs, "{expr} at protocol {proto}");
+        }
+    }
+}
+
+#[test]
+fn long1_wider_than_eight_bytes() {
+    let (bytes, theirs) =
+        cpython(json!({"proto": 4, "special": "[2**64, -2**64, 2**200 + 7, 2**60, -2**60 - 1]"}));
+    assert_eq!(ours(&bytes), theirs);
+    let doc = Document::parse(&bytes).unwrap();
+    let items = doc.seq(doc.root()).unwrap();
+    assert_eq!(doc.as_i128(items[0]), Some(1i128 << 64));
+    assert_eq!(doc.as_i128(items[1]), Some(-(1i128 << 64)));
+    assert_eq!(doc.as_i128(items[2]), None);
+    assert_eq!(doc.as_i64(items[3]), Some(1 << 60));
+    assert!(matches!(doc.value(items[2]), Value::BigInt(_)));
+}
+
+#[test]
+fn refused_opcodes_name_themselves_and_their_offset() {
+    let cases: &[(&str, &str)] = &[
+        ("__import__('collections').OrderedDict(a=1)", "REDUCE"),
+        ("__import__('fractions').Fraction(1, 3)", "REDUCE"),
+        ("__import__('datetime').date(2020, 1, 1)", "REDUCE"),
+        ("__import__('types').SimpleNamespace(a=1)", "REDUCE"),
+    ];
+    for (expr, _) in cases {
+        for proto in 2..=5 {
+            let (bytes, _) = cpython(json!({"proto": proto, "special": expr, "raw": true}));
+            match Document::parse(&bytes) {
+                Err(Error::Refused { name, offset, .. }) => {
+                    assert!(
+                        [
+                            "GLOBAL",
+                            "STACK_GLOBAL",
+                            "REDUCE",
+                            "NEWOBJ",
+                            "BUILD",
+                            "NEWOBJ_EX"
+                        ]
+                        .contains(&name),
+                        "{name}"
+                    );
+                    let op = bytes[offset as usize];
+                    assert!(
+                        matches!(op, b'c' | 0x93 | b'R' | 0x81 | b'b' | 0x92),
+                        "offset {offset} holds 0x{op:02x}"
+                    );
+                }
+                other => panic!(
+                    "{expr} at {proto}: expected a refusal, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+    }
+}
