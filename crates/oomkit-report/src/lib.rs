@@ -1,1 +1,202 @@
+//! Renderers of oomkit analyses: a short terminal report and a JSON document.
+//!
+//! Both take the same [`FileAnalysis`]; the JSON form is a contract
+//! documented in the README, the terminal form is for people.
 
+use oomkit_snapshot::{human_bytes, Analysis, DeviceReport, Layout};
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+/// The analysis of one input file, with what is needed to present it.
+pub struct FileAnalysis {
+    /// The path as the user gave it.
+    pub path: String,
+    /// Size of the file in bytes.
+    pub file_bytes: u64,
+    /// The snapshot layout that was found.
+    pub layout: Layout,
+    /// The analysis itself.
+    pub analysis: Analysis,
+}
+
+/// Renders one file's analysis as the JSON object documented in the README.
+pub fn json(file: &FileAnalysis) -> Value {
+    let mut v = serde_json::to_value(&file.analysis).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("file".into(), json!(file.path));
+        m.insert("file_bytes".into(), json!(file.file_bytes));
+        m.insert(
+            "layout".into(),
+            serde_json::to_value(&file.layout).unwrap_or(Value::Null),
+        );
+    }
+    v
+}
+
+fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return "-".into();
+    }
+    format!("{:.0}%", 100.0 * part as f64 / whole as f64)
+}
+
+fn headline(d: &DeviceReport) -> String {
+    let mut s = format!(
+        "peak {} active on cuda:{}",
+        human_bytes(d.peak_active_bytes),
+        d.device
+    );
+    match (d.peak_event_index, d.top_sites_at) {
+        (_, "snapshot") => s.push_str(" at snapshot time (no trace recorded)"),
+        (Some(i), _) => {
+            let _ = write!(s, " at event {i}");
+            if let Some(t) = d.peak_offset_s {
+                let _ = write!(s, " (+{t:.3} s)");
+            }
+        }
+        (None, _) => s.push_str(" before the trace's first entry"),
+    }
+    if let Some(p) = &d.peak_phase {
+        let _ = write!(s, ", in phase {p}");
+    }
+    s
+}
+
+fn device_text(d: &DeviceReport, out: &mut String) {
+    let _ = writeln!(out, "cuda:{}  {}", d.device, headline(d));
+    let _ = writeln!(
+        out,
+        "  now: reserved {} in {} segments, active {}, allocated {}; peak reserved {}; {} trace events",
+        human_bytes(d.reserved_bytes),
+        d.segments,
+        human_bytes(d.active_bytes),
+        human_bytes(d.allocated_bytes),
+        human_bytes(d.peak_reserved_bytes),
+        d.events
+    );
+    if d.pre_trace_active_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "  {} was already live before the trace's first entry",
+            human_bytes(d.pre_trace_active_bytes)
+        );
+    }
+    if !d.top_sites.is_empty() {
+        let at = if d.top_sites_at == "peak" {
+            "at the peak"
+        } else {
+            "at snapshot time"
+        };
+        let _ = writeln!(out, "\n  Top allocation sites {at}");
+        let _ = writeln!(
+            out,
+            "  {:>10}  {:>5}  {:>6}  site",
+            "bytes", "share", "count"
+        );
+        for s in &d.top_sites {
+            let _ = writeln!(
+                out,
+                "  {:>10}  {:>5}  {:>6}  {}",
+                human_bytes(s.bytes),
+                pct(s.bytes, d.peak_active_bytes),
+                s.count,
+                s.label
+            );
+        }
+    }
+    let f = &d.fragmentation;
+    let _ = writeln!(
+        out,
+        "\n  Fragmentation: {} free inside segments ({} of reserved) in {} blocks, largest {}; {} lost to rounding",
+        human_bytes(f.external_bytes),
+        pct(f.external_bytes, d.reserved_bytes),
+        f.free_blocks,
+        human_bytes(f.largest_free_block_bytes),
+        human_bytes(f.internal_bytes)
+    );
+    if !d.phases.is_empty() {
+        let _ = writeln!(out, "\n  Phases (record_function ranges)");
+        for p in d.phases.iter().take(8) {
+            let _ = writeln!(
+                out,
+                "  {:>10}  +{:<10} x{:<4} {}",
+                human_bytes(p.peak_active_bytes),
+                human_bytes(p.max_growth_bytes),
+                p.occurrences,
+                p.name
+            );
+        }
+    }
+    for o in &d.ooms {
+        let _ = writeln!(
+            out,
+            "\n  OOM at event {}: {} requested at {}",
+            o.event_index,
+            human_bytes(o.requested_bytes),
+            o.label
+        );
+        let _ = writeln!(
+            out,
+            "    cause: {} ({} live, {} reserved but unallocated, {} free on the device)",
+            o.cause,
+            human_bytes(o.live_bytes),
+            human_bytes(o.reserved_unallocated_bytes),
+            human_bytes(o.free_bytes)
+        );
+        for h in &o.top_holders {
+            let _ = writeln!(out, "    {:>10}  {}", human_bytes(h.bytes), h.label);
+        }
+    }
+}
+
+fn settings_line(settings: &Value) -> Option<String> {
+    let obj = settings.as_object()?;
+    let pick = |k: &str| obj.get(k).map(|v| format!("{k}={v}"));
+    let mut parts: Vec<String> = [
+        "expandable_segments",
+        "max_split_size",
+        "garbage_collection_threshold",
+    ]
+    .iter()
+    .filter_map(|k| pick(k))
+    .collect();
+    if let Some(conf) = obj.get("PYTORCH_CUDA_ALLOC_CONF").and_then(|v| v.as_str()) {
+        let conf = if conf.is_empty() { "(unset)" } else { conf };
+        parts.insert(0, format!("PYTORCH_CUDA_ALLOC_CONF={conf}"));
+    }
+    Some(parts.join(", "))
+}
+
+/// Renders one file's analysis for a terminal.
+pub fn text(file: &FileAnalysis) -> String {
+    let mut out = String::new();
+    let a = &file.analysis;
+    let _ = writeln!(out, "== {} ({})", file.path, human_bytes(file.file_bytes));
+    if a.devices.is_empty() {
+        let _ = writeln!(out, "no device holds any memory in this snapshot");
+    }
+    for (i, d) in a.devices.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        device_text(d, &mut out);
+    }
+    if let Some(line) = a.allocator_settings.as_ref().and_then(settings_line) {
+        let _ = writeln!(out, "\nAllocator: {line}");
+    }
+    if !a.findings.is_empty() {
+        let _ = writeln!(out, "\nFindings");
+        for f in &a.findings {
+            let _ = writeln!(out, "  * {}", f.message);
+            let _ = writeln!(out, "    -> {}", f.advice);
+        }
+    }
+    if !a.warnings.is_empty() {
+        let _ = writeln!(out, "\nWarnings");
+        for w in &a.warnings {
+            let _ = writeln!(out, "  ! {}", w.message);
+            let _ = writeln!(out, "    fix: {}", w.fix);
+        }
+    }
+    out
+}

@@ -1,1 +1,25 @@
+//! Typed PyTorch CUDA memory snapshots and the analyses built on them.
+//!
+//! [`Snapshot::from_bytes`] reads what `torch.cuda.memory._dump_snapshot()`
+//! writes, in every layout from torch 2.0 to today, through the safe reader
+//! of `oomkit-pickle`. [`analyze`] replays the allocation trace, counting
+//! memory that was live before the trace's first entry, and reports per
+//! device: the state at snapshot time, the peak with the live set grouped by
+//! the user's line that allocated it, every OOM with its cause, the peaks of
+//! annotated phases, and findings with advice.
 
+mod analysis;
+mod error;
+mod model;
+mod stacks;
+
+pub use analysis::{
+    analyze, human_bytes, Analysis, DeviceReport, Finding, Fragmentation, OomReport, Options,
+    PhaseReport, SiteBytes, Warning,
+};
+pub use error::{Error, Result};
+pub use model::{
+    to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
+    TraceEvent,
+};
+pub use stacks::{classify, Frame, FrameClass, FrameId, Site, StackId, Stacks};

@@ -1,0 +1,853 @@
+//! Analyses of a snapshot: state at snapshot time, trace replay, the live
+//! set at the peak by allocation site, OOM events, phases, and advice.
+
+use crate::model::{Action, BlockState, Snapshot, Stage};
+use crate::stacks::{Frame, Site, StackId, Stacks};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+
+/// What to analyze and how much to report.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How many allocation sites to list.
+    pub top: usize,
+    /// Analyze only this device.
+    pub device: Option<i64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            top: 10,
+            device: None,
+        }
+    }
+}
+
+/// Where an allocation came from: the user frame, or why there is none.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum SiteKey {
+    Frame(u32),
+    Native(u32),
+    NoPythonFrame,
+    NoStack,
+    BeforeRecording,
+}
+
+/// Bytes held by one allocation site.
+#[derive(Clone, Debug, Serialize)]
+pub struct SiteBytes {
+    /// The frame that asked for the memory, or null when unknown.
+    pub site: Option<Frame>,
+    /// A short description of the site, always present.
+    pub label: String,
+    /// Bytes live from this site.
+    pub bytes: u64,
+    /// Number of live allocations from this site.
+    pub count: u64,
+    /// The full stack of the largest of those allocations, innermost first.
+    pub stack: Vec<Frame>,
+}
+
+/// One out-of-memory event from the trace.
+#[derive(Clone, Debug, Serialize)]
+pub struct OomReport {
+    /// Index of the `oom` entry in the device's trace.
+    pub event_index: u64,
+    /// When it happened, microseconds since the epoch.
+    pub time_us: Option<i64>,
+    /// Bytes the failed allocation asked for.
+    pub requested_bytes: u64,
+    /// Bytes the driver reported free on the device.
+    pub free_bytes: u64,
+    /// Bytes in active blocks at that moment.
+    pub live_bytes: u64,
+    /// Bytes reserved by the allocator at that moment.
+    pub reserved_bytes: u64,
+    /// Reserved but unallocated bytes at that moment.
+    pub reserved_unallocated_bytes: u64,
+    /// `fragmentation` when the reserved-but-unallocated bytes could have
+    /// held the request, else `capacity`.
+    pub cause: &'static str,
+    /// The frame that asked for the memory.
+    pub site: Option<Frame>,
+    /// A short description of that frame.
+    pub label: String,
+    /// The largest holders of memory at that moment.
+    pub top_holders: Vec<SiteBytes>,
+}
+
+/// Peak memory within one named `record_function` range.
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseReport {
+    /// The range name.
+    pub name: String,
+    /// How many times the range ran.
+    pub occurrences: u64,
+    /// Highest active bytes seen inside any occurrence.
+    pub peak_active_bytes: u64,
+    /// Trace index of that peak.
+    pub peak_event_index: Option<u64>,
+    /// Largest growth of active bytes within one occurrence.
+    pub max_growth_bytes: u64,
+    /// Active bytes at the end of the last occurrence minus those at its
+    /// start: memory created in the phase that outlives it.
+    pub retained_bytes: i64,
+}
+
+/// Free memory inside segments, split by cause.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Fragmentation {
+    /// Bytes lost to the allocator's rounding of active blocks.
+    pub internal_bytes: u64,
+    /// Bytes in inactive blocks: reserved but not allocated.
+    pub external_bytes: u64,
+    /// The largest single inactive block.
+    pub largest_free_block_bytes: u64,
+    /// Number of inactive blocks.
+    pub free_blocks: u64,
+    /// External bytes as a fraction of reserved bytes.
+    pub external_fraction: f64,
+}
+
+/// Everything learned about one device.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceReport {
+    /// CUDA device index.
+    pub device: i64,
+    /// Number of trace entries.
+    pub events: u64,
+    /// Trace entries by action.
+    pub actions: BTreeMap<String, u64>,
+    /// Segments at snapshot time.
+    pub segments: u64,
+    /// Bytes reserved from the driver at snapshot time.
+    pub reserved_bytes: u64,
+    /// Bytes in active blocks (pending frees included) at snapshot time.
+    pub active_bytes: u64,
+    /// Bytes in allocated blocks at snapshot time.
+    pub allocated_bytes: u64,
+    /// Bytes the program asked for in active blocks at snapshot time.
+    pub requested_bytes: u64,
+    /// Bytes freed by the program but held for other streams.
+    pub pending_free_bytes: u64,
+    /// Free memory inside segments.
+    pub fragmentation: Fragmentation,
+    /// Highest active bytes over the trace, or at snapshot time without one.
+    pub peak_active_bytes: u64,
+    /// Trace index after which the peak held; null without a trace or when
+    /// the peak was before the first entry.
+    pub peak_event_index: Option<u64>,
+    /// Time of the peak, microseconds since the epoch.
+    pub peak_time_us: Option<i64>,
+    /// Seconds from the trace's first entry to the peak.
+    pub peak_offset_s: Option<f64>,
+    /// The innermost annotated phase that contains the peak.
+    pub peak_phase: Option<String>,
+    /// Highest reserved bytes over the trace.
+    pub peak_reserved_bytes: u64,
+    /// Active bytes live before the trace's first entry.
+    pub pre_trace_active_bytes: u64,
+    /// Reserved bytes before the trace's first entry.
+    pub pre_trace_reserved_bytes: u64,
+    /// `peak` when `top_sites` is the live set at the peak, `snapshot` when
+    /// it is the live set at snapshot time (no trace).
+    pub top_sites_at: &'static str,
+    /// The largest allocation sites in that live set.
+    pub top_sites: Vec<SiteBytes>,
+    /// Out-of-memory events.
+    pub ooms: Vec<OomReport>,
+    /// Peaks within annotated phases.
+    pub phases: Vec<PhaseReport>,
+}
+
+/// A conclusion with the change that addresses it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    /// Stable identifier, e.g. `oom_capacity`.
+    pub kind: &'static str,
+    /// The device it is about.
+    pub device: Option<i64>,
+    /// What was found, with numbers.
+    pub message: String,
+    /// What to change.
+    pub advice: String,
+    /// The bytes at stake, for ranking.
+    pub bytes: u64,
+}
+
+/// A limit of the evidence, with how to get better evidence.
+#[derive(Clone, Debug, Serialize)]
+pub struct Warning {
+    /// Stable identifier, e.g. `no_trace`.
+    pub kind: &'static str,
+    /// The device it is about.
+    pub device: Option<i64>,
+    /// What is missing or doubtful.
+    pub message: String,
+    /// How to record a better snapshot.
+    pub fix: String,
+}
+
+/// The full analysis of one snapshot.
+#[derive(Clone, Debug, Serialize)]
+pub struct Analysis {
+    /// One report per device.
+    pub devices: Vec<DeviceReport>,
+    /// The allocator settings in force, when recorded.
+    pub allocator_settings: Option<serde_json::Value>,
+    /// Conclusions: OOMs first, then what explains them, then by bytes.
+    pub findings: Vec<Finding>,
+    /// Limits of the evidence.
+    pub warnings: Vec<Warning>,
+}
+
+const RECORD_CALL: &str = "torch.cuda.memory._record_memory_history(max_entries=1_000_000) before the run, then torch.cuda.memory._dump_snapshot(\"snap.pickle\")";
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Formats bytes for people: `1.50 GiB`, `12.0 MiB`, `512 B`.
+pub fn human_bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    match i {
+        0 => format!("{b} B"),
+        _ if v >= 100.0 => format!("{v:.0} {}", units[i]),
+        _ if v >= 10.0 => format!("{v:.1} {}", units[i]),
+        _ => format!("{v:.2} {}", units[i]),
+    }
+}
+
+/// Analyzes a snapshot.
+pub fn analyze(snap: &Snapshot, opts: &Options) -> Analysis {
+    let mut warnings = Vec::new();
+    let mut findings = Vec::new();
+    let devices: Vec<i64> = snap
+        .devices()
+        .into_iter()
+        .filter(|d| opts.device.is_none_or(|want| want == *d))
+        .collect();
+    if snap.traces.iter().all(|t| t.events.is_empty()) {
+        warnings.push(Warning {
+            kind: "no_trace",
+            device: None,
+            message: "the snapshot holds no allocation history, so there is no timeline: the peak and sites shown are those at snapshot time".into(),
+            fix: format!("call {RECORD_CALL}"),
+        });
+    }
+    let reports: Vec<DeviceReport> = devices
+        .iter()
+        .map(|&d| analyze_device(snap, d, opts, &mut warnings, &mut findings))
+        .collect();
+    advise_settings(snap, &reports, &mut findings);
+    // OOMs first, then what explains them, then the rest by bytes.
+    let rank = |k: &str| match k {
+        "oom_capacity" | "oom_fragmentation" => 0,
+        "phase_retains_memory" => 1,
+        "dominant_site" => 2,
+        _ => 3,
+    };
+    findings.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(b.bytes.cmp(&a.bytes)));
+    Analysis {
+        devices: reports,
+        allocator_settings: snap.allocator_settings.clone(),
+        findings,
+        warnings,
+    }
+}
+
+/// A live allocation during replay.
+#[derive(Clone, Copy)]
+struct Live {
+    size: u64,
+    stack: StackId,
+    before_recording: bool,
+}
+
+fn site_key(stacks: &Stacks, live: &Live) -> SiteKey {
+    if live.before_recording && live.stack == StackId::EMPTY {
+        return SiteKey::BeforeRecording;
+    }
+    if live.stack == StackId::EMPTY {
+        return SiteKey::NoStack;
+    }
+    match stacks.site(live.stack) {
+        Site::Frame(f) => SiteKey::Frame(f),
+        Site::Native(n) => SiteKey::Native(n),
+        Site::Unknown => SiteKey::NoPythonFrame,
+    }
+}
+
+fn label(stacks: &Stacks, key: &SiteKey) -> (Option<Frame>, String) {
+    match key {
+        SiteKey::Frame(f) => {
+            let fr = stacks.frame(*f).clone();
+            let short = fr.filename.rsplit('/').next().unwrap_or(&fr.filename);
+            let text = format!("{short}:{} {}", fr.line, fr.name);
+            (Some(fr), text)
+        }
+        SiteKey::Native(n) => (None, format!("<{}>", stacks.native_name(*n))),
+        SiteKey::NoPythonFrame => (None, "<no Python frame: native code only>".into()),
+        SiteKey::NoStack => (None, "<no stack recorded>".into()),
+        SiteKey::BeforeRecording => (None, "<allocated before recording started>".into()),
+    }
+}
+
+/// Groups live allocations by site, largest first.
+fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) -> Vec<SiteBytes> {
+    let mut groups: HashMap<SiteKey, (u64, u64, Live)> = HashMap::new();
+    for l in live {
+        let e = groups.entry(site_key(stacks, l)).or_insert((0, 0, *l));
+        e.0 += l.size;
+        e.1 += 1;
+        if l.size > e.2.size {
+            e.2 = *l;
+        }
+    }
+    let mut v: Vec<(SiteKey, (u64, u64, Live))> = groups.into_iter().collect();
+    v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+    v.into_iter()
+        .take(top)
+        .map(|(key, (bytes, count, largest))| {
+            let (site, label) = label(stacks, &key);
+            SiteBytes {
+                site,
+                label,
+                bytes,
+                count,
+                stack: stacks
+                    .stack(largest.stack)
+                    .iter()
+                    .map(|&f| stacks.frame(f).clone())
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+fn analyze_device(
+    snap: &Snapshot,
+    device: i64,
+    opts: &Options,
+    warnings: &mut Vec<Warning>,
+    findings: &mut Vec<Finding>,
+) -> DeviceReport {
+    let stacks = &snap.stacks;
+    let segs: Vec<_> = snap
+        .segments
+        .iter()
+        .filter(|s| s.device == device)
+        .collect();
+    let empty = Vec::new();
+    let trace = snap.traces.get(device as usize);
+    let events = trace.map_or(&empty, |t| &t.events);
+
+    // State at snapshot time, as the allocator reported it.
+    let reserved: u64 = segs.iter().map(|s| s.total_size).sum();
+    let active: u64 = segs.iter().map(|s| s.active_size).sum();
+    let allocated: u64 = segs.iter().map(|s| s.allocated_size).sum();
+    let requested: u64 = segs.iter().map(|s| s.requested_size).sum();
+    let mut frag = Fragmentation::default();
+    let mut pending = 0;
+    for b in segs.iter().flat_map(|s| &s.blocks) {
+        match b.state {
+            BlockState::Inactive => {
+                frag.external_bytes += b.size;
+                frag.free_blocks += 1;
+                frag.largest_free_block_bytes = frag.largest_free_block_bytes.max(b.size);
+            }
+            s if s.is_active() => {
+                frag.internal_bytes += b.size.saturating_sub(b.requested_size);
+                if s == BlockState::ActivePendingFree {
+                    pending += b.size;
+                }
+            }
+            _ => {}
+        }
+    }
+    if reserved > 0 {
+        frag.external_fraction = frag.external_bytes as f64 / reserved as f64;
+    }
+
+    // Blocks active at the end, from the blocks themselves (the replay's ground truth).
+    let final_blocks: Vec<(u64, Live)> = segs
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state.is_active())
+        .map(|b| {
+            let live = Live {
+                size: b.size,
+                stack: b.stack,
+                before_recording: false,
+            };
+            (b.address, live)
+        })
+        .collect();
+    let final_active: u64 = final_blocks.iter().map(|(_, l)| l.size).sum();
+
+    // Which blocks predate the trace: frees without an alloc before them,
+    // and blocks alive at the end that the trace never allocated.
+    let mut in_trace: HashMap<u64, ()> = HashMap::new();
+    let mut orphans: Vec<(u64, Live)> = Vec::new();
+    let (mut net_active, mut net_reserved) = (0i128, 0i128);
+    let mut actions: BTreeMap<String, u64> = BTreeMap::new();
+    let mut missing_frames = 0u64;
+    let mut allocs = 0u64;
+    for e in events {
+        *actions.entry(e.action.name().to_string()).or_default() += 1;
+        match e.action {
+            Action::Alloc => {
+                net_active += e.size as i128;
+                in_trace.insert(e.addr, ());
+                allocs += 1;
+                missing_frames += (e.stack == StackId::EMPTY) as u64;
+            }
+            Action::FreeCompleted => {
+                net_active -= e.size as i128;
+                if in_trace.remove(&e.addr).is_none() {
+                    orphans.push((
+                        e.addr,
+                        Live {
+                            size: e.size,
+                            stack: StackId::EMPTY,
+                            before_recording: true,
+                        },
+                    ));
+                }
+            }
+            Action::SegmentAlloc | Action::SegmentMap => net_reserved += e.size as i128,
+            Action::SegmentFree | Action::SegmentUnmap => net_reserved -= e.size as i128,
+            _ => {}
+        }
+    }
+    let mut base_active = final_active as i128 - net_active;
+    let mut base_reserved = reserved as i128 - net_reserved;
+    if !events.is_empty() && (base_active < 0 || base_reserved < 0) {
+        warnings.push(Warning {
+            kind: "inconsistent_trace",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: the trace frees more than the segments can account for ({} active, {} reserved); the timeline starts at zero",
+                human_bytes(base_active.unsigned_abs() as u64),
+                human_bytes(base_reserved.unsigned_abs() as u64)
+            ),
+            fix: "record the snapshot with one _dump_snapshot() call, without editing it".into(),
+        });
+        base_active = base_active.max(0);
+        base_reserved = base_reserved.max(0);
+    }
+    let base_active = base_active as u64;
+    let base_reserved = base_reserved as u64;
+
+    // Pass 1: running totals, the peaks, and active bytes after each entry.
+    let mut cur = base_active;
+    let mut cur_res = base_reserved;
+    let (mut peak, mut peak_idx) = (base_active, None::<usize>);
+    let mut peak_res = base_reserved;
+    let mut after = Vec::with_capacity(events.len());
+    let mut oom_idx = Vec::new();
+    let mut reserved_after = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => cur += e.size,
+            Action::FreeCompleted => cur = cur.saturating_sub(e.size),
+            Action::SegmentAlloc | Action::SegmentMap => cur_res += e.size,
+            Action::SegmentFree | Action::SegmentUnmap => cur_res = cur_res.saturating_sub(e.size),
+            Action::Oom => {
+                oom_idx.push(i);
+                reserved_after.push(cur_res);
+            }
+            _ => {}
+        }
+        if cur > peak {
+            peak = cur;
+            peak_idx = Some(i);
+        }
+        peak_res = peak_res.max(cur_res);
+        after.push(cur);
+    }
+
+    // Pass 2: replay the live set up to the peak and every OOM.
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    for (addr, l) in &orphans {
+        live.insert(*addr, *l);
+    }
+    for (addr, l) in &final_blocks {
+        if !in_trace.contains_key(addr) {
+            let mut l = *l;
+            l.before_recording = true;
+            live.insert(*addr, l);
+        }
+    }
+    let mut top_sites = Vec::new();
+    let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
+    let mut targets: Vec<usize> = oom_idx.clone();
+    if let Some(p) = peak_idx {
+        targets.push(p);
+    }
+    targets.sort_unstable();
+    targets.dedup();
+    let oom_holders_top = opts.top.min(5);
+    if peak_idx.is_none() && !events.is_empty() {
+        top_sites = group(stacks, live.values(), opts.top);
+    }
+    let mut t = targets.iter().peekable();
+    for (i, e) in events.iter().enumerate() {
+        if t.peek().is_none() {
+            break;
+        }
+        match e.action {
+            Action::Alloc => {
+                live.insert(
+                    e.addr,
+                    Live {
+                        size: e.size,
+                        stack: e.stack,
+                        before_recording: false,
+                    },
+                );
+            }
+            Action::FreeCompleted => {
+                live.remove(&e.addr);
+            }
+            _ => {}
+        }
+        while t.peek() == Some(&&i) {
+            t.next();
+            if Some(i) == peak_idx {
+                top_sites = group(stacks, live.values(), opts.top);
+            }
+            if e.action == Action::Oom {
+                holders.push(group(stacks, live.values(), oom_holders_top));
+            }
+        }
+    }
+    let top_sites_at = if events.is_empty() {
+        // No trace: the live set now is all there is.
+        top_sites = group(stacks, final_blocks.iter().map(|(_, l)| l), opts.top);
+        peak = peak.max(final_active);
+        "snapshot"
+    } else {
+        "peak"
+    };
+
+    let t0 = events.iter().find_map(|e| e.time_us);
+    let peak_time = peak_idx.and_then(|i| events[i].time_us);
+    let phases = phases(snap, device, events, &after, base_active);
+    let peak_phase = peak_time.and_then(|pt| innermost_phase(snap, device, pt));
+
+    // OOM events.
+    let mut ooms = Vec::new();
+    for (k, &i) in oom_idx.iter().enumerate() {
+        let e = &events[i];
+        let live_bytes = if i == 0 { base_active } else { after[i - 1] };
+        let res = reserved_after[k];
+        let unalloc = res.saturating_sub(live_bytes);
+        let cause = if unalloc >= e.size {
+            "fragmentation"
+        } else {
+            "capacity"
+        };
+        let key = site_key(
+            stacks,
+            &Live {
+                size: e.size,
+                stack: e.stack,
+                before_recording: false,
+            },
+        );
+        let (site, label_text) = label(stacks, &key);
+        ooms.push(OomReport {
+            event_index: i as u64,
+            time_us: e.time_us,
+            requested_bytes: e.size,
+            free_bytes: e.addr,
+            live_bytes,
+            reserved_bytes: res,
+            reserved_unallocated_bytes: unalloc,
+            cause,
+            site,
+            label: label_text,
+            top_holders: holders.get(k).cloned().unwrap_or_default(),
+        });
+    }
+
+    // Warnings about the evidence.
+    if !orphans.is_empty() {
+        let bytes: u64 = orphans.iter().map(|(_, l)| l.size).sum();
+        warnings.push(Warning {
+            kind: "ring_buffer_overflow",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: the trace starts mid-run: {} blocks ({}) freed in it were allocated before its first entry, so the ring buffer of {} entries dropped the start of the run",
+                orphans.len(),
+                human_bytes(bytes),
+                events.len()
+            ),
+            fix: format!("record more entries: {RECORD_CALL}"),
+        });
+    }
+    if allocs > 0 && missing_frames > 0 {
+        warnings.push(Warning {
+            kind: "frames_missing",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: {missing_frames} of {allocs} allocations have no stack, so their sites are unknown"
+            ),
+            fix: "record stacks: torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=\"all\", stacks=\"python\")".into(),
+        });
+    }
+    if !events.is_empty() && t0.is_none() && snap.annotations.iter().any(|a| a.device == device) {
+        warnings.push(Warning {
+            kind: "no_times",
+            device: Some(device),
+            message: format!("cuda:{device}: trace entries carry no time_us, so phases cannot be placed on the timeline"),
+            fix: "record with torch 2.2 or newer".into(),
+        });
+    }
+    if let Some(t) = trace {
+        for (name, n) in &t.unknown_actions {
+            warnings.push(Warning {
+                kind: "unknown_action",
+                device: Some(device),
+                message: format!("cuda:{device}: {n} trace entries have the unknown action '{name}' and were counted but not replayed"),
+                fix: "update oomkit if a newer PyTorch wrote this snapshot".into(),
+            });
+        }
+    }
+
+    // Findings.
+    for o in &ooms {
+        let (kind, advice) = if o.cause == "fragmentation" {
+            ("oom_fragmentation", "the memory was there but in pieces: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or call torch.cuda.empty_cache() before the failing phase")
+        } else {
+            ("oom_capacity", "the device was full: lower the micro-batch (keep the effective batch with gradient accumulation), enable activation checkpointing, or shard the model")
+        };
+        findings.push(Finding {
+            kind,
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: out of memory at event {}: {} requested at {} with {} live, {} reserved but unallocated, {} free on the device",
+                o.event_index,
+                human_bytes(o.requested_bytes),
+                o.label,
+                human_bytes(o.live_bytes),
+                human_bytes(o.reserved_unallocated_bytes),
+                human_bytes(o.free_bytes)
+            ),
+            advice: advice.into(),
+            bytes: o.requested_bytes,
+        });
+    }
+    if let Some(top) = top_sites.first() {
+        if peak > 0 && top.bytes * 10 >= peak * 4 && top.site.is_some() {
+            findings.push(Finding {
+                kind: "dominant_site",
+                device: Some(device),
+                message: format!(
+                    "cuda:{device}: {} holds {} ({:.0}% of the {} peak) in {} allocations",
+                    top.label,
+                    human_bytes(top.bytes),
+                    100.0 * top.bytes as f64 / peak as f64,
+                    human_bytes(peak),
+                    top.count
+                ),
+                advice: "start there: free or shrink what this line keeps alive at the peak (activations saved for backward, cached outputs, optimizer state)".into(),
+                bytes: top.bytes,
+            });
+        }
+    }
+    for p in &phases {
+        // Forward keeps activations for backward by design; anything else
+        // that ends with much more live than it began is holding tensors.
+        let retained = p.retained_bytes.max(0) as u64;
+        if !p.name.to_lowercase().contains("forward")
+            && retained >= 256 << 20
+            && retained * 20 >= peak
+        {
+            findings.push(Finding {
+                kind: "phase_retains_memory",
+                device: Some(device),
+                message: format!(
+                    "cuda:{device}: phase '{}' ended with {} more live than it started with: tensors created there outlive it",
+                    p.name,
+                    human_bytes(retained)
+                ),
+                advice: "keep only what you need from that phase and move it off the GPU (.item(), .detach().cpu()); run evaluation under torch.no_grad()".into(),
+                bytes: retained,
+            });
+        }
+    }
+    if frag.external_fraction >= 0.2 && frag.external_bytes >= 256 << 20 {
+        findings.push(Finding {
+            kind: "fragmentation",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: {} ({:.0}% of reserved) is free inside segments in {} pieces, the largest {}",
+                human_bytes(frag.external_bytes),
+                100.0 * frag.external_fraction,
+                frag.free_blocks,
+                human_bytes(frag.largest_free_block_bytes)
+            ),
+            advice: "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so freed blocks can be merged and reused".into(),
+            bytes: frag.external_bytes,
+        });
+    }
+    if pending >= 64 << 20 {
+        findings.push(Finding {
+            kind: "pending_free",
+            device: Some(device),
+            message: format!("cuda:{device}: {} is freed but held for other streams (record_stream)", human_bytes(pending)),
+            advice: "synchronize the side stream earlier, or avoid Tensor.record_stream on large tensors".into(),
+            bytes: pending,
+        });
+    }
+
+    DeviceReport {
+        device,
+        events: events.len() as u64,
+        actions,
+        segments: segs.len() as u64,
+        reserved_bytes: reserved,
+        active_bytes: active,
+        allocated_bytes: allocated,
+        requested_bytes: requested,
+        pending_free_bytes: pending,
+        fragmentation: frag,
+        peak_active_bytes: peak,
+        peak_event_index: peak_idx.map(|i| i as u64),
+        peak_time_us: peak_time,
+        peak_offset_s: peak_time.zip(t0).map(|(p, s)| (p - s) as f64 / 1e6),
+        peak_phase,
+        peak_reserved_bytes: peak_res.max(if events.is_empty() { reserved } else { 0 }),
+        pre_trace_active_bytes: if events.is_empty() { 0 } else { base_active },
+        pre_trace_reserved_bytes: if events.is_empty() { 0 } else { base_reserved },
+        top_sites_at,
+        top_sites,
+        ooms,
+        phases,
+    }
+}
+
+/// Closed `[start, end]` ranges of each annotated phase on a device.
+fn ranges(snap: &Snapshot, device: i64) -> Vec<(String, i64, i64)> {
+    let mut open: HashMap<&str, Vec<i64>> = HashMap::new();
+    let mut out = Vec::new();
+    let mut anns: Vec<_> = snap
+        .annotations
+        .iter()
+        .filter(|a| a.device == device)
+        .collect();
+    anns.sort_by_key(|a| a.time_us);
+    for a in anns {
+        match a.stage {
+            Stage::Start => open.entry(&a.name).or_default().push(a.time_us),
+            Stage::End => {
+                if let Some(start) = open.get_mut(a.name.as_str()).and_then(|v| v.pop()) {
+                    out.push((a.name.clone(), start, a.time_us));
+                }
+            }
+        }
+    }
+    for (name, starts) in open {
+        for s in starts {
+            out.push((name.to_string(), s, i64::MAX));
+        }
+    }
+    out
+}
+
+fn innermost_phase(snap: &Snapshot, device: i64, t: i64) -> Option<String> {
+    ranges(snap, device)
+        .into_iter()
+        .filter(|(_, s, e)| *s <= t && t <= *e)
+        .min_by_key(|(_, s, e)| e.saturating_sub(*s))
+        .map(|(n, _, _)| n)
+}
+
+fn phases(
+    snap: &Snapshot,
+    device: i64,
+    events: &[crate::model::TraceEvent],
+    after: &[u64],
+    base: u64,
+) -> Vec<PhaseReport> {
+    let mut by_name: BTreeMap<String, PhaseReport> = BTreeMap::new();
+    let times: Vec<Option<i64>> = events.iter().map(|e| e.time_us).collect();
+    if times.iter().all(|t| t.is_none()) {
+        return Vec::new();
+    }
+    for (name, start, end) in ranges(snap, device) {
+        let first = times.partition_point(|t| t.is_none_or(|t| t < start));
+        let last = times.partition_point(|t| t.is_none_or(|t| t <= end));
+        let at_start = if first == 0 { base } else { after[first - 1] };
+        let at_end = if last == 0 { base } else { after[last - 1] };
+        let (mut p, mut pi) = (at_start, None);
+        for (i, &a) in after.iter().enumerate().take(last).skip(first) {
+            if a > p {
+                p = a;
+                pi = Some(i as u64);
+            }
+        }
+        let r = by_name.entry(name.clone()).or_insert(PhaseReport {
+            name,
+            occurrences: 0,
+            peak_active_bytes: 0,
+            peak_event_index: None,
+            max_growth_bytes: 0,
+            retained_bytes: 0,
+        });
+        // Ranges come in time order per name, so the last one wins.
+        r.retained_bytes = at_end as i64 - at_start as i64;
+        r.occurrences += 1;
+        if p > r.peak_active_bytes || r.occurrences == 1 {
+            r.peak_active_bytes = p;
+            r.peak_event_index = pi;
+        }
+        r.max_growth_bytes = r.max_growth_bytes.max(p - at_start);
+    }
+    let mut v: Vec<PhaseReport> = by_name.into_values().collect();
+    v.sort_by_key(|p| std::cmp::Reverse(p.peak_active_bytes));
+    v
+}
+
+fn advise_settings(snap: &Snapshot, reports: &[DeviceReport], findings: &mut Vec<Finding>) {
+    let expandable = snap
+        .allocator_settings
+        .as_ref()
+        .and_then(|s| s.get("expandable_segments"))
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    if expandable {
+        // Advice to enable what is already on would be noise.
+        findings.retain(|f| f.kind != "fragmentation");
+        for f in findings
+            .iter_mut()
+            .filter(|f| f.kind == "oom_fragmentation")
+        {
+            f.advice = "expandable segments are already on: call torch.cuda.empty_cache() before the failing phase, or lower the peak".into();
+        }
+    }
+    for r in reports {
+        let gap = r.peak_reserved_bytes.saturating_sub(r.peak_active_bytes);
+        if r.events > 0 && gap as f64 >= GIB && gap * 2 >= r.peak_active_bytes {
+            findings.push(Finding {
+                kind: "reserved_overhead",
+                device: Some(r.device),
+                message: format!(
+                    "cuda:{}: the allocator reserved up to {} for a peak of {} active, {} more than needed",
+                    r.device,
+                    human_bytes(r.peak_reserved_bytes),
+                    human_bytes(r.peak_active_bytes),
+                    human_bytes(gap)
+                ),
+                advice: "cached segments are not being reused: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
+                bytes: gap,
+            });
+        }
+    }
+}

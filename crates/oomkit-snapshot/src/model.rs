@@ -1,0 +1,674 @@
+//! The typed snapshot and its reader, for every layout from torch 2.0 to today.
+
+use crate::error::{Error, Result};
+use crate::stacks::{Frame, FrameId, StackId, Stacks};
+use oomkit_pickle::{Document, Kind, Slot, Value};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+
+/// The state of a block inside a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockState {
+    /// Handed out to a tensor.
+    ActiveAllocated,
+    /// Freed by the program but kept until other streams finish with it.
+    ActivePendingFree,
+    /// Free space inside the segment.
+    Inactive,
+    /// A state this reader does not know.
+    Unknown,
+}
+
+impl BlockState {
+    /// Returns true if the allocator counts the block as active.
+    pub fn is_active(self) -> bool {
+        matches!(
+            self,
+            BlockState::ActiveAllocated | BlockState::ActivePendingFree
+        )
+    }
+}
+
+/// A block of a segment, as the allocator saw it at snapshot time.
+#[derive(Clone, Debug)]
+pub struct Block {
+    /// Device address.
+    pub address: u64,
+    /// Size after the allocator's rounding.
+    pub size: u64,
+    /// Size the program asked for.
+    pub requested_size: u64,
+    /// Allocation state.
+    pub state: BlockState,
+    /// Stack that allocated it, or the empty stack.
+    pub stack: StackId,
+}
+
+/// A segment: one `cudaMalloc` (or expandable mapping) held by the caching allocator.
+#[derive(Clone, Debug)]
+pub struct Segment {
+    /// CUDA device index.
+    pub device: i64,
+    /// Device address of the first byte.
+    pub address: u64,
+    /// Bytes reserved from the driver.
+    pub total_size: u64,
+    /// Bytes in `active_allocated` blocks.
+    pub allocated_size: u64,
+    /// Bytes in active blocks, pending frees included.
+    pub active_size: u64,
+    /// Bytes the program asked for in active blocks.
+    pub requested_size: u64,
+    /// The CUDA stream the segment belongs to.
+    pub stream: u64,
+    /// `large` or `small` pool, empty when not recorded.
+    pub segment_type: String,
+    /// True for expandable segments.
+    pub is_expandable: bool,
+    /// The blocks, in address order.
+    pub blocks: Vec<Block>,
+}
+
+/// What a trace entry records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// A block was handed out.
+    Alloc,
+    /// The program freed a block; other streams may still use it.
+    FreeRequested,
+    /// The block became free for reuse.
+    FreeCompleted,
+    /// A segment was reserved with `cudaMalloc`.
+    SegmentAlloc,
+    /// A segment was released with `cudaFree`.
+    SegmentFree,
+    /// Pages were mapped into an expandable segment.
+    SegmentMap,
+    /// Pages were unmapped from an expandable segment.
+    SegmentUnmap,
+    /// `_snapshot()` was called.
+    Snapshot,
+    /// An allocation failed: `size` was requested, `addr` holds the driver's free bytes.
+    Oom,
+    /// A user annotation (`torch.cuda.memory._record_memory_history` metadata).
+    Annotate,
+    /// An action this reader does not know; counted, not fatal.
+    Unknown,
+}
+
+impl Action {
+    fn parse(s: &[u8]) -> Action {
+        match s {
+            b"alloc" => Action::Alloc,
+            b"free_requested" => Action::FreeRequested,
+            b"free_completed" => Action::FreeCompleted,
+            b"segment_alloc" => Action::SegmentAlloc,
+            b"segment_free" => Action::SegmentFree,
+            b"segment_map" => Action::SegmentMap,
+            b"segment_unmap" => Action::SegmentUnmap,
+            b"snapshot" => Action::Snapshot,
+            b"oom" => Action::Oom,
+            b"annotate" => Action::Annotate,
+            _ => Action::Unknown,
+        }
+    }
+
+    /// Returns the action's name as PyTorch writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Snapshot => "snapshot",
+            Action::Oom => "oom",
+            Action::Annotate => "annotate",
+            Action::Unknown => "unknown",
+        }
+    }
+}
+
+/// One entry of a device's allocation trace.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceEvent {
+    /// What happened.
+    pub action: Action,
+    /// Address, or for `oom` the bytes the driver reported free.
+    pub addr: u64,
+    /// Size, or for `oom` the bytes requested.
+    pub size: u64,
+    /// Microseconds since the epoch; absent before torch 2.2.
+    pub time_us: Option<i64>,
+    /// Stack of the call, or the empty stack.
+    pub stack: StackId,
+}
+
+/// The trace of one device: a ring buffer of the most recent entries.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceTrace {
+    /// Entries, oldest first.
+    pub events: Vec<TraceEvent>,
+    /// Names and counts of actions this reader did not know.
+    pub unknown_actions: BTreeMap<String, u64>,
+}
+
+/// Whether an annotation opens or closes a range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Stage {
+    /// The range starts.
+    Start,
+    /// The range ends.
+    End,
+}
+
+/// A `record_function` range boundary from `external_annotations`.
+#[derive(Clone, Debug)]
+pub struct Annotation {
+    /// The range name, e.g. `Optimizer.step#AdamW.step`.
+    pub name: String,
+    /// Start or end.
+    pub stage: Stage,
+    /// CUDA device index.
+    pub device: i64,
+    /// Microseconds since the epoch.
+    pub time_us: i64,
+}
+
+/// Which of the known file layouts the snapshot used.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Layout {
+    /// The pickle protocol.
+    pub protocol: u8,
+    /// The file is a bare list of segments (`torch.cuda.memory_snapshot()`).
+    pub legacy_segment_list: bool,
+    /// Blocks carry `history` instead of `address` and `frames` (torch 2.0).
+    pub block_history: bool,
+    /// Trace entries carry `time_us`.
+    pub trace_times: bool,
+}
+
+/// A whole PyTorch memory snapshot.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// Segments at snapshot time.
+    pub segments: Vec<Segment>,
+    /// Allocation traces, indexed by device.
+    pub traces: Vec<DeviceTrace>,
+    /// `allocator_settings`, as JSON, when present.
+    pub allocator_settings: Option<serde_json::Value>,
+    /// `external_annotations`, when present.
+    pub annotations: Vec<Annotation>,
+    /// Interned frames and stacks.
+    pub stacks: Stacks,
+    /// What layout the file used.
+    pub layout: Layout,
+}
+
+impl Snapshot {
+    /// Reads a snapshot from a parsed pickle.
+    pub fn from_document(doc: &Document<'_>) -> Result<Snapshot> {
+        Reader::new(doc).read()
+    }
+
+    /// Parses pickle bytes and reads the snapshot in them.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Snapshot> {
+        Self::from_document(&Document::parse(bytes)?)
+    }
+
+    /// Returns the devices that have segments or trace entries, in order.
+    pub fn devices(&self) -> Vec<i64> {
+        let mut d: Vec<i64> = self.segments.iter().map(|s| s.device).collect();
+        for (i, t) in self.traces.iter().enumerate() {
+            if !t.events.is_empty() {
+                d.push(i as i64);
+            }
+        }
+        d.sort_unstable();
+        d.dedup();
+        d
+    }
+}
+
+fn type_name(doc: &Document<'_>, s: Slot) -> &'static str {
+    match doc.value(s) {
+        Value::None => "None",
+        Value::Bool(_) => "bool",
+        Value::Int(_) | Value::BigInt(_) => "int",
+        Value::Float(_) => "float",
+        Value::Str(_) => "str",
+        Value::Bytes(_) => "bytes",
+        Value::ByteArray(_) => "bytearray",
+        Value::Container(Kind::Dict) => "dict",
+        Value::Container(Kind::List) => "list",
+        Value::Container(Kind::Tuple) => "tuple",
+        Value::Container(_) => "set",
+    }
+}
+
+struct Reader<'d, 'a> {
+    doc: &'d Document<'a>,
+    stacks: Stacks,
+    stack_cache: HashMap<Slot, StackId>,
+    frame_cache: HashMap<Slot, FrameId>,
+}
+
+impl<'d, 'a> Reader<'d, 'a> {
+    fn new(doc: &'d Document<'a>) -> Self {
+        Reader {
+            doc,
+            stacks: Stacks::default(),
+            stack_cache: HashMap::new(),
+            frame_cache: HashMap::new(),
+        }
+    }
+
+    fn field_err(&self, at: impl FnOnce() -> String, slot: Slot, want: &str) -> Error {
+        Error::Field {
+            at: at(),
+            problem: format!("expected {want}, found {}", type_name(self.doc, slot)),
+        }
+    }
+
+    fn uint(&self, slot: Slot, at: impl FnOnce() -> String) -> Result<u64> {
+        match self.doc.as_i128(slot) {
+            Some(v) if v >= 0 && v <= u64::MAX as i128 => Ok(v as u64),
+            Some(v) => Err(Error::Field {
+                at: at(),
+                problem: format!("{v} is out of range"),
+            }),
+            None => Err(self.field_err(at, slot, "an integer")),
+        }
+    }
+
+    fn list(&self, slot: Slot, at: impl FnOnce() -> String) -> Result<&'d [Slot]> {
+        match self.doc.kind(slot) {
+            Some(Kind::List | Kind::Tuple) => Ok(self.doc.seq(slot).unwrap_or(&[])),
+            _ => Err(self.field_err(at, slot, "a list")),
+        }
+    }
+
+    fn read(mut self) -> Result<Snapshot> {
+        let doc = self.doc;
+        let root = doc.root();
+        let mut layout = Layout {
+            protocol: doc.protocol(),
+            ..Layout::default()
+        };
+        let (segments_slot, traces_slot) = match doc.kind(root) {
+            Some(Kind::Dict) => {
+                let seg = doc.dict_get(root, "segments").ok_or_else(|| {
+                    Error::NotASnapshot("the top-level dict has no 'segments' key".into())
+                })?;
+                (seg, doc.dict_get(root, "device_traces"))
+            }
+            Some(Kind::List) => {
+                layout.legacy_segment_list = true;
+                (root, None)
+            }
+            _ => {
+                return Err(Error::NotASnapshot(format!(
+                    "the pickle holds a {}, not a dict or a list of segments",
+                    type_name(doc, root)
+                )))
+            }
+        };
+        let seg_items = self.list(segments_slot, || "segments".into())?;
+        let mut segments = Vec::with_capacity(seg_items.len());
+        for (i, &s) in seg_items.iter().enumerate() {
+            segments.push(self.segment(s, i, &mut layout)?);
+        }
+        let mut traces = Vec::new();
+        if let Some(t) = traces_slot {
+            for (d, &dev) in self.list(t, || "device_traces".into())?.iter().enumerate() {
+                traces.push(self.trace(dev, d, &mut layout)?);
+            }
+        }
+        let allocator_settings = if layout.legacy_segment_list {
+            None
+        } else {
+            doc.dict_get(root, "allocator_settings")
+                .map(|s| to_json(doc, s, 16))
+        };
+        let annotations = match (
+            layout.legacy_segment_list,
+            doc.dict_get(root, "external_annotations"),
+        ) {
+            (false, Some(a)) => self.annotations(a)?,
+            _ => Vec::new(),
+        };
+        Ok(Snapshot {
+            segments,
+            traces,
+            allocator_settings,
+            annotations,
+            stacks: self.stacks,
+            layout,
+        })
+    }
+
+    fn segment(&mut self, s: Slot, i: usize, layout: &mut Layout) -> Result<Segment> {
+        let doc = self.doc;
+        let at = |f: &str| format!("segments[{i}].{f}");
+        if doc.kind(s) != Some(Kind::Dict) {
+            return Err(self.field_err(|| format!("segments[{i}]"), s, "a dict"));
+        }
+        let mut seg = Segment {
+            device: 0,
+            address: 0,
+            total_size: 0,
+            allocated_size: 0,
+            active_size: 0,
+            requested_size: 0,
+            stream: 0,
+            segment_type: String::new(),
+            is_expandable: false,
+            blocks: Vec::new(),
+        };
+        let (mut allocated, mut active, mut requested) = (None, None, None);
+        let mut blocks_slot = None;
+        for (k, v) in doc.dict_items(s).into_iter().flatten() {
+            match doc.str_bytes(k).unwrap_or(b"") {
+                b"device" => seg.device = self.uint(v, || at("device"))? as i64,
+                b"address" => seg.address = self.uint(v, || at("address"))?,
+                b"total_size" => seg.total_size = self.uint(v, || at("total_size"))?,
+                b"allocated_size" => allocated = Some(self.uint(v, || at("allocated_size"))?),
+                b"active_size" => active = Some(self.uint(v, || at("active_size"))?),
+                b"requested_size" => requested = Some(self.uint(v, || at("requested_size"))?),
+                b"stream" => seg.stream = self.doc.as_i128(v).unwrap_or(0) as u64,
+                b"segment_type" => seg.segment_type = doc.as_str(v).unwrap_or("").to_string(),
+                b"is_expandable" => seg.is_expandable = doc.as_i64(v).unwrap_or(0) != 0,
+                b"blocks" => blocks_slot = Some(v),
+                _ => {}
+            }
+        }
+        let blocks = match blocks_slot {
+            Some(b) => self.list(b, || at("blocks"))?,
+            None => &[],
+        };
+        let mut addr = seg.address;
+        for (j, &b) in blocks.iter().enumerate() {
+            let block = self.block(b, i, j, addr, layout)?;
+            addr = block.address.saturating_add(block.size);
+            seg.blocks.push(block);
+        }
+        let sum = |pred: fn(BlockState) -> bool, req: bool| -> u64 {
+            seg.blocks
+                .iter()
+                .filter(|b| pred(b.state))
+                .map(|b| if req { b.requested_size } else { b.size })
+                .sum()
+        };
+        // torch 2.0 segments may lack the per-state totals; derive them.
+        seg.allocated_size =
+            allocated.unwrap_or_else(|| sum(|s| s == BlockState::ActiveAllocated, false));
+        seg.active_size = active.unwrap_or_else(|| sum(BlockState::is_active, false));
+        seg.requested_size = requested.unwrap_or_else(|| sum(BlockState::is_active, true));
+        Ok(seg)
+    }
+
+    fn block(
+        &mut self,
+        b: Slot,
+        i: usize,
+        j: usize,
+        next_addr: u64,
+        layout: &mut Layout,
+    ) -> Result<Block> {
+        let doc = self.doc;
+        let at = |f: &str| format!("segments[{i}].blocks[{j}].{f}");
+        if doc.kind(b) != Some(Kind::Dict) {
+            return Err(self.field_err(|| format!("segments[{i}].blocks[{j}]"), b, "a dict"));
+        }
+        let mut block = Block {
+            address: next_addr,
+            size: 0,
+            requested_size: 0,
+            state: BlockState::Unknown,
+            stack: StackId::EMPTY,
+        };
+        let mut requested = None;
+        let mut history = None;
+        for (k, v) in doc.dict_items(b).into_iter().flatten() {
+            match doc.str_bytes(k).unwrap_or(b"") {
+                b"address" => block.address = self.uint(v, || at("address"))?,
+                b"size" => block.size = self.uint(v, || at("size"))?,
+                b"requested_size" => requested = Some(self.uint(v, || at("requested_size"))?),
+                b"state" => {
+                    block.state = match doc.str_bytes(v) {
+                        Some(b"active_allocated") => BlockState::ActiveAllocated,
+                        Some(b"active_pending_free") => BlockState::ActivePendingFree,
+                        Some(b"inactive") => BlockState::Inactive,
+                        _ => BlockState::Unknown,
+                    }
+                }
+                b"frames" => block.stack = self.stack(v, || at("frames"))?,
+                b"history" => history = Some(v),
+                _ => {}
+            }
+        }
+        if let Some(h) = history {
+            // torch 2.0: the first history entry is the live allocation.
+            layout.block_history = true;
+            if let Some(&first) = self.list(h, || at("history"))?.first() {
+                if requested.is_none() {
+                    if let Some(r) = doc.dict_get(first, "real_size") {
+                        requested = Some(self.uint(r, || at("history[0].real_size"))?);
+                    }
+                }
+                if block.stack == StackId::EMPTY {
+                    if let Some(f) = doc.dict_get(first, "frames") {
+                        block.stack = self.stack(f, || at("history[0].frames"))?;
+                    }
+                }
+            }
+        }
+        block.requested_size = requested.unwrap_or(block.size);
+        Ok(block)
+    }
+
+    fn trace(&mut self, dev: Slot, d: usize, layout: &mut Layout) -> Result<DeviceTrace> {
+        let doc = self.doc;
+        let entries = self.list(dev, || format!("device_traces[{d}]"))?;
+        let mut trace = DeviceTrace {
+            events: Vec::with_capacity(entries.len()),
+            unknown_actions: BTreeMap::new(),
+        };
+        let mut action_cache: HashMap<Slot, Action> = HashMap::new();
+        for (i, &e) in entries.iter().enumerate() {
+            let at = |f: &str| format!("device_traces[{d}][{i}].{f}");
+            if doc.kind(e) != Some(Kind::Dict) {
+                return Err(self.field_err(|| format!("device_traces[{d}][{i}]"), e, "a dict"));
+            }
+            let mut ev = TraceEvent {
+                action: Action::Unknown,
+                addr: 0,
+                size: 0,
+                time_us: None,
+                stack: StackId::EMPTY,
+            };
+            let mut action_slot = None;
+            let mut device_free = None;
+            for (k, v) in doc.dict_items(e).into_iter().flatten() {
+                match doc.str_bytes(k).unwrap_or(b"") {
+                    b"action" => action_slot = Some(v),
+                    b"addr" => ev.addr = self.uint(v, || at("addr"))?,
+                    b"size" => ev.size = self.uint(v, || at("size"))?,
+                    b"time_us" => ev.time_us = doc.as_i64(v),
+                    b"frames" => ev.stack = self.stack(v, || at("frames"))?,
+                    b"device_free" => device_free = Some(self.uint(v, || at("device_free"))?),
+                    _ => {}
+                }
+            }
+            let Some(a) = action_slot else {
+                return Err(Error::Field {
+                    at: format!("device_traces[{d}][{i}]"),
+                    problem: "entry has no 'action'".into(),
+                });
+            };
+            ev.action = match action_cache.get(&a) {
+                Some(&x) => x,
+                None => {
+                    let bytes = doc
+                        .str_bytes(a)
+                        .ok_or_else(|| self.field_err(|| at("action"), a, "a str"))?;
+                    let x = Action::parse(bytes);
+                    action_cache.insert(a, x);
+                    x
+                }
+            };
+            if ev.action == Action::Unknown {
+                let name = doc.as_str(a).unwrap_or("?").to_string();
+                *trace.unknown_actions.entry(name).or_default() += 1;
+            }
+            if ev.action == Action::Oom {
+                // Newer writers name the driver's free bytes explicitly.
+                if let Some(free) = device_free {
+                    ev.addr = free;
+                }
+            }
+            layout.trace_times |= ev.time_us.is_some();
+            trace.events.push(ev);
+        }
+        Ok(trace)
+    }
+
+    fn annotations(&mut self, a: Slot) -> Result<Vec<Annotation>> {
+        let doc = self.doc;
+        let mut out = Vec::new();
+        for (i, &e) in self
+            .list(a, || "external_annotations".into())?
+            .iter()
+            .enumerate()
+        {
+            let get = |k: &str| doc.dict_get(e, k);
+            let name = get("name")
+                .and_then(|s| doc.as_str(s))
+                .unwrap_or("")
+                .to_string();
+            let stage = match get("stage").and_then(|s| doc.as_str(s)) {
+                Some("START") => Stage::Start,
+                Some("END") => Stage::End,
+                other => {
+                    return Err(Error::Field {
+                        at: format!("external_annotations[{i}].stage"),
+                        problem: format!("expected START or END, found {other:?}"),
+                    })
+                }
+            };
+            let device = get("device").and_then(|s| doc.as_i64(s)).unwrap_or(0);
+            let Some(time_us) = get("time_us").and_then(|s| doc.as_i64(s)) else {
+                continue;
+            };
+            out.push(Annotation {
+                name,
+                stage,
+                device,
+                time_us,
+            });
+        }
+        Ok(out)
+    }
+
+    fn stack(&mut self, frames: Slot, at: impl FnOnce() -> String) -> Result<StackId> {
+        if let Some(&id) = self.stack_cache.get(&frames) {
+            return Ok(id);
+        }
+        let doc = self.doc;
+        let items = match doc.kind(frames) {
+            Some(Kind::List | Kind::Tuple) => doc.seq(frames).unwrap_or(&[]),
+            _ if matches!(doc.value(frames), Value::None) => &[],
+            _ => return Err(self.field_err(at, frames, "a list of frames")),
+        };
+        let mut ids = Vec::with_capacity(items.len());
+        for &f in items {
+            let id = match self.frame_cache.get(&f) {
+                Some(&id) => id,
+                None => {
+                    let get = |k: &str| doc.dict_get(f, k);
+                    let frame = Frame {
+                        filename: get("filename")
+                            .and_then(|s| doc.as_str(s))
+                            .unwrap_or("")
+                            .into(),
+                        line: get("line").and_then(|s| doc.as_i64(s)).unwrap_or(0),
+                        name: get("name").and_then(|s| doc.as_str(s)).unwrap_or("").into(),
+                    };
+                    let id = self.stacks.intern_frame(frame);
+                    self.frame_cache.insert(f, id);
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        let id = self.stacks.intern_stack(ids);
+        self.stack_cache.insert(frames, id);
+        Ok(id)
+    }
+}
+
+/// Converts a pickled value to JSON, bounded in depth so cycles cannot loop.
+pub fn to_json(doc: &Document<'_>, slot: Slot, depth: usize) -> serde_json::Value {
+    use serde_json::Value as J;
+    match doc.value(slot) {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(b),
+        Value::Int(v) => J::from(v),
+        Value::BigInt(_) => doc
+            .as_i128(slot)
+            .map(|v| J::String(v.to_string()))
+            .unwrap_or(J::Null),
+        Value::Float(f) => serde_json::Number::from_f64(f)
+            .map(J::Number)
+            .unwrap_or(J::Null),
+        Value::Str(s) => J::String(s.to_string()),
+        Value::Bytes(_) | Value::ByteArray(_) => J::Null,
+        Value::Container(_) if depth == 0 => J::Null,
+        Value::Container(Kind::Dict) => {
+            let mut m = serde_json::Map::new();
+            for (k, v) in doc.dict_items(slot).into_iter().flatten() {
+                let key = match doc.value(k) {
+                    Value::Str(s) => s.to_string(),
+                    _ => doc.repr(k, 4),
+                };
+                m.insert(key, to_json(doc, v, depth - 1));
+            }
+            J::Object(m)
+        }
+        Value::Container(_) => J::Array(
+            doc.seq(slot)
+                .unwrap_or(&[])
+                .iter()
+                .map(|&s| to_json(doc, s, depth - 1))
+                .collect(),
+        ),
+    }
+}
+
+impl Snapshot {
+    /// Reads a snapshot file through a memory map, calling `progress` with
+    /// bytes read and total bytes as parsing advances.
+    ///
+    /// Pages behind the parser are handed back to the kernel as it goes, so
+    /// resident memory tracks what is being built, not the file's size.
+    pub fn load(
+        path: &std::path::Path,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Snapshot> {
+        let src = oomkit_pickle::Source::open(path)?;
+        let bytes = src.bytes();
+        let total = bytes.len();
+        let doc = Document::parse_with(bytes, &oomkit_pickle::Limits::default(), &mut |pos| {
+            src.release_before(pos.saturating_sub(1 << 20));
+            progress(pos, total);
+        })?;
+        let snap = Self::from_document(&doc);
+        drop(doc);
+        src.release_before(total);
+        snap
+    }
+}
