@@ -63,7 +63,7 @@ fn headline(d: &DeviceReport) -> String {
 }
 
 fn device_text(d: &DeviceReport, out: &mut String) {
-    let _ = writeln!(out, "cuda:{}  {}", d.device, headline(d));
+    let _ = writeln!(out, "{}", headline(d));
     let _ = writeln!(
         out,
         "  now: reserved {} in {} segments, active {}, allocated {}; peak reserved {}; {} trace events",

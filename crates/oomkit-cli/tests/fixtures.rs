@@ -1,0 +1,144 @@
+//! Every real snapshot parses, and oomkit's figures equal those CPython's
+//! pickle gives for the same file (tests/independent_figures.py).
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+fn independent(path: &Path) -> Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/independent_figures.py");
+    let out = Command::new(python())
+        .arg(script)
+        .arg(path)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn check(path: &Path) {
+    let out = oomkit(&["analyze", "--json", path.to_str().unwrap()], None);
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ours: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs = independent(path);
+    let devices = ours["devices"].as_array().unwrap();
+    assert_eq!(
+        devices.len(),
+        theirs.as_object().unwrap().len(),
+        "{}: device count",
+        path.display()
+    );
+    for d in devices {
+        let want = &theirs[d["device"].as_i64().unwrap().to_string()];
+        for field in [
+            "events",
+            "reserved_bytes",
+            "active_bytes",
+            "allocated_bytes",
+            "peak_active_bytes",
+            "peak_event_index",
+            "peak_reserved_bytes",
+        ] {
+            assert_eq!(
+                d[field],
+                want[field],
+                "{}: cuda:{} {field}",
+                path.display(),
+                d["device"]
+            );
+        }
+        let ooms = d["ooms"].as_array().unwrap();
+        let want_ooms = want["ooms"].as_array().unwrap();
+        assert_eq!(ooms.len(), want_ooms.len(), "{}: OOM count", path.display());
+        for (o, w) in ooms.iter().zip(want_ooms) {
+            for field in ["event_index", "requested_bytes", "free_bytes", "live_bytes"] {
+                assert_eq!(o[field], w[field], "{}: oom {field}", path.display());
+            }
+        }
+        // The live set at the peak never exceeds the peak itself.
+        let sites: u64 = d["top_sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["bytes"].as_u64().unwrap())
+            .sum();
+        assert!(sites <= d["peak_active_bytes"].as_u64().unwrap());
+    }
+}
+
+#[test]
+fn every_real_snapshot_matches_cpython() {
+    let files = fixture_files();
+    for f in &files {
+        check(f);
+    }
+    if !files.is_empty() {
+        assert!(
+            files.len() >= 12,
+            "expected the 12 shared fixtures, found {}",
+            files.len()
+        );
+    }
+}
+
+#[test]
+fn the_demo_snapshot_matches_cpython() {
+    check(&demo_file());
+}
+
+#[test]
+fn the_demo_shows_its_planted_bug_and_oom() {
+    let out = oomkit(&["demo", "--json"], None);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kinds: Vec<&str> = v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds.first(), Some(&"oom_capacity"), "{kinds:?}");
+    assert!(kinds.contains(&"phase_retains_memory"), "{kinds:?}");
+    let oom = &v["devices"][0]["ooms"][0];
+    assert_eq!(oom["cause"], "capacity");
+    assert_eq!(oom["site"]["filename"], "/home/user/gpt/model.py");
+    assert_eq!(oom["site"]["line"], 112);
+}
+
+/// Snapshots with traces must have their peaks attributed to real sites.
+#[test]
+fn peaks_are_attributed_to_user_lines() {
+    let Some(dir) = fixtures() else { return };
+    let out = oomkit(
+        &["analyze", "--json", "small_mem_snapshot.pickle"],
+        Some(&dir),
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sites = v["devices"][0]["top_sites"].as_array().unwrap();
+    let labels: Vec<&str> = sites.iter().map(|s| s["label"].as_str().unwrap()).collect();
+    assert!(
+        labels.contains(&"trace_peak_memory.py:7 custom_softmax"),
+        "{labels:?}"
+    );
+    assert!(labels.contains(&"<backward: DivBackward0>"), "{labels:?}");
+    let softmax = sites
+        .iter()
+        .find(|s| s["label"] == "trace_peak_memory.py:7 custom_softmax")
+        .unwrap();
+    assert_eq!(softmax["bytes"], 512 << 20);
+    assert!(
+        softmax["stack"].as_array().unwrap().len() > 10,
+        "the full stack is kept"
+    );
+}
