@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Build a large snapshot for benchmarks by tiling a real one.
+
+Each tile is a copy of the source's segments and trace with addresses and
+times shifted, so the tiled file stays self-consistent (the replay of every
+tile starts from what that tile had live) and keeps PyTorch's sharing of
+frame objects. Only the Python standard library is used.
+
+    python3 scripts/make_big_snapshot.py SOURCE.pickle OUT.pickle --events 1000000
+"""
+import argparse
+import pickle
+
+ap = argparse.ArgumentParser()
+ap.add_argument("source")
+ap.add_argument("out")
+ap.add_argument("--events", type=int, default=1_000_000, help="at least this many trace entries")
+args = ap.parse_args()
+
+with open(args.source, "rb") as f:
+    src = pickle.load(f)
+trace = src["device_traces"][0]
+times = [e["time_us"] for e in trace if "time_us" in e]
+span = (max(times) - min(times) + 1000) if times else 0
+lo = min(s["address"] for s in src["segments"])
+hi = max(s["address"] + s["total_size"] for s in src["segments"])
+for e in trace:
+    if e["action"] != "oom":
+        lo, hi = min(lo, e["addr"]), max(hi, e["addr"] + e["size"])
+stride = (hi - lo + (1 << 30)) // (1 << 21) * (1 << 21)
+tiles = -(-args.events // len(trace))
+
+segments, events, annotations = [], [], []
+for k in range(tiles):
+    shift, dt = k * stride, k * span
+    for s in src["segments"]:
+        s2 = dict(s, address=s["address"] + shift)
+        s2["blocks"] = [dict(b, address=b["address"] + shift) for b in s["blocks"]]
+        segments.append(s2)
+    for e in trace:
+        e2 = dict(e)
+        if e["action"] != "oom":
+            e2["addr"] = e["addr"] + shift
+        if "time_us" in e:
+            e2["time_us"] = e["time_us"] + dt
+        events.append(e2)
+    for a in src.get("external_annotations", []):
+        annotations.append(dict(a, time_us=a["time_us"] + dt))
+
+out = dict(src, segments=segments, device_traces=[events], external_annotations=annotations)
+with open(args.out, "wb") as f:
+    pickle.dump(out, f, protocol=4)
+print(f"{args.out}: {tiles} tiles, {len(events)} events, {len(segments)} segments")

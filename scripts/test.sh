@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The one command that runs every oomkit test, on a fresh machine too.
+# It needs the Rust toolchain (cargo) and python3; cargo fetches the crates.
+# The tests use only Python's standard library: they check oomkit's figures
+# against CPython's own pickle module.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+command -v cargo >/dev/null || { echo "test.sh: cargo not found: install Rust from https://rustup.rs" >&2; exit 2; }
+command -v python3 >/dev/null || { echo "test.sh: python3 not found: install Python 3.9 or newer" >&2; exit 2; }
+
+if [ ! -d ../shared/fixtures/snapshots ]; then
+  echo "test.sh: ../shared/fixtures/snapshots is absent: the tests on real snapshots will be skipped" >&2
+fi
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+# Regenerating the demo snapshot must give the committed bytes.
+python3 scripts/make_demo_snapshot.py target/demo_snapshot.check.pickle
+cmp target/demo_snapshot.check.pickle crates/oomkit-cli/assets/demo_snapshot.pickle \
+  || { echo "test.sh: crates/oomkit-cli/assets/demo_snapshot.pickle is stale: rerun scripts/make_demo_snapshot.py" >&2; exit 1; }
+INSTA_UPDATE=no cargo test --workspace --locked
