@@ -7,6 +7,7 @@ time and the largest peak resident set size (from wait4), then the ratios.
     python3 scripts/bench_analyze.py bench-data/big.pickle --oomkit target/release/oomkit
 """
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -25,10 +26,11 @@ tools = [
     ("oomkit analyze --json", [args.oomkit, "analyze", "--json", args.file]),
     ("pickle.load", [py, "-c", f"import pickle; pickle.load(open({args.file!r}, 'rb'))"]),
 ]
-try:
-    import torch  # noqa: F401
+# Never import torch here: a child's peak RSS on Linux starts from its
+# parent's high-water mark, so a heavy parent would inflate every figure.
+if importlib.util.find_spec("torch") is not None:
     tools.append(("torch.cuda._memory_viz stats", [py, "-m", "torch.cuda._memory_viz", "stats", args.file]))
-except ImportError:
+else:
     print("torch is not installed: skipping torch.cuda._memory_viz", file=sys.stderr)
 
 

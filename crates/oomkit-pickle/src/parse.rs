@@ -90,13 +90,17 @@ impl Document<'_> {
         let max_cells = limits
             .max_cells
             .unwrap_or_else(|| data.len().saturating_mul(4).saturating_add(16 << 20));
+        // Real snapshots need about one slab cell per five input bytes and a
+        // container per eighty; reserving that up front avoids growing by
+        // doubling, which would briefly hold two copies of the largest tables.
+        // Untouched reserved pages cost no resident memory.
         let mut m = Machine {
             doc: Document {
                 data,
                 spans: Vec::new(),
                 floats: Vec::new(),
-                containers: Vec::new(),
-                slab: Vec::new(),
+                containers: Vec::with_capacity(data.len() / 64),
+                slab: Vec::with_capacity(data.len() / 4),
                 own: Vec::new(),
                 root: Slot::NONE,
                 protocol: 0,
@@ -105,7 +109,7 @@ impl Document<'_> {
             op_at: 0,
             stack: Vec::new(),
             marks: Vec::new(),
-            memo: Vec::new(),
+            memo: Vec::with_capacity(data.len() / 64),
             sparse_memo: HashMap::new(),
             cells: 0,
             max_cells,
