@@ -16,7 +16,9 @@ fi
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Regenerating the demo snapshot must give the committed bytes.
-python3 scripts/make_demo_snapshot.py target/demo_snapshot.check.pickle
-cmp target/demo_snapshot.check.pickle crates/oomkit-cli/assets/demo_snapshot.pickle \
+check=$(mktemp)
+trap 'rm -f "$check"' EXIT
+python3 scripts/make_demo_snapshot.py "$check"
+cmp -s "$check" crates/oomkit-cli/assets/demo_snapshot.pickle \
   || { echo "test.sh: crates/oomkit-cli/assets/demo_snapshot.pickle is stale: rerun scripts/make_demo_snapshot.py" >&2; exit 1; }
 INSTA_UPDATE=no cargo test --workspace --locked
