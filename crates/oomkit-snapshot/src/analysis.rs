@@ -723,7 +723,7 @@ fn analyze_device(
         peak_time_us: peak_time,
         peak_offset_s: peak_time.zip(t0).map(|(p, s)| (p - s) as f64 / 1e6),
         peak_phase,
-        peak_reserved_bytes: peak_res.max(if events.is_empty() { reserved } else { 0 }),
+        peak_reserved_bytes: peak_res,
         pre_trace_active_bytes: if events.is_empty() { 0 } else { base_active },
         pre_trace_reserved_bytes: if events.is_empty() { 0 } else { base_reserved },
         top_sites_at,
