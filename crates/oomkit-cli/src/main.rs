@@ -4,7 +4,7 @@
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oomkit_report::FileAnalysis;
-use oomkit_snapshot::{analyze, Options, Snapshot};
+use oomkit_snapshot::{Options, Snapshot};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -127,12 +127,12 @@ fn run(cli: Cli) -> u8 {
             }
             match Snapshot::from_bytes(DEMO) {
                 Ok(snap) => {
-                    let fa = FileAnalysis {
-                        path: DEMO_NAME.into(),
-                        file_bytes: DEMO.len() as u64,
-                        layout: snap.layout.clone(),
-                        analysis: analyze(&snap, &options(&report)),
-                    };
+                    let fa = FileAnalysis::new(
+                        DEMO_NAME.into(),
+                        DEMO.len() as u64,
+                        &snap,
+                        &options(&report),
+                    );
                     emit(&[Ok(fa)], &report);
                     EXIT_OK
                 }
@@ -177,12 +177,7 @@ fn load(path: &Path, opts: &Options) -> Result<FileAnalysis, String> {
         b.finish_and_clear();
     }
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
-    Ok(FileAnalysis {
-        path: shown,
-        file_bytes,
-        layout: snap.layout.clone(),
-        analysis: analyze(&snap, opts),
-    })
+    Ok(FileAnalysis::new(shown, file_bytes, &snap, opts))
 }
 
 type Outcome = Result<FileAnalysis, (String, String)>;

@@ -3,7 +3,7 @@
 //! Both take the same [`FileAnalysis`]; the JSON form is a contract
 //! documented in the README, the terminal form is for people.
 
-use oomkit_snapshot::{human_bytes, Analysis, DeviceReport, Layout};
+use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
@@ -17,6 +17,18 @@ pub struct FileAnalysis {
     pub layout: Layout,
     /// The analysis itself.
     pub analysis: Analysis,
+}
+
+impl FileAnalysis {
+    /// Analyzes a snapshot read from `path`, a file of `file_bytes` bytes.
+    pub fn new(path: String, file_bytes: u64, snap: &Snapshot, opts: &Options) -> FileAnalysis {
+        FileAnalysis {
+            path,
+            file_bytes,
+            layout: snap.layout.clone(),
+            analysis: analyze(snap, opts),
+        }
+    }
 }
 
 /// Renders one file's analysis as the JSON object documented in the README.

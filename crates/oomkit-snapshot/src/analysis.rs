@@ -4,7 +4,7 @@
 use crate::model::{Action, BlockState, Snapshot, Stage};
 use crate::stacks::{Frame, Site, StackId, Stacks};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// What to analyze and how much to report.
 #[derive(Clone, Debug)]
@@ -391,7 +391,7 @@ fn analyze_device(
 
     // Which blocks predate the trace: frees without an alloc before them,
     // and blocks alive at the end that the trace never allocated.
-    let mut in_trace: HashMap<u64, ()> = HashMap::new();
+    let mut in_trace: HashSet<u64> = HashSet::new();
     let mut orphans: Vec<(u64, Live)> = Vec::new();
     let (mut net_active, mut net_reserved) = (0i128, 0i128);
     let mut actions: BTreeMap<String, u64> = BTreeMap::new();
@@ -402,13 +402,13 @@ fn analyze_device(
         match e.action {
             Action::Alloc => {
                 net_active += e.size as i128;
-                in_trace.insert(e.addr, ());
+                in_trace.insert(e.addr);
                 allocs += 1;
                 missing_frames += (e.stack == StackId::EMPTY) as u64;
             }
             Action::FreeCompleted => {
                 net_active -= e.size as i128;
-                if in_trace.remove(&e.addr).is_none() {
+                if !in_trace.remove(&e.addr) {
                     orphans.push((
                         e.addr,
                         Live {
@@ -477,7 +477,7 @@ fn analyze_device(
         live.insert(*addr, *l);
     }
     for (addr, l) in &final_blocks {
-        if !in_trace.contains_key(addr) {
+        if !in_trace.contains(addr) {
             let mut l = *l;
             l.before_recording = true;
             live.insert(*addr, l);
@@ -528,8 +528,8 @@ fn analyze_device(
     }
     let top_sites_at = if events.is_empty() {
         // No trace: the live set now is all there is.
+        // The replay started from final_active, so that is already the peak.
         top_sites = group(stacks, final_blocks.iter().map(|(_, l)| l), opts.top);
-        peak = peak.max(final_active);
         "snapshot"
     } else {
         "peak"
@@ -537,8 +537,9 @@ fn analyze_device(
 
     let t0 = events.iter().find_map(|e| e.time_us);
     let peak_time = peak_idx.and_then(|i| events[i].time_us);
-    let phases = phases(snap, device, events, &after, base_active);
-    let peak_phase = peak_time.and_then(|pt| innermost_phase(snap, device, pt));
+    let ranges = ranges(snap, device);
+    let phases = phases(&ranges, events, &after, base_active);
+    let peak_phase = peak_time.and_then(|pt| innermost_phase(&ranges, pt));
 
     // OOM events.
     let mut ooms = Vec::new();
@@ -761,17 +762,16 @@ fn ranges(snap: &Snapshot, device: i64) -> Vec<(String, i64, i64)> {
     out
 }
 
-fn innermost_phase(snap: &Snapshot, device: i64, t: i64) -> Option<String> {
-    ranges(snap, device)
-        .into_iter()
+fn innermost_phase(ranges: &[(String, i64, i64)], t: i64) -> Option<String> {
+    ranges
+        .iter()
         .filter(|(_, s, e)| *s <= t && t <= *e)
         .min_by_key(|(_, s, e)| e.saturating_sub(*s))
-        .map(|(n, _, _)| n)
+        .map(|(n, _, _)| n.clone())
 }
 
 fn phases(
-    snap: &Snapshot,
-    device: i64,
+    ranges: &[(String, i64, i64)],
     events: &[crate::model::TraceEvent],
     after: &[u64],
     base: u64,
@@ -781,7 +781,8 @@ fn phases(
     if times.iter().all(|t| t.is_none()) {
         return Vec::new();
     }
-    for (name, start, end) in ranges(snap, device) {
+    for (name, start, end) in ranges {
+        let (start, end) = (*start, *end);
         let first = times.partition_point(|t| t.is_none_or(|t| t < start));
         let last = times.partition_point(|t| t.is_none_or(|t| t <= end));
         let at_start = if first == 0 { base } else { after[first - 1] };
@@ -794,7 +795,7 @@ fn phases(
             }
         }
         let r = by_name.entry(name.clone()).or_insert(PhaseReport {
-            name,
+            name: name.clone(),
             occurrences: 0,
             peak_active_bytes: 0,
             peak_event_index: None,
