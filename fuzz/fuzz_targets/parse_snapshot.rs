@@ -11,4 +11,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
         }
     }
+    // The streaming reader claims trace entries while parsing: a second path
+    // through the parser that must be just as robust.
+    if let Ok(snap) = oomkit_snapshot::Snapshot::from_bytes(data) {
+        let _ = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
+    }
 });

@@ -142,3 +142,45 @@ fn peaks_are_attributed_to_user_lines() {
         "the full stack is kept"
     );
 }
+
+/// The streaming reader (trace entries claimed while parsing) and the
+/// generic reader (every dict kept in the arena) must agree on every file.
+#[test]
+fn claimed_and_generic_readings_agree() {
+    use oomkit_report::{json, FileAnalysis};
+    use oomkit_snapshot::{Options, Snapshot};
+    let mut files = fixture_files();
+    files.push(demo_file());
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        let streamed = Snapshot::load(&path, &mut |_, _| {}).unwrap();
+        let doc = oomkit_pickle::Document::parse(&bytes).unwrap();
+        let generic = Snapshot::from_document(&doc).unwrap();
+        let opts = Options::default();
+        let a = json(&FileAnalysis::new("f".into(), 0, &streamed, &opts));
+        let b = json(&FileAnalysis::new("f".into(), 0, &generic, &opts));
+        assert_eq!(a, b, "{}", path.display());
+        let events = |s: &Snapshot| -> Vec<String> {
+            s.traces
+                .iter()
+                .flat_map(|t| &t.events)
+                .map(|e| {
+                    let frames: Vec<_> = s
+                        .stacks
+                        .stack(e.stack)
+                        .iter()
+                        .map(|&f| s.stacks.frame(f))
+                        .collect();
+                    format!(
+                        "{:?} {} {} {:?} {frames:?}",
+                        e.action,
+                        e.addr,
+                        e.size,
+                        e.time_us()
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(events(&streamed), events(&generic), "{}", path.display());
+    }
+}

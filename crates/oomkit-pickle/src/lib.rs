@@ -29,6 +29,6 @@ mod source;
 mod value;
 
 pub use error::{Error, Result};
-pub use parse::Limits;
+pub use parse::{Claim, Limits};
 pub use source::Source;
 pub use value::{Document, Kind, Slot, Value};

@@ -14,7 +14,8 @@ pub struct Limits {
     pub max_marks: usize,
     /// Most values on the machine's stack at once.
     pub max_stack: usize,
-    /// Most arena cells (container items, containers, stack entries) in all.
+    /// Most arena cells (container items, containers, stack entries) in all,
+    /// at most 2^32.
     /// `None` means four per input byte plus 16 Mi, far above what real
     /// snapshots use (under one per eight bytes) yet small enough that a
     /// crafted file cannot blow up by more than a small constant factor.
@@ -35,7 +36,7 @@ impl Default for Limits {
 }
 
 /// How often, in input bytes, the progress callback is called.
-const PROGRESS_STEP: usize = 8 << 20;
+const PROGRESS_STEP: usize = 1 << 20;
 /// Gap beyond which an explicit memo index goes to the sparse map instead of the vector.
 const MEMO_DENSE_GAP: usize = 1 << 16;
 
@@ -61,6 +62,27 @@ fn refused(op: u8) -> Option<(&'static str, &'static str)> {
     })
 }
 
+/// Takes selected dicts over while they are parsed, so they never stay in the arena.
+///
+/// Most of a snapshot is small dicts of one shape (trace entries). A caller
+/// that turns each into a compact record of its own as soon as the dict is
+/// complete keeps peak memory near the size of those records instead of the
+/// generic tree plus the records.
+///
+/// The parser consults the claim when a dict that was empty receives a
+/// single `SETITEMS` batch of fewer than 1,000 pairs: CPython's pickler
+/// writes every such dict in one batch, so the dict is complete. A claimed
+/// dict keeps its identity (memo references still reach it) but reads as
+/// empty; [`Document::claimed`] returns the number the claim gave it. A
+/// pickle that adds items to a claimed dict later is refused as malformed.
+pub trait Claim {
+    /// Returns a record number to take `dict` over, or `None` to leave it in the document.
+    fn claim(&mut self, doc: &Document<'_>, dict: Slot) -> Option<u32>;
+}
+
+/// Batch size of CPython's pickler: a dict batch this large may be followed by more.
+const PICKLER_BATCH: usize = 1000;
+
 struct Machine<'a, 'p> {
     doc: Document<'a>,
     pos: usize,
@@ -72,6 +94,7 @@ struct Machine<'a, 'p> {
     cells: usize,
     max_cells: usize,
     limits: &'p Limits,
+    claim: Option<&'p mut dyn Claim>,
 }
 
 impl Document<'_> {
@@ -87,9 +110,31 @@ impl Document<'_> {
         limits: &Limits,
         progress: &mut dyn FnMut(usize),
     ) -> Result<Document<'a>> {
+        Self::parse_inner(data, limits, progress, None)
+    }
+
+    /// Parses a pickle like [`Document::parse_with`], letting `claim` take
+    /// complete dicts over as they are read.
+    pub fn parse_claiming<'a, 'p>(
+        data: &'a [u8],
+        limits: &'p Limits,
+        progress: &mut dyn FnMut(usize),
+        claim: &'p mut dyn Claim,
+    ) -> Result<Document<'a>> {
+        Self::parse_inner(data, limits, progress, Some(claim))
+    }
+
+    fn parse_inner<'a, 'p>(
+        data: &'a [u8],
+        limits: &'p Limits,
+        progress: &mut dyn FnMut(usize),
+        claim: Option<&'p mut dyn Claim>,
+    ) -> Result<Document<'a>> {
         let max_cells = limits
             .max_cells
-            .unwrap_or_else(|| data.len().saturating_mul(4).saturating_add(16 << 20));
+            .unwrap_or_else(|| data.len().saturating_mul(4).saturating_add(16 << 20))
+            // Containers index the slab with 32 bits.
+            .min(u32::MAX as usize);
         // Real snapshots need about one slab cell per five input bytes and a
         // container per eighty; reserving that up front avoids growing by
         // doubling, which would briefly hold two copies of the largest tables.
@@ -114,6 +159,7 @@ impl Document<'_> {
             cells: 0,
             max_cells,
             limits,
+            claim,
         };
         m.run(progress)?;
         Ok(m.doc)
@@ -135,6 +181,7 @@ impl<'a> Machine<'a, '_> {
         }
     }
 
+    #[inline]
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         let data = self.doc.data;
         if data.len() - self.pos < n {
@@ -145,22 +192,27 @@ impl<'a> Machine<'a, '_> {
         Ok(s)
     }
 
+    #[inline]
     fn u8(&mut self, what: &str) -> Result<u8> {
         Ok(self.take(1, what)?[0])
     }
+    #[inline]
     fn u16(&mut self, what: &str) -> Result<u16> {
         let b = self.take(2, what)?;
         Ok(u16::from_le_bytes([b[0], b[1]]))
     }
+    #[inline]
     fn u32(&mut self, what: &str) -> Result<u32> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")))
     }
+    #[inline]
     fn u64(&mut self, what: &str) -> Result<u64> {
         let b = self.take(8, what)?;
         Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
     }
 
+    #[inline]
     fn length(&mut self, n: u64, what: &str) -> Result<usize> {
         let left = (self.doc.data.len() - self.pos) as u64;
         if n > left {
@@ -169,6 +221,7 @@ impl<'a> Machine<'a, '_> {
         Ok(n as usize)
     }
 
+    #[inline]
     fn charge(&mut self, cells: usize) -> Result<()> {
         self.cells += cells;
         if self.cells > self.max_cells {
@@ -180,6 +233,7 @@ impl<'a> Machine<'a, '_> {
         Ok(())
     }
 
+    #[inline]
     fn push(&mut self, s: Slot) -> Result<()> {
         if self.stack.len() >= self.limits.max_stack {
             return Err(Error::Limit {
@@ -192,10 +246,12 @@ impl<'a> Machine<'a, '_> {
     }
 
     /// Index of the first stack entry above the innermost mark.
+    #[inline]
     fn floor(&self) -> usize {
         self.marks.last().copied().unwrap_or(0)
     }
 
+    #[inline]
     fn pop(&mut self) -> Result<Slot> {
         if self.stack.len() <= self.floor() {
             return Err(self.malformed("stack underflow"));
@@ -203,6 +259,7 @@ impl<'a> Machine<'a, '_> {
         Ok(self.stack.pop().expect("checked above"))
     }
 
+    #[inline]
     fn top(&self) -> Result<Slot> {
         if self.stack.len() <= self.floor() {
             return Err(self.malformed("stack underflow"));
@@ -216,6 +273,7 @@ impl<'a> Machine<'a, '_> {
             .ok_or_else(|| self.malformed("no MARK before this opcode"))
     }
 
+    #[inline]
     fn new_span(&mut self, tag: u64, bytes: &'a [u8]) -> Result<()> {
         let off = bytes.as_ptr() as usize - self.doc.data.as_ptr() as usize;
         let idx = self.doc.spans.len();
@@ -226,6 +284,7 @@ impl<'a> Machine<'a, '_> {
         self.push(Slot::tagged(tag, idx))
     }
 
+    #[inline]
     fn new_str(&mut self, bytes: &'a [u8]) -> Result<()> {
         if std::str::from_utf8(bytes).is_err() {
             return Err(self.malformed("string is not valid UTF-8"));
@@ -233,7 +292,21 @@ impl<'a> Machine<'a, '_> {
         self.new_span(T_STR, bytes)
     }
 
+    #[inline]
     fn new_int_bytes(&mut self, bytes: &'a [u8]) -> Result<()> {
+        // Addresses and times are 5 to 8 bytes wide; sign-extend them directly.
+        if (1..8).contains(&bytes.len()) {
+            let mut buf = [if bytes[bytes.len() - 1] & 0x80 != 0 {
+                0xff
+            } else {
+                0
+            }; 8];
+            buf[..bytes.len()].copy_from_slice(bytes);
+            let v = i64::from_le_bytes(buf);
+            if (INLINE_MIN..=INLINE_MAX).contains(&v) {
+                return self.push(Slot::int(v));
+            }
+        }
         match bigint_to_i128(bytes) {
             Some(v) if (INLINE_MIN as i128..=INLINE_MAX as i128).contains(&v) => {
                 self.push(Slot::int(v as i64))
@@ -245,12 +318,7 @@ impl<'a> Machine<'a, '_> {
     fn new_container(&mut self, kind: Kind, items: Option<usize>) -> Result<Slot> {
         self.charge(2)?;
         let id = self.doc.containers.len();
-        self.doc.containers.push(Container {
-            start: 0,
-            len: 0,
-            kind,
-            own: false,
-        });
+        self.doc.containers.push(Container::new(kind));
         let slot = Slot::tagged(T_CONT, id);
         if let Some(from) = items {
             self.extend_from_stack(slot, from)?;
@@ -265,35 +333,37 @@ impl<'a> Machine<'a, '_> {
             return Ok(());
         }
         self.charge(n)?;
-        let c = &mut self.doc.containers[target.index()];
+        let doc = &mut self.doc;
+        let c = &mut doc.containers[target.index()];
         let items = &self.stack[from..];
-        if c.own {
-            self.doc.own[c.start as usize].extend_from_slice(items);
-        } else if c.len == 0 || c.start as usize + c.len as usize == self.doc.slab.len() {
-            if c.len == 0 {
-                c.start = self.doc.slab.len() as u64;
+        match c.place() {
+            Place::Claimed(_) => {
+                return Err(Error::Malformed {
+                    offset: self.op_at as u64,
+                    reason: "items added to a dict after it was complete".into(),
+                })
             }
-            self.doc.slab.extend_from_slice(items);
-        } else {
-            // Another container was filled after this one: move this one
-            // out of the slab. Only containers filled in several batches
-            // (large lists and dicts) ever get here.
-            let old = &self.doc.slab[c.start as usize..c.start as usize + c.len as usize];
-            let mut v = Vec::with_capacity(old.len() + items.len());
-            v.extend_from_slice(old);
-            v.extend_from_slice(items);
-            c.start = self.doc.own.len() as u64;
-            c.own = true;
-            self.doc.own.push(v);
+            Place::Own(i) => doc.own[i].extend_from_slice(items),
+            Place::Slab { start, len }
+                if (len == 0 || start + len == doc.slab.len()) && len + n <= SLAB_MAX_LEN =>
+            {
+                let start = if len == 0 { doc.slab.len() } else { start };
+                doc.slab.extend_from_slice(items);
+                c.set_slab(start, len + n);
+            }
+            Place::Slab { start, len } => {
+                // Another container was filled after this one, or it outgrew
+                // the slab's length field: give it a vector of its own. Only
+                // containers filled in several batches (large lists and
+                // dicts) ever get here.
+                let old = &doc.slab[start..start + len];
+                let mut v = Vec::with_capacity(old.len() + items.len());
+                v.extend_from_slice(old);
+                v.extend_from_slice(items);
+                c.set_own(doc.own.len());
+                doc.own.push(v);
+            }
         }
-        let len = c.len as u64 + n as u64;
-        if len > u32::MAX as u64 {
-            return Err(Error::Limit {
-                offset: self.op_at as u64,
-                what: "container with more than 2^32 items".into(),
-            });
-        }
-        c.len = len as u32;
         self.stack.truncate(from);
         Ok(())
     }
@@ -305,6 +375,24 @@ impl<'a> Machine<'a, '_> {
             Some(k) => Err(self.malformed(format!("{op} applied to a {k:?}"))),
             None => Err(self.malformed(format!("{op} applied to a non-container"))),
         }
+    }
+
+    /// Lets the claim take a dict whose items were just appended at the slab's end.
+    fn offer(&mut self, dict: Slot) {
+        let Some(claim) = self.claim.as_mut() else {
+            return;
+        };
+        let Some(id) = claim.claim(&self.doc, dict) else {
+            return;
+        };
+        let c = &mut self.doc.containers[dict.index()];
+        if let Place::Slab { start, len } = c.place() {
+            if start + len == self.doc.slab.len() {
+                self.doc.slab.truncate(start);
+                self.cells -= len;
+            }
+        }
+        c.set_claimed(id);
     }
 
     fn memo_put(&mut self, idx: u64) -> Result<()> {
@@ -323,6 +411,7 @@ impl<'a> Machine<'a, '_> {
         Ok(())
     }
 
+    #[inline]
     fn memo_get(&mut self, idx: u64) -> Result<()> {
         let found = usize::try_from(idx)
             .ok()
@@ -551,10 +640,16 @@ impl<'a> Machine<'a, '_> {
                     }
                     let target = self.stack[from - 1];
                     self.expect_kind(target, &[Kind::Dict], "SETITEMS")?;
-                    if !(self.stack.len() - from).is_multiple_of(2) {
+                    let n = self.stack.len() - from;
+                    if !n.is_multiple_of(2) {
                         return Err(self.malformed("SETITEMS with an odd number of items"));
                     }
+                    let was_empty = self.doc.containers[target.index()].place()
+                        == (Place::Slab { start: 0, len: 0 });
                     self.extend_from_stack(target, from)?;
+                    if was_empty && n > 0 && n / 2 < PICKLER_BATCH {
+                        self.offer(target);
+                    }
                 }
                 0x94 => {
                     let idx = self.memo.len() as u64;

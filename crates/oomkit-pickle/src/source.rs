@@ -48,20 +48,23 @@ impl Source {
         }
     }
 
-    /// Drops the resident pages of `[0, end)` so that a sequential reader's
-    /// resident memory does not grow with the file.
+    /// Drops the resident pages of `[start, end)` so that a sequential
+    /// reader's resident memory does not grow with the file.
     ///
     /// The pages stay readable: the kernel refills them from the page cache
     /// on the next access, which is why borrowed strings remain valid.
-    pub fn release_before(&self, end: usize) {
+    pub fn release(&self, start: usize, end: usize) {
         if let Source::Mapped(m) = self {
             let page = 4096;
-            let end = end / page * page;
-            if end > 0 {
+            let start = start / page * page;
+            let end = (end / page * page).min(m.len());
+            if end > start {
                 // SAFETY: the mapping is a private read-only map of a file
                 // that was never written through it, so discarding pages
                 // loses nothing: they are read back from the file on access.
-                let _ = unsafe { m.unchecked_advise_range(UncheckedAdvice::DontNeed, 0, end) };
+                let _ = unsafe {
+                    m.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+                };
             }
         }
     }

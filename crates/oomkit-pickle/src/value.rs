@@ -56,6 +56,7 @@ impl fmt::Debug for Slot {
 
 /// The Python type of a container.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum Kind {
     /// A `list`.
     List,
@@ -69,14 +70,81 @@ pub enum Kind {
     FrozenSet,
 }
 
-/// Where a container's items live.
+/// Where a container's items live, packed into 8 bytes because a snapshot
+/// holds one container per trace entry.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Container {
-    /// Start in the slab, or index in `own` when `own` is set.
-    pub(crate) start: u64,
-    pub(crate) len: u32,
-    pub(crate) kind: Kind,
-    pub(crate) own: bool,
+    /// Start in the slab, index in `own`, or the claim number.
+    start: u32,
+    /// Length (slab containers only) above five flag bits: kind, own, claimed.
+    meta: u32,
+}
+
+const KIND_SHIFT: u32 = 2;
+const OWN_BIT: u32 = 1 << 1;
+const CLAIMED_BIT: u32 = 1;
+const LEN_SHIFT: u32 = 5;
+/// Most items a container keeps in the slab; longer ones move to `own`.
+pub(crate) const SLAB_MAX_LEN: usize = (u32::MAX >> LEN_SHIFT) as usize;
+
+/// Where a container's items are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// `len` items of the slab from `start`.
+    Slab { start: usize, len: usize },
+    /// Its own vector, `own[index]`.
+    Own(usize),
+    /// Taken over by a claim, with this number.
+    Claimed(u32),
+}
+
+impl Container {
+    pub(crate) fn new(kind: Kind) -> Container {
+        Container {
+            start: 0,
+            meta: (kind as u32) << KIND_SHIFT,
+        }
+    }
+
+    pub(crate) fn kind(self) -> Kind {
+        match (self.meta >> KIND_SHIFT) & 7 {
+            0 => Kind::List,
+            1 => Kind::Tuple,
+            2 => Kind::Dict,
+            3 => Kind::Set,
+            _ => Kind::FrozenSet,
+        }
+    }
+
+    pub(crate) fn place(self) -> Place {
+        if self.meta & CLAIMED_BIT != 0 {
+            Place::Claimed(self.start)
+        } else if self.meta & OWN_BIT != 0 {
+            Place::Own(self.start as usize)
+        } else {
+            Place::Slab {
+                start: self.start as usize,
+                len: (self.meta >> LEN_SHIFT) as usize,
+            }
+        }
+    }
+
+    /// Points the container at a slab range; `start` and `len` are checked by the caller.
+    pub(crate) fn set_slab(&mut self, start: usize, len: usize) {
+        debug_assert!(len <= SLAB_MAX_LEN && start <= u32::MAX as usize);
+        self.start = start as u32;
+        self.meta = (self.meta & (7 << KIND_SHIFT)) | ((len as u32) << LEN_SHIFT);
+    }
+
+    pub(crate) fn set_own(&mut self, index: usize) {
+        self.start = index as u32;
+        self.meta = (self.meta & (7 << KIND_SHIFT)) | OWN_BIT;
+    }
+
+    pub(crate) fn set_claimed(&mut self, id: u32) {
+        self.start = id;
+        self.meta = (self.meta & (7 << KIND_SHIFT)) | CLAIMED_BIT;
+    }
 }
 
 /// A byte range of the input.
@@ -145,7 +213,7 @@ impl<'a> Document<'a> {
         match slot.tag() {
             T_INT => Value::Int((slot.0 as i64) >> TAG_BITS),
             T_STR => Value::Str(self.str_at(slot.index())),
-            T_CONT => Value::Container(self.containers[slot.index()].kind),
+            T_CONT => Value::Container(self.containers[slot.index()].kind()),
             T_FLOAT => Value::Float(self.floats[slot.index()]),
             T_BIGINT => Value::BigInt(self.span(slot.index())),
             T_BYTES => Value::Bytes(self.span(slot.index())),
@@ -207,19 +275,31 @@ impl<'a> Document<'a> {
 
     /// Returns the container kind of `slot`, if it is a container.
     pub fn kind(&self, slot: Slot) -> Option<Kind> {
-        (slot.tag() == T_CONT).then(|| self.containers[slot.index()].kind)
+        (slot.tag() == T_CONT).then(|| self.containers[slot.index()].kind())
+    }
+
+    /// Returns the number a [`crate::Claim`] gave this dict when it took it over.
+    pub fn claimed(&self, slot: Slot) -> Option<u32> {
+        if slot.tag() != T_CONT {
+            return None;
+        }
+        match self.containers[slot.index()].place() {
+            Place::Claimed(id) => Some(id),
+            _ => None,
+        }
     }
 
     /// Returns a container's raw items (for a dict: key, value, key, value, ...).
+    ///
+    /// A claimed dict has no items left in the document.
     pub fn items(&self, slot: Slot) -> Option<&[Slot]> {
         if slot.tag() != T_CONT {
             return None;
         }
-        let c = self.containers[slot.index()];
-        Some(if c.own {
-            &self.own[c.start as usize]
-        } else {
-            &self.slab[c.start as usize..c.start as usize + c.len as usize]
+        Some(match self.containers[slot.index()].place() {
+            Place::Slab { start, len } => &self.slab[start..start + len],
+            Place::Own(i) => &self.own[i],
+            Place::Claimed(_) => &[],
         })
     }
 

@@ -1,6 +1,7 @@
 //! Analyses of a snapshot: state at snapshot time, trace replay, the live
 //! set at the peak by allocation site, OOM events, phases, and advice.
 
+use crate::hash::FastState;
 use crate::model::{Action, BlockState, Snapshot, Stage};
 use crate::stacks::{Frame, Site, StackId, Stacks};
 use serde::Serialize;
@@ -391,7 +392,7 @@ fn analyze_device(
 
     // Which blocks predate the trace: frees without an alloc before them,
     // and blocks alive at the end that the trace never allocated.
-    let mut in_trace: HashSet<u64> = HashSet::new();
+    let mut in_trace: HashSet<u64, FastState> = HashSet::default();
     let mut orphans: Vec<(u64, Live)> = Vec::new();
     let (mut net_active, mut net_reserved) = (0i128, 0i128);
     let mut actions: BTreeMap<String, u64> = BTreeMap::new();
@@ -472,7 +473,7 @@ fn analyze_device(
     }
 
     // Pass 2: replay the live set up to the peak and every OOM.
-    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut live: HashMap<u64, Live, FastState> = HashMap::default();
     for (addr, l) in &orphans {
         live.insert(*addr, *l);
     }
@@ -535,8 +536,8 @@ fn analyze_device(
         "peak"
     };
 
-    let t0 = events.iter().find_map(|e| e.time_us);
-    let peak_time = peak_idx.and_then(|i| events[i].time_us);
+    let t0 = events.iter().find_map(|e| e.time_us());
+    let peak_time = peak_idx.and_then(|i| events[i].time_us());
     let ranges = ranges(snap, device);
     let phases = phases(&ranges, events, &after, base_active);
     let peak_phase = peak_time.and_then(|pt| innermost_phase(&ranges, pt));
@@ -564,7 +565,7 @@ fn analyze_device(
         let (site, label_text) = label(stacks, &key);
         ooms.push(OomReport {
             event_index: i as u64,
-            time_us: e.time_us,
+            time_us: e.time_us(),
             requested_bytes: e.size,
             free_bytes: e.addr,
             live_bytes,
@@ -777,14 +778,13 @@ fn phases(
     base: u64,
 ) -> Vec<PhaseReport> {
     let mut by_name: BTreeMap<String, PhaseReport> = BTreeMap::new();
-    let times: Vec<Option<i64>> = events.iter().map(|e| e.time_us).collect();
-    if times.iter().all(|t| t.is_none()) {
+    if events.iter().all(|e| e.time_us().is_none()) {
         return Vec::new();
     }
     for (name, start, end) in ranges {
         let (start, end) = (*start, *end);
-        let first = times.partition_point(|t| t.is_none_or(|t| t < start));
-        let last = times.partition_point(|t| t.is_none_or(|t| t <= end));
+        let first = events.partition_point(|e| e.time_us().is_none_or(|t| t < start));
+        let last = events.partition_point(|e| e.time_us().is_none_or(|t| t <= end));
         let at_start = if first == 0 { base } else { after[first - 1] };
         let at_end = if last == 0 { base } else { after[last - 1] };
         let (mut p, mut pi) = (at_start, None);

@@ -10,6 +10,7 @@
 
 mod analysis;
 mod error;
+mod hash;
 mod model;
 mod stacks;
 

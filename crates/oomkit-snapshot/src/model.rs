@@ -1,8 +1,9 @@
 //! The typed snapshot and its reader, for every layout from torch 2.0 to today.
 
 use crate::error::{Error, Result};
+use crate::hash::{FastHasher, FastState};
 use crate::stacks::{Frame, FrameId, StackId, Stacks};
-use oomkit_pickle::{Document, Kind, Slot, Value};
+use oomkit_pickle::{Claim, Document, Kind, Slot, Value};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 
@@ -134,7 +135,7 @@ impl Action {
 }
 
 /// One entry of a device's allocation trace.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct TraceEvent {
     /// What happened.
     pub action: Action,
@@ -142,10 +143,38 @@ pub struct TraceEvent {
     pub addr: u64,
     /// Size, or for `oom` the bytes requested.
     pub size: u64,
-    /// Microseconds since the epoch; absent before torch 2.2.
-    pub time_us: Option<i64>,
     /// Stack of the call, or the empty stack.
     pub stack: StackId,
+    /// Microseconds since the epoch, or [`NO_TIME`]; an `Option<i64>` would
+    /// make every event 40 bytes instead of 32.
+    time_us: i64,
+}
+
+impl std::fmt::Debug for TraceEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceEvent")
+            .field("action", &self.action)
+            .field("addr", &self.addr)
+            .field("size", &self.size)
+            .field("time_us", &self.time_us())
+            .field("stack", &self.stack)
+            .finish()
+    }
+}
+
+/// Marks an entry without `time_us`.
+const NO_TIME: i64 = i64::MIN;
+
+impl TraceEvent {
+    /// Returns when the entry was recorded, in microseconds since the epoch; absent before torch 2.2.
+    pub fn time_us(&self) -> Option<i64> {
+        (self.time_us != NO_TIME).then_some(self.time_us)
+    }
+
+    fn set_time(&mut self, t: Option<i64>) {
+        // i64::MIN is not a plausible time; reading it as absent loses nothing.
+        self.time_us = t.unwrap_or(NO_TIME);
+    }
 }
 
 /// The trace of one device: a ring buffer of the most recent entries.
@@ -215,9 +244,28 @@ impl Snapshot {
         Reader::new(doc).read()
     }
 
-    /// Parses pickle bytes and reads the snapshot in them.
+    /// Parses pickle bytes and reads the snapshot in them, turning trace
+    /// entries into events while parsing (see [`Snapshot::load`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Snapshot> {
-        Self::from_document(&Document::parse(bytes)?)
+        Self::read_streaming(bytes, &mut |_| {})
+    }
+
+    /// Parses with trace entries claimed as they complete, so that the
+    /// generic arena never holds them.
+    fn read_streaming(bytes: &[u8], progress: &mut dyn FnMut(usize)) -> Result<Snapshot> {
+        let mut claim = EntryClaim::new(bytes.len());
+        let doc = Document::parse_claiming(
+            bytes,
+            &oomkit_pickle::Limits::default(),
+            progress,
+            &mut claim,
+        )?;
+        Reader {
+            doc: &doc,
+            stacks: claim.stacks,
+            claimed: claim.events,
+        }
+        .read()
     }
 
     /// Returns the devices that have segments or trace entries, in order.
@@ -250,28 +298,226 @@ fn type_name(doc: &Document<'_>, s: Slot) -> &'static str {
     }
 }
 
+fn field_err(doc: &Document<'_>, at: impl FnOnce() -> String, slot: Slot, want: &str) -> Error {
+    Error::Field {
+        at: at(),
+        problem: format!("expected {want}, found {}", type_name(doc, slot)),
+    }
+}
+
+/// Interns the stacks of a document, remembering each shared frame list once.
+struct StackReader {
+    stacks: Stacks,
+    recent: Vec<Option<(Slot, StackId)>>,
+    stack_cache: HashMap<Slot, StackId, FastState>,
+    frame_cache: HashMap<Slot, FrameId, FastState>,
+}
+
+impl Default for StackReader {
+    fn default() -> Self {
+        StackReader {
+            stacks: Stacks::default(),
+            recent: vec![None; STACK_BUCKETS],
+            stack_cache: HashMap::default(),
+            frame_cache: HashMap::default(),
+        }
+    }
+}
+
+impl StackReader {
+    fn stack(
+        &mut self,
+        doc: &Document<'_>,
+        frames: Slot,
+        at: impl FnOnce() -> String,
+    ) -> Result<StackId> {
+        // Every trace entry names its stack; a direct-mapped cache answers
+        // most of them without probing the table.
+        let bucket = slot_bucket(frames, STACK_BUCKETS);
+        if let Some((s, id)) = self.recent[bucket] {
+            if s == frames {
+                return Ok(id);
+            }
+        }
+        if let Some(&id) = self.stack_cache.get(&frames) {
+            self.recent[bucket] = Some((frames, id));
+            return Ok(id);
+        }
+        let items = match doc.kind(frames) {
+            Some(Kind::List | Kind::Tuple) => doc.seq(frames).unwrap_or(&[]),
+            _ if matches!(doc.value(frames), Value::None) => &[],
+            _ => return Err(field_err(doc, at, frames, "a list of frames")),
+        };
+        let mut ids = Vec::with_capacity(items.len());
+        for &f in items {
+            let id = match self.frame_cache.get(&f) {
+                Some(&id) => id,
+                None => {
+                    let get = |k: &str| doc.dict_get(f, k);
+                    let frame = Frame {
+                        filename: get("filename")
+                            .and_then(|s| doc.as_str(s))
+                            .unwrap_or("")
+                            .into(),
+                        line: get("line").and_then(|s| doc.as_i64(s)).unwrap_or(0),
+                        name: get("name").and_then(|s| doc.as_str(s)).unwrap_or("").into(),
+                    };
+                    let id = self.stacks.intern_frame(frame);
+                    self.frame_cache.insert(f, id);
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        let id = self.stacks.intern_stack(ids);
+        self.stack_cache.insert(frames, id);
+        self.recent[bucket] = Some((frames, id));
+        Ok(id)
+    }
+}
+
+/// Which field of a trace entry a key names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EntryField {
+    Action,
+    Addr,
+    Size,
+    TimeUs,
+    Frames,
+    DeviceFree,
+    Other,
+}
+
+/// Turns trace entries into [`TraceEvent`]s while the pickle is parsed, so
+/// that a million-entry trace never exists as a million generic dicts.
+///
+/// Entries it cannot read exactly (an unknown action, a field of the wrong
+/// type) are left to the generic reader, which counts or reports them.
+struct EntryClaim {
+    stacks: StackReader,
+    events: Vec<TraceEvent>,
+    keys: [Option<(Slot, EntryField)>; KEY_BUCKETS],
+    actions: [Option<(Slot, Action)>; KEY_BUCKETS],
+}
+
+/// Size of the direct-mapped caches of key and action strings.
+const KEY_BUCKETS: usize = 64;
+/// Size of the direct-mapped cache in front of the stack table.
+const STACK_BUCKETS: usize = 4096;
+
+/// Picks a bucket of a direct-mapped cache (`n` a power of two) for a slot.
+fn slot_bucket(slot: Slot, n: usize) -> usize {
+    let mut h = FastHasher::default();
+    std::hash::Hash::hash(&slot, &mut h);
+    std::hash::Hasher::finish(&h) as usize & (n - 1)
+}
+
+impl EntryClaim {
+    fn new(file_len: usize) -> Self {
+        EntryClaim {
+            stacks: StackReader::default(),
+            // An entry takes at least 32 bytes of pickle; reserved pages that
+            // are never touched cost no resident memory, while growing by
+            // doubling would briefly hold two copies of the events.
+            events: Vec::with_capacity(file_len / 32),
+            keys: [None; KEY_BUCKETS],
+            actions: [None; KEY_BUCKETS],
+        }
+    }
+
+    fn field(&mut self, doc: &Document<'_>, key: Slot) -> Option<EntryField> {
+        let at = slot_bucket(key, KEY_BUCKETS);
+        if let Some((k, f)) = self.keys[at] {
+            if k == key {
+                return Some(f);
+            }
+        }
+        let f = match doc.str_bytes(key)? {
+            b"action" => EntryField::Action,
+            b"addr" => EntryField::Addr,
+            b"size" => EntryField::Size,
+            b"time_us" => EntryField::TimeUs,
+            b"frames" => EntryField::Frames,
+            b"device_free" => EntryField::DeviceFree,
+            _ => EntryField::Other,
+        };
+        // Keys are shared through the memo, so a few slots cover a whole trace.
+        self.keys[at] = Some((key, f));
+        Some(f)
+    }
+
+    fn action(&mut self, doc: &Document<'_>, slot: Slot) -> Option<Action> {
+        let at = slot_bucket(slot, KEY_BUCKETS);
+        if let Some((s, a)) = self.actions[at] {
+            if s == slot {
+                return Some(a);
+            }
+        }
+        let a = Action::parse(doc.str_bytes(slot)?);
+        self.actions[at] = Some((slot, a));
+        Some(a)
+    }
+
+    fn read(&mut self, doc: &Document<'_>, dict: Slot) -> Option<TraceEvent> {
+        let uint = |s: Slot| doc.as_i128(s).and_then(|v| u64::try_from(v).ok());
+        let mut ev = TraceEvent {
+            action: Action::Unknown,
+            addr: 0,
+            size: 0,
+            time_us: NO_TIME,
+            stack: StackId::EMPTY,
+        };
+        let mut action = None;
+        let mut device_free = None;
+        for (k, v) in doc.dict_items(dict)? {
+            match self.field(doc, k)? {
+                EntryField::Action => action = Some(self.action(doc, v)?),
+                EntryField::Addr => ev.addr = uint(v)?,
+                EntryField::Size => ev.size = uint(v)?,
+                EntryField::TimeUs => ev.set_time(doc.as_i64(v)),
+                EntryField::Frames => ev.stack = self.stacks.stack(doc, v, String::new).ok()?,
+                EntryField::DeviceFree => device_free = Some(uint(v)?),
+                EntryField::Other => {}
+            }
+        }
+        ev.action = action.filter(|a| *a != Action::Unknown)?;
+        if let (Action::Oom, Some(free)) = (ev.action, device_free) {
+            ev.addr = free;
+        }
+        Some(ev)
+    }
+}
+
+impl Claim for EntryClaim {
+    fn claim(&mut self, doc: &Document<'_>, dict: Slot) -> Option<u32> {
+        let id = u32::try_from(self.events.len()).ok()?;
+        let ev = self.read(doc, dict)?;
+        self.events.push(ev);
+        Some(id)
+    }
+}
+
 struct Reader<'d, 'a> {
     doc: &'d Document<'a>,
-    stacks: Stacks,
-    stack_cache: HashMap<Slot, StackId>,
-    frame_cache: HashMap<Slot, FrameId>,
+    stacks: StackReader,
+    claimed: Vec<TraceEvent>,
 }
 
 impl<'d, 'a> Reader<'d, 'a> {
     fn new(doc: &'d Document<'a>) -> Self {
         Reader {
             doc,
-            stacks: Stacks::default(),
-            stack_cache: HashMap::new(),
-            frame_cache: HashMap::new(),
+            stacks: StackReader::default(),
+            claimed: Vec::new(),
         }
     }
 
     fn field_err(&self, at: impl FnOnce() -> String, slot: Slot, want: &str) -> Error {
-        Error::Field {
-            at: at(),
-            problem: format!("expected {want}, found {}", type_name(self.doc, slot)),
-        }
+        field_err(self.doc, at, slot, want)
+    }
+
+    fn stack(&mut self, frames: Slot, at: impl FnOnce() -> String) -> Result<StackId> {
+        self.stacks.stack(self.doc, frames, at)
     }
 
     fn uint(&self, slot: Slot, at: impl FnOnce() -> String) -> Result<u64> {
@@ -324,9 +570,13 @@ impl<'d, 'a> Reader<'d, 'a> {
         }
         let mut traces = Vec::new();
         if let Some(t) = traces_slot {
-            for (d, &dev) in self.list(t, || "device_traces".into())?.iter().enumerate() {
+            let devs = self.list(t, || "device_traces".into())?;
+            // Backwards, so that each device's claimed events are the tail of
+            // the claimed list and move out of it without a copy.
+            for (d, &dev) in devs.iter().enumerate().rev() {
                 traces.push(self.trace(dev, d, &mut layout)?);
             }
+            traces.reverse();
         }
         let allocator_settings = if layout.legacy_segment_list {
             None
@@ -346,7 +596,7 @@ impl<'d, 'a> Reader<'d, 'a> {
             traces,
             allocator_settings,
             annotations,
-            stacks: self.stacks,
+            stacks: self.stacks.stacks,
             layout,
         })
     }
@@ -474,12 +724,25 @@ impl<'d, 'a> Reader<'d, 'a> {
     fn trace(&mut self, dev: Slot, d: usize, layout: &mut Layout) -> Result<DeviceTrace> {
         let doc = self.doc;
         let entries = self.list(dev, || format!("device_traces[{d}]"))?;
+        if let Some(events) = self.claimed_tail(entries) {
+            layout.trace_times |= events.iter().any(|e| e.time_us().is_some());
+            return Ok(DeviceTrace {
+                events,
+                unknown_actions: BTreeMap::new(),
+            });
+        }
         let mut trace = DeviceTrace {
             events: Vec::with_capacity(entries.len()),
             unknown_actions: BTreeMap::new(),
         };
         let mut action_cache: HashMap<Slot, Action> = HashMap::new();
         for (i, &e) in entries.iter().enumerate() {
+            if let Some(c) = doc.claimed(e) {
+                let ev = self.claimed[c as usize];
+                layout.trace_times |= ev.time_us().is_some();
+                trace.events.push(ev);
+                continue;
+            }
             let at = |f: &str| format!("device_traces[{d}][{i}].{f}");
             if doc.kind(e) != Some(Kind::Dict) {
                 return Err(self.field_err(|| format!("device_traces[{d}][{i}]"), e, "a dict"));
@@ -488,7 +751,7 @@ impl<'d, 'a> Reader<'d, 'a> {
                 action: Action::Unknown,
                 addr: 0,
                 size: 0,
-                time_us: None,
+                time_us: NO_TIME,
                 stack: StackId::EMPTY,
             };
             let mut action_slot = None;
@@ -498,7 +761,7 @@ impl<'d, 'a> Reader<'d, 'a> {
                     b"action" => action_slot = Some(v),
                     b"addr" => ev.addr = self.uint(v, || at("addr"))?,
                     b"size" => ev.size = self.uint(v, || at("size"))?,
-                    b"time_us" => ev.time_us = doc.as_i64(v),
+                    b"time_us" => ev.set_time(doc.as_i64(v)),
                     b"frames" => ev.stack = self.stack(v, || at("frames"))?,
                     b"device_free" => device_free = Some(self.uint(v, || at("device_free"))?),
                     _ => {}
@@ -531,10 +794,30 @@ impl<'d, 'a> Reader<'d, 'a> {
                     ev.addr = free;
                 }
             }
-            layout.trace_times |= ev.time_us.is_some();
+            layout.trace_times |= ev.time_us().is_some();
             trace.events.push(ev);
         }
         Ok(trace)
+    }
+
+    /// Moves out the claimed events when `entries` are exactly the last ones claimed, in order.
+    fn claimed_tail(&mut self, entries: &[Slot]) -> Option<Vec<TraceEvent>> {
+        let first = self.doc.claimed(*entries.first()?)? as usize;
+        if first + entries.len() != self.claimed.len() {
+            return None;
+        }
+        let in_order = entries
+            .iter()
+            .enumerate()
+            .all(|(i, &e)| self.doc.claimed(e) == Some((first + i) as u32));
+        if !in_order {
+            return None;
+        }
+        Some(if first == 0 {
+            std::mem::take(&mut self.claimed)
+        } else {
+            self.claimed.split_off(first)
+        })
     }
 
     fn annotations(&mut self, a: Slot) -> Result<Vec<Annotation>> {
@@ -565,42 +848,6 @@ impl<'d, 'a> Reader<'d, 'a> {
             });
         }
         Ok(out)
-    }
-
-    fn stack(&mut self, frames: Slot, at: impl FnOnce() -> String) -> Result<StackId> {
-        if let Some(&id) = self.stack_cache.get(&frames) {
-            return Ok(id);
-        }
-        let doc = self.doc;
-        let items = match doc.kind(frames) {
-            Some(Kind::List | Kind::Tuple) => doc.seq(frames).unwrap_or(&[]),
-            _ if matches!(doc.value(frames), Value::None) => &[],
-            _ => return Err(self.field_err(at, frames, "a list of frames")),
-        };
-        let mut ids = Vec::with_capacity(items.len());
-        for &f in items {
-            let id = match self.frame_cache.get(&f) {
-                Some(&id) => id,
-                None => {
-                    let get = |k: &str| doc.dict_get(f, k);
-                    let frame = Frame {
-                        filename: get("filename")
-                            .and_then(|s| doc.as_str(s))
-                            .unwrap_or("")
-                            .into(),
-                        line: get("line").and_then(|s| doc.as_i64(s)).unwrap_or(0),
-                        name: get("name").and_then(|s| doc.as_str(s)).unwrap_or("").into(),
-                    };
-                    let id = self.stacks.intern_frame(frame);
-                    self.frame_cache.insert(f, id);
-                    id
-                }
-            };
-            ids.push(id);
-        }
-        let id = self.stacks.intern_stack(ids);
-        self.stack_cache.insert(frames, id);
-        Ok(id)
     }
 }
 
@@ -655,13 +902,17 @@ impl Snapshot {
         let src = oomkit_pickle::Source::open(path)?;
         let bytes = src.bytes();
         let total = bytes.len();
-        let doc = Document::parse_with(bytes, &oomkit_pickle::Limits::default(), &mut |pos| {
-            src.release_before(pos.saturating_sub(1 << 20));
+        let mut released = 0;
+        let snap = Self::read_streaming(bytes, &mut |pos| {
+            // Strings are borrowed from the map, so pages behind the parser
+            // may be read again; a small lag keeps the current frame's pages
+            // resident.
+            let upto = pos.saturating_sub(256 << 10);
+            src.release(released, upto);
+            released = released.max(upto);
             progress(pos, total);
-        })?;
-        let snap = Self::from_document(&doc);
-        drop(doc);
-        src.release_before(total);
+        });
+        src.release(0, total);
         snap
     }
 }
