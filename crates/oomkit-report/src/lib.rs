@@ -212,3 +212,137 @@ pub fn text(file: &FileAnalysis) -> String {
     }
     out
 }
+
+/// The analysis of one run log written by the Python tracker.
+pub struct RunFile {
+    /// The path as the user gave it.
+    pub path: String,
+    /// The run log's analysis.
+    pub analysis: oomkit_runlog::Analysis,
+}
+
+/// One analyzed input: a snapshot or a run log.
+pub enum Report {
+    /// A PyTorch memory snapshot.
+    Snapshot(FileAnalysis),
+    /// An oomkit run log.
+    Run(Box<RunFile>),
+}
+
+impl Report {
+    /// Renders the report as JSON.
+    pub fn json(&self) -> Value {
+        match self {
+            Report::Snapshot(f) => json(f),
+            Report::Run(r) => run_json(r),
+        }
+    }
+
+    /// Renders the report for a terminal.
+    pub fn text(&self) -> String {
+        match self {
+            Report::Snapshot(f) => text(f),
+            Report::Run(r) => run_text(r),
+        }
+    }
+}
+
+/// Renders a run log's analysis as JSON: `{"kind": "run", "file": ..., "steps": N, ...}`.
+pub fn run_json(run: &RunFile) -> Value {
+    let mut v = serde_json::to_value(&run.analysis).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("file".into(), json!(run.path));
+    }
+    v
+}
+
+/// Renders a run log's analysis for a terminal.
+pub fn run_text(run: &RunFile) -> String {
+    let a = &run.analysis;
+    let mut out = String::new();
+    let dev = if a.device.is_empty() {
+        "unknown device"
+    } else {
+        &a.device
+    };
+    let _ = writeln!(out, "== {} (run log, rank {}, {dev})", run.path, a.rank);
+    let cap = a
+        .capacity_bytes
+        .map(|c| format!(" of {}", human_bytes(c)))
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "{} steps, peak {}{cap}",
+        a.steps,
+        human_bytes(a.peak_bytes)
+    );
+    if !a.stages.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n  {:<14} {:>6} {:>10} {:>10} {:>11} {:>9}",
+            "stage", "count", "mean peak", "max peak", "mean delta", "mean time"
+        );
+        for s in &a.stages {
+            let label = match s.kind {
+                oomkit_runlog::MeasureKind::Phase => format!("[{}]", s.name),
+                _ => s.name.clone(),
+            };
+            let delta = if s.mean_delta_bytes < 0 {
+                format!("-{}", human_bytes(s.mean_delta_bytes.unsigned_abs()))
+            } else {
+                format!("+{}", human_bytes(s.mean_delta_bytes as u64))
+            };
+            let _ = writeln!(
+                out,
+                "  {:<14} {:>6} {:>10} {:>10} {:>11} {:>8.1}ms",
+                label,
+                s.count,
+                human_bytes(s.mean_peak_bytes),
+                human_bytes(s.max_peak_bytes),
+                delta,
+                s.mean_seconds * 1000.0
+            );
+        }
+    }
+    if let Some(g) = &a.largest_growth {
+        let _ = writeln!(
+            out,
+            "\n  Largest growth: {} adds {} on top of what was there ({:.0}% of the peak)",
+            g.name,
+            human_bytes(g.mean_rise_bytes),
+            g.share_of_peak * 100.0
+        );
+    }
+    if let Some(c) = &a.components {
+        let _ = writeln!(
+            out,
+            "  Components: parameters {} (trainable {}, frozen {}), buffers {}, gradients {}, optimizer state {}, EMA {}",
+            human_bytes(c.params_bytes),
+            human_bytes(c.trainable_bytes),
+            human_bytes(c.frozen_bytes),
+            human_bytes(c.buffers_bytes),
+            human_bytes(c.grads_bytes),
+            human_bytes(c.optimizer_state_bytes),
+            human_bytes(c.ema_bytes)
+        );
+    }
+    if !a.findings.is_empty() {
+        let _ = writeln!(out, "\nFindings");
+        for f in &a.findings {
+            let _ = writeln!(out, "  * [{}] {}", f.kind, f.message);
+            let _ = writeln!(out, "    -> {}", f.advice);
+        }
+    } else {
+        let _ = writeln!(
+            out,
+            "\nNo findings: no leak, duplicate copy, eval spike or bad gradient."
+        );
+    }
+    if !a.warnings.is_empty() {
+        let _ = writeln!(out, "\nWarnings");
+        for w in &a.warnings {
+            let _ = writeln!(out, "  ! {}", w.message);
+        }
+    }
+    out
+}

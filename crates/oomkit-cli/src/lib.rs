@@ -1,0 +1,239 @@
+//! The `oomkit` command: a thin shell over the oomkit libraries.
+//!
+//! The binary and the Python package's console script both call [`main`].
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use oomkit_report::{FileAnalysis, Report, RunFile};
+use oomkit_snapshot::{Options, Snapshot};
+use std::ffi::OsString;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+/// The snapshot that `oomkit demo` analyzes; made by scripts/make_demo_snapshot.py.
+const DEMO: &[u8] = include_bytes!("../assets/demo_snapshot.pickle");
+const DEMO_NAME: &str = "demo_snapshot.pickle (bundled)";
+/// Files larger than this get a progress bar when stderr is a terminal.
+const PROGRESS_MIN_BYTES: u64 = 50 << 20;
+
+/// Exit code for success.
+pub const EXIT_OK: u8 = 0;
+/// Exit code for a bug in oomkit.
+pub const EXIT_INTERNAL: u8 = 1;
+/// Exit code for bad input or usage.
+pub const EXIT_INPUT: u8 = 2;
+
+#[derive(Parser)]
+#[command(
+    name = "oomkit",
+    version,
+    about = "Find out why PyTorch ran out of GPU memory."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Analyze PyTorch memory snapshots (torch.cuda.memory._dump_snapshot) or oomkit run logs.
+    Analyze {
+        /// Snapshot files or run logs (the format is detected); several files give one report each.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        #[command(flatten)]
+        report: ReportArgs,
+    },
+    /// Analyze the snapshot bundled in oomkit, to see a report with no set-up.
+    Demo {
+        #[command(flatten)]
+        report: ReportArgs,
+        /// Also write the bundled snapshot to this new file (never overwrites).
+        #[arg(long, value_name = "PATH")]
+        save: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct ReportArgs {
+    /// Print JSON: one object for one file, an array for several.
+    #[arg(long)]
+    json: bool,
+    /// How many allocation sites to list.
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    top: usize,
+    /// Only this CUDA device index.
+    #[arg(long, value_name = "D")]
+    device: Option<i64>,
+}
+
+/// Runs the command line `args` (program name first) and returns the exit code.
+pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
+    // A bug must end in one line and exit code 1, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("oomkit: internal error{at}: {msg} (please report this)");
+    }));
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { EXIT_INPUT } else { EXIT_OK };
+        }
+    };
+    std::panic::catch_unwind(|| run(cli)).unwrap_or(EXIT_INTERNAL)
+}
+
+fn options(r: &ReportArgs) -> Options {
+    Options {
+        top: r.top,
+        device: r.device,
+    }
+}
+
+fn run(cli: Cli) -> u8 {
+    match cli.command {
+        Command::Analyze { files, report } => {
+            let mut results = Vec::new();
+            let mut failed = false;
+            for path in &files {
+                match load(path, &options(&report)) {
+                    Ok(fa) => results.push(Ok(fa)),
+                    Err(msg) => {
+                        eprintln!("oomkit: {msg}");
+                        failed = true;
+                        results.push(Err((path.display().to_string(), msg)));
+                    }
+                }
+            }
+            emit(&results, &report);
+            if failed {
+                EXIT_INPUT
+            } else {
+                EXIT_OK
+            }
+        }
+        Command::Demo { report, save } => {
+            if let Some(path) = save {
+                if let Err(msg) = save_new(&path, DEMO) {
+                    eprintln!("oomkit: {msg}");
+                    return EXIT_INPUT;
+                }
+                eprintln!("oomkit: wrote the demo snapshot to {}", path.display());
+            }
+            match Snapshot::from_bytes(DEMO) {
+                Ok(snap) => {
+                    let fa = FileAnalysis::new(
+                        DEMO_NAME.into(),
+                        DEMO.len() as u64,
+                        &snap,
+                        &options(&report),
+                    );
+                    emit(&[Ok(Report::Snapshot(fa))], &report);
+                    EXIT_OK
+                }
+                Err(e) => {
+                    eprintln!("oomkit: internal error: the bundled snapshot is unreadable: {e}");
+                    EXIT_INTERNAL
+                }
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to a file that must not exist yet.
+fn save_new(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| format!("{}: {e} (oomkit never overwrites a file)", path.display()))?;
+    f.write_all(bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn load(path: &Path, opts: &Options) -> Result<Report, String> {
+    let shown = path.display().to_string();
+    let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    if looks_like_run_log(path) {
+        let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
+        return Ok(Report::Run(Box::new(RunFile {
+            path: shown,
+            analysis: oomkit_runlog::analyze(&run),
+        })));
+    }
+    let bar = (file_bytes >= PROGRESS_MIN_BYTES && std::io::stderr().is_terminal()).then(|| {
+        let b = ProgressBar::with_draw_target(Some(file_bytes), ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.set_message(format!("reading {shown}"));
+        b
+    });
+    let snap = Snapshot::load(path, &mut |pos, _| {
+        if let Some(b) = &bar {
+            b.set_position(pos as u64);
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
+    Ok(Report::Snapshot(FileAnalysis::new(
+        shown, file_bytes, &snap, opts,
+    )))
+}
+
+/// Pickles start with the PROTO opcode; run logs with a JSON object.
+fn looks_like_run_log(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .unwrap_or(0);
+    oomkit_runlog::is_run_log(&head[..n])
+}
+
+type Outcome = Result<Report, (String, String)>;
+
+fn emit(results: &[Outcome], report: &ReportArgs) {
+    let mut out = std::io::stdout().lock();
+    if report.json {
+        let values: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| match r {
+                Ok(r) => r.json(),
+                Err((file, error)) => serde_json::json!({"file": file, "error": error}),
+            })
+            .collect();
+        let doc = if values.len() == 1 {
+            values.into_iter().next().unwrap_or_default()
+        } else {
+            serde_json::Value::Array(values)
+        };
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        );
+    } else {
+        let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        for (i, r) in ok.iter().enumerate() {
+            if i > 0 {
+                let _ = writeln!(out);
+            }
+            let _ = write!(out, "{}", r.text());
+        }
+    }
+}

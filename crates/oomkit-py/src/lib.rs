@@ -1,0 +1,228 @@
+//! The PyO3 module `oomkit._native`: thin wrappers over the oomkit libraries.
+//!
+//! The Python tracker measures and hands numbers over; this module writes
+//! the run log and runs every analysis. It starts no thread and touches no
+//! GPU at import. A panic becomes a Python exception (PyO3's default with
+//! unwinding), never an abort of the training run.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+create_exception!(
+    _native,
+    OomkitError,
+    PyException,
+    "Base class of oomkit's errors."
+);
+create_exception!(
+    _native,
+    RunLogError,
+    OomkitError,
+    "A run log could not be written or read."
+);
+
+fn runlog_err(e: oomkit_runlog::Error) -> PyErr {
+    RunLogError::new_err(e.to_string())
+}
+
+/// Converts a Python value made of dicts, lists, strings and numbers to JSON.
+fn to_json(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+    if depth > 32 {
+        return Err(RunLogError::new_err("record nested deeper than 32 levels"));
+    }
+    if obj.is_none() {
+        return Ok(Value::Null);
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(Value::Bool(obj.extract()?));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<i64>() {
+            return Ok(Value::from(v));
+        }
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(Value::from(v));
+        }
+        return Ok(serde_json::Number::from_f64(obj.extract::<f64>()?)
+            .map(Value::Number)
+            .unwrap_or(Value::Null));
+    }
+    if obj.is_instance_of::<PyFloat>() {
+        // JSON has no NaN or infinity; null says "not a number" plainly.
+        return Ok(serde_json::Number::from_f64(obj.extract()?)
+            .map(Value::Number)
+            .unwrap_or(Value::Null));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Value::String(s.to_cow()?.into_owned()));
+    }
+    if let Ok(d) = obj.cast::<PyDict>() {
+        let mut m = serde_json::Map::new();
+        for (k, v) in d.iter() {
+            let key = match k.cast::<PyString>() {
+                Ok(s) => s.to_cow()?.into_owned(),
+                Err(_) => k.str()?.to_cow()?.into_owned(),
+            };
+            m.insert(key, to_json(&v, depth + 1)?);
+        }
+        return Ok(Value::Object(m));
+    }
+    if let Ok(l) = obj.cast::<PyList>() {
+        return l
+            .iter()
+            .map(|v| to_json(&v, depth + 1))
+            .collect::<PyResult<_>>()
+            .map(Value::Array);
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        return t
+            .iter()
+            .map(|v| to_json(&v, depth + 1))
+            .collect::<PyResult<_>>()
+            .map(Value::Array);
+    }
+    Err(RunLogError::new_err(format!(
+        "cannot log a value of type {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// A run log opened for appending records.
+#[pyclass(module = "oomkit._native")]
+struct RunLog {
+    writer: Mutex<Option<oomkit_runlog::Writer>>,
+    path: PathBuf,
+}
+
+#[pymethods]
+impl RunLog {
+    /// Creates the log file (and its folders); an existing file is never overwritten.
+    #[new]
+    fn new(path: PathBuf) -> PyResult<Self> {
+        let writer = oomkit_runlog::Writer::create(&path).map_err(runlog_err)?;
+        Ok(RunLog {
+            writer: Mutex::new(Some(writer)),
+            path,
+        })
+    }
+
+    /// Appends one record, a dict with a string "type"; flushes at step boundaries.
+    fn write(&self, record: &Bound<'_, PyAny>) -> PyResult<()> {
+        let value = to_json(record, 0)?;
+        let mut guard = self
+            .writer
+            .lock()
+            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        let w = guard
+            .as_mut()
+            .ok_or_else(|| RunLogError::new_err("the run log is closed"))?;
+        w.write(&value).map_err(runlog_err)
+    }
+
+    /// Writes buffered records to the file.
+    fn flush(&self) -> PyResult<()> {
+        let mut guard = self
+            .writer
+            .lock()
+            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        match guard.as_mut() {
+            Some(w) => w.flush().map_err(runlog_err),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes and closes the file; later writes raise RunLogError.
+    fn close(&self) -> PyResult<()> {
+        let mut guard = self
+            .writer
+            .lock()
+            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        if let Some(mut w) = guard.take() {
+            w.flush().map_err(runlog_err)?;
+        }
+        Ok(())
+    }
+
+    /// The log file's path.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    /// How many records were written.
+    #[getter]
+    fn records(&self) -> u64 {
+        self.writer
+            .lock()
+            .ok()
+            .and_then(|g| g.as_ref().map(|w| w.records()))
+            .unwrap_or(0)
+    }
+}
+
+fn analysis(path: &Path) -> PyResult<oomkit_report::RunFile> {
+    let run = oomkit_runlog::Run::read(path).map_err(runlog_err)?;
+    Ok(oomkit_report::RunFile {
+        path: path.display().to_string(),
+        analysis: oomkit_runlog::analyze(&run),
+    })
+}
+
+/// Analyzes a run log and returns the JSON document `oomkit analyze --json` prints.
+#[pyfunction]
+fn analyze_run_json(path: PathBuf) -> PyResult<String> {
+    let file = analysis(&path)?;
+    serde_json::to_string(&oomkit_report::run_json(&file))
+        .map_err(|e| OomkitError::new_err(e.to_string()))
+}
+
+/// Analyzes a run log and returns the report `oomkit analyze` prints.
+#[pyfunction]
+fn analyze_run_text(path: PathBuf) -> PyResult<String> {
+    Ok(oomkit_report::run_text(&analysis(&path)?))
+}
+
+/// Returns this process's resident set size in bytes (0 where unknown).
+#[pyfunction]
+fn process_rss() -> u64 {
+    oomkit_runlog::process::rss_bytes()
+}
+
+/// Returns this process's peak resident set size in bytes (0 where unknown).
+#[pyfunction]
+fn process_peak_rss() -> u64 {
+    oomkit_runlog::process::peak_rss_bytes()
+}
+
+/// Resets the peak resident set size; returns False where the system does not allow it.
+#[pyfunction]
+fn reset_process_peak_rss() -> bool {
+    oomkit_runlog::process::reset_peak_rss()
+}
+
+/// Runs the oomkit command line (argv with the program name first) and returns its exit code.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(|| oomkit_cli::main(argv.into_iter().map(Into::into)))
+}
+
+/// The native half of the oomkit package.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("OomkitError", m.py().get_type::<OomkitError>())?;
+    m.add("RunLogError", m.py().get_type::<RunLogError>())?;
+    m.add_class::<RunLog>()?;
+    m.add_function(wrap_pyfunction!(analyze_run_json, m)?)?;
+    m.add_function(wrap_pyfunction!(analyze_run_text, m)?)?;
+    m.add_function(wrap_pyfunction!(process_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(process_peak_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_process_peak_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,37 @@
+"""oomkit: find out why PyTorch ran out of memory.
+
+``oomkit.Tracker`` records memory per training stage, component costs,
+gradient health, duplicate model copies and OOMs to a run log;
+``oomkit.analyze`` (and the ``oomkit`` command) explains a run log or a
+PyTorch memory snapshot. Importing oomkit starts no thread and touches no
+GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+from oomkit._native import OomkitError, RunLogError, __version__
+from oomkit._oom import is_oom, requested_bytes
+from oomkit.tracker import Tracker, record_history
+
+__all__ = [
+    "OomkitError",
+    "RunLogError",
+    "Tracker",
+    "analyze",
+    "is_oom",
+    "record_history",
+    "requested_bytes",
+    "__version__",
+]
+
+
+def analyze(path: "str | os.PathLike[str]") -> Dict[str, Any]:
+    """Analyzes a run log and returns what ``oomkit analyze --json`` prints for it."""
+    from oomkit import _native
+
+    result: Dict[str, Any] = json.loads(_native.analyze_run_json(os.fspath(path)))
+    return result

@@ -1,0 +1,260 @@
+"""The tracker on real models running real training steps (CPU), as the installed package."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+
+import oomkit
+from models import MLP, TinyTransformer
+
+MIB = 1 << 20
+# The console script installed beside this interpreter.
+OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
+
+
+def kinds(analysis):
+    return [f["kind"] for f in analysis["findings"]]
+
+
+def mlp_loop(tmp_path, steps=40, keep=lambda val: val.item(), **kw):
+    torch.manual_seed(0)
+    model = MLP(1024, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    history = []
+    with oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path, **kw) as tracker:
+        for i in range(steps):
+            with tracker.step(i):
+                loss = model(torch.randn(128, 1024)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                # A validation loss computed with autograd on.
+                val = model(torch.randn(128, 1024)).square().mean()
+                history.append(keep(val))
+    return tracker, history
+
+
+def test_keeping_losses_with_their_graph_is_a_leak(tmp_path):
+    tracker, _ = mlp_loop(tmp_path, keep=lambda val: val)
+    a = oomkit.analyze(tracker.log_path)
+    assert a["kind"] == "run" and a["steps"] == 40
+    leak = next(f for f in a["findings"] if f["kind"] == "leak")
+    # Each kept loss holds its graph: 4 layers x (linear input + GELU input)
+    # of 128x1024 fp32 = 4 MiB, plus the head's input.
+    assert leak["bytes_per_step"] > 2 * MIB, leak
+    assert a["leak"]["confidence"] > 0.8
+
+
+def test_a_clean_loop_has_no_leak_and_no_duplicate(tmp_path):
+    tracker, _ = mlp_loop(tmp_path)
+    a = oomkit.analyze(tracker.log_path)
+    assert "leak" not in kinds(a), a["findings"]
+    assert "duplicate_copy" not in kinds(a), a["findings"]
+    names = {(s["kind"], s["name"]): s["count"] for s in a["stages"]}
+    assert names[("stage", "forward")] == 80  # training and validation forwards
+    assert names[("stage", "backward")] == 40
+    assert names[("stage", "optimizer")] == 40
+    assert names[("step", "step")] == 40
+    c = a["components"]
+    assert c["params_bytes"] == sum(p.numel() * 4 for p in MLP(1024, 4).parameters())
+    # AdamW keeps two moments per parameter and a step count per tensor.
+    assert 2 * c["params_bytes"] <= c["optimizer_state_bytes"] <= 2 * c["params_bytes"] + 4096
+
+
+def test_fp32_model_kept_beside_bf16_copy_is_a_duplicate(tmp_path):
+    model32 = MLP(512, 3)
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    expected = sum(p.numel() * 4 for p in model32.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path) as tracker:
+        for i in range(3):
+            with tracker.step(i):
+                model(torch.randn(8, 512, dtype=torch.bfloat16)).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        found = tracker.find_duplicates()
+    assert found["bytes"] == expected
+    [group] = found["groups"]
+    assert group["dtype"] == "torch.float32" and group["device"] == "cpu"
+    a = oomkit.analyze(tracker.log_path)
+    dup = next(f for f in a["findings"] if f["kind"] == "duplicate_copy")
+    assert dup["bytes"] == expected
+    del model32
+
+
+def test_nan_gradients_are_reported(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(64, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path, grad_every=1) as tracker:
+        for i in range(4):
+            with tracker.step(i):
+                x = torch.randn(16, 64)
+                if i == 2:
+                    x[0, 0] = float("nan")
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    a = oomkit.analyze(tracker.log_path)
+    f = next(f for f in a["findings"] if f["kind"] == "grad_nonfinite")
+    assert f["step"] == 2
+    assert a["grad_nonfinite_checks"] >= 1
+
+
+def test_transformer_stages_and_components(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path, grad_every=2) as tracker:
+        for i in range(6):
+            with tracker.step(i):
+                model.loss(torch.randint(0, 512, (8, 65))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if i % 3 == 0:
+                with tracker.phase("eval"), torch.no_grad():
+                    model.loss(torch.randint(0, 512, (8, 65)))
+    a = oomkit.analyze(tracker.log_path)
+    stages = {(s["kind"], s["name"]): s for s in a["stages"]}
+    assert stages[("stage", "backward")]["count"] == 6
+    assert stages[("phase", "eval")]["count"] == 2
+    by_module = {m["name"]: m for m in a["components"]["by_module"]}
+    assert set(by_module) == {"embed", "blocks", "norm", "lm_head"}
+    grads = [json.loads(l) for l in open(tracker.log_path) if '"type":"grad"' in l]
+    assert [g["step"] for g in grads] == [0, 2, 4]
+    assert all(g["total_norm"] > 0 and g["nan_params"] == 0 for g in grads)
+
+
+def test_oom_inside_a_step_is_recorded_diagnosed_and_reraised(tmp_path, capfd):
+    model = MLP(64, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path)
+    with tracker.step(0):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    msg = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
+        "of which 1.12 GiB is free."
+    )
+
+    def fail(module, args, output):
+        raise torch.OutOfMemoryError(msg)
+
+    # The allocation fails inside the model's forward, as a real one would.
+    model.head.register_forward_hook(fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        with tracker.step(1):
+            model(torch.randn(4, 64)).sum().backward()
+    tracker.close()
+    records = [json.loads(l) for l in open(tracker.log_path)]
+    types = [r["type"] for r in records]
+    assert types[0] == "start" and types[-1] == "end"
+    oom = next(r for r in records if r["type"] == "oom")
+    assert oom["step"] == 1 and oom["requested_bytes"] == 2 << 30
+    assert oom["stage"] == "forward"
+    assert any(r["type"] == "duplicates" and r["when"] == "oom" for r in records)
+    assert any(r["type"] == "step" and r["step"] == 1 for r in records)
+    err = capfd.readouterr().err
+    assert "out of memory" in err and "[oom]" in err
+    a = oomkit.analyze(tracker.log_path)
+    assert kinds(a)[0] == "oom"
+
+
+def test_tracker_failures_never_reach_the_training_loop(tmp_path, monkeypatch):
+    model = MLP(64, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path) as tracker:
+        def broken():
+            raise RuntimeError("meter broke")
+
+        monkeypatch.setattr(tracker._meter, "now", broken)
+        for i in range(3):
+            with tracker.step(i):
+                model(torch.randn(4, 64)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    a = oomkit.analyze(tracker.log_path)
+    assert any(w["kind"] == "tracker_errors" for w in a["warnings"])
+
+
+def test_tracker_holds_no_tensors_and_works_under_no_grad(tmp_path):
+    model = MLP(64, 2)
+    ref = weakref.ref(model)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path)
+    with torch.no_grad():
+        for i in range(2):
+            with tracker.step(i):
+                model(torch.randn(4, 64))
+    assert not any(isinstance(o, torch.Tensor) for o in gc.get_referents(*vars(tracker).values()))
+    del model
+    gc.collect()
+    assert ref() is None
+    tracker.close()
+    a = oomkit.analyze(tracker.log_path)
+    assert a["steps"] == 2
+
+
+def test_log_survives_sigkill(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch, oomkit
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from models import MLP
+        model = MLP(64, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracker = oomkit.Tracker(model, optimizer=opt, log_dir={str(tmp_path)!r})
+        print(tracker.log_path, flush=True)
+        for i in range(5):
+            with tracker.step(i):
+                model(torch.randn(4, 64)).sum().backward()
+                opt.step()
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL
+    log = p.stdout.strip().splitlines()[-1]
+    out = subprocess.run([OOMKIT, "analyze", "--json", log], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    a = json.loads(out.stdout)
+    assert a["steps"] == 5
+    assert any(w["kind"] == "not_closed" for w in a["warnings"])
+
+
+def test_import_starts_no_thread_and_no_cuda():
+    code = (
+        "import threading, torch; n = threading.active_count(); import oomkit; "
+        "assert threading.active_count() == n; "
+        "assert not torch.cuda.is_initialized(); print('ok')"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.strip() == "ok", p.stderr
+
+
+def test_logs_are_never_overwritten_and_errors_are_typed(tmp_path):
+    path = tmp_path / "x.jsonl"
+    log = oomkit._native.RunLog(str(path))
+    log.write({"type": "start", "device": "cpu"})
+    log.close()
+    with pytest.raises(oomkit.RunLogError):
+        oomkit._native.RunLog(str(path))
+    with pytest.raises(oomkit.RunLogError):
+        log.write({"type": "step"})
+    assert issubclass(oomkit.RunLogError, oomkit.OomkitError)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(oomkit.RunLogError, match="not an oomkit run log"):
+        oomkit.analyze(bad)
+    out = subprocess.run([OOMKIT, "analyze", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "bad.jsonl" in out.stderr
