@@ -49,6 +49,15 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
+def _add_unique(t: Any, seen: set) -> int:
+    """Returns the tensor's bytes the first time its storage is seen, else 0."""
+    k = _storage_key(t)
+    if k in seen:
+        return 0
+    seen.add(k)
+    return _nbytes(t)
+
+
 class _Meter:
     """Reads memory in use and the peak since the last reset, on CUDA or CPU."""
 
@@ -381,41 +390,27 @@ class Tracker:
     def _components(self) -> Dict[str, Any]:
         model = self._model_ref()
         seen: set = set()
-
-        def add(t: Any, into: set) -> int:
-            k = _storage_key(t)
-            if k in into:
-                return 0
-            into.add(k)
-            return _nbytes(t)
-
         params_bytes = trainable = frozen = count = 0
         for p in model.parameters() if model is not None else []:
-            b = add(p, seen)
+            b = _add_unique(p, seen)
             params_bytes += b
             count += p.numel() if b else 0
             if p.requires_grad:
                 trainable += b
             else:
                 frozen += b
-        buffers = sum(add(b, seen) for b in (model.buffers() if model is not None else []))
+        buffers = sum(_add_unique(b, seen) for b in (model.buffers() if model is not None else []))
         grads_seen: set = set()
-        grads = sum(add(p.grad, grads_seen) for p in self._params() if p.grad is not None)
-        opt_bytes = 0
-        opt = self._opt_ref() if self._opt_ref is not None else None
-        if opt is not None:
-            opt_seen: set = set()
-            for state in opt.state.values():
-                for v in state.values() if isinstance(state, dict) else []:
-                    if _is_tensor(v):
-                        opt_bytes += add(v, opt_seen)
+        grads = sum(_add_unique(p.grad, grads_seen) for p in self._params() if p.grad is not None)
+        opt_seen: set = set()
+        opt_bytes = sum(_add_unique(t, opt_seen) for t in self._optimizer_tensors())
         ema_bytes, ema_device = self._ema_cost()
         by_module = []
         if model is not None:
             for name, child in model.named_children():
                 ps = list(child.parameters())
                 mseen: set = set()
-                pb = sum(add(p, mseen) for p in ps)
+                pb = sum(_add_unique(p, mseen) for p in ps)
                 tb = sum(_nbytes(p) for p in ps if p.requires_grad)
                 by_module.append(
                     {
@@ -451,16 +446,20 @@ class Tracker:
         return out
 
     def _ema_cost(self) -> Tuple[int, Optional[str]]:
+        tensors = self._ema_tensors()
         seen: set = set()
-        total = 0
-        device = None
-        for t in self._ema_tensors():
-            k = _storage_key(t)
-            if k not in seen:
-                seen.add(k)
-                total += _nbytes(t)
-                device = device or str(t.device)
-        return total, device
+        total = sum(_add_unique(t, seen) for t in tensors)
+        return total, (str(tensors[0].device) if tensors else None)
+
+    def _optimizer_tensors(self) -> List[Any]:
+        opt = self._opt_ref() if self._opt_ref is not None else None
+        if opt is None:
+            return []
+        out: List[Any] = []
+        for state in opt.state.values():
+            if isinstance(state, dict):
+                out.extend(v for v in state.values() if _is_tensor(v))
+        return out
 
     def _tracked_storages(self) -> set:
         keys = set()
@@ -470,12 +469,8 @@ class Tracker:
                 keys.add(_storage_key(t))
                 if t.grad is not None:
                     keys.add(_storage_key(t.grad))
-        opt = self._opt_ref() if self._opt_ref is not None else None
-        if opt is not None:
-            for state in opt.state.values():
-                for v in state.values() if isinstance(state, dict) else []:
-                    if _is_tensor(v):
-                        keys.add(_storage_key(v))
+        for t in self._optimizer_tensors():
+            keys.add(_storage_key(t))
         for t in self._ema_tensors():
             keys.add(_storage_key(t))
         return keys

@@ -99,6 +99,14 @@ struct RunLog {
     path: PathBuf,
 }
 
+impl RunLog {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Option<oomkit_runlog::Writer>>> {
+        self.writer
+            .lock()
+            .map_err(|_| RunLogError::new_err("the run log's lock is poisoned"))
+    }
+}
+
 #[pymethods]
 impl RunLog {
     /// Creates the log file (and its folders); an existing file is never overwritten.
@@ -114,10 +122,7 @@ impl RunLog {
     /// Appends one record, a dict with a string "type"; flushes at step boundaries.
     fn write(&self, record: &Bound<'_, PyAny>) -> PyResult<()> {
         let value = to_json(record, 0)?;
-        let mut guard = self
-            .writer
-            .lock()
-            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        let mut guard = self.lock()?;
         let w = guard
             .as_mut()
             .ok_or_else(|| RunLogError::new_err("the run log is closed"))?;
@@ -126,10 +131,7 @@ impl RunLog {
 
     /// Writes buffered records to the file.
     fn flush(&self) -> PyResult<()> {
-        let mut guard = self
-            .writer
-            .lock()
-            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        let mut guard = self.lock()?;
         match guard.as_mut() {
             Some(w) => w.flush().map_err(runlog_err),
             None => Ok(()),
@@ -138,10 +140,7 @@ impl RunLog {
 
     /// Flushes and closes the file; later writes raise RunLogError.
     fn close(&self) -> PyResult<()> {
-        let mut guard = self
-            .writer
-            .lock()
-            .map_err(|_| RunLogError::new_err("log poisoned"))?;
+        let mut guard = self.lock()?;
         if let Some(mut w) = guard.take() {
             w.flush().map_err(runlog_err)?;
         }

@@ -166,6 +166,15 @@ impl std::fmt::Debug for TraceEvent {
 const NO_TIME: i64 = i64::MIN;
 
 impl TraceEvent {
+    /// An entry before its fields are read.
+    const BLANK: TraceEvent = TraceEvent {
+        action: Action::Unknown,
+        addr: 0,
+        size: 0,
+        stack: StackId::EMPTY,
+        time_us: NO_TIME,
+    };
+
     /// Returns when the entry was recorded, in microseconds since the epoch; absent before torch 2.2.
     pub fn time_us(&self) -> Option<i64> {
         (self.time_us != NO_TIME).then_some(self.time_us)
@@ -308,7 +317,7 @@ fn field_err(doc: &Document<'_>, at: impl FnOnce() -> String, slot: Slot, want: 
 /// Interns the stacks of a document, remembering each shared frame list once.
 struct StackReader {
     stacks: Stacks,
-    recent: Vec<Option<(Slot, StackId)>>,
+    recent: SlotCache<StackId>,
     stack_cache: HashMap<Slot, StackId, FastState>,
     frame_cache: HashMap<Slot, FrameId, FastState>,
 }
@@ -317,7 +326,7 @@ impl Default for StackReader {
     fn default() -> Self {
         StackReader {
             stacks: Stacks::default(),
-            recent: vec![None; STACK_BUCKETS],
+            recent: SlotCache::new(STACK_BUCKETS),
             stack_cache: HashMap::default(),
             frame_cache: HashMap::default(),
         }
@@ -333,14 +342,11 @@ impl StackReader {
     ) -> Result<StackId> {
         // Every trace entry names its stack; a direct-mapped cache answers
         // most of them without probing the table.
-        let bucket = slot_bucket(frames, STACK_BUCKETS);
-        if let Some((s, id)) = self.recent[bucket] {
-            if s == frames {
-                return Ok(id);
-            }
+        if let Some(id) = self.recent.get(frames) {
+            return Ok(id);
         }
         if let Some(&id) = self.stack_cache.get(&frames) {
-            self.recent[bucket] = Some((frames, id));
+            self.recent.put(frames, id);
             return Ok(id);
         }
         let items = match doc.kind(frames) {
@@ -371,7 +377,7 @@ impl StackReader {
         }
         let id = self.stacks.intern_stack(ids);
         self.stack_cache.insert(frames, id);
-        self.recent[bucket] = Some((frames, id));
+        self.recent.put(frames, id);
         Ok(id)
     }
 }
@@ -388,6 +394,20 @@ enum EntryField {
     Other,
 }
 
+impl EntryField {
+    fn of(key: &[u8]) -> EntryField {
+        match key {
+            b"action" => EntryField::Action,
+            b"addr" => EntryField::Addr,
+            b"size" => EntryField::Size,
+            b"time_us" => EntryField::TimeUs,
+            b"frames" => EntryField::Frames,
+            b"device_free" => EntryField::DeviceFree,
+            _ => EntryField::Other,
+        }
+    }
+}
+
 /// Turns trace entries into [`TraceEvent`]s while the pickle is parsed, so
 /// that a million-entry trace never exists as a million generic dicts.
 ///
@@ -396,8 +416,8 @@ enum EntryField {
 struct EntryClaim {
     stacks: StackReader,
     events: Vec<TraceEvent>,
-    keys: [Option<(Slot, EntryField)>; KEY_BUCKETS],
-    actions: [Option<(Slot, Action)>; KEY_BUCKETS],
+    keys: SlotCache<EntryField>,
+    actions: SlotCache<Action>,
 }
 
 /// Size of the direct-mapped caches of key and action strings.
@@ -405,11 +425,38 @@ const KEY_BUCKETS: usize = 64;
 /// Size of the direct-mapped cache in front of the stack table.
 const STACK_BUCKETS: usize = 4096;
 
-/// Picks a bucket of a direct-mapped cache (`n` a power of two) for a slot.
-fn slot_bucket(slot: Slot, n: usize) -> usize {
-    let mut h = FastHasher::default();
-    std::hash::Hash::hash(&slot, &mut h);
-    std::hash::Hasher::finish(&h) as usize & (n - 1)
+/// A direct-mapped cache from slots to small values: one probe, no
+/// collision chains, a colliding slot simply replaces the older one.
+struct SlotCache<T: Copy> {
+    buckets: Vec<Option<(Slot, T)>>,
+}
+
+impl<T: Copy> SlotCache<T> {
+    /// Makes a cache of `n` buckets, a power of two.
+    fn new(n: usize) -> Self {
+        debug_assert!(n.is_power_of_two());
+        SlotCache {
+            buckets: vec![None; n],
+        }
+    }
+
+    fn bucket(&self, slot: Slot) -> usize {
+        let mut h = FastHasher::default();
+        std::hash::Hash::hash(&slot, &mut h);
+        std::hash::Hasher::finish(&h) as usize & (self.buckets.len() - 1)
+    }
+
+    fn get(&self, slot: Slot) -> Option<T> {
+        match self.buckets[self.bucket(slot)] {
+            Some((s, v)) if s == slot => Some(v),
+            _ => None,
+        }
+    }
+
+    fn put(&mut self, slot: Slot, value: T) {
+        let at = self.bucket(slot);
+        self.buckets[at] = Some((slot, value));
+    }
 }
 
 impl EntryClaim {
@@ -420,53 +467,33 @@ impl EntryClaim {
             // are never touched cost no resident memory, while growing by
             // doubling would briefly hold two copies of the events.
             events: Vec::with_capacity(file_len / 32),
-            keys: [None; KEY_BUCKETS],
-            actions: [None; KEY_BUCKETS],
+            keys: SlotCache::new(KEY_BUCKETS),
+            actions: SlotCache::new(KEY_BUCKETS),
         }
     }
 
     fn field(&mut self, doc: &Document<'_>, key: Slot) -> Option<EntryField> {
-        let at = slot_bucket(key, KEY_BUCKETS);
-        if let Some((k, f)) = self.keys[at] {
-            if k == key {
-                return Some(f);
-            }
+        if let Some(f) = self.keys.get(key) {
+            return Some(f);
         }
-        let f = match doc.str_bytes(key)? {
-            b"action" => EntryField::Action,
-            b"addr" => EntryField::Addr,
-            b"size" => EntryField::Size,
-            b"time_us" => EntryField::TimeUs,
-            b"frames" => EntryField::Frames,
-            b"device_free" => EntryField::DeviceFree,
-            _ => EntryField::Other,
-        };
+        let f = EntryField::of(doc.str_bytes(key)?);
         // Keys are shared through the memo, so a few slots cover a whole trace.
-        self.keys[at] = Some((key, f));
+        self.keys.put(key, f);
         Some(f)
     }
 
     fn action(&mut self, doc: &Document<'_>, slot: Slot) -> Option<Action> {
-        let at = slot_bucket(slot, KEY_BUCKETS);
-        if let Some((s, a)) = self.actions[at] {
-            if s == slot {
-                return Some(a);
-            }
+        if let Some(a) = self.actions.get(slot) {
+            return Some(a);
         }
         let a = Action::parse(doc.str_bytes(slot)?);
-        self.actions[at] = Some((slot, a));
+        self.actions.put(slot, a);
         Some(a)
     }
 
     fn read(&mut self, doc: &Document<'_>, dict: Slot) -> Option<TraceEvent> {
         let uint = |s: Slot| doc.as_i128(s).and_then(|v| u64::try_from(v).ok());
-        let mut ev = TraceEvent {
-            action: Action::Unknown,
-            addr: 0,
-            size: 0,
-            time_us: NO_TIME,
-            stack: StackId::EMPTY,
-        };
+        let mut ev = TraceEvent::BLANK;
         let mut action = None;
         let mut device_free = None;
         for (k, v) in doc.dict_items(dict)? {
@@ -747,24 +774,20 @@ impl<'d, 'a> Reader<'d, 'a> {
             if doc.kind(e) != Some(Kind::Dict) {
                 return Err(self.field_err(|| format!("device_traces[{d}][{i}]"), e, "a dict"));
             }
-            let mut ev = TraceEvent {
-                action: Action::Unknown,
-                addr: 0,
-                size: 0,
-                time_us: NO_TIME,
-                stack: StackId::EMPTY,
-            };
+            let mut ev = TraceEvent::BLANK;
             let mut action_slot = None;
             let mut device_free = None;
             for (k, v) in doc.dict_items(e).into_iter().flatten() {
-                match doc.str_bytes(k).unwrap_or(b"") {
-                    b"action" => action_slot = Some(v),
-                    b"addr" => ev.addr = self.uint(v, || at("addr"))?,
-                    b"size" => ev.size = self.uint(v, || at("size"))?,
-                    b"time_us" => ev.set_time(doc.as_i64(v)),
-                    b"frames" => ev.stack = self.stack(v, || at("frames"))?,
-                    b"device_free" => device_free = Some(self.uint(v, || at("device_free"))?),
-                    _ => {}
+                match EntryField::of(doc.str_bytes(k).unwrap_or(b"")) {
+                    EntryField::Action => action_slot = Some(v),
+                    EntryField::Addr => ev.addr = self.uint(v, || at("addr"))?,
+                    EntryField::Size => ev.size = self.uint(v, || at("size"))?,
+                    EntryField::TimeUs => ev.set_time(doc.as_i64(v)),
+                    EntryField::Frames => ev.stack = self.stack(v, || at("frames"))?,
+                    EntryField::DeviceFree => {
+                        device_free = Some(self.uint(v, || at("device_free"))?)
+                    }
+                    EntryField::Other => {}
                 }
             }
             let Some(a) = action_slot else {
