@@ -3,6 +3,8 @@
 //! The binary and the Python package's console script both call [`main`].
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod commands;
+
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oomkit_report::{FileAnalysis, Report, RunFile};
@@ -23,6 +25,12 @@ pub const EXIT_OK: u8 = 0;
 pub const EXIT_INTERNAL: u8 = 1;
 /// Exit code for bad input or usage.
 pub const EXIT_INPUT: u8 = 2;
+/// Exit code when a GPU is needed and the machine has none (or no driver).
+pub const EXIT_NO_GPU: u8 = 3;
+/// Exit code when no GPU qualified before `--wait` ran out.
+pub const EXIT_WAIT_TIMEOUT: u8 = 4;
+/// Exit code from `find-batch` when not even the smallest micro-batch fits.
+pub const EXIT_NOTHING_FITS: u8 = 5;
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +53,20 @@ enum Command {
         #[command(flatten)]
         report: ReportArgs,
     },
+    /// List the GPUs: memory, utilization and processes.
+    Gpus {
+        /// Print JSON: a list of GPUs.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a training command on the freest GPU, retrying after an OOM with a smaller micro-batch.
+    Run(commands::RunArgs),
+    /// Find the largest micro-batch that fits, in a few runs of the command.
+    FindBatch(commands::FindBatchArgs),
+    /// Explain a PyTorch out-of-memory message (an argument, or a whole log on stdin).
+    Explain(commands::ExplainArgs),
+    /// Estimate the memory a training run needs, before running it.
+    Estimate(commands::EstimateArgs),
     /// Analyze the snapshot bundled in oomkit, to see a report with no set-up.
     Demo {
         #[command(flatten)]
@@ -103,6 +125,11 @@ fn options(r: &ReportArgs) -> Options {
 
 fn run(cli: Cli) -> u8 {
     match cli.command {
+        Command::Gpus { json } => commands::gpus(json),
+        Command::Run(args) => commands::run(args),
+        Command::FindBatch(args) => commands::find_batch(args),
+        Command::Explain(args) => commands::explain(args),
+        Command::Estimate(args) => commands::estimate(args),
         Command::Analyze { files, report } => {
             let mut results = Vec::new();
             let mut failed = false;

@@ -4,6 +4,7 @@
 use crate::hash::FastState;
 use crate::model::{Action, BlockState, Snapshot, Stage};
 use crate::stacks::{Frame, Site, StackId, Stacks};
+pub use oomkit_units::human_bytes;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -205,23 +206,6 @@ pub struct Analysis {
 
 const RECORD_CALL: &str = "torch.cuda.memory._record_memory_history(max_entries=1_000_000) before the run, then torch.cuda.memory._dump_snapshot(\"snap.pickle\")";
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// Formats bytes for people: `1.50 GiB`, `12.0 MiB`, `512 B`.
-pub fn human_bytes(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    match i {
-        0 => format!("{b} B"),
-        _ if v >= 100.0 => format!("{v:.0} {}", units[i]),
-        _ if v >= 10.0 => format!("{v:.1} {}", units[i]),
-        _ => format!("{v:.2} {}", units[i]),
-    }
-}
 
 /// Analyzes a snapshot.
 pub fn analyze(snap: &Snapshot, opts: &Options) -> Analysis {

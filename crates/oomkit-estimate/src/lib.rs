@@ -1,0 +1,524 @@
+//! Training memory budgets from a model's shape and the training choices.
+//!
+//! Per parameter: the weights in their storage dtype, gradients in the same
+//! dtype, and optimizer state (AdamW keeps two moments in the parameter's
+//! dtype, as `torch.optim.AdamW` does; mixed precision keeps fp32 weights,
+//! gradients and moments). Activations per transformer layer follow
+//! Korthikanti et al. 2022, generalised to any attention width and MLP width:
+//! `s*b*(10h + 8*d_attn + 4*f) + 5*a*s^2*b` bytes at 16 bits, which is their
+//! `s*b*h*(34 + 5*a*s/h)` when `d_attn = h` and `f = 4h`. Flash attention drops
+//! the `s^2` term; full recomputation keeps `2*s*b*h` per layer plus one
+//! layer's activations while it is recomputed.
+
+use serde::Serialize;
+
+/// Why an estimate could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum EstimateError {
+    /// The model config lacks a field the estimate needs.
+    #[error("the config has no {0} (looked for {1})")]
+    MissingField(&'static str, &'static str),
+    /// The config is not a JSON object.
+    #[error("not a Hugging Face model config: {0}")]
+    NotAConfig(String),
+    /// A value is out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The shape of a transformer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Architecture {
+    /// Hidden size (d_model).
+    pub hidden: u64,
+    /// Encoder layers, or all layers of a decoder-only model.
+    pub layers: u64,
+    /// Decoder layers of an encoder-decoder model, 0 otherwise.
+    pub decoder_layers: u64,
+    /// Attention heads.
+    pub heads: u64,
+    /// Heads x head size, which is the hidden size in most models.
+    pub attention_width: u64,
+    /// MLP inner size.
+    pub ffn: u64,
+    /// Whether the MLP is gated (SwiGLU and the like), with three matrices instead of two.
+    pub gated_mlp: bool,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Whether the output projection shares the embedding's weights.
+    pub tied_embeddings: bool,
+    /// Where the shape came from: "config" or "guessed from the parameter count".
+    pub source: String,
+}
+
+impl Architecture {
+    /// Parameters implied by the shape.
+    pub fn params(&self) -> u64 {
+        let attn = 4 * self.hidden * self.attention_width;
+        let mlp = (if self.gated_mlp { 3 } else { 2 }) * self.hidden * self.ffn;
+        let norms = 4 * self.hidden;
+        let enc = self.layers * (attn + mlp + norms);
+        let dec = self.decoder_layers * (2 * attn + mlp + norms);
+        let emb = self.vocab * self.hidden * if self.tied_embeddings { 1 } else { 2 };
+        enc + dec + emb
+    }
+
+    /// A GPT-style shape for a parameter count, from the GPT-3 paper's table of model sizes.
+    pub fn guess(params: u64) -> Architecture {
+        // (parameters, hidden, layers, heads)
+        const TABLE: [(f64, u64, u64, u64); 10] = [
+            (125e6, 768, 12, 12),
+            (350e6, 1024, 24, 16),
+            (760e6, 1536, 24, 16),
+            (1.3e9, 2048, 24, 32),
+            (2.7e9, 2560, 32, 32),
+            (6.7e9, 4096, 32, 32),
+            (13e9, 5120, 40, 40),
+            (30e9, 6656, 60, 52),
+            (70e9, 8192, 80, 64),
+            (175e9, 12288, 96, 96),
+        ];
+        let p = (params.max(1) as f64).ln();
+        let &(_, hidden, layers, heads) = TABLE
+            .iter()
+            .min_by(|a, b| {
+                (a.0.ln() - p)
+                    .abs()
+                    .partial_cmp(&(b.0.ln() - p).abs())
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })
+            .unwrap_or(&TABLE[0]);
+        Architecture {
+            hidden,
+            layers,
+            decoder_layers: 0,
+            heads,
+            attention_width: hidden,
+            ffn: 4 * hidden,
+            gated_mlp: false,
+            vocab: 50257,
+            tied_embeddings: true,
+            source: "guessed from the parameter count".into(),
+        }
+    }
+
+    /// Reads the shape from a Hugging Face `config.json` (GPT-2, Llama, Mistral, T5, BART and most others).
+    pub fn from_hf_config(text: &str) -> Result<Architecture, EstimateError> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| EstimateError::NotAConfig(e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| EstimateError::NotAConfig("not a JSON object".into()))?;
+        // Multimodal configs keep the language model under text_config.
+        let cfg = obj
+            .get("text_config")
+            .and_then(|t| t.as_object())
+            .unwrap_or(obj);
+        let get = |keys: &[&str]| {
+            keys.iter()
+                .find_map(|k| cfg.get(*k).and_then(|x| x.as_u64()))
+        };
+        let need = |name: &'static str, keys: &'static str| {
+            let list: Vec<&str> = keys.split(", ").collect();
+            get(&list).ok_or(EstimateError::MissingField(name, keys))
+        };
+        let hidden = need("hidden size", "hidden_size, d_model, n_embd, dim")?;
+        let heads = need(
+            "attention head count",
+            "num_attention_heads, num_heads, n_head, encoder_attention_heads",
+        )?;
+        let layers = need(
+            "layer count",
+            "num_hidden_layers, num_layers, n_layer, encoder_layers",
+        )?;
+        let is_enc_dec = cfg
+            .get("is_encoder_decoder")
+            .and_then(|x| x.as_bool())
+            .unwrap_or(false);
+        let decoder_layers = if is_enc_dec {
+            get(&["num_decoder_layers", "decoder_layers"]).unwrap_or(layers)
+        } else {
+            0
+        };
+        let head_dim = get(&["head_dim", "d_kv"]).unwrap_or(hidden / heads.max(1));
+        let ffn = get(&[
+            "intermediate_size",
+            "d_ff",
+            "n_inner",
+            "ffn_dim",
+            "encoder_ffn_dim",
+        ])
+        .unwrap_or(4 * hidden);
+        let act = cfg
+            .get("hidden_act")
+            .or_else(|| cfg.get("feed_forward_proj"))
+            .and_then(|x| x.as_str())
+            .unwrap_or("");
+        let gated_mlp = act.contains("gated") || act == "silu" || act == "swiglu";
+        Ok(Architecture {
+            hidden,
+            layers,
+            decoder_layers,
+            heads,
+            attention_width: heads * head_dim,
+            ffn,
+            gated_mlp,
+            vocab: get(&["vocab_size", "padded_vocab_size"]).unwrap_or(32000),
+            tied_embeddings: cfg
+                .get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(true),
+            source: "config".into(),
+        })
+    }
+}
+
+/// The dtype the weights are kept and computed in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit floats.
+    Fp32,
+    /// IEEE half precision.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dtype::Fp32 => 4,
+            Dtype::Fp16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The optimizer, which sets the state kept per trainable parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    /// Adam or AdamW: two moments.
+    AdamW,
+    /// bitsandbytes 8-bit AdamW: two one-byte moments.
+    AdamW8bit,
+    /// SGD with momentum: one buffer.
+    Sgd,
+    /// Adafactor without momentum: factored second moments, a row and a column per matrix.
+    Adafactor,
+}
+
+/// Everything an estimate depends on.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Inputs {
+    /// The model's shape.
+    pub arch: Architecture,
+    /// Parameters; the shape's own count unless given.
+    pub params: u64,
+    /// The compute dtype.
+    pub dtype: Dtype,
+    /// fp32 weights, gradients and optimizer state with 16-bit autocast (torch.autocast).
+    pub mixed_precision: bool,
+    /// The optimizer.
+    pub optimizer: Optimizer,
+    /// Micro-batch size.
+    pub batch: u64,
+    /// Sequence length in tokens.
+    pub seq: u64,
+    /// Full activation recomputation.
+    pub grad_checkpointing: bool,
+    /// Memory-efficient attention (no s^2 scores kept).
+    pub flash_attention: bool,
+    /// An exponential moving average of the weights on the GPU.
+    pub ema: bool,
+    /// LoRA rank on the attention projections; the base weights are frozen.
+    pub lora_rank: Option<u64>,
+    /// CUDA context, cuBLAS workspaces and allocator slack outside the tensors.
+    pub overhead_bytes: u64,
+    /// Device memory to fit in.
+    pub capacity_bytes: Option<u64>,
+}
+
+/// The budget, line by line.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Parameters in the model.
+    pub params: u64,
+    /// Parameters that receive gradients.
+    pub trainable_params: u64,
+    /// Model weights.
+    pub weights_bytes: u64,
+    /// Gradients of the trainable parameters.
+    pub gradients_bytes: u64,
+    /// Optimizer state, including fp32 master weights where kept.
+    pub optimizer_bytes: u64,
+    /// The EMA copy of the weights.
+    pub ema_bytes: u64,
+    /// Activations kept for backward, and the logits.
+    pub activations_bytes: u64,
+    /// CUDA context and other memory outside tensors.
+    pub overhead_bytes: u64,
+    /// The sum of the above.
+    pub total_bytes: u64,
+    /// Device memory, if known.
+    pub capacity_bytes: Option<u64>,
+    /// Activation bytes each additional sample adds.
+    pub per_sample_bytes: u64,
+    /// The largest micro-batch that fits the capacity, if known; 0 when even the fixed part does not fit.
+    pub max_batch: Option<u64>,
+    /// The inputs, as used.
+    pub inputs: Inputs,
+}
+
+/// Activation bytes for one sequence of the micro-batch (batch 1).
+fn activations_per_sample(i: &Inputs) -> u64 {
+    let a = &i.arch;
+    let (s, h, d, f, heads) = (i.seq, a.hidden, a.attention_width, a.ffn, a.heads);
+    let mlp = 3 * s * h + if a.gated_mlp { 6 * s * f } else { 4 * s * f };
+    let attn_linear = 3 * s * h + 8 * s * d;
+    let scores = if i.flash_attention {
+        0
+    } else {
+        5 * heads * s * s
+    };
+    let norms = 4 * s * h;
+    let layer = attn_linear + scores + mlp + norms;
+    let cross = attn_linear + scores;
+    let full = a.layers * layer + a.decoder_layers * (layer + cross);
+    let kept = if i.grad_checkpointing {
+        // Layer inputs are kept; one layer at a time is rebuilt during backward.
+        2 * s * h * (a.layers + a.decoder_layers)
+            + layer
+            + if a.decoder_layers > 0 { cross } else { 0 }
+    } else {
+        full
+    };
+    // The formula counts 16-bit activations; fp32 training doubles them.
+    let scale = if i.dtype == Dtype::Fp32 { 2 } else { 1 };
+    // Logits in the compute dtype plus the fp32 copy the loss makes.
+    let logits = s * a.vocab * (i.dtype.bytes() + 4);
+    kept * scale + logits
+}
+
+/// Works out the budget for `inputs`.
+pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
+    if inputs.batch == 0 || inputs.seq == 0 {
+        return Err(EstimateError::Invalid(
+            "--batch and --seq must be at least 1".into(),
+        ));
+    }
+    let a = &inputs.arch;
+    let p = inputs.params;
+    let trainable = match inputs.lora_rank {
+        // A and B matrices on the four attention projections of every layer.
+        Some(r) => (a.layers + 2 * a.decoder_layers) * 4 * r * (a.hidden + a.attention_width),
+        None => p,
+    };
+    // Storage dtype: autocast keeps fp32 parameters; pure 16-bit training keeps them 16-bit.
+    let store = if inputs.mixed_precision {
+        4
+    } else {
+        inputs.dtype.bytes()
+    };
+    let weights = p * store
+        + if inputs.lora_rank.is_some() {
+            trainable * store
+        } else {
+            0
+        };
+    let gradients = trainable * store;
+    let state_per = match inputs.optimizer {
+        Optimizer::AdamW => 2 * store,
+        Optimizer::AdamW8bit => 2,
+        Optimizer::Sgd => store,
+        Optimizer::Adafactor => 0,
+    };
+    let mut optimizer = trainable * state_per;
+    if inputs.optimizer == Optimizer::Adafactor {
+        // A row and a column of fp32 statistics per h x k matrix: about 2/h of the parameters.
+        optimizer = trainable * 2 * 4 / a.hidden.max(1);
+    }
+    let ema = if inputs.ema { p * store } else { 0 };
+    let per_sample = activations_per_sample(&inputs);
+    let activations = per_sample * inputs.batch;
+    let fixed = weights + gradients + optimizer + ema + inputs.overhead_bytes;
+    let total = fixed + activations;
+    let max_batch = inputs
+        .capacity_bytes
+        .map(|c| c.saturating_sub(fixed) / per_sample.max(1));
+    Ok(Estimate {
+        params: p,
+        trainable_params: trainable,
+        weights_bytes: weights,
+        gradients_bytes: gradients,
+        optimizer_bytes: optimizer,
+        ema_bytes: ema,
+        activations_bytes: activations,
+        overhead_bytes: inputs.overhead_bytes,
+        total_bytes: total,
+        capacity_bytes: inputs.capacity_bytes,
+        per_sample_bytes: per_sample,
+        max_batch,
+        inputs,
+    })
+}
+
+/// Formats bytes in GiB with two decimals, the unit people plan GPU memory in.
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+impl Estimate {
+    /// The budget as a table for the terminal.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let i = &self.inputs;
+        let a = &i.arch;
+        let mut out = String::new();
+        let prec = if i.mixed_precision {
+            "mixed precision (fp32 weights, 16-bit autocast)".to_string()
+        } else {
+            format!("{:?}", i.dtype).to_lowercase()
+        };
+        let _ = writeln!(
+            out,
+            "{:.2}B parameters ({:.2}B trainable), {prec}, {:?}, micro-batch {} x {} tokens",
+            self.params as f64 / 1e9,
+            self.trainable_params as f64 / 1e9,
+            i.optimizer,
+            i.batch,
+            i.seq
+        );
+        let _ = writeln!(
+            out,
+            "shape ({}): hidden {}, {} layers{}, {} heads, vocab {}",
+            a.source,
+            a.hidden,
+            a.layers,
+            if a.decoder_layers > 0 {
+                format!(" + {} decoder layers", a.decoder_layers)
+            } else {
+                String::new()
+            },
+            a.heads,
+            a.vocab
+        );
+        let _ = writeln!(out);
+        let rows = [
+            ("weights", self.weights_bytes),
+            ("gradients", self.gradients_bytes),
+            ("optimizer state", self.optimizer_bytes),
+            ("EMA", self.ema_bytes),
+            ("activations", self.activations_bytes),
+            ("CUDA context and overhead", self.overhead_bytes),
+        ];
+        for (label, b) in rows {
+            let share = 100.0 * b as f64 / self.total_bytes.max(1) as f64;
+            let _ = writeln!(out, "  {label:<27} {:>12}  {share:>5.1}%", gib(b));
+        }
+        let _ = writeln!(out, "  {:<27} {:>12}", "total", gib(self.total_bytes));
+        if let Some(c) = self.capacity_bytes {
+            let verdict = if self.total_bytes <= c {
+                "fits"
+            } else {
+                "does NOT fit"
+            };
+            let _ = writeln!(out, "  {:<27} {:>12}  {verdict}", "capacity", gib(c));
+            match self.max_batch {
+                Some(0) => {
+                    let _ = writeln!(out, "\nThe fixed part alone ({}) exceeds the capacity: shard the model or its optimizer state, or train LoRA adapters.", gib(self.total_bytes - self.activations_bytes));
+                }
+                Some(m) => {
+                    let _ = writeln!(
+                        out,
+                        "\nLargest micro-batch that fits: {m} (each sample adds {}).",
+                        gib(self.per_sample_bytes)
+                    );
+                }
+                None => {}
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(params: u64) -> Inputs {
+        Inputs {
+            arch: Architecture::guess(params),
+            params,
+            dtype: Dtype::Bf16,
+            mixed_precision: false,
+            optimizer: Optimizer::AdamW,
+            batch: 8,
+            seq: 128,
+            grad_checkpointing: false,
+            flash_attention: false,
+            ema: false,
+            lora_rank: None,
+            overhead_bytes: 512 << 20,
+            capacity_bytes: Some(80 << 30),
+        }
+    }
+
+    #[test]
+    fn korthikanti_formula_for_standard_shapes() {
+        let mut i = inputs(1_300_000_000);
+        i.batch = 1;
+        let a = i.arch.clone();
+        let (s, h, heads) = (i.seq, a.hidden, a.heads);
+        let layer = s * h * 34 + 5 * heads * s * s;
+        let logits = s * a.vocab * 6;
+        assert_eq!(activations_per_sample(&i), a.layers * layer + logits);
+        i.flash_attention = true;
+        assert_eq!(activations_per_sample(&i), a.layers * s * h * 34 + logits);
+    }
+
+    #[test]
+    fn per_parameter_bytes() {
+        let p = 1_000_000_000;
+        let e = estimate(inputs(p)).expect("estimate");
+        // Pure bf16 AdamW: 2 + 2 + 4 bytes per parameter.
+        assert_eq!(
+            e.weights_bytes + e.gradients_bytes + e.optimizer_bytes,
+            8 * p
+        );
+        let mut i = inputs(p);
+        i.mixed_precision = true;
+        let e = estimate(i).expect("estimate");
+        assert_eq!(
+            e.weights_bytes + e.gradients_bytes + e.optimizer_bytes,
+            16 * p
+        );
+        let mut i = inputs(p);
+        i.optimizer = Optimizer::AdamW8bit;
+        i.ema = true;
+        let e = estimate(i).expect("estimate");
+        assert_eq!(e.optimizer_bytes, 2 * p);
+        assert_eq!(e.ema_bytes, 2 * p);
+    }
+
+    #[test]
+    fn max_batch_fits_and_the_next_does_not() {
+        let e = estimate(inputs(6_700_000_000)).expect("estimate");
+        let m = e.max_batch.expect("capacity given");
+        let mut i = inputs(6_700_000_000);
+        i.batch = m;
+        assert!(estimate(i.clone()).expect("e").total_bytes <= 80 << 30);
+        i.batch = m + 1;
+        assert!(estimate(i).expect("e").total_bytes > 80 << 30);
+    }
+
+    #[test]
+    fn lora_trains_a_sliver() {
+        let mut i = inputs(6_700_000_000);
+        i.lora_rank = Some(16);
+        let e = estimate(i).expect("estimate");
+        assert!(e.trainable_params < e.params / 100);
+        assert!(e.optimizer_bytes < e.weights_bytes / 50);
+    }
+}

@@ -1,0 +1,209 @@
+//! Running one child command: its own process group, output teed and
+//! scanned for OOM messages, and signals passed on to the whole group.
+
+use crate::oom::detect;
+use crate::SuperviseError;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The signals passed on to the child; a second one of the same kind escalates to SIGKILL.
+const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+/// How long group members left behind by the child get between SIGTERM and SIGKILL.
+const STRAGGLER_GRACE: Duration = Duration::from_secs(3);
+/// Longest line kept for OOM parsing; PyTorch's message is under 1 KiB.
+const MAX_LINE: usize = 64 << 10;
+
+/// A command to run, with what to add to its environment.
+#[derive(Clone, Debug, Default)]
+pub struct Spec {
+    /// The program and its arguments.
+    pub argv: Vec<OsString>,
+    /// Variables to set.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+/// How a child ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// The exit code, or 128 + n when a signal killed it (the shell's convention).
+    pub exit_code: i32,
+    /// The signal that ended it, if one did.
+    pub signal: Option<i32>,
+    /// The first OOM message line in its output, if any.
+    pub oom_line: Option<String>,
+    /// The signal oomkit received and passed on, if the user stopped the run.
+    pub interrupted_by: Option<i32>,
+    /// Wall time.
+    pub duration: Duration,
+}
+
+/// The last forwardable signal received, or 0; shared by every child this process runs.
+fn pending_signal() -> &'static Arc<AtomicUsize> {
+    static FLAG: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicUsize::new(0));
+        for sig in FORWARDED {
+            // Registration fails only for forbidden signals, which these are not.
+            let _ = signal_hook::flag::register_usize(sig, Arc::clone(&flag), sig as usize);
+        }
+        flag
+    })
+}
+
+/// Starts catching SIGINT, SIGTERM and SIGHUP, so they reach children instead of ending oomkit.
+pub fn catch_signals() {
+    let _ = pending_signal();
+}
+
+/// The signal received since the last call, if any (0 when none).
+pub fn take_signal() -> Option<i32> {
+    match pending_signal().swap(0, Ordering::SeqCst) {
+        0 => None,
+        s => Some(s as i32),
+    }
+}
+
+fn signal_group(pgid: i32, sig: i32) -> bool {
+    // SAFETY: kill on a negative pid signals the process group; no memory is involved.
+    unsafe { libc::kill(-pgid, sig) == 0 }
+}
+
+/// Copies one of the child's streams to ours, recording the first OOM line it carries.
+fn tee(
+    mut from: impl Read,
+    mut to: impl Write,
+    oom: Arc<Mutex<Option<String>>>,
+    done: mpsc::Sender<()>,
+) {
+    let mut buf = vec![0u8; 16 << 10];
+    let mut line: Vec<u8> = Vec::new();
+    let scan = |line: &[u8]| {
+        let text = String::from_utf8_lossy(line);
+        if detect(&text).is_some() {
+            if let Ok(mut slot) = oom.lock() {
+                if slot.is_none() {
+                    *slot = Some(text.trim_end().to_string());
+                }
+            }
+        }
+    };
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        // A closed terminal must not stop the child's output from being drained.
+        let _ = to.write_all(&buf[..n]);
+        let _ = to.flush();
+        for &b in &buf[..n] {
+            if b == b'\n' || b == b'\r' {
+                scan(&line);
+                line.clear();
+            } else if line.len() < MAX_LINE {
+                line.push(b);
+            }
+        }
+    }
+    if !line.is_empty() {
+        scan(&line);
+    }
+    let _ = done.send(());
+}
+
+/// Runs `spec` to the end, teeing its output and passing on signals; `tick` is called every 20 ms while it runs.
+pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseError> {
+    catch_signals();
+    let Some((program, args)) = spec.argv.split_first() else {
+        return Err(SuperviseError::Usage("no command given".into()));
+    };
+    let started = Instant::now();
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own group, so one kill reaches torchrun and every worker it starts.
+        .process_group(0);
+    let mut child = cmd.spawn().map_err(|e| SuperviseError::Spawn {
+        program: program.to_string_lossy().into_owned(),
+        message: e.to_string(),
+    })?;
+    let pgid = child.id() as i32;
+    let oom = Arc::new(Mutex::new(None));
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut readers = 0;
+    if let Some(out) = child.stdout.take() {
+        let (oom, done) = (Arc::clone(&oom), done_tx.clone());
+        std::thread::spawn(move || tee(out, std::io::stdout(), oom, done));
+        readers += 1;
+    }
+    if let Some(err) = child.stderr.take() {
+        let (oom, done) = (Arc::clone(&oom), done_tx.clone());
+        std::thread::spawn(move || tee(err, std::io::stderr(), oom, done));
+        readers += 1;
+    }
+    drop(done_tx);
+
+    let mut interrupted_by = None;
+    let status = loop {
+        if let Some(sig) = take_signal() {
+            // The same signal twice means the user wants it over now.
+            let escalate = interrupted_by == Some(sig);
+            signal_group(pgid, if escalate { libc::SIGKILL } else { sig });
+            interrupted_by = Some(sig);
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => {
+                tick(pgid as u32);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                signal_group(pgid, libc::SIGKILL);
+                return Err(SuperviseError::Wait(e.to_string()));
+            }
+        }
+    };
+    reap_group(pgid);
+    // Output still buffered in the pipes is drained; a process that left the
+    // group and holds them open must not hang oomkit.
+    for _ in 0..readers {
+        if done_rx.recv_timeout(Duration::from_secs(2)).is_err() {
+            break;
+        }
+    }
+    let oom_line = oom.lock().ok().and_then(|g| g.clone());
+    let signal = status.signal();
+    Ok(Outcome {
+        exit_code: status.code().unwrap_or_else(|| 128 + signal.unwrap_or(0)),
+        signal,
+        oom_line,
+        interrupted_by,
+        duration: started.elapsed(),
+    })
+}
+
+/// Ends whatever is left of the child's process group: SIGTERM, a grace period, then SIGKILL.
+fn reap_group(pgid: i32) {
+    if !signal_group(pgid, 0) {
+        return;
+    }
+    signal_group(pgid, libc::SIGTERM);
+    let deadline = Instant::now() + STRAGGLER_GRACE;
+    while Instant::now() < deadline {
+        if !signal_group(pgid, 0) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal_group(pgid, libc::SIGKILL);
+}

@@ -1,0 +1,67 @@
+//! Keeping a training command alive: choosing its GPUs, running it, telling
+//! an OOM from other failures, and rerunning it with a smaller micro-batch
+//! and more gradient accumulation so the effective batch stays the same.
+//! Also the batch-size search behind `oomkit find-batch`.
+
+pub mod child;
+pub mod find_batch;
+pub mod oom;
+pub mod plan;
+pub mod search;
+mod supervise;
+
+pub use plan::BatchPlan;
+pub use supervise::{supervise, Attempt, RunOptions, RunSummary};
+
+/// Why a command could not be supervised.
+#[derive(Debug, thiserror::Error)]
+pub enum SuperviseError {
+    /// The options do not make sense together.
+    #[error("{0}")]
+    Usage(String),
+    /// The command could not be started.
+    #[error("cannot run {program}: {message}")]
+    Spawn {
+        /// The program as given.
+        program: String,
+        /// The operating system's reason.
+        message: String,
+    },
+    /// Waiting for the command failed.
+    #[error("lost track of the command: {0}")]
+    Wait(String),
+    /// The GPUs could not be read or claimed, or none qualified in time.
+    #[error(transparent)]
+    Gpu(#[from] oomkit_gpu::GpuError),
+    /// The user stopped oomkit while it waited for a GPU.
+    #[error("stopped by signal {0} while waiting for a GPU")]
+    Interrupted(i32),
+}
+
+/// Replaces `{batch_size}`, `{grad_accum}`, `{effective_batch}` and `{attempt}` in one argument.
+pub fn fill_placeholders(
+    arg: &std::ffi::OsStr,
+    plan: Option<&BatchPlan>,
+    attempt: u32,
+) -> std::ffi::OsString {
+    let Some(text) = arg.to_str() else {
+        return arg.to_os_string();
+    };
+    let mut out = text.replace("{attempt}", &attempt.to_string());
+    if let Some(p) = plan {
+        out = out
+            .replace("{batch_size}", &p.micro_batch.to_string())
+            .replace("{grad_accum}", &p.grad_accum.to_string())
+            .replace("{effective_batch}", &p.effective_batch.to_string());
+    }
+    out.into()
+}
+
+/// Whether an argument holds a batch placeholder that needs `--batch-size`.
+pub fn has_batch_placeholder(arg: &std::ffi::OsStr) -> bool {
+    arg.to_str().is_some_and(|t| {
+        ["{batch_size}", "{grad_accum}", "{effective_batch}"]
+            .iter()
+            .any(|p| t.contains(p))
+    })
+}

@@ -1,0 +1,542 @@
+//! PyTorch's out-of-memory messages: found in a child's output, read into
+//! numbers, and explained.
+//!
+//! The forms come from `c10/cuda/CUDACachingAllocator.cpp` across releases:
+//! the current one ("GPU 0 has a total capacity of ... of which ... is free"),
+//! the 2.1 misspelling "capacty", the pre-2.1 parenthesised one ("(GPU 0;
+//! 7.93 GiB total capacity; ... already allocated; ... free; ... reserved in
+//! total by PyTorch)"), the 1.x "cached" variant, ROCm's "HIP out of memory",
+//! and the allocator failures that surface from cuBLAS, cuDNN and the CPU.
+
+use oomkit_units::human_bytes;
+use regex::Regex;
+use serde::Serialize;
+use std::sync::OnceLock;
+
+/// Which allocator or library ran out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomKind {
+    /// PyTorch's CUDA caching allocator.
+    Cuda,
+    /// PyTorch's allocator on ROCm.
+    Hip,
+    /// PyTorch's allocator on Intel GPUs.
+    Xpu,
+    /// Apple's Metal backend.
+    Mps,
+    /// A CUDA runtime call outside the caching allocator (NCCL, context creation).
+    CudaRuntime,
+    /// cuBLAS could not allocate its workspace.
+    Cublas,
+    /// cuDNN failed in a way that is usually memory.
+    Cudnn,
+    /// Host memory, through PyTorch's CPU allocator.
+    Cpu,
+    /// `OutOfMemoryError` with no further detail.
+    Unspecified,
+}
+
+/// Markers in the order they are tried: the specific before the generic.
+const MARKERS: &[(&str, OomKind)] = &[
+    ("CUDA out of memory", OomKind::Cuda),
+    ("HIP out of memory", OomKind::Hip),
+    ("XPU out of memory", OomKind::Xpu),
+    ("MPS backend out of memory", OomKind::Mps),
+    ("CUDA error: out of memory", OomKind::CudaRuntime),
+    ("CUBLAS_STATUS_ALLOC_FAILED", OomKind::Cublas),
+    ("CUDNN_STATUS_ALLOC_FAILED", OomKind::Cudnn),
+    ("CUDNN_STATUS_NOT_SUPPORTED", OomKind::Cudnn),
+    ("DefaultCPUAllocator: can't allocate memory", OomKind::Cpu),
+    ("DefaultCPUAllocator: not enough memory", OomKind::Cpu),
+    ("OutOfMemoryError", OomKind::Unspecified),
+];
+
+/// The kind of out-of-memory failure that `line` reports, if any.
+pub fn detect(line: &str) -> Option<OomKind> {
+    MARKERS
+        .iter()
+        .find(|(m, _)| line.contains(m))
+        .map(|(_, k)| *k)
+}
+
+/// Another process holding memory on the GPU, as the message names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OtherProcess {
+    /// Its process id (the host's, inside containers).
+    pub pid: u32,
+    /// GPU memory it holds.
+    pub bytes: u64,
+}
+
+/// The numbers in one out-of-memory message; `None` where the message's form lacks one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OomMessage {
+    /// Which allocator or library ran out.
+    pub kind: OomKind,
+    /// The GPU index as the failing process numbered it (after `CUDA_VISIBLE_DEVICES`).
+    pub device: Option<u32>,
+    /// Bytes the failed allocation asked for.
+    pub requested_bytes: Option<u64>,
+    /// Memory on the device, as the driver reports it.
+    pub capacity_bytes: Option<u64>,
+    /// Memory the driver reported free.
+    pub free_bytes: Option<u64>,
+    /// Memory this process held, including the CUDA context and other non-PyTorch use.
+    pub process_bytes: Option<u64>,
+    /// Memory held by live tensors.
+    pub allocated_bytes: Option<u64>,
+    /// Memory PyTorch had reserved from the driver but not handed to tensors.
+    pub reserved_unallocated_bytes: Option<u64>,
+    /// Memory in private pools such as CUDA graphs, part of the allocated memory.
+    pub private_pool_bytes: Option<u64>,
+    /// Other processes on the GPU, where the message lists them.
+    pub other_processes: Vec<OtherProcess>,
+    /// The message itself, as one line.
+    pub text: String,
+}
+
+/// Why the allocation failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// Enough memory was reserved but free only in pieces too small for the request.
+    Fragmentation,
+    /// The process genuinely needed more memory than there was.
+    Capacity,
+    /// One allocation asked for more than the whole device.
+    RequestExceedsCapacity,
+    /// Other processes held the memory the request needed.
+    OtherProcesses,
+}
+
+/// A message explained: the cause, the numbers behind it, and what to change.
+#[derive(Clone, Debug, Serialize)]
+pub struct Explanation {
+    /// The message's numbers.
+    #[serde(flatten)]
+    pub message: OomMessage,
+    /// Why it failed.
+    pub cause: Cause,
+    /// Memory held by the other processes together.
+    pub other_processes_bytes: u64,
+    /// Bytes that would have had to be free for the request to succeed.
+    pub shortfall_bytes: Option<u64>,
+    /// One sentence saying what happened, with the numbers.
+    pub summary: String,
+    /// What to change, most effective first.
+    pub advice: Vec<String>,
+    /// How many out-of-memory messages the text held (ranks often repeat one).
+    pub messages: usize,
+}
+
+fn size_pattern() -> &'static str {
+    r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|MiB|GiB|TiB)"
+}
+
+struct Patterns {
+    requested: Regex,
+    total_new: Regex,
+    process: Regex,
+    this_process: Regex,
+    allocated_new: Regex,
+    private_pools: Regex,
+    unallocated_new: Regex,
+    gpu_old: Regex,
+    total_old: Regex,
+    allocated_old: Regex,
+    free_old: Regex,
+    reserved_old: Regex,
+    cpu_bytes: Regex,
+}
+
+fn patterns() -> &'static Patterns {
+    static P: OnceLock<Patterns> = OnceLock::new();
+    P.get_or_init(|| {
+        let s = size_pattern();
+        let re = |p: String| Regex::new(&p).unwrap_or_else(|e| panic!("bad pattern {p}: {e}"));
+        Patterns {
+            requested: re(format!(r"(?i)tried to allocate {s}")),
+            total_new: re(format!(
+                r"GPU (\d+) has a total capac(?:i)?ty of {s} of which {s} is free"
+            )),
+            process: re(format!(r"Process (\d+) has {s} memory in use")),
+            this_process: re(format!(r"this process has {s} memory in use")),
+            allocated_new: re(format!(
+                r"Of the allocated memory {s} is allocated by PyTorch"
+            )),
+            private_pools: re(format!(r"with {s} allocated in private pools")),
+            unallocated_new: re(format!(r"{s} is reserved by PyTorch but unallocated")),
+            gpu_old: re(r"\(GPU (\d+);".into()),
+            total_old: re(format!(r"{s} total capacity")),
+            allocated_old: re(format!(r"{s} already allocated")),
+            free_old: re(format!(r"{s} free[;)]")),
+            reserved_old: re(format!(r"{s} (?:reserved in total by PyTorch|cached)")),
+            cpu_bytes: re(r"you tried to allocate (\d+) bytes".into()),
+        }
+    })
+}
+
+fn size_at(caps: &regex::Captures<'_>, first: usize) -> Option<u64> {
+    let value: f64 = caps.get(first)?.as_str().parse().ok()?;
+    let scale = match caps.get(first + 1)?.as_str() {
+        "bytes" | "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024f64.powi(4),
+        _ => return None,
+    };
+    Some((value * scale).round() as u64)
+}
+
+fn find_size(re: &Regex, text: &str) -> Option<u64> {
+    re.captures(text).and_then(|c| size_at(&c, 1))
+}
+
+/// Reads the numbers from one message (the marker's line and any continuation lines joined).
+pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
+    let p = patterns();
+    let mut m = OomMessage {
+        kind,
+        device: None,
+        requested_bytes: find_size(&p.requested, text),
+        capacity_bytes: None,
+        free_bytes: None,
+        process_bytes: find_size(&p.this_process, text),
+        allocated_bytes: None,
+        reserved_unallocated_bytes: None,
+        private_pool_bytes: find_size(&p.private_pools, text),
+        other_processes: Vec::new(),
+        text: text.trim().to_string(),
+    };
+    if let Some(c) = p.total_new.captures(text) {
+        m.device = c.get(1).and_then(|d| d.as_str().parse().ok());
+        m.capacity_bytes = size_at(&c, 2);
+        m.free_bytes = size_at(&c, 4);
+        m.allocated_bytes = find_size(&p.allocated_new, text);
+        m.reserved_unallocated_bytes = find_size(&p.unallocated_new, text);
+        m.other_processes = p
+            .process
+            .captures_iter(text)
+            .filter_map(|c| {
+                Some(OtherProcess {
+                    pid: c.get(1)?.as_str().parse().ok()?,
+                    bytes: size_at(&c, 2)?,
+                })
+            })
+            .collect();
+    } else if let Some(total) = find_size(&p.total_old, text) {
+        m.device = p
+            .gpu_old
+            .captures(text)
+            .and_then(|c| c.get(1)?.as_str().parse().ok());
+        m.capacity_bytes = Some(total);
+        m.allocated_bytes = find_size(&p.allocated_old, text);
+        m.free_bytes = find_size(&p.free_old, text);
+        let reserved = find_size(&p.reserved_old, text);
+        m.reserved_unallocated_bytes = match (reserved, m.allocated_bytes) {
+            (Some(r), Some(a)) => Some(r.saturating_sub(a)),
+            _ => None,
+        };
+    }
+    if kind == OomKind::Cpu && m.requested_bytes.is_none() {
+        m.requested_bytes = p
+            .cpu_bytes
+            .captures(text)
+            .and_then(|c| c.get(1)?.as_str().parse().ok());
+    }
+    // Inside a container the message lists this process by its host pid and
+    // omits "this process has": the entry that covers PyTorch's own memory is ours.
+    if m.process_bytes.is_none() && !m.other_processes.is_empty() {
+        let ours = m.allocated_bytes.unwrap_or(0) + m.reserved_unallocated_bytes.unwrap_or(0);
+        let mine = m
+            .other_processes
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.bytes >= ours)
+            .min_by_key(|(_, p)| p.bytes - ours)
+            .map(|(i, _)| i);
+        if let Some(i) = mine {
+            m.process_bytes = Some(m.other_processes.remove(i).bytes);
+        }
+    }
+    m
+}
+
+/// Every out-of-memory message in `text` (a message, or a whole log with tracebacks), in order.
+pub fn find_messages(text: &str) -> Vec<OomMessage> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let Some(kind) = detect(lines[i]) else {
+            i += 1;
+            continue;
+        };
+        // A bare "OutOfMemoryError" line followed by the real message belongs to it.
+        let mut joined = lines[i].to_string();
+        let mut j = i + 1;
+        while j < lines.len()
+            && j <= i + 3
+            && !lines[j].trim().is_empty()
+            && detect(lines[j]).is_none()
+        {
+            if lines[j].starts_with("  File ") || lines[j].starts_with("Traceback") {
+                break;
+            }
+            joined.push(' ');
+            joined.push_str(lines[j].trim());
+            j += 1;
+        }
+        out.push(parse_message(kind, &joined));
+        i = j;
+    }
+    // An exception's repr, its str and a rank prefix often repeat one failure.
+    out.dedup_by(|a, b| {
+        a.requested_bytes == b.requested_bytes && a.free_bytes == b.free_bytes && a.kind == b.kind
+    });
+    out
+}
+
+/// Whether `PYTORCH_CUDA_ALLOC_CONF`-style settings turn expandable segments on.
+pub fn expandable_segments_on(settings: &str) -> bool {
+    settings.split(',').any(|kv| {
+        kv.trim()
+            .replace(' ', "")
+            .eq_ignore_ascii_case("expandable_segments:true")
+    })
+}
+
+/// Explains the first out-of-memory message in `text`; `alloc_conf` is the allocator settings in force, if known.
+pub fn explain(text: &str, alloc_conf: Option<&str>) -> Option<Explanation> {
+    let all = find_messages(text);
+    let count = all.len();
+    let m = all.into_iter().next()?;
+    Some(explain_message(m, count, alloc_conf))
+}
+
+fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return String::new();
+    }
+    format!(" ({:.0}% of it)", 100.0 * part as f64 / whole as f64)
+}
+
+fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> Explanation {
+    let others: u64 = m.other_processes.iter().map(|p| p.bytes).sum();
+    let req = m.requested_bytes;
+    let free = m.free_bytes;
+    let unalloc = m.reserved_unallocated_bytes.unwrap_or(0);
+    let shortfall = match (req, free) {
+        (Some(r), Some(f)) => Some(r.saturating_sub(f)),
+        (Some(r), None) if m.kind == OomKind::Cpu => Some(r),
+        _ => None,
+    };
+    let cause = match (req, m.capacity_bytes) {
+        (Some(r), Some(c)) if r > c => Cause::RequestExceedsCapacity,
+        (Some(r), _) if unalloc >= r && unalloc > 0 => Cause::Fragmentation,
+        (Some(_), _) if others > 0 && shortfall.is_some_and(|s| others >= s) => {
+            Cause::OtherProcesses
+        }
+        _ => Cause::Capacity,
+    };
+    let device = match m.kind {
+        OomKind::Cpu => "host memory".to_string(),
+        _ => m
+            .device
+            .map(|d| format!("GPU {d}"))
+            .unwrap_or_else(|| "the GPU".into()),
+    };
+    let hb = |b: Option<u64>| {
+        b.map(human_bytes)
+            .unwrap_or_else(|| "an unknown amount".into())
+    };
+    let mut advice = Vec::new();
+    let summary = match cause {
+        Cause::RequestExceedsCapacity => {
+            advice.push(format!(
+                "One tensor of {} cannot fit on a {} device at any batch size: find the operation in the traceback and split it (chunk the batch or the sequence), or use a memory-efficient kernel such as flash attention.",
+                hb(req),
+                hb(m.capacity_bytes)
+            ));
+            format!(
+                "One allocation asked for {}, more than all of {device} ({}).",
+                hb(req),
+                hb(m.capacity_bytes)
+            )
+        }
+        Cause::Fragmentation => {
+            if alloc_conf.is_some_and(expandable_segments_on) {
+                advice.push("expandable_segments is already on, so the pieces come from mixed tensor sizes: pad variable-length batches to a few fixed shapes, and avoid keeping long-lived tensors allocated between large temporary ones.".into());
+                advice.push("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8 to return idle cached blocks earlier.".into());
+            } else {
+                advice.push("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts: segments then grow in place, and free space inside them can serve large requests.".into());
+                advice.push("If that is not possible, set max_split_size_mb (for example PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512) so large blocks are not carved up for small tensors.".into());
+            }
+            format!(
+                "{device} had {} reserved by PyTorch but unallocated, enough for the {} request, but not in one piece: the memory is fragmented.",
+                human_bytes(unalloc),
+                hb(req)
+            )
+        }
+        Cause::OtherProcesses => {
+            let list: Vec<String> = m
+                .other_processes
+                .iter()
+                .map(|p| format!("pid {} holds {}", p.pid, human_bytes(p.bytes)))
+                .collect();
+            advice.push(format!(
+                "Other processes hold {} on {device} ({}): run on a GPU with more free memory (`oomkit gpus`; `oomkit run` picks one and waits for it), or stop them.",
+                human_bytes(others),
+                list.join(", ")
+            ));
+            format!(
+                "Other processes held {} of {device}{}; without them the {} request would have fit.",
+                human_bytes(others),
+                pct(others, m.capacity_bytes.unwrap_or(0)),
+                hb(req)
+            )
+        }
+        Cause::Capacity => {
+            let cut = shortfall.unwrap_or(0);
+            if m.kind == OomKind::Cpu {
+                advice.push("Host memory ran out: lower DataLoader num_workers and prefetch_factor, load data lazily or memory-mapped, and keep checkpoints off the host while loading.".into());
+            } else {
+                let held = m.process_bytes.or(m.allocated_bytes);
+                let of_held = held.map(|h| pct(cut, h)).unwrap_or_default();
+                if cut > 0 {
+                    advice.push(format!(
+                        "Cut at least {}{of_held} of this process's memory; activations usually shrink in proportion to the micro-batch.",
+                        human_bytes(cut)
+                    ));
+                }
+                advice.push("Halve the micro-batch and double gradient accumulation to keep the effective batch: `oomkit run --batch-size B -- CMD ... {batch_size} {grad_accum}` does it on each OOM, and `oomkit find-batch` finds the largest batch that fits.".into());
+                advice.push("Recompute activations (torch.utils.checkpoint, or gradient_checkpointing_enable() in Hugging Face models), train in bf16 autocast, and use flash attention (scaled_dot_product_attention).".into());
+                advice.push("Shrink optimizer state: a fused or 8-bit AdamW, or shard it across GPUs with FSDP or ZeRO; `oomkit estimate` shows how much each choice saves.".into());
+            }
+            format!(
+                "{device} was full: the {} request found {} free{}.",
+                hb(req),
+                hb(free),
+                m.process_bytes
+                    .map(|p| format!(", and this process held {}", human_bytes(p)))
+                    .unwrap_or_default()
+            )
+        }
+    };
+    Explanation {
+        other_processes_bytes: others,
+        shortfall_bytes: shortfall,
+        cause,
+        summary,
+        advice,
+        messages,
+        message: m,
+    }
+}
+
+impl Explanation {
+    /// The explanation for the terminal: the numbers, the cause, the advice.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let m = &self.message;
+        let mut out = String::new();
+        let row = |out: &mut String, label: &str, v: Option<u64>| {
+            if let Some(v) = v {
+                let _ = writeln!(out, "  {label:<34} {}", human_bytes(v));
+            }
+        };
+        let _ = writeln!(
+            out,
+            "cause: {}",
+            serde_json::to_value(self.cause)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default()
+        );
+        let _ = writeln!(out, "{}", self.summary);
+        let _ = writeln!(out);
+        row(&mut out, "requested", m.requested_bytes);
+        row(&mut out, "device capacity", m.capacity_bytes);
+        row(&mut out, "free on the device", m.free_bytes);
+        row(&mut out, "held by this process", m.process_bytes);
+        row(&mut out, "allocated by PyTorch", m.allocated_bytes);
+        row(
+            &mut out,
+            "reserved but unallocated",
+            m.reserved_unallocated_bytes,
+        );
+        row(
+            &mut out,
+            "in private pools (CUDA graphs)",
+            m.private_pool_bytes,
+        );
+        for p in &m.other_processes {
+            let _ = writeln!(
+                out,
+                "  {:<34} {}",
+                format!("other process {}", p.pid),
+                human_bytes(p.bytes)
+            );
+        }
+        row(
+            &mut out,
+            "shortfall",
+            self.shortfall_bytes.filter(|s| *s > 0),
+        );
+        if self.messages > 1 {
+            let _ = writeln!(
+                out,
+                "  ({} out-of-memory messages in the input; this is the first)",
+                self.messages
+            );
+        }
+        let _ = writeln!(out);
+        for a in &self.advice {
+            let _ = writeln!(out, "- {a}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_every_form() {
+        assert_eq!(
+            detect("torch.OutOfMemoryError: CUDA out of memory. Tried"),
+            Some(OomKind::Cuda)
+        );
+        assert_eq!(
+            detect("RuntimeError: CUDA error: out of memory"),
+            Some(OomKind::CudaRuntime)
+        );
+        assert_eq!(
+            detect("HIP out of memory. Tried to allocate"),
+            Some(OomKind::Hip)
+        );
+        assert_eq!(
+            detect("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+            Some(OomKind::Cublas)
+        );
+        assert_eq!(
+            detect("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if"),
+            Some(OomKind::Cudnn)
+        );
+        assert_eq!(detect("step 10 loss 2.1"), None);
+        assert_eq!(detect("torch.OutOfMemoryError"), Some(OomKind::Unspecified));
+    }
+
+    #[test]
+    fn expandable_segments_setting() {
+        assert!(expandable_segments_on("expandable_segments:True"));
+        assert!(expandable_segments_on(
+            "max_split_size_mb:128, expandable_segments:true"
+        ));
+        assert!(!expandable_segments_on("expandable_segments:False"));
+        assert!(!expandable_segments_on(""));
+    }
+}

@@ -1,0 +1,332 @@
+//! Finding the largest micro-batch that fits, in as few runs as possible.
+//!
+//! Peak memory is close to affine in the micro-batch: `M(b) = fixed + b *
+//! per_sample`. After one successful run at `b1` with peak `p1`, any batch up
+//! to `b1 * budget / p1` fits if the curve is affine (the fixed part only
+//! shrinks relative to the batch), so the second run goes there: it is safe
+//! and far enough from the first to measure the slope well. The line through
+//! the two points predicts the largest batch; one run confirms it. When the
+//! prediction fails, bisection between the largest fit and the smallest
+//! failure finishes the job.
+
+use serde::Serialize;
+
+/// The result of running the command at one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Trial {
+    /// The micro-batch tried.
+    pub batch: u64,
+    /// Whether it ran without OOM and its peak stayed within the budget.
+    pub ok: bool,
+    /// Whether it ran out of memory (or failed).
+    pub oom: bool,
+    /// The measured peak, where one was measured.
+    pub peak_bytes: Option<u64>,
+}
+
+/// What the search may do.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SearchConfig {
+    /// The first micro-batch to try.
+    pub start: u64,
+    /// The largest micro-batch worth trying.
+    pub max: u64,
+    /// Memory available to the command.
+    pub capacity_bytes: u64,
+    /// The fraction of capacity to leave free.
+    pub margin: f64,
+}
+
+impl SearchConfig {
+    /// Capacity less the margin: the most a recommended batch may use.
+    pub fn budget(&self) -> u64 {
+        (self.capacity_bytes as f64 * (1.0 - self.margin.clamp(0.0, 0.95))) as u64
+    }
+}
+
+/// What the search found.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SearchResult {
+    /// Every run, in order.
+    pub trials: Vec<Trial>,
+    /// The largest micro-batch that fitted the budget, if any did.
+    pub recommended_batch: Option<u64>,
+    /// The fitted fixed memory, where two peaks were measured.
+    pub fixed_bytes: Option<f64>,
+    /// The fitted memory per sample, where two peaks were measured.
+    pub per_sample_bytes: Option<f64>,
+    /// "model" when the prediction held, "bisection" when it needed refining.
+    pub method: &'static str,
+}
+
+/// Runs `probe` at chosen batch sizes and returns the largest batch within the budget.
+pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> SearchResult {
+    let budget = cfg.budget();
+    let max = cfg.max.max(1);
+    let mut trials: Vec<Trial> = Vec::new();
+    let mut run = |b: u64, trials: &mut Vec<Trial>| -> Trial {
+        if let Some(t) = trials.iter().find(|t| t.batch == b) {
+            return *t;
+        }
+        let mut t = probe(b);
+        t.batch = b;
+        if t.peak_bytes.is_some_and(|p| p > budget) {
+            t.ok = false;
+        }
+        trials.push(t);
+        t
+    };
+    let mut method = "model";
+    // The largest batch known to fit and the smallest known not to.
+    let mut hi: Option<u64> = None;
+    let mut b = cfg.start.clamp(1, max);
+    let mut lo: Option<u64> = loop {
+        let t = run(b, &mut trials);
+        if t.ok {
+            break Some(b);
+        }
+        hi = Some(b);
+        if b == 1 {
+            return finish(trials, None, None, "bisection");
+        }
+        b /= 2;
+        method = "bisection";
+    };
+
+    let fits = |t: &Trial| t.ok;
+    let peak_of = |trials: &[Trial], b: u64| {
+        trials
+            .iter()
+            .find(|t| t.batch == b)
+            .and_then(|t| t.peak_bytes)
+    };
+    let line = |b1: u64, p1: u64, b2: u64, p2: u64| {
+        let slope = (p2 as f64 - p1 as f64) / (b2 as f64 - b1 as f64);
+        (p1 as f64 - slope * b1 as f64, slope)
+    };
+    let mut fit: Option<(f64, f64)> = None;
+    // Second point: as far as is provably safe under the affine model.
+    if let (Some(b1), None) = (lo, hi) {
+        match peak_of(&trials, b1).filter(|p| *p > 0) {
+            Some(p1) => {
+                let safe = ((b1 as f64) * budget as f64 / p1 as f64).floor() as u64;
+                let b2 = safe.min(max);
+                if b2 > b1 {
+                    let t2 = run(b2, &mut trials);
+                    if fits(&t2) {
+                        lo = Some(b2);
+                    } else {
+                        hi = Some(b2);
+                    }
+                    if let Some(p2) = t2.peak_bytes {
+                        fit = Some(line(b1, p1, b2, p2));
+                    }
+                } else if b1 == max {
+                    return finish(trials, lo, fit, method);
+                }
+            }
+            // No peak measured: grow geometrically until something fails.
+            None => method = "bisection",
+        }
+    }
+
+    // Prediction from the line and a confirming run; a miss that still
+    // measured a peak refits the line through the two nearest points once.
+    for round in 0..2 {
+        let Some((fixed, slope)) = fit else { break };
+        let l = lo.unwrap_or(1);
+        let h = hi.unwrap_or(max + 1);
+        let predicted = if slope <= 0.0 {
+            max
+        } else {
+            ((budget as f64 - fixed) / slope).floor().max(0.0) as u64
+        }
+        .min(max)
+        .min(h - 1);
+        if predicted <= l {
+            break;
+        }
+        let t = run(predicted, &mut trials);
+        if fits(&t) {
+            lo = Some(predicted);
+            if hi.is_none() {
+                // The line says the next batch is over budget (or this is --max): done.
+                return finish(trials, lo, fit, method);
+            }
+        } else {
+            hi = Some(predicted);
+        }
+        method = if round == 0 && hi.is_none() {
+            "model"
+        } else {
+            "bisection"
+        };
+        let (Some(l), Some(h)) = (lo, hi) else { break };
+        fit = match (peak_of(&trials, l), peak_of(&trials, h)) {
+            (Some(pl), Some(ph)) if h > l => Some(line(l, pl, h, ph)),
+            _ => None,
+        };
+    }
+
+    // Geometric growth when nothing has failed yet and the model could not be used.
+    while hi.is_none() {
+        let l = lo.unwrap_or(1);
+        if l >= max {
+            return finish(trials, lo, fit, method);
+        }
+        let b = (l * 2).min(max);
+        let t = run(b, &mut trials);
+        if fits(&t) {
+            lo = Some(b);
+        } else {
+            hi = Some(b);
+        }
+    }
+
+    // Bisection between the largest fit and the smallest failure, to within 2%.
+    let mut l = lo.unwrap_or(0);
+    let mut h = hi.unwrap_or(max + 1);
+    while h - l > 1 && (h - l) as f64 > l as f64 * 0.02 {
+        let mid = l + (h - l) / 2;
+        let t = run(mid, &mut trials);
+        if fits(&t) {
+            l = mid;
+        } else {
+            h = mid;
+        }
+    }
+    finish(trials, (l > 0).then_some(l), fit, method)
+}
+
+fn finish(
+    trials: Vec<Trial>,
+    recommended: Option<u64>,
+    fit: Option<(f64, f64)>,
+    method: &'static str,
+) -> SearchResult {
+    SearchResult {
+        trials,
+        recommended_batch: recommended,
+        fixed_bytes: fit.map(|f| f.0),
+        per_sample_bytes: fit.map(|f| f.1),
+        method,
+    }
+}
+
+/// Lightning's `binsearch` batch finder, run against the same probe, for the benchmark.
+///
+/// It doubles from `start` until a run fails, then bisects to a gap of one.
+pub fn lightning_binsearch(
+    cfg: &SearchConfig,
+    probe: &mut dyn FnMut(u64) -> Trial,
+) -> SearchResult {
+    let budget = cfg.budget();
+    let mut trials = Vec::new();
+    let mut low = 1u64;
+    let mut high: Option<u64> = None;
+    let mut size = cfg.start.max(1);
+    for _ in 0..25 {
+        let mut t = probe(size);
+        t.batch = size;
+        if t.peak_bytes.is_some_and(|p| p > budget) {
+            t.ok = false;
+        }
+        trials.push(t);
+        if t.ok {
+            low = size;
+            match high {
+                Some(h) => {
+                    if h - low <= 1 {
+                        break;
+                    }
+                    size = (h + low) / 2;
+                }
+                None => size *= 2,
+            }
+        } else {
+            high = Some(size);
+            size = (size + low) / 2;
+            if size <= low || high.is_some_and(|h| h - low <= 1) {
+                break;
+            }
+        }
+    }
+    let ok = trials.iter().filter(|t| t.ok).map(|t| t.batch).max();
+    finish(trials, ok, None, "binsearch")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn affine(fixed: u64, per: u64, cap: u64) -> impl FnMut(u64) -> Trial {
+        move |b| {
+            let m = fixed + per * b;
+            Trial {
+                batch: b,
+                ok: m <= cap,
+                oom: m > cap,
+                peak_bytes: (m <= cap).then_some(m),
+            }
+        }
+    }
+
+    #[test]
+    fn affine_curve_in_three_runs() {
+        let gib = 1u64 << 30;
+        let cfg = SearchConfig {
+            start: 1,
+            max: 100_000,
+            capacity_bytes: 80 * gib,
+            margin: 0.1,
+        };
+        let r = search(&cfg, &mut affine(10 * gib, 300 << 20, 80 * gib));
+        let truth = (cfg.budget() - 10 * gib) / (300 << 20);
+        assert_eq!(r.recommended_batch, Some(truth));
+        assert!(r.trials.len() <= 3, "{:?}", r.trials);
+    }
+
+    #[test]
+    fn start_too_big_steps_down() {
+        let gib = 1u64 << 30;
+        let cfg = SearchConfig {
+            start: 512,
+            max: 4096,
+            capacity_bytes: 24 * gib,
+            margin: 0.0,
+        };
+        let r = search(&cfg, &mut affine(2 * gib, 200 << 20, 24 * gib));
+        let truth = (22 * gib) / (200 << 20);
+        assert_eq!(r.recommended_batch, Some(truth));
+    }
+
+    #[test]
+    fn nothing_fits() {
+        let cfg = SearchConfig {
+            start: 8,
+            max: 64,
+            capacity_bytes: 1 << 30,
+            margin: 0.0,
+        };
+        let r = search(&cfg, &mut affine(2 << 30, 1, 1 << 30));
+        assert_eq!(r.recommended_batch, None);
+        assert_eq!(
+            r.trials.iter().map(|t| t.batch).collect::<Vec<_>>(),
+            vec![8, 4, 2, 1]
+        );
+    }
+
+    #[test]
+    fn binsearch_matches_on_affine() {
+        let gib = 1u64 << 30;
+        let cfg = SearchConfig {
+            start: 2,
+            max: 100_000,
+            capacity_bytes: 40 * gib,
+            margin: 0.0,
+        };
+        let r = lightning_binsearch(&cfg, &mut affine(4 * gib, 100 << 20, 40 * gib));
+        assert_eq!(r.recommended_batch, Some(36 * gib / (100 << 20)));
+        assert!(r.trials.len() > 6);
+    }
+}
