@@ -415,6 +415,15 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 advice.push("Recompute activations (torch.utils.checkpoint, or gradient_checkpointing_enable() in Hugging Face models), train in bf16 autocast, and use flash attention (scaled_dot_product_attention).".into());
                 advice.push("Shrink optimizer state: a fused or 8-bit AdamW, or shard it across GPUs with FSDP or ZeRO; `oomkit estimate` shows how much each choice saves.".into());
             }
+            if let (Some(r), Some(f)) = (req, free) {
+                if f >= r && m.kind != OomKind::Cpu {
+                    return explained(m, messages, others, shortfall, cause, format!(
+                        "The driver reported {} free, more than the {} request, yet the allocation failed: the free memory was not in one piece, or cuBLAS/cuDNN workspaces or another process took it first.",
+                        human_bytes(f),
+                        human_bytes(r)
+                    ), advice);
+                }
+            }
             format!(
                 "{device} was full: the {} request found {} free{}.",
                 hb(req),
@@ -425,6 +434,18 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
             )
         }
     };
+    explained(m, messages, others, shortfall, cause, summary, advice)
+}
+
+fn explained(
+    message: OomMessage,
+    messages: usize,
+    others: u64,
+    shortfall: Option<u64>,
+    cause: Cause,
+    summary: String,
+    advice: Vec<String>,
+) -> Explanation {
     Explanation {
         other_processes_bytes: others,
         shortfall_bytes: shortfall,
@@ -432,7 +453,7 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         summary,
         advice,
         messages,
-        message: m,
+        message,
     }
 }
 

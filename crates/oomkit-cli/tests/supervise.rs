@@ -1,0 +1,566 @@
+//! `oomkit gpus`, `run` and `find-batch` against the fake GPU backend, with
+//! small shell scripts standing in for training commands.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const GIB: u64 = 1 << 30;
+
+/// A fresh directory for one test, with its own claims and fake GPUs.
+struct Sandbox {
+    dir: PathBuf,
+}
+
+impl Sandbox {
+    fn new(name: &str) -> Sandbox {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("supervise-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Sandbox { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Writes the fake GPU list: (total GiB, free GiB) per GPU.
+    fn gpus(&self, gpus: &[(u64, u64)]) {
+        let list: Vec<Value> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, (total, free))| {
+                json!({
+                    "index": i, "name": "Fake H100", "uuid": format!("GPU-fake-{i}"),
+                    "total_bytes": total * GIB, "free_bytes": free * GIB,
+                    "used_bytes": (total - free) * GIB, "utilization_percent": 0,
+                    "processes": []
+                })
+            })
+            .collect();
+        // Written whole and renamed, so a waiting oomkit never reads half a file.
+        let tmp = self.path("gpus.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&list).unwrap()).unwrap();
+        std::fs::rename(&tmp, self.path("gpus.json")).unwrap();
+    }
+
+    fn script(&self, name: &str, body: &str) -> PathBuf {
+        let p = self.path(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_oomkit"));
+        c.args(args)
+            .env("OOMKIT_FAKE_GPUS", self.path("gpus.json"))
+            .env("OOMKIT_CLAIMS_DIR", self.path("claims"))
+            .env("NO_COLOR", "1")
+            .current_dir(&self.dir);
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run oomkit")
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Prints OOM the way PyTorch does when the micro-batch ($1) is above $LIMIT.
+const OOM_ABOVE_LIMIT: &str = r#"echo "micro=$1 accum=$2 env=$OOMKIT_MICRO_BATCH/$OOMKIT_GRAD_ACCUM attempt=$OOMKIT_ATTEMPT gpus=$CUDA_VISIBLE_DEVICES order=$CUDA_DEVICE_ORDER" >> log.txt
+if [ "$1" -gt "$LIMIT" ]; then
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 75.12 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated." >&2
+  exit 1
+fi
+echo trained"#;
+
+#[test]
+fn gpus_lists_the_fake_backend() {
+    let s = Sandbox::new("gpus");
+    s.gpus(&[(80, 10), (80, 80)]);
+    let out = s.run(&["gpus", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = v.as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    for field in [
+        "index",
+        "name",
+        "total_bytes",
+        "free_bytes",
+        "used_bytes",
+        "processes",
+    ] {
+        assert!(list[0].get(field).is_some(), "missing {field}");
+    }
+    assert_eq!(list[1]["free_bytes"], 80 * GIB);
+    let table = text(&s.run(&["gpus"]).stdout);
+    assert!(
+        table.contains("Fake H100") && table.contains("10.0 GiB"),
+        "{table}"
+    );
+}
+
+#[test]
+fn gpus_without_any_gpu_is_one_line_and_exit_3() {
+    let s = Sandbox::new("nogpu");
+    s.gpus(&[]);
+    let out = s.run(&["gpus"]);
+    assert_eq!(out.status.code(), Some(3));
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("no GPU"), "{err}");
+}
+
+#[test]
+fn a_broken_fake_file_is_named() {
+    let s = Sandbox::new("badfake");
+    std::fs::write(s.path("gpus.json"), "{not json").unwrap();
+    let out = s.run(&["gpus"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("gpus.json") && err.contains("OOMKIT_FAKE_GPUS"),
+        "{err}"
+    );
+}
+
+#[test]
+fn run_retries_with_the_same_effective_batch() {
+    let s = Sandbox::new("retry");
+    s.gpus(&[(80, 20), (80, 70)]);
+    let train = s.script("train.sh", OOM_ABOVE_LIMIT);
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "32",
+            "--effective-batch",
+            "128",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+            "{grad_accum}",
+        ])
+        .env("LIMIT", "8")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let log = std::fs::read_to_string(s.path("log.txt")).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "micro=32 accum=4 env=32/4 attempt=1 gpus=1 order=PCI_BUS_ID",
+            "micro=16 accum=8 env=16/8 attempt=2 gpus=1 order=PCI_BUS_ID",
+            "micro=8 accum=16 env=8/16 attempt=3 gpus=1 order=PCI_BUS_ID",
+        ]
+    );
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(s.path("summary.json")).unwrap()).unwrap();
+    let attempts = summary["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 3);
+    for (a, (b, acc, oom)) in attempts
+        .iter()
+        .zip([(32, 4, true), (16, 8, true), (8, 16, false)])
+    {
+        assert_eq!(a["batch_size"], b);
+        assert_eq!(a["grad_accum"], acc);
+        assert_eq!(a["oom"], oom);
+        assert_eq!(a["gpus"], json!([1]));
+        assert_eq!(a["exit_code"], if oom { 1 } else { 0 });
+    }
+    assert_eq!(summary["outcome"], "succeeded");
+    // The summary file is never overwritten.
+    let again = s.run(&["run", "--summary-json", "summary.json", "--", "true"]);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(text(&again.stderr).contains("already exists"));
+}
+
+#[test]
+fn run_stops_at_the_floor_and_passes_the_exit_code() {
+    let s = Sandbox::new("floor");
+    s.gpus(&[(80, 80)]);
+    let train = s.script("train.sh", OOM_ABOVE_LIMIT);
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "8",
+            "--min-batch-size",
+            "4",
+            "--json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+            "1",
+        ])
+        .env("LIMIT", "2")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    let json_start = stdout.find('{').unwrap();
+    let summary: Value = serde_json::from_str(&stdout[json_start..]).unwrap();
+    assert_eq!(summary["outcome"], "oom");
+    assert_eq!(summary["attempts"].as_array().unwrap().len(), 2);
+    assert!(text(&out.stderr).contains("the smallest allowed"));
+}
+
+#[test]
+fn run_falls_back_to_the_cpu_when_asked() {
+    let s = Sandbox::new("cpu");
+    s.gpus(&[(80, 80)]);
+    let train = s.script(
+        "train.sh",
+        r#"echo "device=$OOMKIT_DEVICE gpus=[$CUDA_VISIBLE_DEVICES]" >> log.txt
+[ "$OOMKIT_DEVICE" = cpu ] && exit 0
+echo "RuntimeError: CUDA error: out of memory" >&2; exit 1"#,
+    );
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "2",
+        "--cpu-fallback",
+        "--",
+        train.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let log = std::fs::read_to_string(s.path("log.txt")).unwrap();
+    assert_eq!(log.lines().last(), Some("device=cpu gpus=[]"));
+    assert_eq!(log.lines().count(), 3);
+}
+
+#[test]
+fn run_without_gpu_warns_or_fails_with_require_gpu() {
+    let s = Sandbox::new("runnogpu");
+    s.gpus(&[]);
+    let out = s.run(&[
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "echo cvd=[${CUDA_VISIBLE_DEVICES-unset}]",
+    ]);
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout).trim(), "cvd=[unset]");
+    assert!(text(&out.stderr).contains("warning"));
+    let out = s.run(&["run", "--require-gpu", "--", "true"]);
+    assert_eq!(out.status.code(), Some(3));
+}
+
+#[test]
+fn run_passes_exit_codes_and_signals_through() {
+    let s = Sandbox::new("codes");
+    s.gpus(&[(80, 80)]);
+    assert_eq!(
+        s.run(&["run", "--", "sh", "-c", "exit 7"]).status.code(),
+        Some(7)
+    );
+    assert_eq!(
+        s.run(&["run", "--", "sh", "-c", "kill -TERM $$"])
+            .status
+            .code(),
+        Some(143)
+    );
+    let missing = s.run(&["run", "--", "no-such-command-oomkit"]);
+    assert_eq!(missing.status.code(), Some(127));
+    assert!(text(&missing.stderr).contains("no-such-command-oomkit"));
+    // A failure without an OOM message is not retried.
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "4",
+        "--",
+        "sh",
+        "-c",
+        "echo boom >&2; exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out.stderr).contains("failed after 1 attempt"));
+}
+
+fn alive(pid: i32) -> bool {
+    // Zombies count as gone: they hold no memory and are waiting to be reaped.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn sigterm_reaches_the_whole_group_and_nothing_is_left() {
+    let s = Sandbox::new("signals");
+    s.gpus(&[(80, 80)]);
+    // A launcher with two workers, like torchrun; the workers ignore nothing.
+    let launcher = s.script(
+        "launch.sh",
+        "sleep 300 & echo $! >> pids.txt\nsleep 300 & echo $! >> pids.txt\necho $$ >> pids.txt\nwait",
+    );
+    let mut child = s
+        .command(&["run", "--", launcher.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let pids = loop {
+        let text = std::fs::read_to_string(s.path("pids.txt")).unwrap_or_default();
+        let pids: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if pids.len() == 3 {
+            break pids;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "workers never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    unsafe_kill(child.id() as i32, 15);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "exit code is 128 + SIGTERM");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|p| alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in pids {
+        assert!(!alive(p), "process {p} was left behind");
+    }
+}
+
+fn unsafe_kill(pid: i32, sig: i32) {
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn concurrent_runs_never_share_a_gpu_before_it_fills() {
+    let s = Sandbox::new("claims");
+    // Free memory never changes in the fake file, as in the seconds before a job allocates.
+    s.gpus(&[(80, 80), (80, 80)]);
+    let job = s.script(
+        "job.sh",
+        r#"echo "start $CUDA_VISIBLE_DEVICES $(date +%s%N)" >> events.txt
+sleep 0.6
+echo "end $CUDA_VISIBLE_DEVICES $(date +%s%N)" >> events.txt"#,
+    );
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            s.command(&[
+                "run",
+                "--min-free",
+                "50GiB",
+                "--wait",
+                "30s",
+                "--poll",
+                "100ms",
+                "--",
+                job.to_str().unwrap(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let events = std::fs::read_to_string(s.path("events.txt")).unwrap();
+    let mut spans: std::collections::HashMap<String, Vec<(u128, u128)>> = Default::default();
+    let mut open: std::collections::HashMap<String, Vec<u128>> = Default::default();
+    for line in events.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (kind, gpu, t) = (f[0], f[1].to_string(), f[2].parse::<u128>().unwrap());
+        if kind == "start" {
+            open.entry(gpu).or_default().push(t);
+        } else {
+            let start = open.get_mut(&gpu).unwrap().remove(0);
+            spans.entry(gpu).or_default().push((start, t));
+        }
+    }
+    assert_eq!(spans.values().map(|v| v.len()).sum::<usize>(), 4);
+    for (gpu, mut v) in spans {
+        v.sort();
+        for w in v.windows(2) {
+            assert!(w[0].1 <= w[1].0, "two jobs shared GPU {gpu}: {v:?}");
+        }
+    }
+    // Claims are gone once the jobs are.
+    let left: Vec<_> = std::fs::read_dir(s.path("claims"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "claim"))
+        .collect();
+    assert!(left.is_empty(), "claims left behind: {left:?}");
+}
+
+#[test]
+fn run_waits_for_a_gpu_and_says_why() {
+    let s = Sandbox::new("wait");
+    s.gpus(&[(80, 5)]);
+    let timeout = s.run(&[
+        "run",
+        "--min-free",
+        "40GiB",
+        "--wait",
+        "300ms",
+        "--poll",
+        "100ms",
+        "--",
+        "true",
+    ]);
+    assert_eq!(timeout.status.code(), Some(4));
+    let err = text(&timeout.stderr);
+    assert!(
+        err.contains("40.0 GiB free") && err.contains("5.00 GiB"),
+        "{err}"
+    );
+
+    let waiting = s
+        .command(&[
+            "run",
+            "--min-free",
+            "40GiB",
+            "--wait",
+            "20s",
+            "--poll",
+            "100ms",
+            "--",
+            "sh",
+            "-c",
+            "echo got $CUDA_VISIBLE_DEVICES",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    s.gpus(&[(80, 60)]);
+    let out = waiting.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "got 0");
+    assert!(text(&out.stderr).contains("waiting for GPUs"));
+}
+
+/// A training stand-in whose peak is `fixed + per_sample * batch` and that OOMs above the GPU's free memory.
+fn affine_job(s: &Sandbox, fixed_mib: u64, per_sample_mib: u64, free_mib: u64) -> PathBuf {
+    s.script(
+        "probe_job.sh",
+        &format!(
+            r#"b=$1
+peak=$(( ({fixed_mib} + {per_sample_mib} * b) * 1048576 ))
+echo "$b" >> batches.txt
+if [ $peak -gt $(( {free_mib} * 1048576 )) ]; then
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB" >&2; exit 1
+fi
+echo "{{\"peak_bytes\": $peak}}" > "$OOMKIT_PROBE_FILE""#
+        ),
+    )
+}
+
+#[test]
+fn find_batch_predicts_and_confirms() {
+    let s = Sandbox::new("findbatch");
+    s.gpus(&[(80, 80)]);
+    let job = affine_job(&s, 6000, 700, 80 * 1024);
+    let out = s.run(&[
+        "find-batch",
+        "--json",
+        "--effective",
+        "256",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let budget = (80.0 * 1024.0 * 0.9) as u64;
+    let truth = (budget - 6000) / 700;
+    let got = r["recommended_batch"].as_u64().unwrap();
+    assert!(
+        got <= truth && got as f64 >= truth as f64 * 0.95,
+        "got {got}, truth {truth}"
+    );
+    let trials = r["trials"].as_array().unwrap();
+    assert!(trials.len() <= 4, "{trials:?}");
+    for t in trials {
+        assert!(t.get("batch").is_some() && t.get("ok").is_some() && t.get("peak_bytes").is_some());
+    }
+    assert_eq!(r["grad_accum"].as_u64().unwrap(), 256u64.div_ceil(got));
+}
+
+#[test]
+fn find_batch_reports_when_nothing_fits() {
+    let s = Sandbox::new("findnothing");
+    s.gpus(&[(8, 8)]);
+    let job = affine_job(&s, 9000, 100, 8 * 1024);
+    let out = s.run(&[
+        "find-batch",
+        "--start",
+        "4",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert_eq!(out.status.code(), Some(5));
+    assert!(text(&out.stdout).contains("no micro-batch fits"));
+}
+
+#[test]
+fn find_batch_with_stated_capacity_and_no_gpu() {
+    let s = Sandbox::new("findcap");
+    s.gpus(&[]);
+    let job = affine_job(&s, 1000, 50, 1 << 20);
+    let out = s.run(&[
+        "find-batch",
+        "--capacity",
+        "10GiB",
+        "--margin",
+        "0",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["recommended_batch"], (10 * 1024 - 1000) / 50);
+    let no_cap = s.run(&["find-batch", "--", "true"]);
+    assert_eq!(no_cap.status.code(), Some(3));
+    assert!(text(&no_cap.stderr).contains("--capacity"));
+}
+
+#[test]
+fn usage_errors_are_exit_2() {
+    let s = Sandbox::new("usage");
+    s.gpus(&[(80, 80)]);
+    let out = s.run(&["run", "--", "echo", "{batch_size}"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--batch-size"));
+    assert_eq!(
+        s.run(&["run", "--wait", "soon", "--", "true"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(s.run(&["run"]).status.code(), Some(2));
+    let _ = Path::new(".");
+}
