@@ -15,14 +15,18 @@ from typing import Any, Dict
 
 from oomkit._native import OomkitError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
+from oomkit.auto_batch import BatchSizeError, auto_batch, oom_guard
 from oomkit.tracker import Tracker, record_history
 
 __all__ = [
+    "BatchSizeError",
     "OomkitError",
     "RunLogError",
     "Tracker",
     "analyze",
+    "auto_batch",
     "is_oom",
+    "oom_guard",
     "record_history",
     "requested_bytes",
     "__version__",

@@ -5,17 +5,6 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-# The forms listed in DESIGN.md section 5, from CUDACachingAllocator.cpp,
-# HIP, cuBLAS, cuDNN and the CPU allocator.
-_OOM_PATTERNS = (
-    "CUDA out of memory",
-    "HIP out of memory",
-    "out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_NOT_SUPPORTED",
-    "DefaultCPUAllocator: can't allocate memory",
-)
-
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
 _CPU = re.compile(r"you tried to allocate (\d+) bytes")
@@ -33,8 +22,10 @@ def is_oom(exc: BaseException) -> bool:
             return True
     except Exception:  # noqa: BLE001 - torch absent or broken: fall back to the text
         pass
-    msg = str(exc)
-    return isinstance(exc, (RuntimeError, MemoryError)) and any(p in msg for p in _OOM_PATTERNS)
+    # One list of message forms, shared with `oomkit run` and `oomkit explain`.
+    from oomkit import _native
+
+    return isinstance(exc, (RuntimeError, MemoryError)) and _native.oom_kind(str(exc)) is not None
 
 
 def requested_bytes(message: str) -> Optional[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import sys
 import time
@@ -157,6 +158,10 @@ class Tracker:
         self._stage: Optional[_Open] = None
         self._components_after_first_step = False
         self._hooks: List[Any] = []
+        # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
+        probe = os.environ.get("OOMKIT_PROBE_FILE")
+        self._probe = probe if probe and self.rank == 0 else None
+        self._probe_peak = 0
         device = None
         for p in model.parameters():
             device = p.device
@@ -286,6 +291,8 @@ class Tracker:
             end = self._meter.now()
             if kind == "stage":
                 self._stage = None
+            reserved = self._meter.reserved()
+            peak = max(o.peak, end)
             self._write(
                 {
                     "type": kind,
@@ -293,13 +300,34 @@ class Tracker:
                     "name": o.name,
                     "start_bytes": o.start,
                     "end_bytes": end,
-                    "peak_bytes": max(o.peak, end),
-                    "reserved_bytes": self._meter.reserved(),
+                    "peak_bytes": peak,
+                    "reserved_bytes": reserved,
                     "seconds": time.perf_counter() - o.t0,
                 }
             )
+            if kind == "step" and self._probe:
+                self._write_probe(peak, reserved)
         except Exception as exc:  # noqa: BLE001
             self._error(f"finish {kind}", exc)
+
+    def _write_probe(self, peak: int, reserved: int) -> None:
+        """Writes the run's peak so far for `oomkit find-batch`, whole or not at all."""
+        # The caching allocator rarely returns memory, so reserved bytes at the
+        # end of a step are its peak; the device also holds the CUDA context.
+        need = max(self._probe_peak, peak, reserved)
+        record: Dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
+        if self._meter.cuda:
+            free, total = _torch().cuda.mem_get_info(self._meter.index)
+            baseline = int(os.environ.get("OOMKIT_BASELINE_USED_BYTES", "0") or 0)
+            outside = max(0, (total - free) - baseline - reserved)
+            record["nonpytorch_bytes"] = outside
+            need = max(need, reserved + outside)
+        self._probe_peak = need
+        record["peak_bytes"] = need
+        tmp = f"{self._probe}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, self._probe)
 
     def _end_stage(self) -> None:
         if self._stage is not None:

@@ -542,7 +542,13 @@ fn find_batch_with_stated_capacity_and_no_gpu() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(r["recommended_batch"], (10 * 1024 - 1000) / 50);
+    // Predictions aim 1% under the line's crossing, so noise cannot turn the confirming run into a miss.
+    let truth = (10 * 1024 - 1000) / 50;
+    let got = r["recommended_batch"].as_u64().unwrap();
+    assert!(
+        got <= truth && got as f64 >= truth as f64 * 0.98,
+        "{got} vs {truth}"
+    );
     let no_cap = s.run(&["find-batch", "--", "true"]);
     assert_eq!(no_cap.status.code(), Some(3));
     assert!(text(&no_cap.stderr).contains("--capacity"));

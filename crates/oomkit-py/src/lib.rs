@@ -210,6 +210,30 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
     py.detach(|| oomkit_cli::main(argv.into_iter().map(Into::into)))
 }
 
+/// The kind of out-of-memory failure a message reports ("cuda", "cublas", "cpu", ...), or None.
+#[pyfunction]
+fn oom_kind(message: &str) -> Option<String> {
+    let kind = oomkit_supervise::oom::detect(message)?;
+    serde_json::to_value(kind)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+}
+
+/// The micro-batch and accumulation covering `effective_batch` at `micro_batch`.
+#[pyfunction]
+fn batch_plan(micro_batch: u64, effective_batch: u64) -> (u64, u64) {
+    let p = oomkit_supervise::BatchPlan::new(micro_batch, effective_batch);
+    (p.micro_batch, p.grad_accum)
+}
+
+/// The next (micro-batch, accumulation) after an OOM, or None at `min_micro_batch`.
+#[pyfunction]
+fn back_off(micro_batch: u64, effective_batch: u64, min_micro_batch: u64) -> Option<(u64, u64)> {
+    oomkit_supervise::BatchPlan::new(micro_batch, effective_batch)
+        .back_off(min_micro_batch)
+        .map(|p| (p.micro_batch, p.grad_accum))
+}
+
 /// The native half of the oomkit package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -223,5 +247,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(reset_process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(batch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(back_off, m)?)?;
     Ok(())
 }
