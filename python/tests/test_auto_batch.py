@@ -204,3 +204,42 @@ def test_find_batch_drives_a_real_torch_script(tmp_path: Path) -> None:
         assert fitted["ok"] and fitted["peak_bytes"] <= report["budget_bytes"]
         # CPU RSS is noisy; the four-run target is measured in BENCHMARKS.md on GPU-like curves.
         assert len(report["trials"]) <= 8
+
+
+RETRY_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+
+    micro, accum = int(sys.argv[1]), int(os.environ["OOMKIT_GRAD_ACCUM"])
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{micro} {accum}\\n")
+    x = torch.zeros(micro, 1024)
+    if micro > 8:
+        # What the caching allocator raises; the uncaught traceback is what oomkit run reads.
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free."
+        )
+    print("trained", x.shape[0] * accum)
+    """
+)
+
+
+def test_oomkit_run_retries_a_real_python_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RETRY_SCRIPT)
+    (tmp_path / "gpus.json").write_text("[]")
+    env = dict(os.environ, OOMKIT_FAKE_GPUS=str(tmp_path / "gpus.json"), OOMKIT_CLAIMS_DIR=str(tmp_path / "claims"))
+    summary = tmp_path / "summary.json"
+    out = subprocess.run(
+        [sys.executable, "-c", "import oomkit._cli as c; c.main()", "run", "--batch-size", "32", "--effective-batch", "64",
+         "--summary-json", str(summary), "--", sys.executable, str(script), "{batch_size}", str(tmp_path / "seen.txt")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "trained 64" in out.stdout
+    seen = (tmp_path / "seen.txt").read_text().split("\n")
+    assert seen[:3] == ["32 2", "16 4", "8 8"]
+    attempts = json.loads(summary.read_text())["attempts"]
+    assert [a["oom"] for a in attempts] == [True, True, False]
+    assert "OutOfMemoryError" in attempts[0]["oom_message"]

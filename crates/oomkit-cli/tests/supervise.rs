@@ -504,7 +504,10 @@ fn find_batch_predicts_and_confirms() {
     for t in trials {
         assert!(t.get("batch").is_some() && t.get("ok").is_some() && t.get("peak_bytes").is_some());
     }
-    assert_eq!(r["grad_accum"].as_u64().unwrap(), 256u64.div_ceil(got));
+    let accum = r["grad_accum"].as_u64().unwrap();
+    assert_eq!(accum, 256u64.div_ceil(got));
+    let micro = r["micro_batch_for_effective"].as_u64().unwrap();
+    assert!(micro <= got && micro * accum >= 256 && (micro - 1) * accum < 256);
 }
 
 #[test]

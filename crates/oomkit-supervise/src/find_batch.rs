@@ -64,8 +64,10 @@ pub struct FindBatchReport {
     pub trials: Vec<TrialReport>,
     /// The largest micro-batch within the budget, or null when none fits.
     pub recommended_batch: Option<u64>,
-    /// Accumulation for the effective batch at the recommended micro-batch (1 without --effective).
+    /// Accumulation for the effective batch (1 without --effective).
     pub grad_accum: Option<u64>,
+    /// The micro-batch to pair with `grad_accum`: the smallest that covers the effective batch at that accumulation, never above the recommended batch.
+    pub micro_batch_for_effective: Option<u64>,
     /// The effective batch asked for.
     pub effective_batch: Option<u64>,
     /// Memory available to the command.
@@ -287,13 +289,21 @@ pub fn find_batch(
         return Err(e);
     }
     drop(acquired);
+    // Fewest accumulation steps the largest batch allows, then the smallest
+    // micro-batch that still covers the effective batch with them.
     let grad_accum = result
         .recommended_batch
         .map(|b| opts.effective.map_or(1, |e| e.div_ceil(b)));
+    let micro_batch_for_effective = match (opts.effective, grad_accum, result.recommended_batch) {
+        (Some(e), Some(a), Some(_)) => Some(e.div_ceil(a)),
+        (None, _, b) => b,
+        _ => None,
+    };
     Ok(FindBatchReport {
         trials: reports,
         recommended_batch: result.recommended_batch,
         grad_accum,
+        micro_batch_for_effective,
         effective_batch: opts.effective,
         capacity_bytes: capacity,
         budget_bytes: cfg.budget(),
@@ -354,10 +364,17 @@ impl FindBatchReport {
                     human_bytes(self.budget_bytes),
                     human_bytes(self.capacity_bytes)
                 );
-                if let (Some(e), Some(a)) = (self.effective_batch, self.grad_accum) {
-                    let _ = write!(out, "; gradient accumulation {a} for effective batch {e}");
-                    if a * b != e {
-                        let _ = write!(out, " (gives {})", a * b);
+                if let (Some(e), Some(a), Some(m)) = (
+                    self.effective_batch,
+                    self.grad_accum,
+                    self.micro_batch_for_effective,
+                ) {
+                    let _ = write!(
+                        out,
+                        "; for effective batch {e}: micro-batch {m} x accumulation {a}"
+                    );
+                    if a * m != e {
+                        let _ = write!(out, " (= {} samples per step)", a * m);
                     }
                 }
                 let _ = writeln!(out, " [{} runs]", self.trials.len());

@@ -185,3 +185,27 @@ Traceback (most recent call last):
     assert_eq!(e.cause, Cause::Fragmentation);
     assert!(explain("step 10 loss 2.31\nall good\n", None).is_none());
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Arbitrary text never panics the reader.
+        #[test]
+        fn any_text(s in "\\PC{0,400}") {
+            let _ = explain(&s, None);
+        }
+
+        /// Real messages cut, spliced and with numbers replaced never panic it, and stay detected.
+        #[test]
+        fn mangled_real_messages(cut in 0usize..600, junk in "[0-9. a-zA-Z;()]{0,40}", pick in 0usize..6) {
+            let base = [CURRENT_FORM, OLD_FORM, CONTAINER, OTHER_PROCESS, HIP, CPU][pick];
+            let cut = base.char_indices().map(|(i, _)| i).nth(cut).unwrap_or(base.len());
+            let text = format!("{}{}{}", &base[..cut], junk, &base[cut..]);
+            let _ = explain(&text, None);
+            let huge = base.replace("2.00", "99999999999999999999999.99").replace("GiB", "TiB");
+            let _ = explain(&huge, Some("expandable_segments:True"));
+        }
+    }
+}
