@@ -120,6 +120,12 @@ impl ClaimDir {
             .write(true)
             .mode(0o666)
             .open(&lock_path)
+            .inspect(|f| {
+                // The umask trims the mode; other users' jobs must open it too.
+                let _ = f.set_permissions(std::fs::Permissions::from_mode(0o666));
+            })
+            // Another user's lock file may be read-only to us; flock works on that too.
+            .or_else(|_| File::open(&lock_path))
             .map_err(|e| self.fail(&lock_path, e))?;
         loop {
             // SAFETY: flock on a file descriptor we own; it blocks until the lock is ours.
