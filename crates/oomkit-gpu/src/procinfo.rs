@@ -43,10 +43,20 @@ pub(crate) fn user_names() -> HashMap<u32, String> {
         .unwrap_or_default()
 }
 
-/// The start time of `pid` in clock ticks since boot, which tells a live process from a reused pid.
-pub fn start_time(pid: u32) -> Option<u64> {
+/// Field `n` of /proc/`pid`/stat, counting from the state field (0) after the command name.
+pub fn stat_field(pid: u32, n: usize) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces and parentheses, so count fields after the last ')'.
     let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(19)?.parse().ok()
+    after.split_whitespace().nth(n)?.parse().ok()
+}
+
+/// The start time of `pid` in clock ticks since boot, which tells a live process from a reused pid.
+pub fn start_time(pid: u32) -> Option<u64> {
+    stat_field(pid, 19)
+}
+
+/// The process group of `pid`.
+pub fn process_group(pid: u32) -> Option<u64> {
+    stat_field(pid, 2)
 }

@@ -118,6 +118,16 @@ fn tee(
     let _ = done.send(());
 }
 
+/// The variables that hand GPUs `ids` (NVML indices) to a CUDA program.
+pub fn visible_devices(ids: &[u32]) -> [(OsString, OsString); 2] {
+    let list: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    [
+        // NVML numbers GPUs in PCI bus order; CUDA's default order differs.
+        ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
+        ("CUDA_VISIBLE_DEVICES".into(), list.join(",").into()),
+    ]
+}
+
 /// Runs `spec` to the end, teeing its output and passing on signals; `tick` is called every 20 ms while it runs.
 pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseError> {
     catch_signals();
@@ -126,6 +136,10 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     };
     let started = Instant::now();
     let mut cmd = Command::new(program);
+    if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+        // Through a pipe Python buffers its output; the OOM line must arrive before the exit.
+        cmd.env("PYTHONUNBUFFERED", "1");
+    }
     cmd.args(args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::inherit())

@@ -5,6 +5,7 @@
 use crate::child::{self, Spec};
 use crate::search::{search, SearchConfig, SearchResult, Trial};
 use crate::{fill_placeholders, BatchPlan, SuperviseError};
+use oomkit_gpu::procinfo::process_group;
 use oomkit_gpu::{acquire, probe, ClaimDir, GpuError, Request, Wait};
 use oomkit_units::human_bytes;
 use serde::Serialize;
@@ -93,7 +94,7 @@ fn sample(gpu_index: u32, pgid: u32, baseline: u64) -> Option<u64> {
     let ours: u64 = g
         .processes
         .iter()
-        .filter(|p| process_group(p.pid) == Some(pgid))
+        .filter(|p| process_group(p.pid) == Some(u64::from(pgid)))
         .filter_map(|p| p.used_bytes)
         .sum();
     if ours > 0 {
@@ -102,12 +103,6 @@ fn sample(gpu_index: u32, pgid: u32, baseline: u64) -> Option<u64> {
         // NVML shows host pids inside containers; fall back to the device's growth.
         Some(g.used_bytes.saturating_sub(baseline)).filter(|b| *b > 0)
     }
-}
-
-fn process_group(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(2)?.parse().ok()
 }
 
 fn read_probe(path: &PathBuf) -> Option<u64> {
@@ -149,7 +144,12 @@ pub fn find_batch(
     let capacity = match (opts.capacity, &gpu) {
         (Some(c), _) => c,
         (None, Some(g)) => g.free_bytes,
-        (None, None) => unreachable_capacity()?,
+        // Only reachable if a successful acquire returned no GPU.
+        (None, None) => {
+            return Err(SuperviseError::Usage(
+                "no GPU was chosen and no --capacity given".into(),
+            ))
+        }
     };
     let cfg = SearchConfig {
         start: opts.start,
@@ -205,11 +205,7 @@ pub fn find_batch(
             ("OOMKIT_ATTEMPT".into(), n.to_string().into()),
         ];
         if let Some(g) = &gpu {
-            env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
-            env.push(("CUDA_VISIBLE_DEVICES".into(), g.index.to_string().into()));
-        }
-        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
-            env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+            env.extend(child::visible_devices(&[g.index]));
         }
         let spec = Spec {
             argv: opts
@@ -313,12 +309,6 @@ pub fn find_batch(
         per_sample_bytes: result.per_sample_bytes,
         method: result.method,
     })
-}
-
-fn unreachable_capacity() -> Result<u64, SuperviseError> {
-    Err(SuperviseError::Usage(
-        "no GPU was chosen and no --capacity given".into(),
-    ))
 }
 
 impl FindBatchReport {

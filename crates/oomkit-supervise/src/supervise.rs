@@ -112,14 +112,14 @@ pub fn supervise(
             count: opts.gpus,
             min_free: opts.min_free,
         };
-        let stop = || {
-            if let Some(sig) = child::take_signal() {
-                // Put it back so the caller can report which signal it was.
-                STOPPED.store(sig as usize, std::sync::atomic::Ordering::SeqCst);
+        // Which signal ended the wait, for the error that reports it.
+        let stopped_by = std::cell::Cell::new(0);
+        let stop = || match child::take_signal() {
+            Some(sig) => {
+                stopped_by.set(sig);
                 true
-            } else {
-                false
             }
+            None => false,
         };
         match acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &stop) {
             Ok(a) => {
@@ -148,8 +148,7 @@ pub fn supervise(
                 (None, None)
             }
             Err(GpuError::Stopped) => {
-                let sig = STOPPED.swap(0, std::sync::atomic::Ordering::SeqCst) as i32;
-                return Err(SuperviseError::Interrupted(sig));
+                return Err(SuperviseError::Interrupted(stopped_by.get()));
             }
             Err(e) => return Err(e.into()),
         }
@@ -169,10 +168,6 @@ pub fn supervise(
                 .collect(),
             env: vec![env("OOMKIT_ATTEMPT", number)],
         };
-        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
-            // Through a pipe Python buffers its output; the OOM line must arrive before the exit.
-            spec.env.push(env("PYTHONUNBUFFERED", 1));
-        }
         if let Some(p) = &plan {
             spec.env.push(env("OOMKIT_MICRO_BATCH", p.micro_batch));
             spec.env.push(env("OOMKIT_GRAD_ACCUM", p.grad_accum));
@@ -184,9 +179,7 @@ pub fn supervise(
             spec.env.push(env("OOMKIT_DEVICE", "cpu"));
             "cpu"
         } else if let Some(ids) = &gpus {
-            let list: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-            spec.env.push(env("CUDA_DEVICE_ORDER", "PCI_BUS_ID"));
-            spec.env.push(env("CUDA_VISIBLE_DEVICES", list.join(",")));
+            spec.env.extend(child::visible_devices(ids));
             spec.env.push(env("OOMKIT_DEVICE", "cuda"));
             "cuda"
         } else {
@@ -299,9 +292,6 @@ pub fn supervise(
         }
     }
 }
-
-/// The signal that ended a GPU wait, kept between the wait's stop check and the error it becomes.
-static STOPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl RunSummary {
     /// The attempts as a table for the terminal.
