@@ -415,37 +415,23 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 advice.push("Recompute activations (torch.utils.checkpoint, or gradient_checkpointing_enable() in Hugging Face models), train in bf16 autocast, and use flash attention (scaled_dot_product_attention).".into());
                 advice.push("Shrink optimizer state: a fused or 8-bit AdamW, or shard it across GPUs with FSDP or ZeRO; `oomkit estimate` shows how much each choice saves.".into());
             }
-            if let (Some(r), Some(f)) = (req, free) {
-                if f >= r && m.kind != OomKind::Cpu {
-                    return explained(m, messages, others, shortfall, cause, format!(
-                        "The driver reported {} free, more than the {} request, yet the allocation failed: the free memory was not in one piece, or cuBLAS/cuDNN workspaces or another process took it first.",
-                        human_bytes(f),
-                        human_bytes(r)
-                    ), advice);
-                }
+            match (req, free) {
+                (Some(r), Some(f)) if f >= r && m.kind != OomKind::Cpu => format!(
+                    "The driver reported {} free, more than the {} request, yet the allocation failed: the free memory was not in one piece, or cuBLAS/cuDNN workspaces or another process took it first.",
+                    human_bytes(f),
+                    human_bytes(r)
+                ),
+                _ => format!(
+                    "{device} was full: the {} request found {} free{}.",
+                    hb(req),
+                    hb(free),
+                    m.process_bytes
+                        .map(|p| format!(", and this process held {}", human_bytes(p)))
+                        .unwrap_or_default()
+                ),
             }
-            format!(
-                "{device} was full: the {} request found {} free{}.",
-                hb(req),
-                hb(free),
-                m.process_bytes
-                    .map(|p| format!(", and this process held {}", human_bytes(p)))
-                    .unwrap_or_default()
-            )
         }
     };
-    explained(m, messages, others, shortfall, cause, summary, advice)
-}
-
-fn explained(
-    message: OomMessage,
-    messages: usize,
-    others: u64,
-    shortfall: Option<u64>,
-    cause: Cause,
-    summary: String,
-    advice: Vec<String>,
-) -> Explanation {
     Explanation {
         other_processes_bytes: others,
         shortfall_bytes: shortfall,
@@ -453,7 +439,7 @@ fn explained(
         summary,
         advice,
         messages,
-        message,
+        message: m,
     }
 }
 

@@ -141,15 +141,7 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
         let Some((fixed, slope)) = fit else { break };
         let l = lo.unwrap_or(1);
         let h = hi.unwrap_or(max + 1);
-        let predicted = if slope <= 0.0 {
-            max
-        } else {
-            ((budget as f64 - fixed) / slope * AIM_UNDER)
-                .floor()
-                .max(0.0) as u64
-        }
-        .min(max)
-        .min(h - 1);
+        let predicted = aim((fixed, slope), budget, max).min(h - 1);
         if predicted <= l {
             break;
         }
@@ -170,13 +162,7 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
                     }
                     _ => None,
                 };
-                let again = refit.map(|(f, sl)| {
-                    if sl <= 0.0 {
-                        max
-                    } else {
-                        (((budget as f64 - f) / sl * AIM_UNDER).floor().max(0.0) as u64).min(max)
-                    }
-                });
+                let again = refit.map(|f| aim(f, budget, max));
                 match again {
                     Some(b) if round == 0 && b as f64 > predicted as f64 * 1.02 => {
                         fit = refit;
@@ -217,13 +203,11 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
     // that curved and stepped curves, where aiming creeps, still converge.
     let mut l = lo.unwrap_or(0);
     let mut h = hi.unwrap_or(max + 1);
-    let mut aim = true;
+    let mut aim_next = true;
     while h - l > 1 && (h - l) as f64 > l as f64 * BRACKET {
         let aimed = match (peak_of(&trials, l), peak_of(&trials, h)) {
-            (Some(pl), Some(ph)) if l > 0 && ph > pl && aim => {
-                let (f, sl) = line(l, pl, h, ph);
-                let at = ((budget as f64 - f) / sl * AIM_UNDER).floor();
-                Some((at.max(0.0) as u64).clamp(l + 1, h - 1))
+            (Some(pl), Some(ph)) if l > 0 && ph > pl && aim_next => {
+                Some(aim(line(l, pl, h, ph), budget, max).clamp(l + 1, h - 1))
             }
             _ => None,
         };
@@ -234,9 +218,20 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
         } else {
             h = b;
         }
-        aim = aimed.is_none();
+        aim_next = aimed.is_none();
     }
     finish(trials, (l > 0).then_some(l), fit, method)
+}
+
+/// The batch a fitted line `(fixed, per_sample)` predicts for `budget`, aimed under it and capped at `max`.
+fn aim((fixed, slope): (f64, f64), budget: u64, max: u64) -> u64 {
+    if slope <= 0.0 {
+        return max;
+    }
+    (((budget as f64 - fixed) / slope * AIM_UNDER)
+        .floor()
+        .max(0.0) as u64)
+        .min(max)
 }
 
 fn finish(
