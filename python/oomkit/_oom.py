@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
-_CPU = re.compile(r"you tried to allocate (\d+) bytes")
+from oomkit import _native
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -23,17 +20,11 @@ def is_oom(exc: BaseException) -> bool:
     except Exception:  # noqa: BLE001 - torch absent or broken: fall back to the text
         pass
     # One list of message forms, shared with `oomkit run` and `oomkit explain`.
-    from oomkit import _native
-
     return isinstance(exc, (RuntimeError, MemoryError)) and _native.oom_kind(str(exc)) is not None
 
 
 def requested_bytes(message: str) -> Optional[int]:
     """Parses the bytes the failed allocation asked for from an OOM message."""
-    m = _TRIED.search(message)
-    if m:
-        return int(float(m.group(1)) * _UNITS[m.group(2)])
-    m = _CPU.search(message)
-    if m:
-        return int(m.group(1))
-    return None
+    # The same reader as `oomkit explain`, so every message form agrees.
+    result: Optional[int] = _native.oom_requested_bytes(message)
+    return result

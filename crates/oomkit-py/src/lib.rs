@@ -219,6 +219,14 @@ fn oom_kind(message: &str) -> Option<String> {
         .and_then(|v| v.as_str().map(String::from))
 }
 
+/// The bytes the failed allocation in an OOM message asked for, or None.
+#[pyfunction]
+fn oom_requested_bytes(message: &str) -> Option<u64> {
+    use oomkit_supervise::oom::{detect, parse_message, OomKind};
+    let kind = detect(message).unwrap_or(OomKind::Unspecified);
+    parse_message(kind, message).requested_bytes
+}
+
 /// The micro-batch and accumulation covering `effective_batch` at `micro_batch`.
 #[pyfunction]
 fn batch_plan(micro_batch: u64, effective_batch: u64) -> (u64, u64) {
@@ -248,6 +256,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_requested_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(batch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(back_off, m)?)?;
     Ok(())
