@@ -186,7 +186,15 @@ def test_find_batch_drives_a_real_torch_script(tmp_path: Path) -> None:
     """The whole path: find-batch runs the script, the tracker writes its peak, the model fits the line."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE_SCRIPT)
-    env = dict(os.environ, OOMKIT_FAKE_GPUS=str(tmp_path / "none.json"), OOMKIT_CLAIMS_DIR=str(tmp_path / "claims"))
+    # glibc moves its mmap threshold as tensors are freed, which makes RSS peaks
+    # jump by tens of MiB from run to run; a fixed threshold keeps every tensor
+    # in its own mapping, so the peak follows the batch as GPU memory would.
+    env = dict(
+        os.environ,
+        OOMKIT_FAKE_GPUS=str(tmp_path / "none.json"),
+        OOMKIT_CLAIMS_DIR=str(tmp_path / "claims"),
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
     (tmp_path / "none.json").write_text("[]")
     # Capacity: the interpreter and torch (a few hundred MiB of RSS) plus room for some thousands of samples.
     out = subprocess.run(

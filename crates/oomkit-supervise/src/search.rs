@@ -201,13 +201,19 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
     // both ends have a measured peak, aim just under where the line through
     // them meets the budget (false position), alternating with bisection so
     // that curved and stepped curves, where aiming creeps, still converge.
+    // A fit whose peak already fills the budget to within the aim's 1% is
+    // the answer: no larger batch can be confirmed without noise deciding.
     let mut l = lo.unwrap_or(0);
     let mut h = hi.unwrap_or(max + 1);
     let mut aim_next = true;
-    while h - l > 1 && (h - l) as f64 > l as f64 * BRACKET {
+    let full = |trials: &[Trial], l: u64| {
+        peak_of(trials, l).is_some_and(|p| p as f64 >= budget as f64 * AIM_UNDER)
+    };
+    while h - l > 1 && (h - l) as f64 > l as f64 * BRACKET && !full(&trials, l) {
         let aimed = match (peak_of(&trials, l), peak_of(&trials, h)) {
             (Some(pl), Some(ph)) if l > 0 && ph > pl && aim_next => {
-                Some(aim(line(l, pl, h, ph), budget, max).clamp(l + 1, h - 1))
+                // A crossing at or below the largest fit says nothing new: bisect instead.
+                Some(aim(line(l, pl, h, ph), budget, max)).filter(|b| *b > l && *b < h)
             }
             _ => None,
         };
