@@ -30,5 +30,5 @@ mod value;
 
 pub use error::{Error, Result};
 pub use parse::{Claim, Limits};
-pub use source::Source;
+pub use source::{advise_huge_pages, Source};
 pub use value::{Document, Kind, Slot, Value};

@@ -4,6 +4,8 @@ use crate::error::{Error, Result};
 use crate::value::*;
 use std::collections::HashMap;
 
+mod fast;
+
 /// Bounds that keep hostile input from exhausting memory.
 ///
 /// The parser never recurses, so the native stack is safe whatever the input;
@@ -71,13 +73,16 @@ fn refused(op: u8) -> Option<(&'static str, &'static str)> {
 ///
 /// The parser consults the claim when a dict that was empty receives a
 /// single `SETITEMS` batch of fewer than 1,000 pairs: CPython's pickler
-/// writes every such dict in one batch, so the dict is complete. A claimed
+/// writes every such dict in one batch, so the dict is complete. The claim
+/// sees the dict's items, key and value alternating; the dict itself may
+/// not have them in the document. A claimed
 /// dict keeps its identity (memo references still reach it) but reads as
 /// empty; [`Document::claimed`] returns the number the claim gave it. A
 /// pickle that adds items to a claimed dict later is refused as malformed.
 pub trait Claim {
-    /// Returns a record number to take `dict` over, or `None` to leave it in the document.
-    fn claim(&mut self, doc: &Document<'_>, dict: Slot) -> Option<u32>;
+    /// Returns a record number to take over the dict of `items` (key, value,
+    /// key, value, ...), or `None` to leave it in the document.
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32>;
 }
 
 /// Batch size of CPython's pickler: a dict batch this large may be followed by more.
@@ -135,14 +140,14 @@ impl Document<'_> {
             .unwrap_or_else(|| data.len().saturating_mul(4).saturating_add(16 << 20))
             // Containers index the slab with 32 bits.
             .min(u32::MAX as usize);
-        // Real snapshots need about one slab cell per five input bytes and a
-        // container per eighty; reserving that up front avoids growing by
+        // Real snapshots need about one slab cell per five input bytes, and a
+        // container and a string per eighty; reserving that up front avoids growing by
         // doubling, which would briefly hold two copies of the largest tables.
         // Untouched reserved pages cost no resident memory.
         let mut m = Machine {
             doc: Document {
                 data,
-                spans: Vec::new(),
+                spans: Vec::with_capacity(data.len() / 64),
                 floats: Vec::new(),
                 containers: Vec::with_capacity(data.len() / 64),
                 slab: Vec::with_capacity(data.len() / 4),
@@ -161,6 +166,10 @@ impl Document<'_> {
             limits,
             claim,
         };
+        crate::advise_huge_pages(&m.doc.slab);
+        crate::advise_huge_pages(&m.memo);
+        crate::advise_huge_pages(&m.doc.containers);
+        crate::advise_huge_pages(&m.doc.spans);
         m.run(progress)?;
         Ok(m.doc)
     }
@@ -382,17 +391,18 @@ impl<'a> Machine<'a, '_> {
         let Some(claim) = self.claim.as_mut() else {
             return;
         };
-        let Some(id) = claim.claim(&self.doc, dict) else {
+        let Place::Slab { start, len } = self.doc.containers[dict.index()].place() else {
             return;
         };
-        let c = &mut self.doc.containers[dict.index()];
-        if let Place::Slab { start, len } = c.place() {
-            if start + len == self.doc.slab.len() {
-                self.doc.slab.truncate(start);
-                self.cells -= len;
-            }
+        if start + len != self.doc.slab.len() {
+            return;
         }
-        c.set_claimed(id);
+        let Some(id) = claim.claim(&self.doc, &self.doc.slab[start..]) else {
+            return;
+        };
+        self.doc.slab.truncate(start);
+        self.cells -= len;
+        self.doc.containers[dict.index()].set_claimed(id);
     }
 
     fn memo_put(&mut self, idx: u64) -> Result<()> {
@@ -564,6 +574,9 @@ impl<'a> Machine<'a, '_> {
                     self.new_span(T_BYTEARRAY, b)?;
                 }
                 b'}' => {
+                    if self.claim.is_some() && self.fast_dict() {
+                        continue;
+                    }
                     let s = self.new_container(Kind::Dict, None)?;
                     self.push(s)?;
                 }

@@ -248,7 +248,12 @@ impl<'a> Document<'a> {
     }
 
     /// Returns the integer in `slot` if it fits in an `i64` (booleans count as 0 and 1).
+    #[inline]
     pub fn as_i64(&self, slot: Slot) -> Option<i64> {
+        // Nearly every integer in a snapshot is inline; decode it on the spot.
+        if slot.tag() == T_INT {
+            return Some((slot.0 as i64) >> TAG_BITS);
+        }
         match self.value(slot) {
             Value::Int(v) => Some(v),
             Value::Bool(b) => Some(b as i64),
@@ -258,7 +263,11 @@ impl<'a> Document<'a> {
     }
 
     /// Returns the integer in `slot` if it fits in an `i128`.
+    #[inline]
     pub fn as_i128(&self, slot: Slot) -> Option<i128> {
+        if slot.tag() == T_INT {
+            return Some(((slot.0 as i64) >> TAG_BITS) as i128);
+        }
         match self.value(slot) {
             Value::BigInt(bytes) => bigint_to_i128(bytes),
             _ => self.as_i64(slot).map(i128::from),

@@ -10,10 +10,16 @@ struct Actions {
 }
 
 impl Claim for Actions {
-    fn claim(&mut self, doc: &Document<'_>, dict: Slot) -> Option<u32> {
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
         self.offered += 1;
-        let action = doc.as_str(doc.dict_get(dict, "action")?)?.to_string();
-        let n = doc.as_i64(doc.dict_get(dict, "n")?)?;
+        let get = |key: &str| {
+            items
+                .chunks_exact(2)
+                .find(|p| doc.as_str(p[0]) == Some(key))
+                .map(|p| p[1])
+        };
+        let action = doc.as_str(get("action")?)?.to_string();
+        let n = doc.as_i64(get("n")?)?;
         self.seen.push((action, n));
         Some(self.seen.len() as u32 - 1)
     }

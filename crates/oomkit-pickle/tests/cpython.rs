@@ -1,7 +1,7 @@
 //! Differential tests: CPython writes and reads each value, we read it, and
 //! the two canonical renderings must be identical.
 
-use oomkit_pickle::{Document, Error, Value};
+use oomkit_pickle::{Claim, Document, Error, Limits, Slot, Value};
 use proptest::prelude::*;
 use serde_json::{json, Value as Json};
 use std::io::{BufRead, BufReader, Write};
@@ -130,14 +130,103 @@ fn desc(proto: u8) -> impl Strategy<Value = Json> {
     })
 }
 
+/// Generates lists shaped like a snapshot's trace: frame dicts first, then
+/// entries whose keys are shared strings and whose values are integers of
+/// every width, short strings, constants and lists of shared frames.
+fn trace_like() -> impl Strategy<Value = Json> {
+    const KEYS: &[&str] = &[
+        "action",
+        "addr",
+        "size",
+        "stream",
+        "time_us",
+        "frames",
+        "device_free",
+        "compile_context",
+    ];
+    let key = || proptest::sample::select(KEYS).prop_map(|k| json!({"k": k}));
+    let frame = ("[a-z/.]{0,20}", any::<i32>(), "[a-z_]{0,8}").prop_map(|(f, l, n)| {
+        json!({"d": [[{"k": "filename"}, {"s": f}], [{"k": "line"}, {"i": l.to_string()}], [{"k": "name"}, {"s": n}]]})
+    });
+    let value = prop_oneof![
+        any::<u8>().prop_map(|v| json!({"i": v.to_string()})),
+        any::<u16>().prop_map(|v| json!({"i": v.to_string()})),
+        any::<i32>().prop_map(|v| json!({"i": v.to_string()})),
+        any::<i64>().prop_map(|v| json!({"i": v.to_string()})),
+        any::<u64>().prop_map(|v| json!({"i": v.to_string()})),
+        any::<i128>().prop_map(|v| json!({"i": v.to_string()})),
+        "[a-z_]{0,8}".prop_map(|s| json!({"s": s})),
+        ".{0,4}".prop_map(|s| json!({"s": s})),
+        proptest::sample::select(&["alloc", "free_completed", "N/A"][..])
+            .prop_map(|k| json!({"k": k})),
+        Just(json!({"n": null})),
+        any::<bool>().prop_map(|b| json!({"b": b})),
+        proptest::collection::vec((0usize..64).prop_map(|k| json!({"share": k})), 0..6)
+            .prop_map(|v| json!({"l": v})),
+        (0usize..64).prop_map(|k| json!({"share": k})),
+    ];
+    let entry = proptest::collection::vec((key(), value), 0..10)
+        .prop_map(|v| json!({"d": v.into_iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>()}));
+    (
+        proptest::collection::vec(frame, 1..6),
+        proptest::collection::vec(entry, 0..24),
+    )
+        .prop_map(|(frames, entries)| json!({"l": [{"l": frames}, {"l": entries}]}))
+}
+
 fn check(proto: u8, value: Json) -> Result<(), TestCaseError> {
     let (bytes, theirs) = cpython(json!({"proto": proto, "value": value}));
     prop_assert_eq!(ours(&bytes), theirs);
     Ok(())
 }
 
+/// Renders the items of every dict offered to it, claiming them or not.
+struct Recorder {
+    take: bool,
+    seen: Vec<String>,
+}
+
+impl Claim for Recorder {
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        let items: Vec<String> = items.iter().map(|&s| doc.repr(s, 1000)).collect();
+        self.seen.push(items.join(","));
+        self.take.then(|| self.seen.len() as u32 - 1)
+    }
+}
+
+/// Parses with a claim, returning the document's rendering and what the claim saw.
+fn claiming(bytes: &[u8], take: bool) -> (String, Vec<String>) {
+    let mut rec = Recorder {
+        take,
+        seen: Vec::new(),
+    };
+    let doc = Document::parse_claiming(bytes, &Limits::default(), &mut |_| {}, &mut rec)
+        .unwrap_or_else(|e| panic!("{e}"));
+    (doc.repr(doc.root(), 1000), rec.seen)
+}
+
+/// Checks the reader's fast path for claimed dicts, which only protocols 4
+/// and 5 reach (older ones memoize with explicit indices), against the
+/// generic machine reading the same value pickled with protocol 2.
+fn check_claims(value: Json) -> Result<(), TestCaseError> {
+    let (old, _) = cpython(json!({"proto": 2, "value": value}));
+    let (new, theirs) = cpython(json!({"proto": 4, "value": value}));
+    // Declined dicts must be complete, exactly as CPython reads them.
+    let (declined, offered_new) = claiming(&new, false);
+    prop_assert_eq!(declined, theirs);
+    let (_, offered_old) = claiming(&old, false);
+    prop_assert_eq!(offered_new, offered_old);
+    // Claimed dicts read as empty, the same way on both paths.
+    prop_assert_eq!(claiming(&new, true), claiming(&old, true));
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn claimed_dicts_read_alike_on_both_paths(v in desc(2)) { check_claims(v)?; }
+    #[test]
+    fn claimed_trace_entries_read_alike_on_both_paths(v in trace_like()) { check_claims(v)?; }
     #[test]
     fn protocol_2(v in desc(2)) { check(2, v)?; }
     #[test]

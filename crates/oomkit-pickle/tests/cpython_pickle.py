@@ -20,6 +20,10 @@ def build(desc, shared):
         return struct.unpack("<d", bytes.fromhex(arg))[0]
     if tag == "s":
         return arg
+    if tag == "k":
+        # One object per distinct text, so that the pickler memoizes it as
+        # PyTorch's repeated dict keys are.
+        return sys.intern(arg)
     if tag == "y":
         return bytes.fromhex(arg)
     if tag == "ba":

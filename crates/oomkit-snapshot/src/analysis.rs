@@ -293,23 +293,30 @@ fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) 
             e.2 = *l;
         }
     }
-    let mut v: Vec<(SiteKey, (u64, u64, Live))> = groups.into_iter().collect();
-    v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+    // Ties go by label, not by interning order, so the report does not
+    // depend on the order in which the reader met the stacks.
+    let mut v: Vec<_> = groups
+        .into_iter()
+        .map(|(key, g)| (label(stacks, &key), key, g))
+        .collect();
+    v.sort_by(|a, b| {
+        b.2 .0
+            .cmp(&a.2 .0)
+            .then_with(|| a.0 .1.cmp(&b.0 .1))
+            .then(a.1.cmp(&b.1))
+    });
     v.into_iter()
         .take(top)
-        .map(|(key, (bytes, count, largest))| {
-            let (site, label) = label(stacks, &key);
-            SiteBytes {
-                site,
-                label,
-                bytes,
-                count,
-                stack: stacks
-                    .stack(largest.stack)
-                    .iter()
-                    .map(|&f| stacks.frame(f).clone())
-                    .collect(),
-            }
+        .map(|((site, label), _, (bytes, count, largest))| SiteBytes {
+            site,
+            label,
+            bytes,
+            count,
+            stack: stacks
+                .stack(largest.stack)
+                .iter()
+                .map(|&f| stacks.frame(f).clone())
+                .collect(),
         })
         .collect()
 }
@@ -379,11 +386,11 @@ fn analyze_device(
     let mut in_trace: HashSet<u64, FastState> = HashSet::default();
     let mut orphans: Vec<(u64, Live)> = Vec::new();
     let (mut net_active, mut net_reserved) = (0i128, 0i128);
-    let mut actions: BTreeMap<String, u64> = BTreeMap::new();
+    let mut action_counts = [0u64; Action::ALL.len()];
     let mut missing_frames = 0u64;
     let mut allocs = 0u64;
     for e in events {
-        *actions.entry(e.action.name().to_string()).or_default() += 1;
+        action_counts[e.action as usize] += 1;
         match e.action {
             Action::Alloc => {
                 net_active += e.size as i128;
@@ -693,6 +700,12 @@ fn analyze_device(
         });
     }
 
+    let actions = Action::ALL
+        .iter()
+        .zip(action_counts)
+        .filter(|(_, n)| *n > 0)
+        .map(|(a, n)| (a.name().to_string(), n))
+        .collect();
     DeviceReport {
         device,
         events: events.len() as u64,

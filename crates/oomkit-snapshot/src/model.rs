@@ -100,6 +100,21 @@ pub enum Action {
 }
 
 impl Action {
+    /// Every action, in declaration order, so that `ALL[a as usize] == a`.
+    pub const ALL: [Action; 11] = [
+        Action::Alloc,
+        Action::FreeRequested,
+        Action::FreeCompleted,
+        Action::SegmentAlloc,
+        Action::SegmentFree,
+        Action::SegmentMap,
+        Action::SegmentUnmap,
+        Action::Snapshot,
+        Action::Oom,
+        Action::Annotate,
+        Action::Unknown,
+    ];
+
     fn parse(s: &[u8]) -> Action {
         match s {
             b"alloc" => Action::Alloc,
@@ -413,9 +428,27 @@ impl EntryField {
 ///
 /// Entries it cannot read exactly (an unknown action, a field of the wrong
 /// type) are left to the generic reader, which counts or reports them.
+/// Where each field sits in the dicts of one key sequence.
+///
+/// Every entry of a trace repeats the same memoized keys in the same order,
+/// so one comparison per key finds the fields, with no lookup or branch per
+/// field.
+#[derive(Default)]
+struct Shape {
+    keys: Vec<Slot>,
+    /// Index of the value of each field in the items, the last if repeated.
+    action: Option<usize>,
+    addr: Option<usize>,
+    size: Option<usize>,
+    time_us: Option<usize>,
+    frames: Option<usize>,
+    device_free: Option<usize>,
+}
+
 struct EntryClaim {
     stacks: StackReader,
     events: Vec<TraceEvent>,
+    shape: Shape,
     keys: SlotCache<EntryField>,
     actions: SlotCache<Action>,
 }
@@ -461,12 +494,15 @@ impl<T: Copy> SlotCache<T> {
 
 impl EntryClaim {
     fn new(file_len: usize) -> Self {
+        let events = Vec::with_capacity(file_len / 32);
+        oomkit_pickle::advise_huge_pages(&events);
         EntryClaim {
             stacks: StackReader::default(),
             // An entry takes at least 32 bytes of pickle; reserved pages that
             // are never touched cost no resident memory, while growing by
             // doubling would briefly hold two copies of the events.
-            events: Vec::with_capacity(file_len / 32),
+            events,
+            shape: Shape::default(),
             keys: SlotCache::new(KEY_BUCKETS),
             actions: SlotCache::new(KEY_BUCKETS),
         }
@@ -491,34 +527,65 @@ impl EntryClaim {
         Some(a)
     }
 
-    fn read(&mut self, doc: &Document<'_>, dict: Slot) -> Option<TraceEvent> {
-        let uint = |s: Slot| doc.as_i128(s).and_then(|v| u64::try_from(v).ok());
-        let mut ev = TraceEvent::BLANK;
-        let mut action = None;
-        let mut device_free = None;
-        for (k, v) in doc.dict_items(dict)? {
+    /// Makes the cached shape that of `items`, returning `None` if a key is not a string.
+    fn shape(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<()> {
+        let same = self.shape.keys.len() * 2 == items.len()
+            && items
+                .iter()
+                .step_by(2)
+                .zip(&self.shape.keys)
+                .all(|(a, b)| a == b);
+        if same {
+            return Some(());
+        }
+        let mut shape = Shape::default();
+        for (i, &k) in items.iter().step_by(2).enumerate() {
+            let at = Some(2 * i + 1);
             match self.field(doc, k)? {
-                EntryField::Action => action = Some(self.action(doc, v)?),
-                EntryField::Addr => ev.addr = uint(v)?,
-                EntryField::Size => ev.size = uint(v)?,
-                EntryField::TimeUs => ev.set_time(doc.as_i64(v)),
-                EntryField::Frames => ev.stack = self.stacks.stack(doc, v, String::new).ok()?,
-                EntryField::DeviceFree => device_free = Some(uint(v)?),
+                EntryField::Action => shape.action = at,
+                EntryField::Addr => shape.addr = at,
+                EntryField::Size => shape.size = at,
+                EntryField::TimeUs => shape.time_us = at,
+                EntryField::Frames => shape.frames = at,
+                EntryField::DeviceFree => shape.device_free = at,
                 EntryField::Other => {}
             }
+            shape.keys.push(k);
         }
-        ev.action = action.filter(|a| *a != Action::Unknown)?;
-        if let (Action::Oom, Some(free)) = (ev.action, device_free) {
-            ev.addr = free;
+        self.shape = shape;
+        Some(())
+    }
+
+    fn read(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<TraceEvent> {
+        self.shape(doc, items)?;
+        let uint = |at: Option<usize>| match at {
+            Some(i) => doc.as_i128(items[i]).and_then(|v| u64::try_from(v).ok()),
+            None => Some(0),
+        };
+        let mut ev = TraceEvent::BLANK;
+        ev.action = self.action(doc, items[self.shape.action?])?;
+        if ev.action == Action::Unknown {
+            return None;
+        }
+        ev.addr = uint(self.shape.addr)?;
+        ev.size = uint(self.shape.size)?;
+        if let Some(i) = self.shape.time_us {
+            ev.set_time(doc.as_i64(items[i]));
+        }
+        if let Some(i) = self.shape.frames {
+            ev.stack = self.stacks.stack(doc, items[i], String::new).ok()?;
+        }
+        if let (Action::Oom, Some(_)) = (ev.action, self.shape.device_free) {
+            ev.addr = uint(self.shape.device_free)?;
         }
         Some(ev)
     }
 }
 
 impl Claim for EntryClaim {
-    fn claim(&mut self, doc: &Document<'_>, dict: Slot) -> Option<u32> {
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
         let id = u32::try_from(self.events.len()).ok()?;
-        let ev = self.read(doc, dict)?;
+        let ev = self.read(doc, items)?;
         self.events.push(ev);
         Some(id)
     }

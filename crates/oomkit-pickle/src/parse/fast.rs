@@ -1,0 +1,241 @@
+//! A fast path for the flat dicts that a [`Claim`] takes over.
+//!
+//! Trace entries are most of a snapshot. Each is a short dict whose keys are
+//! memo references and whose values are small integers, short strings, memo
+//! references and at most a list of memo references (the frames). The
+//! generic machine spends a dispatch, a stack push and several checks on
+//! each of their twenty-odd opcodes; this path reads the same opcodes in one
+//! loop and hands the items to the claim without building the dict.
+//!
+//! It either reads the whole dict up to its `SETITEMS` or leaves the machine
+//! exactly as it was, so anything it does not expect (a nested dict, an
+//! explicit memo index, a wide integer, malformed or truncated input) goes
+//! to the generic machine, which reads or reports it in full.
+
+use super::*;
+
+/// Most items, keys and values together, that a dict read here may hold.
+const FAST_MAX_ITEMS: usize = 64;
+
+/// Lengths of the tables that the fast path appends to, for undoing it.
+struct Saved {
+    containers: usize,
+    slab: usize,
+    spans: usize,
+    memo: usize,
+}
+
+impl Machine<'_, '_> {
+    /// Reads the dict whose `EMPTY_DICT` was just consumed, if it is flat; returns whether it did.
+    pub(super) fn fast_dict(&mut self) -> bool {
+        let saved = Saved {
+            containers: self.doc.containers.len(),
+            slab: self.doc.slab.len(),
+            spans: self.doc.spans.len(),
+            memo: self.memo.len(),
+        };
+        match self.try_fast_dict() {
+            Some(end) => {
+                self.pos = end;
+                true
+            }
+            None => {
+                self.doc.containers.truncate(saved.containers);
+                self.doc.slab.truncate(saved.slab);
+                self.doc.spans.truncate(saved.spans);
+                self.memo.truncate(saved.memo);
+                false
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn dense_memo(&self, i: usize) -> Option<Slot> {
+        self.memo.get(i).copied().filter(|s| *s != Slot::EMPTY)
+    }
+
+    /// Reads a memo reference at `p`, returning the slot and the next position.
+    #[inline(always)]
+    fn fast_get(&self, data: &[u8], p: usize) -> Option<(Slot, usize)> {
+        match *data.get(p)? {
+            b'h' => Some((self.dense_memo(*data.get(p + 1)? as usize)?, p + 2)),
+            b'j' => {
+                let b = data.get(p + 1..p + 5)?;
+                let i = u32::from_le_bytes(b.try_into().ok()?) as usize;
+                Some((self.dense_memo(i)?, p + 5))
+            }
+            _ => None,
+        }
+    }
+
+    /// Returns the position after the dict's `SETITEMS`, or `None` to leave it to the generic machine.
+    fn try_fast_dict(&mut self) -> Option<usize> {
+        let data = self.doc.data;
+        let mut p = self.pos;
+        let mut cells = 2;
+        let dict = Slot::tagged(T_CONT, self.doc.containers.len());
+        self.doc.containers.push(Container::new(Kind::Dict));
+        if *data.get(p)? == 0x94 {
+            self.memo.push(dict);
+            cells += 1;
+            p += 1;
+        }
+        if *data.get(p)? != b'(' {
+            return None;
+        }
+        p += 1;
+        let mut items = [Slot::NONE; FAST_MAX_ITEMS];
+        let mut n = 0;
+        loop {
+            let op = *data.get(p)?;
+            let item = match op {
+                b'h' | b'j' => {
+                    let (s, next) = self.fast_get(data, p)?;
+                    p = next;
+                    s
+                }
+                b'K' => {
+                    let v = *data.get(p + 1)?;
+                    p += 2;
+                    Slot::int(v as i64)
+                }
+                b'M' => {
+                    let b = data.get(p + 1..p + 3)?;
+                    p += 3;
+                    Slot::int(u16::from_le_bytes([b[0], b[1]]) as i64)
+                }
+                b'J' => {
+                    let b = data.get(p + 1..p + 5)?;
+                    p += 5;
+                    Slot::int(i32::from_le_bytes(b.try_into().ok()?) as i64)
+                }
+                0x8a => {
+                    let len = *data.get(p + 1)? as usize;
+                    let b = data.get(p + 2..p + 2 + len)?;
+                    p += 2 + len;
+                    Slot::int(small_long(b)?)
+                }
+                b'N' => {
+                    p += 1;
+                    Slot::NONE
+                }
+                0x88 | 0x89 => {
+                    p += 1;
+                    if op == 0x88 {
+                        Slot::TRUE
+                    } else {
+                        Slot::FALSE
+                    }
+                }
+                0x8c => {
+                    let len = *data.get(p + 1)? as usize;
+                    let off = p + 2;
+                    let b = data.get(off..off + len)?;
+                    if !b.is_ascii() && std::str::from_utf8(b).is_err() {
+                        return None;
+                    }
+                    p = off + len;
+                    let s = Slot::tagged(T_STR, self.doc.spans.len());
+                    self.doc.spans.push(Span { off, len });
+                    s
+                }
+                0x94 => {
+                    // MEMOIZE stores the item just read; it adds no item.
+                    if n == 0 {
+                        return None;
+                    }
+                    self.memo.push(items[n - 1]);
+                    cells += 1;
+                    p += 1;
+                    continue;
+                }
+                b']' => {
+                    let (list, next, used) = self.fast_list(data, p + 1)?;
+                    p = next;
+                    cells += used;
+                    list
+                }
+                b'u' => {
+                    p += 1;
+                    break;
+                }
+                _ => return None,
+            };
+            if n == FAST_MAX_ITEMS {
+                return None;
+            }
+            items[n] = item;
+            n += 1;
+        }
+        if n == 0 || n % 2 != 0 || self.stack.len() >= self.limits.max_stack {
+            return None;
+        }
+        let items = &items[..n];
+        // The generic machine would report a limit here, so let it.
+        if self.cells + cells + n > self.max_cells {
+            return None;
+        }
+        let doc = &self.doc;
+        let id = self.claim.as_mut().and_then(|c| c.claim(doc, items));
+        let c = &mut self.doc.containers[dict.index()];
+        match id {
+            Some(id) => c.set_claimed(id),
+            None => {
+                let start = self.doc.slab.len();
+                self.doc.slab.extend_from_slice(items);
+                c.set_slab(start, n);
+                cells += n;
+            }
+        }
+        self.cells += cells;
+        self.stack.push(dict);
+        Some(p)
+    }
+
+    /// Reads a list of memo references after its `EMPTY_LIST` at `p`:
+    /// returns the list, the next position and the cells it used.
+    fn fast_list(&mut self, data: &[u8], mut p: usize) -> Option<(Slot, usize, usize)> {
+        let list = Slot::tagged(T_CONT, self.doc.containers.len());
+        let mut c = Container::new(Kind::List);
+        let mut cells = 2;
+        if *data.get(p)? == 0x94 {
+            self.memo.push(list);
+            cells += 1;
+            p += 1;
+        }
+        if *data.get(p)? == b'(' {
+            p += 1;
+            let start = self.doc.slab.len();
+            while *data.get(p)? != b'e' {
+                let (s, next) = self.fast_get(data, p)?;
+                self.doc.slab.push(s);
+                p = next;
+            }
+            p += 1;
+            let len = self.doc.slab.len() - start;
+            if len > SLAB_MAX_LEN {
+                return None;
+            }
+            c.set_slab(start, len);
+            cells += 2 * len;
+        }
+        self.doc.containers.push(c);
+        Some((list, p, cells))
+    }
+}
+
+/// Decodes a `LONG1` payload that fits in a slot.
+#[inline(always)]
+fn small_long(b: &[u8]) -> Option<i64> {
+    if b.is_empty() {
+        return Some(0);
+    }
+    if b.len() > 8 {
+        return None;
+    }
+    let fill = if b[b.len() - 1] & 0x80 != 0 { 0xff } else { 0 };
+    let mut buf = [fill; 8];
+    buf[..b.len()].copy_from_slice(b);
+    let v = i64::from_le_bytes(buf);
+    (INLINE_MIN..=INLINE_MAX).contains(&v).then_some(v)
+}
