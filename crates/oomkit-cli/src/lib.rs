@@ -67,6 +67,23 @@ enum Command {
     Explain(commands::ExplainArgs),
     /// Estimate the memory a training run needs, before running it.
     Estimate(commands::EstimateArgs),
+    /// Export a snapshot or run log for another viewer (Perfetto, chrome://tracing).
+    Export {
+        /// Write Chrome trace-event JSON, which ui.perfetto.dev and chrome://tracing open.
+        #[arg(long, required = true)]
+        perfetto: bool,
+        /// The snapshot or run log.
+        file: PathBuf,
+        /// Where to write the trace; `-` for standard output.
+        #[arg(short, long, value_name = "PATH")]
+        output: PathBuf,
+        /// Most memory samples per device; more are thinned by min/max buckets (0 keeps all).
+        #[arg(long, default_value_t = 200_000, value_name = "N")]
+        max_points: usize,
+        /// Replace the output file if it exists.
+        #[arg(long)]
+        force: bool,
+    },
     /// Analyze the snapshot bundled in oomkit, to see a report with no set-up.
     Demo {
         #[command(flatten)]
@@ -150,6 +167,19 @@ fn run(cli: Cli) -> u8 {
                 EXIT_OK
             }
         }
+        Command::Export {
+            perfetto: _,
+            file,
+            output,
+            max_points,
+            force,
+        } => match export(&file, max_points).and_then(|doc| write_output(&output, &doc, force)) {
+            Ok(()) => EXIT_OK,
+            Err(msg) => {
+                eprintln!("oomkit: {msg}");
+                EXIT_INPUT
+            }
+        },
         Command::Demo { report, save } => {
             if let Some(path) = save {
                 if let Err(msg) = save_new(&path, DEMO) {
@@ -176,6 +206,52 @@ fn run(cli: Cli) -> u8 {
             }
         }
     }
+}
+
+/// Builds the Perfetto trace of a snapshot or run log.
+fn export(path: &Path, max_points: usize) -> Result<serde_json::Value, String> {
+    let shown = path.display().to_string();
+    if looks_like_run_log(path) {
+        let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
+        return Ok(oomkit_report::run_trace(&shown, &run));
+    }
+    let snap = Snapshot::load(path, &mut |_, _| {}).map_err(|e| format!("{shown}: {e}"))?;
+    let analysis = oomkit_snapshot::analyze(&snap, &Options::default());
+    Ok(oomkit_report::snapshot_trace(
+        &shown, &snap, &analysis, max_points,
+    ))
+}
+
+/// Writes a JSON document to `path` (`-` is standard output) through a
+/// temporary file, so that a failure never leaves half a file behind.
+fn write_output(path: &Path, doc: &serde_json::Value, force: bool) -> Result<(), String> {
+    let text = serde_json::to_vec(doc).map_err(|e| format!("cannot encode the output: {e}"))?;
+    if path.as_os_str() == "-" {
+        let mut out = std::io::stdout().lock();
+        return out
+            .write_all(&text)
+            .and_then(|_| out.write_all(b"\n"))
+            .map_err(|e| format!("standard output: {e}"));
+    }
+    let shown = path.display();
+    if !force && path.exists() {
+        return Err(format!(
+            "{shown}: already exists (pass --force to replace it)"
+        ));
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".oomkit-{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let written = std::fs::write(&tmp, &text).and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!("{shown}: {e}"));
+    }
+    eprintln!(
+        "oomkit: wrote {shown} ({})",
+        oomkit_snapshot::human_bytes(text.len() as u64)
+    );
+    Ok(())
 }
 
 /// Writes `bytes` to a file that must not exist yet.

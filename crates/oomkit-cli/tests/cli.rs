@@ -90,13 +90,6 @@ fn bad_input(dir: &Path, name: &str, bytes: &[u8], problem: &str) {
     );
 }
 
-fn tempdir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("oomkit-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 #[test]
 fn bad_input_is_one_clear_line_and_exit_2() {
     let dir = tempdir("bad");

@@ -3,7 +3,10 @@
 //! Both take the same [`FileAnalysis`]; the JSON form is a contract
 //! documented in the README, the terminal form is for people.
 
+mod perfetto;
+
 use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};
+pub use perfetto::{run_trace, snapshot_trace};
 use serde_json::{json, Value};
 use std::fmt::Write;
 

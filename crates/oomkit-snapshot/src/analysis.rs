@@ -2,7 +2,7 @@
 //! set at the peak by allocation site, OOM events, phases, and advice.
 
 use crate::hash::FastState;
-use crate::model::{Action, BlockState, Snapshot, Stage};
+use crate::model::{Action, BlockState, Snapshot};
 use crate::stacks::{Frame, Site, StackId, Stacks};
 pub use oomkit_units::human_bytes;
 use serde::Serialize;
@@ -444,16 +444,10 @@ fn analyze_device(
     let mut oom_idx = Vec::new();
     let mut reserved_after = Vec::new();
     for (i, e) in events.iter().enumerate() {
-        match e.action {
-            Action::Alloc => cur += e.size,
-            Action::FreeCompleted => cur = cur.saturating_sub(e.size),
-            Action::SegmentAlloc | Action::SegmentMap => cur_res += e.size,
-            Action::SegmentFree | Action::SegmentUnmap => cur_res = cur_res.saturating_sub(e.size),
-            Action::Oom => {
-                oom_idx.push(i);
-                reserved_after.push(cur_res);
-            }
-            _ => {}
+        crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
+        if e.action == Action::Oom {
+            oom_idx.push(i);
+            reserved_after.push(cur_res);
         }
         if cur > peak {
             peak = cur;
@@ -732,32 +726,13 @@ fn analyze_device(
     }
 }
 
-/// Closed `[start, end]` ranges of each annotated phase on a device.
+/// Closed `[start, end]` ranges of each annotated phase on a device; a
+/// range still open at snapshot time ends at the end of time.
 fn ranges(snap: &Snapshot, device: i64) -> Vec<(String, i64, i64)> {
-    let mut open: HashMap<&str, Vec<i64>> = HashMap::new();
-    let mut out = Vec::new();
-    let mut anns: Vec<_> = snap
-        .annotations
-        .iter()
-        .filter(|a| a.device == device)
-        .collect();
-    anns.sort_by_key(|a| a.time_us);
-    for a in anns {
-        match a.stage {
-            Stage::Start => open.entry(&a.name).or_default().push(a.time_us),
-            Stage::End => {
-                if let Some(start) = open.get_mut(a.name.as_str()).and_then(|v| v.pop()) {
-                    out.push((a.name.clone(), start, a.time_us));
-                }
-            }
-        }
-    }
-    for (name, starts) in open {
-        for s in starts {
-            out.push((name.to_string(), s, i64::MAX));
-        }
-    }
-    out
+    crate::timeline::phase_ranges(snap, device)
+        .into_iter()
+        .map(|r| (r.name, r.start_us, r.end_us.unwrap_or(i64::MAX)))
+        .collect()
 }
 
 fn innermost_phase(ranges: &[(String, i64, i64)], t: i64) -> Option<String> {

@@ -13,6 +13,7 @@ mod error;
 mod hash;
 mod model;
 mod stacks;
+mod timeline;
 
 pub use analysis::{
     analyze, human_bytes, Analysis, DeviceReport, Finding, Fragmentation, OomReport, Options,
@@ -24,3 +25,4 @@ pub use model::{
     TraceEvent,
 };
 pub use stacks::{classify, Frame, FrameClass, FrameId, Site, StackId, Stacks};
+pub use timeline::{phase_ranges, timeline, PhaseRange, Point, Timeline};

@@ -53,3 +53,11 @@ pub fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
 pub fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
+
+/// Makes an empty scratch folder for one test, unique to this process.
+pub fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("oomkit-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
