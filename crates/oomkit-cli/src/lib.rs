@@ -222,8 +222,7 @@ fn export(path: &Path, max_points: usize) -> Result<serde_json::Value, String> {
     ))
 }
 
-/// Writes a JSON document to `path` (`-` is standard output) through a
-/// temporary file, so that a failure never leaves half a file behind.
+/// Writes a JSON document to `path`, or to standard output for `-`.
 fn write_output(path: &Path, doc: &serde_json::Value, force: bool) -> Result<(), String> {
     let text = serde_json::to_vec(doc).map_err(|e| format!("cannot encode the output: {e}"))?;
     if path.as_os_str() == "-" {
@@ -233,36 +232,52 @@ fn write_output(path: &Path, doc: &serde_json::Value, force: bool) -> Result<(),
             .and_then(|_| out.write_all(b"\n"))
             .map_err(|e| format!("standard output: {e}"));
     }
-    let shown = path.display();
-    if !force && path.exists() {
-        return Err(format!(
-            "{shown}: already exists (pass --force to replace it)"
-        ));
-    }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".oomkit-{}.tmp", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let written = std::fs::write(&tmp, &text).and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(format!("{shown}: {e}"));
-    }
+    write_file(path, &text, force, "pass --force to replace it")?;
     eprintln!(
-        "oomkit: wrote {shown} ({})",
+        "oomkit: wrote {} ({})",
+        path.display(),
         oomkit_snapshot::human_bytes(text.len() as u64)
     );
     Ok(())
 }
 
+/// Writes `bytes` to `path` through a temporary file beside it, so that a
+/// failure never leaves half a file behind. An existing file is replaced
+/// only when `replace` is set; otherwise the error says so, with `hint`.
+fn write_file(path: &Path, bytes: &[u8], replace: bool, hint: &str) -> Result<(), String> {
+    let shown = path.display();
+    // Creating the target first claims its name, so that a file appearing
+    // meanwhile is never replaced by the rename below.
+    let claimed = !replace;
+    if claimed {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(format!("{shown}: already exists ({hint})"))
+            }
+            Err(e) => return Err(format!("{shown}: {e}")),
+        }
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".oomkit-{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    if let Err(e) = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        if claimed {
+            let _ = std::fs::remove_file(path);
+        }
+        return Err(format!("{shown}: {e}"));
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to a file that must not exist yet.
 fn save_new(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(|e| format!("{}: {e} (oomkit never overwrites a file)", path.display()))?;
-    f.write_all(bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))
+    write_file(path, bytes, false, "oomkit never overwrites a file")
 }
 
 fn load(path: &Path, opts: &Options) -> Result<Report, String> {
