@@ -7,6 +7,19 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
 
+/// Runs `oomkit export --perfetto INPUT -o OUTPUT` with further arguments.
+fn export(input: &Path, output: &Path, more: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "export",
+        "--perfetto",
+        input.to_str().unwrap(),
+        "-o",
+        output.to_str().unwrap(),
+    ];
+    args.extend_from_slice(more);
+    oomkit(&args, None)
+}
+
 fn run_json(args: &[&str]) -> Value {
     let out = oomkit(args, None);
     assert!(
@@ -159,16 +172,7 @@ fn a_run_log_exports_steps_stages_and_its_oom() {
     text.push('\n');
     std::fs::write(&log, text).unwrap();
     let out = dir.join("trace.json");
-    let status = oomkit(
-        &[
-            "export",
-            "--perfetto",
-            log.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        None,
-    );
+    let status = export(&log, &out, &[]);
     assert!(
         status.status.success(),
         "{}",
@@ -211,16 +215,7 @@ fn export_never_overwrites_and_reports_bad_input_in_one_line() {
     let out = dir.join("trace.json");
     std::fs::write(&out, "keep me").unwrap();
     let demo = demo_file();
-    let r = oomkit(
-        &[
-            "export",
-            "--perfetto",
-            demo.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        None,
-    );
+    let r = export(&demo, &out, &[]);
     assert_eq!(r.status.code(), Some(2));
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(
@@ -228,17 +223,7 @@ fn export_never_overwrites_and_reports_bad_input_in_one_line() {
         "{err}"
     );
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "keep me");
-    let r = oomkit(
-        &[
-            "export",
-            "--perfetto",
-            demo.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--force",
-        ],
-        None,
-    );
+    let r = export(&demo, &out, &["--force"]);
     assert!(r.status.success());
     valid_trace(&serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap());
 
@@ -246,16 +231,7 @@ fn export_never_overwrites_and_reports_bad_input_in_one_line() {
     let bytes = std::fs::read(&demo).unwrap();
     std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
     let target = dir.join("new.json");
-    let r = oomkit(
-        &[
-            "export",
-            "--perfetto",
-            bad.to_str().unwrap(),
-            "-o",
-            target.to_str().unwrap(),
-        ],
-        None,
-    );
+    let r = export(&bad, &target, &[]);
     assert_eq!(r.status.code(), Some(2));
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(

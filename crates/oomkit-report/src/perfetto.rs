@@ -24,6 +24,16 @@ fn counter(name: &str, pid: i64, ts: f64, bytes: u64) -> Value {
     json!({"ph": "C", "name": name, "pid": pid, "tid": TID_MEMORY, "ts": ts, "args": {"bytes": bytes}})
 }
 
+/// Wraps events in the trace document, saying where they came from and
+/// what their timestamps count.
+fn document(events: Vec<Value>, file: &str, clock: &str) -> Value {
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": "oomkit", "file": file, "clock": clock},
+    })
+}
+
 /// Converts a snapshot's analysis to a trace, with at most `max_points`
 /// memory samples per device (0 keeps every trace entry).
 ///
@@ -129,16 +139,14 @@ pub fn snapshot_trace(
             }
         }
     }
-    json!({
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "source": "oomkit",
-            "file": file,
-            "clock": if timed { "microseconds since the first trace entry" } else { "trace entry index (the snapshot has no times)" },
-            "decimated": lines.iter().any(|(_, t)| t.decimated),
-        },
-    })
+    let clock = if timed {
+        "microseconds since the first trace entry"
+    } else {
+        "trace entry index (the snapshot has no times)"
+    };
+    let mut doc = document(events, file, clock);
+    doc["otherData"]["decimated"] = json!(lines.iter().any(|(_, t)| t.decimated));
+    doc
 }
 
 /// Converts a run log to a trace: steps, stages and phases as slices, and
@@ -200,13 +208,9 @@ pub fn run_trace(file: &str, run: &Run) -> Value {
             "args": {"step": o.step, "stage": o.stage, "message": o.message, "snapshot": o.snapshot},
         }));
     }
-    json!({
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "source": "oomkit",
-            "file": file,
-            "clock": "microseconds, slices laid end to end from the recorded durations",
-        },
-    })
+    document(
+        events,
+        file,
+        "microseconds, slices laid end to end from the recorded durations",
+    )
 }
