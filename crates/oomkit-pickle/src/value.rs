@@ -37,6 +37,10 @@ impl Slot {
         debug_assert!((INLINE_MIN..=INLINE_MAX).contains(&v));
         Slot(((v as u64) << TAG_BITS) | T_INT)
     }
+    /// Reads back an integer stored by [`Slot::int`]; the tag must be `T_INT`.
+    pub(crate) fn int_value(self) -> i64 {
+        (self.0 as i64) >> TAG_BITS
+    }
     pub(crate) fn tagged(tag: u64, index: usize) -> Slot {
         Slot(((index as u64) << TAG_BITS) | tag)
     }
@@ -211,7 +215,7 @@ impl<'a> Document<'a> {
     /// Decodes a slot.
     pub fn value(&self, slot: Slot) -> Value<'a> {
         match slot.tag() {
-            T_INT => Value::Int((slot.0 as i64) >> TAG_BITS),
+            T_INT => Value::Int(slot.int_value()),
             T_STR => Value::Str(self.str_at(slot.index())),
             T_CONT => Value::Container(self.containers[slot.index()].kind()),
             T_FLOAT => Value::Float(self.floats[slot.index()]),
@@ -252,7 +256,7 @@ impl<'a> Document<'a> {
     pub fn as_i64(&self, slot: Slot) -> Option<i64> {
         // Nearly every integer in a snapshot is inline; decode it on the spot.
         if slot.tag() == T_INT {
-            return Some((slot.0 as i64) >> TAG_BITS);
+            return Some(slot.int_value());
         }
         match self.value(slot) {
             Value::Int(v) => Some(v),
@@ -265,13 +269,10 @@ impl<'a> Document<'a> {
     /// Returns the integer in `slot` if it fits in an `i128`.
     #[inline]
     pub fn as_i128(&self, slot: Slot) -> Option<i128> {
-        if slot.tag() == T_INT {
-            return Some(((slot.0 as i64) >> TAG_BITS) as i128);
+        if slot.tag() == T_BIGINT {
+            return bigint_to_i128(self.span(slot.index()));
         }
-        match self.value(slot) {
-            Value::BigInt(bytes) => bigint_to_i128(bytes),
-            _ => self.as_i64(slot).map(i128::from),
-        }
+        self.as_i64(slot).map(i128::from)
     }
 
     /// Returns the number in `slot` as a float, for ints and floats alike.
