@@ -625,6 +625,7 @@ class Tracker:
             self._write(
                 {
                     "type": "oom",
+                    "time": time.time(),
                     "step": self._step,
                     "stage": stage or self._phase,
                     "phase": self._phase,

@@ -61,6 +61,8 @@ pub struct Leak {
 /// One OOM, as the log recorded it.
 #[derive(Clone, Debug, Serialize)]
 pub struct OomSummary {
+    /// When it happened, seconds since the epoch, if the log says.
+    pub time: Option<f64>,
     /// The step.
     pub step: Option<u64>,
     /// The stage or phase that was running.
@@ -121,6 +123,8 @@ pub struct Analysis {
     pub capacity_bytes: Option<u64>,
     /// Largest step peak.
     pub peak_bytes: u64,
+    /// The most bytes the allocator held reserved at the end of any stage, step or phase (0 on CPU).
+    pub peak_reserved_bytes: u64,
     /// Per stage, step and phase.
     pub stages: Vec<StageStats>,
     /// The stage that needs the most on top of what was there.
@@ -286,6 +290,7 @@ pub fn analyze(run: &Run) -> Analysis {
         .ooms
         .iter()
         .map(|o| OomSummary {
+            time: o.time,
             step: o.step,
             stage: o.stage.clone().or_else(|| o.phase.clone()),
             requested_bytes: o.requested_bytes,
@@ -476,6 +481,12 @@ pub fn analyze(run: &Run) -> Analysis {
         device: start.device.clone(),
         capacity_bytes: capacity,
         peak_bytes: step_peak,
+        peak_reserved_bytes: run
+            .measures
+            .iter()
+            .map(|(_, m)| m.reserved_bytes)
+            .max()
+            .unwrap_or(0),
         stages,
         largest_growth,
         leak,

@@ -147,6 +147,8 @@ pub struct OomMemory {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default)]
 pub struct Oom {
+    /// When it happened, seconds since the epoch (absent in older logs).
+    pub time: Option<f64>,
     /// The step, if inside one.
     pub step: Option<u64>,
     /// The stage that was running: forward, backward, optimizer, or the phase's name.

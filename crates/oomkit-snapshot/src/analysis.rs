@@ -282,6 +282,17 @@ fn label(stacks: &Stacks, key: &SiteKey) -> (Option<Frame>, String) {
     }
 }
 
+/// Describes where the allocation with this stack came from, in the same
+/// words the site tables use.
+pub fn stack_label(stacks: &Stacks, stack: StackId) -> String {
+    let live = Live {
+        size: 0,
+        stack,
+        before_recording: false,
+    };
+    label(stacks, &site_key(stacks, &live)).1
+}
+
 /// Groups live allocations by site, largest first.
 fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) -> Vec<SiteBytes> {
     let mut groups: HashMap<SiteKey, (u64, u64, Live)> = HashMap::new();

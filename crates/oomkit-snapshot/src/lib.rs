@@ -16,8 +16,8 @@ mod stacks;
 mod timeline;
 
 pub use analysis::{
-    analyze, human_bytes, Analysis, DeviceReport, Finding, Fragmentation, OomReport, Options,
-    PhaseReport, SiteBytes, Warning,
+    analyze, human_bytes, stack_label, Analysis, DeviceReport, Finding, Fragmentation, OomReport,
+    Options, PhaseReport, SiteBytes, Warning,
 };
 pub use error::{Error, Result};
 pub use model::{

@@ -64,7 +64,7 @@ pub(crate) fn apply(action: Action, size: u64, active: &mut u64, reserved: &mut 
 /// Thinning splits the trace into equal buckets and keeps, from each, the
 /// entries with the least and most active bytes and the most reserved
 /// bytes, so every peak and trough survives at any zoom that shows a
-/// bucket as a pixel or less.
+/// bucket as a pixel or less. The last entry is always kept.
 pub fn timeline(snap: &Snapshot, report: &DeviceReport, max_points: usize) -> Timeline {
     let events = snap
         .traces
@@ -113,6 +113,10 @@ pub fn timeline(snap: &Snapshot, report: &DeviceReport, max_points: usize) -> Ti
         }
         if (i + 1) % per_bucket == 0 || i + 1 == events.len() {
             let mut kept: Vec<Point> = bucket.iter_mut().filter_map(|b| b.take()).collect();
+            // The last entry is the state at snapshot time, where a chart ends.
+            if i + 1 == events.len() {
+                kept.push(p);
+            }
             kept.sort_by_key(|p| p.after_event);
             kept.dedup();
             points.extend(kept);
