@@ -4,7 +4,8 @@
 # and pip installs maturin, pytest and PyTorch (CPU use) into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
-# the Python tests run the installed package with real PyTorch.
+# the Python tests run the installed package with real PyTorch, and load
+# `oomkit report` pages in headless Chromium (installed from Debian if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,19 @@ python3 scripts/make_demo_snapshot.py "$check"
 cmp -s "$check" crates/oomkit-cli/assets/demo_snapshot.pickle \
   || { echo "test.sh: crates/oomkit-cli/assets/demo_snapshot.pickle is stale: rerun scripts/make_demo_snapshot.py" >&2; exit 1; }
 INSTA_UPDATE=no cargo test --workspace --locked
+
+# The report tests load pages in headless Chromium: Debian's, installed here
+# when missing (as root), and then required, so that CI cannot skip them.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test.sh: installing Debian's chromium for the browser tests" >&2
+  apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+fi
+if command -v chromium >/dev/null; then
+  export OOMKIT_REQUIRE_BROWSER=1
+else
+  echo "test.sh: chromium is absent and cannot be installed here: the browser tests will be skipped" >&2
+fi
 
 # The Python package, built with maturin and installed as a user would.
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv

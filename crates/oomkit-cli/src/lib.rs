@@ -7,7 +7,7 @@ mod commands;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use oomkit_report::{FileAnalysis, Report, RunFile};
+use oomkit_report::{FileAnalysis, HtmlInput, RankSource, Report, RunFile};
 use oomkit_snapshot::{Options, Snapshot};
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
@@ -80,6 +80,43 @@ enum Command {
         /// Most memory samples per device; more are thinned by min/max buckets (0 keeps all).
         #[arg(long, default_value_t = 200_000, value_name = "N")]
         max_points: usize,
+        /// Replace the output file if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Compare two snapshots or two run logs, such as before and after a fix.
+    Diff {
+        /// The first file ("before").
+        a: PathBuf,
+        /// The second file ("after"), of the same kind.
+        b: PathBuf,
+        /// Print JSON: {"devices": [...]}.
+        #[arg(long)]
+        json: bool,
+        /// How many changed sites to list per device (JSON lists them all).
+        #[arg(long, default_value_t = 10, value_name = "N")]
+        top: usize,
+        /// Only this CUDA device index.
+        #[arg(long, value_name = "D")]
+        device: Option<i64>,
+    },
+    /// Write a self-contained HTML report (charts, tables, findings) that opens offline.
+    Report {
+        /// Snapshots or run logs; several files (one per rank) are also compared side by side.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Where to write the page.
+        #[arg(short, long, value_name = "PATH")]
+        output: PathBuf,
+        /// Most memory samples per device in the page; more are thinned by min/max buckets (0 keeps all).
+        #[arg(long, default_value_t = 50_000, value_name = "N")]
+        max_points: usize,
+        /// How many allocation sites to list.
+        #[arg(long, default_value_t = 20, value_name = "N")]
+        top: usize,
+        /// Only this CUDA device index.
+        #[arg(long, value_name = "D")]
+        device: Option<i64>,
         /// Replace the output file if it exists.
         #[arg(long)]
         force: bool,
@@ -180,6 +217,91 @@ fn run(cli: Cli) -> u8 {
                 EXIT_INPUT
             }
         },
+        Command::Diff {
+            a,
+            b,
+            json,
+            top,
+            device,
+        } => {
+            // Every site, so that one below a cut does not look vanished.
+            let opts = Options {
+                top: usize::MAX,
+                device,
+            };
+            let (ra, rb) = match (load(&a, &opts), load(&b, &opts)) {
+                (Ok(x), Ok(y)) => (x, y),
+                (Err(msg), _) | (_, Err(msg)) => {
+                    eprintln!("oomkit: {msg}");
+                    return EXIT_INPUT;
+                }
+            };
+            let diff = match (&ra, &rb) {
+                (Report::Snapshot(x), Report::Snapshot(y)) => oomkit_report::diff_snapshots(x, y),
+                (Report::Run(x), Report::Run(y)) => oomkit_report::diff_runs(x, y),
+                _ => {
+                    eprintln!(
+                        "oomkit: cannot compare {} with {}: one is a snapshot and the other a run log",
+                        a.display(),
+                        b.display()
+                    );
+                    return EXIT_INPUT;
+                }
+            };
+            let mut out = std::io::stdout().lock();
+            if json {
+                let doc = serde_json::to_value(&diff).unwrap_or_default();
+                let _ = writeln!(
+                    out,
+                    "{}",
+                    serde_json::to_string_pretty(&doc).unwrap_or_default()
+                );
+            } else {
+                let _ = write!(out, "{}", oomkit_report::diff_text(&diff, top));
+            }
+            EXIT_OK
+        }
+        Command::Report {
+            files,
+            output,
+            max_points,
+            top,
+            device,
+            force,
+        } => {
+            let opts = Options { top, device };
+            let mut loaded = Vec::new();
+            for path in &files {
+                match load_full(path, &opts) {
+                    Ok(l) => loaded.push(l),
+                    Err(msg) => {
+                        eprintln!("oomkit: {msg}");
+                        return EXIT_INPUT;
+                    }
+                }
+            }
+            let inputs: Vec<HtmlInput> = loaded.iter().map(Loaded::html_input).collect();
+            let page = oomkit_report::html_report(&inputs, max_points);
+            match write_file(
+                &output,
+                page.as_bytes(),
+                force,
+                "pass --force to replace it",
+            ) {
+                Ok(()) => {
+                    eprintln!(
+                        "oomkit: wrote {} ({})",
+                        output.display(),
+                        oomkit_snapshot::human_bytes(page.len() as u64)
+                    );
+                    EXIT_OK
+                }
+                Err(msg) => {
+                    eprintln!("oomkit: {msg}");
+                    EXIT_INPUT
+                }
+            }
+        }
         Command::Demo { report, save } => {
             if let Some(path) = save {
                 if let Err(msg) = save_new(&path, DEMO) {
@@ -280,15 +402,38 @@ fn save_new(path: &Path, bytes: &[u8]) -> Result<(), String> {
     write_file(path, bytes, false, "oomkit never overwrites a file")
 }
 
+/// A file read for a report: its analysis and what the charts need.
+enum Loaded {
+    Snapshot(Box<(FileAnalysis, Snapshot)>),
+    Run(Box<(RunFile, oomkit_runlog::Run)>),
+}
+
+impl Loaded {
+    fn html_input(&self) -> HtmlInput<'_> {
+        match self {
+            Loaded::Snapshot(b) => HtmlInput::Snapshot(&b.0, &b.1),
+            Loaded::Run(b) => HtmlInput::Run(&b.0, &b.1),
+        }
+    }
+}
+
 fn load(path: &Path, opts: &Options) -> Result<Report, String> {
+    Ok(match load_full(path, opts)? {
+        Loaded::Snapshot(b) => Report::Snapshot(b.0),
+        Loaded::Run(b) => Report::Run(Box::new(b.0)),
+    })
+}
+
+fn load_full(path: &Path, opts: &Options) -> Result<Loaded, String> {
     let shown = path.display().to_string();
     let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     if looks_like_run_log(path) {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
-        return Ok(Report::Run(Box::new(RunFile {
+        let rf = RunFile {
             path: shown,
             analysis: oomkit_runlog::analyze(&run),
-        })));
+        };
+        return Ok(Loaded::Run(Box::new((rf, run))));
     }
     let bar = (file_bytes >= PROGRESS_MIN_BYTES && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::with_draw_target(Some(file_bytes), ProgressDrawTarget::stderr());
@@ -308,9 +453,8 @@ fn load(path: &Path, opts: &Options) -> Result<Report, String> {
         b.finish_and_clear();
     }
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
-    Ok(Report::Snapshot(FileAnalysis::new(
-        shown, file_bytes, &snap, opts,
-    )))
+    let fa = FileAnalysis::new(shown, file_bytes, &snap, opts);
+    Ok(Loaded::Snapshot(Box::new((fa, snap))))
 }
 
 /// Pickles start with the PROTO opcode; run logs with a JSON object.
@@ -327,11 +471,26 @@ type Outcome = Result<Report, (String, String)>;
 
 fn emit(results: &[Outcome], report: &ReportArgs) {
     let mut out = std::io::stdout().lock();
+    let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    // Several files are taken to be ranks of one run, and compared.
+    let ranks = if ok.len() > 1 {
+        oomkit_report::rank_table(&ok.iter().map(|r| RankSource::from(*r)).collect::<Vec<_>>())
+    } else {
+        Vec::new()
+    };
     if report.json {
         let values: Vec<serde_json::Value> = results
             .iter()
             .map(|r| match r {
-                Ok(r) => r.json(),
+                Ok(rep) => {
+                    let mut v = rep.json();
+                    if let (false, Some(m)) = (ranks.is_empty(), v.as_object_mut()) {
+                        let mine: Vec<_> =
+                            ranks.iter().filter(|row| row.file == rep.path()).collect();
+                        m.insert("multi_rank".into(), serde_json::json!(mine));
+                    }
+                    v
+                }
                 Err((file, error)) => serde_json::json!({"file": file, "error": error}),
             })
             .collect();
@@ -346,12 +505,14 @@ fn emit(results: &[Outcome], report: &ReportArgs) {
             serde_json::to_string_pretty(&doc).unwrap_or_default()
         );
     } else {
-        let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
         for (i, r) in ok.iter().enumerate() {
             if i > 0 {
                 let _ = writeln!(out);
             }
             let _ = write!(out, "{}", r.text());
+        }
+        if !ranks.is_empty() {
+            let _ = write!(out, "\n{}", oomkit_report::rank_text(&ranks));
         }
     }
 }

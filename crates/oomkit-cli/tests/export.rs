@@ -150,26 +150,7 @@ fn the_demo_exports_its_oom_and_phases() {
 fn a_run_log_exports_steps_stages_and_its_oom() {
     let dir = tempdir("export-run");
     let log = dir.join("run.jsonl");
-    let mut text = String::from(
-        r#"{"type":"start","version":1,"rank":3,"device":"cuda:0","capacity_bytes":1073741824}"#,
-    );
-    text.push('\n');
-    for step in 0..3u64 {
-        for (name, peak) in [("forward", 500u64), ("backward", 700), ("optimizer", 600)] {
-            text.push_str(&format!(
-                r#"{{"type":"stage","step":{step},"name":"{name}","start_bytes":100,"end_bytes":200,"peak_bytes":{peak},"seconds":0.01}}"#
-            ));
-            text.push('\n');
-        }
-        text.push_str(&format!(
-            r#"{{"type":"step","step":{step},"start_bytes":100,"end_bytes":200,"peak_bytes":700,"reserved_bytes":900,"seconds":0.05}}"#
-        ));
-        text.push('\n');
-    }
-    text.push_str(r#"{"type":"phase","step":2,"name":"eval","start_bytes":200,"end_bytes":250,"peak_bytes":800,"seconds":0.02}"#);
-    text.push('\n');
-    text.push_str(r#"{"type":"oom","step":3,"stage":"forward","requested_bytes":1024,"message":"CUDA out of memory","memory":{}}"#);
-    text.push('\n');
+    let text = run_log_text(3, 1, Some(f64::NAN));
     std::fs::write(&log, text).unwrap();
     let out = dir.join("trace.json");
     let status = export(&log, &out, &[]);

@@ -3,10 +3,16 @@
 //! Both take the same [`FileAnalysis`]; the JSON form is a contract
 //! documented in the README, the terminal form is for people.
 
+mod diff;
+mod html;
 mod perfetto;
+mod ranks;
 
+pub use diff::{diff_runs, diff_snapshots, diff_text, DeviceDelta, Diff, SiteDelta, StageDelta};
+pub use html::{html_report, HtmlInput};
 use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};
 pub use perfetto::{run_trace, snapshot_trace};
+pub use ranks::{rank_table, rank_text, RankRow, RankSource, IMBALANCE_FRACTION};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
@@ -233,6 +239,14 @@ pub enum Report {
 }
 
 impl Report {
+    /// Returns the path of the file, as the user gave it.
+    pub fn path(&self) -> &str {
+        match self {
+            Report::Snapshot(fa) => &fa.path,
+            Report::Run(rf) => &rf.path,
+        }
+    }
+
     /// Renders the report as JSON.
     pub fn json(&self) -> Value {
         match self {

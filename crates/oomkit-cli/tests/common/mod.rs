@@ -61,3 +61,44 @@ pub fn tempdir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// A run log as the tracker writes it: three steps of forward, backward
+/// and optimizer, an eval phase, and an OOM in step 3 when `oom_time` is
+/// given (seconds since the epoch; NaN writes no time). Peaks scale with `scale`.
+pub fn run_log_text(rank: u32, scale: u64, oom_time: Option<f64>) -> String {
+    let mut text = format!(
+        r#"{{"type":"start","version":1,"rank":{rank},"device":"cuda:0","capacity_bytes":1073741824}}"#
+    );
+    text.push('\n');
+    for step in 0..3u64 {
+        for (name, peak) in [("forward", 500u64), ("backward", 700), ("optimizer", 600)] {
+            let peak = peak * scale;
+            text.push_str(&format!(
+                r#"{{"type":"stage","step":{step},"name":"{name}","start_bytes":100,"end_bytes":200,"peak_bytes":{peak},"seconds":0.01}}"#
+            ));
+            text.push('\n');
+        }
+        let peak = 700 * scale;
+        text.push_str(&format!(
+            r#"{{"type":"step","step":{step},"start_bytes":100,"end_bytes":200,"peak_bytes":{peak},"reserved_bytes":900,"seconds":0.05}}"#
+        ));
+        text.push('\n');
+    }
+    let peak = 800 * scale;
+    text.push_str(&format!(
+        r#"{{"type":"phase","step":2,"name":"eval","start_bytes":200,"end_bytes":250,"peak_bytes":{peak},"seconds":0.02}}"#
+    ));
+    text.push('\n');
+    if let Some(t) = oom_time {
+        let time = if t.is_nan() {
+            String::new()
+        } else {
+            format!(r#""time":{t},"#)
+        };
+        text.push_str(&format!(
+            r#"{{"type":"oom",{time}"step":3,"stage":"forward","requested_bytes":1024,"message":"CUDA out of memory","memory":{{}}}}"#
+        ));
+        text.push('\n');
+    }
+    text
+}

@@ -1,0 +1,375 @@
+//! Two runs compared, before and after a change: the peak per device, the
+//! sites that grew, shrank, appeared or vanished, and each stage's peak.
+
+use crate::{human_bytes, FileAnalysis, RunFile};
+use oomkit_runlog::MeasureKind;
+use oomkit_snapshot::{DeviceReport, SiteBytes};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write;
+
+/// Bytes held by one site in each run.
+#[derive(Clone, Debug, Serialize)]
+pub struct SiteDelta {
+    /// The site, in the words of the site tables (`file.py:LINE function`).
+    pub site: String,
+    /// Bytes live from it at A's peak.
+    pub bytes_a: u64,
+    /// Bytes live from it at B's peak.
+    pub bytes_b: u64,
+    /// `bytes_b - bytes_a`.
+    pub delta_bytes: i64,
+    /// `grew`, `shrank`, `appeared`, `vanished` or `same`.
+    pub change: &'static str,
+}
+
+/// One stage's peak in each run log.
+#[derive(Clone, Debug, Serialize)]
+pub struct StageDelta {
+    /// `stage`, `step` or `phase`.
+    pub kind: MeasureKind,
+    /// The stage's name.
+    pub name: String,
+    /// Its largest peak in A, or null when A has none.
+    pub max_peak_bytes_a: Option<u64>,
+    /// Its largest peak in B, or null when B has none.
+    pub max_peak_bytes_b: Option<u64>,
+    /// B minus A, counting a missing stage as 0.
+    pub delta_bytes: i64,
+}
+
+/// One device in both runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceDelta {
+    /// `cuda:N`, or a run log's device.
+    pub device: String,
+    /// Peak bytes in A (0 when the device is absent there).
+    pub peak_active_bytes_a: u64,
+    /// Peak bytes in B (0 when the device is absent there).
+    pub peak_active_bytes_b: u64,
+    /// B minus A.
+    pub peak_active_bytes_delta: i64,
+    /// Peak reserved bytes in A.
+    pub peak_reserved_bytes_a: u64,
+    /// Peak reserved bytes in B.
+    pub peak_reserved_bytes_b: u64,
+    /// OOMs in A.
+    pub ooms_a: usize,
+    /// OOMs in B.
+    pub ooms_b: usize,
+    /// `a` or `b` when the device appears in one run only.
+    pub only_in: Option<&'static str>,
+    /// Sites whose bytes at the peak differ or not, largest change first.
+    pub sites: Vec<SiteDelta>,
+    /// For run logs: each stage's peak.
+    pub stages: Vec<StageDelta>,
+}
+
+/// A comparison of two runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct Diff {
+    /// `snapshot` or `run`.
+    pub kind: &'static str,
+    /// The first file, "before".
+    pub file_a: String,
+    /// The second file, "after".
+    pub file_b: String,
+    /// Per device.
+    pub devices: Vec<DeviceDelta>,
+}
+
+fn delta(a: u64, b: u64) -> i64 {
+    b as i64 - a as i64
+}
+
+fn site_deltas(a: &[SiteBytes], b: &[SiteBytes]) -> Vec<SiteDelta> {
+    let mut bytes: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for s in a {
+        bytes.entry(&s.label).or_default().0 += s.bytes;
+    }
+    for s in b {
+        bytes.entry(&s.label).or_default().1 += s.bytes;
+    }
+    let mut out: Vec<SiteDelta> = bytes
+        .into_iter()
+        .map(|(site, (x, y))| SiteDelta {
+            site: site.to_string(),
+            bytes_a: x,
+            bytes_b: y,
+            delta_bytes: delta(x, y),
+            change: match (x, y) {
+                (0, _) => "appeared",
+                (_, 0) => "vanished",
+                (x, y) if y > x => "grew",
+                (x, y) if y < x => "shrank",
+                _ => "same",
+            },
+        })
+        .collect();
+    out.sort_by(|p, q| {
+        q.delta_bytes
+            .unsigned_abs()
+            .cmp(&p.delta_bytes.unsigned_abs())
+            .then_with(|| p.site.cmp(&q.site))
+    });
+    out
+}
+
+/// Compares two snapshots' analyses, device by device. The analyses
+/// should list every site (a large `top`), or sites below the cut look
+/// as if they had vanished.
+pub fn diff_snapshots(a: &FileAnalysis, b: &FileAnalysis) -> Diff {
+    let ids: BTreeSet<i64> = a
+        .analysis
+        .devices
+        .iter()
+        .chain(&b.analysis.devices)
+        .map(|d| d.device)
+        .collect();
+    let devices = ids
+        .into_iter()
+        .map(|id| {
+            let da = a.analysis.devices.iter().find(|d| d.device == id);
+            let db = b.analysis.devices.iter().find(|d| d.device == id);
+            let peak = |d: Option<&DeviceReport>| d.map_or(0, |d| d.peak_active_bytes);
+            let reserved = |d: Option<&DeviceReport>| {
+                d.map_or(0, |d| d.peak_reserved_bytes.max(d.reserved_bytes))
+            };
+            DeviceDelta {
+                device: format!("cuda:{id}"),
+                peak_active_bytes_a: peak(da),
+                peak_active_bytes_b: peak(db),
+                peak_active_bytes_delta: delta(peak(da), peak(db)),
+                peak_reserved_bytes_a: reserved(da),
+                peak_reserved_bytes_b: reserved(db),
+                ooms_a: da.map_or(0, |d| d.ooms.len()),
+                ooms_b: db.map_or(0, |d| d.ooms.len()),
+                only_in: match (da, db) {
+                    (Some(_), None) => Some("a"),
+                    (None, Some(_)) => Some("b"),
+                    _ => None,
+                },
+                sites: site_deltas(
+                    da.map_or(&[][..], |d| &d.top_sites[..]),
+                    db.map_or(&[][..], |d| &d.top_sites[..]),
+                ),
+                stages: Vec::new(),
+            }
+        })
+        .collect();
+    Diff {
+        kind: "snapshot",
+        file_a: a.path.clone(),
+        file_b: b.path.clone(),
+        devices,
+    }
+}
+
+/// Compares two run logs: the step peak, and the largest peak of every
+/// stage, step and phase.
+pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
+    let (ra, rb) = (&a.analysis, &b.analysis);
+    let mut keys: Vec<(MeasureKind, String)> = Vec::new();
+    for s in ra.stages.iter().chain(&rb.stages) {
+        let k = (s.kind, s.name.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let find = |r: &oomkit_runlog::Analysis, k: &(MeasureKind, String)| {
+        r.stages
+            .iter()
+            .find(|s| s.kind == k.0 && s.name == k.1)
+            .map(|s| s.max_peak_bytes)
+    };
+    let stages = keys
+        .iter()
+        .map(|k| {
+            let (x, y) = (find(ra, k), find(rb, k));
+            StageDelta {
+                kind: k.0,
+                name: k.1.clone(),
+                max_peak_bytes_a: x,
+                max_peak_bytes_b: y,
+                delta_bytes: delta(x.unwrap_or(0), y.unwrap_or(0)),
+            }
+        })
+        .collect();
+    let device = if ra.device == rb.device {
+        ra.device.clone()
+    } else {
+        format!("{} / {}", ra.device, rb.device)
+    };
+    Diff {
+        kind: "run",
+        file_a: a.path.clone(),
+        file_b: b.path.clone(),
+        devices: vec![DeviceDelta {
+            device,
+            peak_active_bytes_a: ra.peak_bytes,
+            peak_active_bytes_b: rb.peak_bytes,
+            peak_active_bytes_delta: delta(ra.peak_bytes, rb.peak_bytes),
+            peak_reserved_bytes_a: ra.peak_reserved_bytes,
+            peak_reserved_bytes_b: rb.peak_reserved_bytes,
+            ooms_a: ra.ooms.len(),
+            ooms_b: rb.ooms.len(),
+            only_in: None,
+            sites: Vec::new(),
+            stages,
+        }],
+    }
+}
+
+fn signed(d: i64) -> String {
+    let s = human_bytes(d.unsigned_abs());
+    match d.signum() {
+        1 => format!("+{s}"),
+        -1 => format!("-{s}"),
+        _ => "±0 B".into(),
+    }
+}
+
+fn relative(a: u64, d: i64) -> String {
+    if a == 0 {
+        return String::new();
+    }
+    format!(" ({:+.0}%)", 100.0 * d as f64 / a as f64)
+}
+
+/// Renders a comparison for a terminal, listing at most `top` sites per device.
+pub fn diff_text(diff: &Diff, top: usize) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "== A: {}\n== B: {}", diff.file_a, diff.file_b);
+    for d in &diff.devices {
+        let _ = write!(
+            out,
+            "\n{}: peak {} -> {}, {}{}; reserved {} -> {}; OOMs {} -> {}",
+            d.device,
+            human_bytes(d.peak_active_bytes_a),
+            human_bytes(d.peak_active_bytes_b),
+            signed(d.peak_active_bytes_delta),
+            relative(d.peak_active_bytes_a, d.peak_active_bytes_delta),
+            human_bytes(d.peak_reserved_bytes_a),
+            human_bytes(d.peak_reserved_bytes_b),
+            d.ooms_a,
+            d.ooms_b
+        );
+        match d.only_in {
+            Some(which) => {
+                let _ = writeln!(out, " (only in {})", which.to_uppercase());
+            }
+            None => out.push('\n'),
+        }
+        let changed: Vec<&SiteDelta> = d.sites.iter().filter(|s| s.delta_bytes != 0).collect();
+        if !d.sites.is_empty() {
+            if changed.is_empty() {
+                let _ = writeln!(out, "  the same sites hold the same bytes at both peaks");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "  {:<9} {:>11} {:>21}  site (live at the peak)",
+                    "change", "delta", "A -> B"
+                );
+            }
+            for s in changed.iter().take(top) {
+                let _ = writeln!(
+                    out,
+                    "  {:<9} {:>11} {:>21}  {}",
+                    s.change,
+                    signed(s.delta_bytes),
+                    format!("{} -> {}", human_bytes(s.bytes_a), human_bytes(s.bytes_b)),
+                    s.site
+                );
+            }
+            if changed.len() > top {
+                let _ = writeln!(
+                    out,
+                    "  ... {} more changed sites (--top)",
+                    changed.len() - top
+                );
+            }
+        }
+        if !d.stages.is_empty() {
+            let _ = writeln!(
+                out,
+                "  {:<6} {:<12} {:>11} {:>11} {:>11}",
+                "kind", "stage", "max peak A", "max peak B", "delta"
+            );
+            for s in &d.stages {
+                let show = |v: Option<u64>| v.map_or("-".into(), human_bytes);
+                let kind = match s.kind {
+                    MeasureKind::Stage => "stage",
+                    MeasureKind::Step => "step",
+                    MeasureKind::Phase => "phase",
+                };
+                let _ = writeln!(
+                    out,
+                    "  {:<6} {:<12} {:>11} {:>11} {:>11}",
+                    kind,
+                    s.name,
+                    show(s.max_peak_bytes_a),
+                    show(s.max_peak_bytes_b),
+                    signed(s.delta_bytes)
+                );
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn site(label: &str, bytes: u64) -> SiteBytes {
+        SiteBytes {
+            site: None,
+            label: label.into(),
+            bytes,
+            count: 1,
+            stack: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn sites_are_matched_by_label_and_ordered_by_change() {
+        let a = [
+            site("a.py:1 f", 100),
+            site("b.py:2 g", 50),
+            site("c.py:3 h", 10),
+        ];
+        let b = [
+            site("a.py:1 f", 40),
+            site("c.py:3 h", 10),
+            site("d.py:4 k", 500),
+        ];
+        let d = site_deltas(&a, &b);
+        let got: Vec<(&str, i64, &str)> = d
+            .iter()
+            .map(|s| (s.site.as_str(), s.delta_bytes, s.change))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("d.py:4 k", 500, "appeared"),
+                ("a.py:1 f", -60, "shrank"),
+                ("b.py:2 g", -50, "vanished"),
+                ("c.py:3 h", 0, "same"),
+            ]
+        );
+        let grew = site_deltas(&[site("x", 1)], &[site("x", 3)]);
+        assert_eq!(
+            (grew[0].change, grew[0].bytes_a, grew[0].bytes_b),
+            ("grew", 1, 3)
+        );
+    }
+
+    #[test]
+    fn signed_sizes_read_plainly() {
+        assert_eq!(signed(1 << 20), "+1.00 MiB");
+        assert_eq!(signed(-(3 << 30)), "-3.00 GiB");
+        assert_eq!(signed(0), "±0 B");
+        assert_eq!(relative(200, -50), " (-25%)");
+        assert_eq!(relative(0, 5), "");
+    }
+}

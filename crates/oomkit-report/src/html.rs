@@ -1,0 +1,367 @@
+//! The self-contained HTML report: the analyses and thinned series as one
+//! JSON document, embedded in a page with its script, styles and the
+//! vendored uPlot chart library, so that it opens offline.
+
+use crate::ranks::{rank_table, RankRow};
+use crate::{run_json, FileAnalysis, RunFile};
+use oomkit_runlog::{MeasureKind, Run};
+use oomkit_snapshot::{phase_ranges, stack_label, timeline, Snapshot, StackId};
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+
+const TEMPLATE: &str = include_str!("../assets/report.html");
+const APP_JS: &str = include_str!("../assets/report.js");
+const APP_CSS: &str = include_str!("../assets/report.css");
+const UPLOT_JS: &str = include_str!("../assets/vendor/uplot/uPlot.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../assets/vendor/uplot/uPlot.min.css");
+const UPLOT_LICENSE: &str = include_str!("../assets/vendor/uplot/LICENSE");
+
+/// Segments drawn per device; the rest are summed in one line.
+const MAX_SEGMENTS: usize = 200;
+
+/// One input of a report, with what its views need beyond the analysis.
+pub enum HtmlInput<'a> {
+    /// A snapshot and its analysis.
+    Snapshot(&'a FileAnalysis, &'a Snapshot),
+    /// A run log and its analysis.
+    Run(&'a RunFile, &'a Run),
+}
+
+/// Renders the report page for one or more files, keeping at most
+/// `max_points` memory samples per device (0 keeps all).
+pub fn html_report(inputs: &[HtmlInput<'_>], max_points: usize) -> String {
+    let files: Vec<Value> = inputs
+        .iter()
+        .map(|input| match input {
+            HtmlInput::Snapshot(fa, snap) => snapshot_data(fa, snap, max_points),
+            HtmlInput::Run(rf, run) => run_data(rf, run),
+        })
+        .collect();
+    let ranks: Vec<RankRow> = if inputs.len() > 1 {
+        rank_table(
+            &inputs
+                .iter()
+                .map(crate::ranks::RankSource::from)
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        Vec::new()
+    };
+    let doc = json!({
+        "generator": format!("oomkit {}", env!("CARGO_PKG_VERSION")),
+        "files": files,
+        "ranks": ranks,
+    });
+    let data = script_safe(&doc.to_string());
+    // Each piece replaces a marker that occurs once in the template; the
+    // data goes last so that nothing inside it is taken for a marker.
+    TEMPLATE
+        .replacen("/*@UPLOT_CSS@*/", UPLOT_CSS, 1)
+        .replacen("/*@APP_CSS@*/", APP_CSS, 1)
+        .replacen("@UPLOT_LICENSE@", &UPLOT_LICENSE.replace("--", "- -"), 1)
+        .replacen("/*@UPLOT_JS@*/", UPLOT_JS, 1)
+        .replacen("/*@APP_JS@*/", APP_JS, 1)
+        .replacen("@DATA@", &data, 1)
+}
+
+/// Keeps JSON from closing the `<script>` element it sits in: every `<`
+/// of a JSON text is inside a string, where `\u003c` reads the same.
+fn script_safe(json: &str) -> String {
+    json.replace('<', "\\u003c")
+}
+
+/// Encodes a series as its first value and the differences after it,
+/// which keeps slowly changing byte counts short in the page.
+fn deltas(values: impl IntoIterator<Item = i64>) -> Vec<i64> {
+    let mut prev = 0i64;
+    values
+        .into_iter()
+        .map(|v| {
+            let d = v.wrapping_sub(prev);
+            prev = v;
+            d
+        })
+        .collect()
+}
+
+/// Interns strings into a table, returning each one's index.
+#[derive(Default)]
+struct Table {
+    names: Vec<String>,
+    index: HashMap<String, usize>,
+}
+
+impl Table {
+    fn id(&mut self, name: &str) -> usize {
+        if let Some(&i) = self.index.get(name) {
+            return i;
+        }
+        self.names.push(name.to_string());
+        self.index.insert(name.to_string(), self.names.len() - 1);
+        self.names.len() - 1
+    }
+}
+
+fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value {
+    let devices: Vec<Value> = fa
+        .analysis
+        .devices
+        .iter()
+        .map(|d| {
+            let events = snap
+                .traces
+                .get(d.device as usize)
+                .map_or(&[][..], |t| &t.events[..]);
+            let t0 = events.first().and_then(|e| e.time_us());
+            let tl = timeline(snap, d, max_points);
+            let mut sites = Table::default();
+            let mut site_of: HashMap<StackId, usize> = HashMap::new();
+            let mut actions = Table::default();
+            let (mut x, mut t, mut size, mut action, mut site) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for p in &tl.points {
+                // x counts entries applied: 0 is the state before the first.
+                x.push(p.after_event.map_or(0, |i| i as i64 + 1));
+                t.push(match (p.time_us, t0) {
+                    (Some(a), Some(b)) => a - b,
+                    _ => 0,
+                });
+                match p.after_event.and_then(|i| events.get(i as usize)) {
+                    Some(e) => {
+                        size.push(e.size as i64);
+                        action.push(actions.id(e.action.name()));
+                        let id = *site_of
+                            .entry(e.stack)
+                            .or_insert_with(|| sites.id(&stack_label(&snap.stacks, e.stack)));
+                        site.push(id as i64);
+                    }
+                    None => {
+                        size.push(0);
+                        action.push(actions.id("start"));
+                        site.push(-1);
+                    }
+                }
+            }
+            // Phases are recorded by time; the chart's axis counts entries,
+            // so each edge goes to the first entry at or after it.
+            let at = |time: i64| events.partition_point(|e| e.time_us().is_some_and(|u| u < time));
+            let phases: Vec<Value> = if t0.is_some() {
+                phase_ranges(snap, d.device)
+                    .into_iter()
+                    .map(|r| {
+                        json!({
+                            "name": r.name,
+                            "x0": at(r.start_us),
+                            "x1": r.end_us.map_or(events.len(), at),
+                            "open": r.end_us.is_none(),
+                        })
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let ooms: Vec<Value> = d
+                .ooms
+                .iter()
+                .map(|o| {
+                    json!({
+                        "x": o.event_index + 1,
+                        "requested_bytes": o.requested_bytes,
+                        "free_bytes": o.free_bytes,
+                        "cause": o.cause,
+                        "label": o.label,
+                    })
+                })
+                .collect();
+            let mut segs: Vec<_> = snap
+                .segments
+                .iter()
+                .filter(|s| s.device == d.device)
+                .collect();
+            segs.sort_by(|a, b| {
+                b.total_size
+                    .cmp(&a.total_size)
+                    .then(a.address.cmp(&b.address))
+            });
+            let shown: Vec<Value> = segs
+                .iter()
+                .take(MAX_SEGMENTS)
+                .map(|s| {
+                    let largest_free = s
+                        .blocks
+                        .iter()
+                        .filter(|b| !b.state.is_active())
+                        .map(|b| b.size)
+                        .max()
+                        .unwrap_or(0);
+                    json!({
+                        "address": format!("{:#x}", s.address),
+                        "total_bytes": s.total_size,
+                        "allocated_bytes": s.allocated_size,
+                        "active_bytes": s.active_size,
+                        "requested_bytes": s.requested_size,
+                        "blocks": s.blocks.len(),
+                        "largest_free_bytes": largest_free,
+                        "stream": s.stream,
+                        "type": s.segment_type,
+                    })
+                })
+                .collect();
+            json!({
+                "device": d.device,
+                "events": tl.events,
+                "decimated": tl.decimated,
+                "times": t0.is_some(),
+                "x": deltas(x),
+                "t": deltas(t),
+                "active": deltas(tl.points.iter().map(|p| p.active_bytes as i64)),
+                "reserved": deltas(tl.points.iter().map(|p| p.reserved_bytes as i64)),
+                "size": size,
+                "action": action,
+                "site": site,
+                "actions": actions.names,
+                "sites": sites.names,
+                "peak": {
+                    "x": d.peak_event_index.map_or(0, |i| i + 1),
+                    "bytes": d.peak_active_bytes,
+                    "phase": d.peak_phase,
+                },
+                "ooms": ooms,
+                "phases": phases,
+                "segments": shown,
+                "segments_total": segs.len(),
+            })
+        })
+        .collect();
+    json!({
+        "kind": "snapshot",
+        "file": fa.path,
+        "analysis": crate::json(fa),
+        "devices": devices,
+    })
+}
+
+/// Per step: the step's own measure and each stage's largest peak.
+fn run_data(rf: &RunFile, run: &Run) -> Value {
+    let mut steps: Vec<u64> = Vec::new();
+    let mut row: HashMap<u64, usize> = HashMap::new();
+    for m in run.steps() {
+        if let Some(s) = m.step {
+            row.entry(s).or_insert_with(|| {
+                steps.push(s);
+                steps.len() - 1
+            });
+        }
+    }
+    let n = steps.len();
+    let mut series: Map<String, Value> = Map::new();
+    let mut step_cols: [Vec<Option<u64>>; 4] = std::array::from_fn(|_| vec![None; n]);
+    let mut stage_peaks: Vec<(String, Vec<Option<u64>>)> = Vec::new();
+    let mut phases = Vec::new();
+    let mut last_step: Option<u64> = None;
+    for (kind, m) in &run.measures {
+        if m.step.is_some() {
+            last_step = m.step;
+        }
+        match kind {
+            MeasureKind::Step => {
+                if let Some(&r) = m.step.and_then(|s| row.get(&s)) {
+                    step_cols[0][r] = Some(m.peak_bytes);
+                    step_cols[1][r] = Some(m.start_bytes);
+                    step_cols[2][r] = Some(m.end_bytes);
+                    step_cols[3][r] = Some(m.reserved_bytes);
+                }
+            }
+            MeasureKind::Stage => {
+                let Some(&r) = m.step.and_then(|s| row.get(&s)) else {
+                    continue;
+                };
+                let col = match stage_peaks.iter().position(|(name, _)| *name == m.name) {
+                    Some(i) => i,
+                    None => {
+                        stage_peaks.push((m.name.clone(), vec![None; n]));
+                        stage_peaks.len() - 1
+                    }
+                };
+                let cell = &mut stage_peaks[col].1[r];
+                *cell = Some(cell.map_or(m.peak_bytes, |v| v.max(m.peak_bytes)));
+            }
+            MeasureKind::Phase => phases.push(json!({
+                "name": m.name,
+                // A phase outside a step is drawn after the step before it.
+                "step": m.step.or(last_step),
+                "peak_bytes": m.peak_bytes,
+                "start_bytes": m.start_bytes,
+                "end_bytes": m.end_bytes,
+                "seconds": m.seconds,
+            })),
+        }
+    }
+    for (name, col) in ["peak", "start", "end", "reserved"].iter().zip(step_cols) {
+        series.insert((*name).into(), json!(col));
+    }
+    let stages: Vec<Value> = stage_peaks
+        .into_iter()
+        .map(|(name, peaks)| json!({"name": name, "peak": peaks}))
+        .collect();
+    let ooms: Vec<Value> = run
+        .ooms
+        .iter()
+        .map(|o| {
+            json!({
+                "step": o.step,
+                "stage": o.stage.as_deref().or(o.phase.as_deref()),
+                "requested_bytes": o.requested_bytes,
+                "allocated_bytes": o.memory.allocated_bytes,
+            })
+        })
+        .collect();
+    json!({
+        "kind": "run",
+        "file": rf.path,
+        "analysis": run_json(rf),
+        "steps": steps,
+        "series": series,
+        "stages": stages,
+        "phases": phases,
+        "ooms": ooms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_round_trip() {
+        let v = [5i64, 7, 7, 2, 1 << 40];
+        let d = deltas(v);
+        assert_eq!(d[..4], [5, 2, 0, -5]);
+        let mut acc = 0;
+        let back: Vec<i64> = d
+            .iter()
+            .map(|x| {
+                acc += x;
+                acc
+            })
+            .collect();
+        assert_eq!(back, v);
+    }
+
+    #[test]
+    fn script_text_cannot_close_its_element() {
+        let s = script_safe(r#"{"label":"</script><script>alert(1)</script><!--"}"#);
+        assert!(!s.contains('<'));
+        let v: Value = serde_json::from_str(&s).unwrap();
+        assert_eq!(v["label"], "</script><script>alert(1)</script><!--");
+    }
+
+    #[test]
+    fn embedded_scripts_cannot_end_their_element() {
+        for (name, text) in [("uPlot", UPLOT_JS), ("report.js", APP_JS)] {
+            let lower = text.to_ascii_lowercase();
+            assert!(!lower.contains("</script"), "{name} holds </script");
+            assert!(!lower.contains("<!--"), "{name} holds <!--");
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! The multi-rank view: one row per rank and device, the spread of peaks
+//! between ranks, and which rank ran out of memory first.
+
+use crate::html::HtmlInput;
+use crate::{human_bytes, FileAnalysis, Report, RunFile};
+use serde::Serialize;
+
+/// Ranks whose peaks differ by more than this fraction of the smallest are flagged.
+pub const IMBALANCE_FRACTION: f64 = 0.10;
+/// Differences smaller than this are noise, whatever the fraction.
+const IMBALANCE_MIN_BYTES: u64 = 1 << 20;
+
+/// What one file contributes to the rank table.
+pub enum RankSource<'a> {
+    /// A snapshot's analysis.
+    Snapshot(&'a FileAnalysis),
+    /// A run log's analysis.
+    Run(&'a RunFile),
+}
+
+impl<'a> From<&'a HtmlInput<'a>> for RankSource<'a> {
+    fn from(input: &'a HtmlInput<'a>) -> Self {
+        match input {
+            HtmlInput::Snapshot(fa, _) => RankSource::Snapshot(fa),
+            HtmlInput::Run(rf, _) => RankSource::Run(rf),
+        }
+    }
+}
+
+impl<'a> From<&'a Report> for RankSource<'a> {
+    fn from(report: &'a Report) -> Self {
+        match report {
+            Report::Snapshot(fa) => RankSource::Snapshot(fa),
+            Report::Run(rf) => RankSource::Run(rf),
+        }
+    }
+}
+
+/// One rank's device in the table.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankRow {
+    /// The file it came from.
+    pub file: String,
+    /// The rank: from the run log, or from `rank<N>` in a snapshot's file name.
+    pub rank: Option<u32>,
+    /// `cuda:N` or `cpu`.
+    pub device: String,
+    /// Peak bytes in use (active bytes for a snapshot, the largest step peak for a run log).
+    pub peak_bytes: u64,
+    /// Peak bytes reserved by the allocator.
+    pub reserved_bytes: u64,
+    /// OOMs recorded.
+    pub ooms: usize,
+    /// Where the first OOM happened: the trace entry, or the step and stage.
+    pub first_oom: Option<String>,
+    /// When the first OOM happened, seconds since the epoch, where recorded.
+    pub first_oom_time: Option<f64>,
+    /// The step of the first OOM, for run logs.
+    #[serde(skip)]
+    first_oom_step: Option<u64>,
+    /// How far this peak lies above the smallest peak in the table, as a fraction of it.
+    pub above_smallest: f64,
+    /// This row holds the largest peak and the spread is flagged as an imbalance.
+    pub imbalanced: bool,
+    /// This rank ran out of memory before every other one.
+    pub failed_first: bool,
+}
+
+fn rank_in_name(path: &str) -> Option<u32> {
+    let name = path
+        .rsplit(['/', '\\'])
+        .next()
+        .unwrap_or(path)
+        .to_ascii_lowercase();
+    let at = name.find("rank")? + 4;
+    let digits: String = name[at..]
+        .trim_start_matches(['_', '-'])
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    digits.parse().ok()
+}
+
+/// Builds the rank table of several files, with the imbalance and the
+/// first failure marked.
+pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
+    let mut rows = Vec::new();
+    for s in sources {
+        match s {
+            RankSource::Snapshot(fa) => {
+                for d in &fa.analysis.devices {
+                    let first = d.ooms.first();
+                    rows.push(RankRow {
+                        file: fa.path.clone(),
+                        rank: rank_in_name(&fa.path),
+                        device: format!("cuda:{}", d.device),
+                        peak_bytes: d.peak_active_bytes,
+                        reserved_bytes: d.peak_reserved_bytes.max(d.reserved_bytes),
+                        ooms: d.ooms.len(),
+                        first_oom: first.map(|o| format!("event {}", o.event_index)),
+                        first_oom_time: first.and_then(|o| o.time_us).map(|t| t as f64 / 1e6),
+                        first_oom_step: None,
+                        above_smallest: 0.0,
+                        imbalanced: false,
+                        failed_first: false,
+                    });
+                }
+            }
+            RankSource::Run(rf) => {
+                let a = &rf.analysis;
+                let first = a.ooms.first();
+                rows.push(RankRow {
+                    file: rf.path.clone(),
+                    rank: Some(a.rank),
+                    device: a.device.clone(),
+                    peak_bytes: a.peak_bytes,
+                    reserved_bytes: a.peak_reserved_bytes,
+                    ooms: a.ooms.len(),
+                    first_oom: first.map(|o| {
+                        let mut s = o
+                            .step
+                            .map_or("outside a step".into(), |s| format!("step {s}"));
+                        if let Some(stage) = &o.stage {
+                            s.push_str(&format!(", {stage}"));
+                        }
+                        s
+                    }),
+                    first_oom_time: first.and_then(|o| o.time),
+                    first_oom_step: first.and_then(|o| o.step),
+                    above_smallest: 0.0,
+                    imbalanced: false,
+                    failed_first: false,
+                });
+            }
+        }
+    }
+    let min = rows.iter().map(|r| r.peak_bytes).min().unwrap_or(0);
+    let max = rows.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    for r in &mut rows {
+        r.above_smallest = if min > 0 {
+            (r.peak_bytes - min) as f64 / min as f64
+        } else {
+            0.0
+        };
+    }
+    let flagged = rows.len() > 1
+        && max - min >= IMBALANCE_MIN_BYTES
+        && (min == 0 || (max - min) as f64 / min as f64 > IMBALANCE_FRACTION);
+    if flagged {
+        for r in rows.iter_mut().filter(|r| r.peak_bytes == max) {
+            r.imbalanced = true;
+        }
+    }
+    if let Some(i) = first_failure(&rows) {
+        rows[i].failed_first = true;
+    }
+    rows
+}
+
+/// The row that ran out first: by time where every failed row has one,
+/// else by step where every failed row is a run log; otherwise unknown.
+fn first_failure(rows: &[RankRow]) -> Option<usize> {
+    let failed: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].ooms > 0).collect();
+    if failed.len() == 1 {
+        return failed.first().copied();
+    }
+    if failed.iter().all(|&i| rows[i].first_oom_time.is_some()) {
+        return failed.into_iter().min_by(|&a, &b| {
+            let (ta, tb) = (rows[a].first_oom_time, rows[b].first_oom_time);
+            ta.partial_cmp(&tb).unwrap_or(std::cmp::Ordering::Equal)
+        });
+    }
+    if failed.iter().all(|&i| rows[i].first_oom_step.is_some()) {
+        let earliest = failed
+            .iter()
+            .filter_map(|&i| rows[i].first_oom_step)
+            .min()?;
+        let at: Vec<usize> = failed
+            .into_iter()
+            .filter(|&i| rows[i].first_oom_step == Some(earliest))
+            .collect();
+        // Ranks that failed in the same step cannot be told apart by step.
+        return (at.len() == 1).then(|| at[0]);
+    }
+    None
+}
+
+/// Renders the rank table and its flags for a terminal.
+pub fn rank_text(rows: &[RankRow]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "== ranks ({} files)", rows.len());
+    let _ = writeln!(
+        out,
+        "  {:<5} {:<8} {:>10} {:>10} {:>5}  {:<22}  file",
+        "rank", "device", "peak", "reserved", "OOMs", "first OOM"
+    );
+    for r in rows {
+        let mut flags = String::new();
+        if r.imbalanced {
+            flags.push_str("  <- largest peak");
+        }
+        if r.failed_first {
+            flags.push_str("  <- failed first");
+        }
+        let _ = writeln!(
+            out,
+            "  {:<5} {:<8} {:>10} {:>10} {:>5}  {:<22}  {}{}",
+            r.rank.map_or("?".into(), |r| r.to_string()),
+            r.device,
+            human_bytes(r.peak_bytes),
+            human_bytes(r.reserved_bytes),
+            r.ooms,
+            r.first_oom.as_deref().unwrap_or("-"),
+            r.file,
+            flags
+        );
+    }
+    let min = rows.iter().min_by_key(|r| r.peak_bytes);
+    if let (Some(top), Some(min)) = (rows.iter().find(|r| r.imbalanced), min) {
+        let _ = writeln!(
+            out,
+            "  * [imbalance] {} peaks at {}, {:.0}% above {} ({}): uneven sequence lengths, \
+             a rank that does extra work (logging, eval, checkpoints on rank 0) or an uneven \
+             model split; the largest rank sets the memory every rank needs",
+            who(top),
+            human_bytes(top.peak_bytes),
+            100.0 * top.above_smallest,
+            who(min),
+            human_bytes(min.peak_bytes)
+        );
+    }
+    if let Some(r) = rows.iter().find(|r| r.failed_first) {
+        let _ = writeln!(
+            out,
+            "  * [failed_first] {} ran out of memory first ({}); the other ranks' errors are \
+             likely its consequence, so analyze this one",
+            who(r),
+            r.first_oom.as_deref().unwrap_or("-")
+        );
+    } else if rows.iter().filter(|r| r.ooms > 0).count() > 1 {
+        let _ = writeln!(
+            out,
+            "  * several ranks ran out of memory and the files do not tell which was first"
+        );
+    }
+    out
+}
+
+fn who(r: &RankRow) -> String {
+    match r.rank {
+        Some(n) => format!("rank {n} ({})", r.device),
+        None => format!("{} ({})", r.file, r.device),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_is_read_from_file_names() {
+        assert_eq!(rank_in_name("/runs/snap_rank3.pickle"), Some(3));
+        assert_eq!(rank_in_name("oom-step4-rank12-1700000000.pickle"), Some(12));
+        assert_eq!(rank_in_name("Rank_7.pickle"), Some(7));
+        assert_eq!(rank_in_name("/rank9/snap.pickle"), None);
+        assert_eq!(rank_in_name("snap.pickle"), None);
+    }
+
+    fn row(peak: u64, ooms: usize, time: Option<f64>, step: Option<u64>) -> RankRow {
+        RankRow {
+            file: "f".into(),
+            rank: None,
+            device: "cuda:0".into(),
+            peak_bytes: peak,
+            reserved_bytes: peak,
+            ooms,
+            first_oom: None,
+            first_oom_time: time,
+            first_oom_step: step,
+            above_smallest: 0.0,
+            imbalanced: false,
+            failed_first: false,
+        }
+    }
+
+    #[test]
+    fn first_failure_goes_by_time_then_step() {
+        let rows = [
+            row(1, 1, Some(20.0), Some(3)),
+            row(1, 1, Some(10.0), Some(5)),
+            row(1, 0, None, None),
+        ];
+        assert_eq!(first_failure(&rows), Some(1));
+        let rows = [row(1, 1, None, Some(3)), row(1, 1, Some(1.0), Some(5))];
+        assert_eq!(first_failure(&rows), Some(0));
+        let rows = [row(1, 1, None, Some(3)), row(1, 1, None, Some(3))];
+        assert_eq!(first_failure(&rows), None, "a tie is not a first");
+        let rows = [row(1, 1, None, None), row(1, 1, None, Some(3))];
+        assert_eq!(first_failure(&rows), None);
+        let rows = [row(1, 0, None, None), row(1, 2, None, None)];
+        assert_eq!(
+            first_failure(&rows),
+            Some(1),
+            "the only failure is the first"
+        );
+    }
+}
