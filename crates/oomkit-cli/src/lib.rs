@@ -210,7 +210,11 @@ fn run(cli: Cli) -> u8 {
             output,
             max_points,
             force,
-        } => match export(&file, max_points).and_then(|doc| write_output(&output, &doc, force)) {
+        } => match export(&file, max_points).and_then(|doc| {
+            let text =
+                serde_json::to_vec(&doc).map_err(|e| format!("cannot encode the output: {e}"))?;
+            write_output(&output, &text, force)
+        }) {
             Ok(()) => EXIT_OK,
             Err(msg) => {
                 eprintln!("oomkit: {msg}");
@@ -282,20 +286,8 @@ fn run(cli: Cli) -> u8 {
             }
             let inputs: Vec<HtmlInput> = loaded.iter().map(Loaded::html_input).collect();
             let page = oomkit_report::html_report(&inputs, max_points);
-            match write_file(
-                &output,
-                page.as_bytes(),
-                force,
-                "pass --force to replace it",
-            ) {
-                Ok(()) => {
-                    eprintln!(
-                        "oomkit: wrote {} ({})",
-                        output.display(),
-                        oomkit_snapshot::human_bytes(page.len() as u64)
-                    );
-                    EXIT_OK
-                }
+            match write_output(&output, page.as_bytes(), force) {
+                Ok(()) => EXIT_OK,
                 Err(msg) => {
                     eprintln!("oomkit: {msg}");
                     EXIT_INPUT
@@ -344,17 +336,16 @@ fn export(path: &Path, max_points: usize) -> Result<serde_json::Value, String> {
     ))
 }
 
-/// Writes a JSON document to `path`, or to standard output for `-`.
-fn write_output(path: &Path, doc: &serde_json::Value, force: bool) -> Result<(), String> {
-    let text = serde_json::to_vec(doc).map_err(|e| format!("cannot encode the output: {e}"))?;
+/// Writes a document to `path`, or to standard output for `-`.
+fn write_output(path: &Path, text: &[u8], force: bool) -> Result<(), String> {
     if path.as_os_str() == "-" {
         let mut out = std::io::stdout().lock();
         return out
-            .write_all(&text)
+            .write_all(text)
             .and_then(|_| out.write_all(b"\n"))
             .map_err(|e| format!("standard output: {e}"));
     }
-    write_file(path, &text, force, "pass --force to replace it")?;
+    write_file(path, text, force, "pass --force to replace it")?;
     eprintln!(
         "oomkit: wrote {} ({})",
         path.display(),

@@ -190,6 +190,13 @@ fn report_never_overwrites_and_refuses_bad_input() {
         "{err}"
     );
     assert!(!target.exists(), "no page is written when an input is bad");
+
+    let r = oomkit(&["report", demo.to_str().unwrap(), "-o", "-"], None);
+    assert!(r.status.success());
+    assert!(
+        r.stdout.starts_with(b"<!DOCTYPE html>"),
+        "-o - writes the page to stdout"
+    );
 }
 
 #[test]
