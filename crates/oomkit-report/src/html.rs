@@ -108,10 +108,7 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
         .devices
         .iter()
         .map(|d| {
-            let events = snap
-                .traces
-                .get(d.device as usize)
-                .map_or(&[][..], |t| &t.events[..]);
+            let events = snap.events(d.device);
             let t0 = events.first().and_then(|e| e.time_us());
             let tl = timeline(snap, d, max_points);
             let mut sites = Table::default();

@@ -77,10 +77,7 @@ pub fn snapshot_trace(
         ));
         events.push(name_meta("thread_name", pid, TID_MEMORY, "memory"));
         events.push(name_meta("thread_name", pid, TID_PHASES, "phases"));
-        let events_of_device = &snap
-            .traces
-            .get(pid as usize)
-            .map_or(&[][..], |t| &t.events[..]);
+        let events_of_device = snap.events(pid);
         // The time of entry `i`, or of the start when `i` is None.
         let ts = |i: Option<u64>| -> f64 {
             if timed {

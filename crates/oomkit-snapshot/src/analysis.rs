@@ -345,9 +345,8 @@ fn analyze_device(
         .iter()
         .filter(|s| s.device == device)
         .collect();
-    let empty = Vec::new();
     let trace = snap.traces.get(device as usize);
-    let events = trace.map_or(&empty, |t| &t.events);
+    let events = snap.events(device);
 
     // State at snapshot time, as the allocator reported it.
     let reserved: u64 = segs.iter().map(|s| s.total_size).sum();

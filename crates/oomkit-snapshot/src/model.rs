@@ -292,6 +292,14 @@ impl Snapshot {
         .read()
     }
 
+    /// Returns the trace entries of a device, empty where it has none.
+    pub fn events(&self, device: i64) -> &[TraceEvent] {
+        usize::try_from(device)
+            .ok()
+            .and_then(|i| self.traces.get(i))
+            .map_or(&[], |t| &t.events[..])
+    }
+
     /// Returns the devices that have segments or trace entries, in order.
     pub fn devices(&self) -> Vec<i64> {
         let mut d: Vec<i64> = self.segments.iter().map(|s| s.device).collect();

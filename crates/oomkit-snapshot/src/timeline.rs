@@ -66,10 +66,7 @@ pub(crate) fn apply(action: Action, size: u64, active: &mut u64, reserved: &mut 
 /// bytes, so every peak and trough survives at any zoom that shows a
 /// bucket as a pixel or less. The last entry is always kept.
 pub fn timeline(snap: &Snapshot, report: &DeviceReport, max_points: usize) -> Timeline {
-    let events = snap
-        .traces
-        .get(report.device as usize)
-        .map_or(&[][..], |t| &t.events[..]);
+    let events = snap.events(report.device);
     let mut active = report.pre_trace_active_bytes;
     let mut reserved = report.pre_trace_reserved_bytes;
     let start = Point {
