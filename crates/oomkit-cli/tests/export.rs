@@ -20,16 +20,6 @@ fn export(input: &Path, output: &Path, more: &[&str]) -> std::process::Output {
     oomkit(&args, None)
 }
 
-fn run_json(args: &[&str]) -> Value {
-    let out = oomkit(args, None);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Checks what ui.perfetto.dev and chrome://tracing require of a trace, and
 /// returns its events.
 fn valid_trace(doc: &Value) -> Vec<Value> {

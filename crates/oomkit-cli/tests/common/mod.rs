@@ -49,6 +49,17 @@ pub fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
     c.output().expect("run oomkit")
 }
 
+/// Runs oomkit, which must succeed, and parses what it printed as JSON.
+pub fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = oomkit(args, None);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The Python interpreter used for independent checks.
 pub fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
