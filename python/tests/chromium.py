@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -30,8 +31,6 @@ FLAGS = [
     "--disable-extensions",
     "--hide-scrollbars",
     "--window-size=1400,1000",
-    # Reports are opened as files; the page may not reach anything else.
-    "--allow-file-access-from-files",
 ]
 
 
@@ -87,8 +86,6 @@ class Chromium:
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def _read_message(self, deadline: float) -> dict[str, Any]:
-        import select
-
         while b"\0" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -214,7 +214,7 @@
           var ctx = u.ctx;
           var top = u.bbox.top, h = u.bbox.height;
           ctx.save();
-          marks.phases.forEach(function (p, i) {
+          marks.phases.forEach(function (p) {
             var a = u.valToPos(p.x0, "x", true), b = u.valToPos(p.x1, "x", true);
             if (b < u.bbox.left || a > u.bbox.left + u.bbox.width) return;
             a = Math.max(a, u.bbox.left); b = Math.min(b, u.bbox.left + u.bbox.width);
@@ -257,7 +257,7 @@
             ctx.fillStyle = color;
             ctx.fillText(label, tx, top + (20 + 14 * row) * dpr);
           }
-          marks.lines.forEach(function (m, i) { vline(m.x, m.color, m.dash || [], m.label, m.row || 0); });
+          marks.lines.forEach(function (m) { vline(m.x, m.color, m.dash || [], m.label, m.row || 0); });
           ctx.restore();
         }],
       },
@@ -311,7 +311,7 @@
 
   // ---- snapshots ----------------------------------------------------------
 
-  function timelineChart(parent, file, dev, rep) {
+  function timelineChart(parent, file, dev) {
     var x = undelta(dev.x), t = undelta(dev.t);
     var active = undelta(dev.active), reserved = undelta(dev.reserved);
     var n = x.length;
@@ -422,7 +422,7 @@
       head.appendChild(document.createTextNode(" \u00b7 " + rep.events + " trace entries \u00b7 peak reserved " + bytes(rep.peak_reserved_bytes) + " \u00b7 " + rep.ooms.length + " OOM" + (rep.ooms.length === 1 ? "" : "s")));
       root.appendChild(head);
       if (dev.events > 0) {
-        timelineChart(root, f, dev, rep);
+        timelineChart(root, f, dev);
       } else {
         // Without a trace there is no timeline, only the state at snapshot time.
         var text = "peak " + bytes(dev.peak.bytes) + " active at snapshot time";
@@ -624,7 +624,7 @@
       { name: "reserved", num: true, fmt: bytes },
       { name: "OOMs", num: true },
       { name: "first OOM" },
-      { name: "flags", fmt: function (v, r) { return v; } },
+      { name: "flags" },
       { name: "file", cls: "site" },
     ], rows.map(function (r) {
       var flags = [];
