@@ -463,12 +463,8 @@ type Outcome = Result<Report, (String, String)>;
 fn emit(results: &[Outcome], report: &ReportArgs) {
     let mut out = std::io::stdout().lock();
     let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    // Several files are taken to be ranks of one run, and compared.
-    let ranks = if ok.len() > 1 {
-        oomkit_report::rank_table(&ok.iter().map(|r| RankSource::from(*r)).collect::<Vec<_>>())
-    } else {
-        Vec::new()
-    };
+    let ranks =
+        oomkit_report::rank_table(&ok.iter().map(|r| RankSource::from(*r)).collect::<Vec<_>>());
     if report.json {
         let values: Vec<serde_json::Value> = results
             .iter()

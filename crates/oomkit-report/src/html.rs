@@ -2,7 +2,7 @@
 //! JSON document, embedded in a page with its script, styles and the
 //! vendored uPlot chart library, so that it opens offline.
 
-use crate::ranks::{rank_table, RankRow};
+use crate::ranks::{rank_table, RankRow, RankSource};
 use crate::{run_json, FileAnalysis, RunFile};
 use oomkit_runlog::{MeasureKind, Run};
 use oomkit_snapshot::{phase_ranges, stack_label, timeline, Snapshot, StackId};
@@ -37,16 +37,7 @@ pub fn html_report(inputs: &[HtmlInput<'_>], max_points: usize) -> String {
             HtmlInput::Run(rf, run) => run_data(rf, run),
         })
         .collect();
-    let ranks: Vec<RankRow> = if inputs.len() > 1 {
-        rank_table(
-            &inputs
-                .iter()
-                .map(crate::ranks::RankSource::from)
-                .collect::<Vec<_>>(),
-        )
-    } else {
-        Vec::new()
-    };
+    let ranks: Vec<RankRow> = rank_table(&inputs.iter().map(RankSource::from).collect::<Vec<_>>());
     let doc = json!({
         "generator": format!("oomkit {}", env!("CARGO_PKG_VERSION")),
         "files": files,

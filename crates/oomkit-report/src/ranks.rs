@@ -82,9 +82,13 @@ fn rank_in_name(path: &str) -> Option<u32> {
 }
 
 /// Builds the rank table of several files, with the imbalance and the
-/// first failure marked.
+/// first failure marked. Several files are taken to be the ranks of one
+/// run; a single file has no table, so this is empty for fewer than two.
 pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
     let mut rows = Vec::new();
+    if sources.len() < 2 {
+        return rows;
+    }
     for s in sources {
         match s {
             RankSource::Snapshot(fa) => {
