@@ -156,12 +156,7 @@ fn report_never_overwrites_and_refuses_bad_input() {
         ],
         None,
     );
-    assert_eq!(r.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert!(
-        err.contains("already exists") && err.lines().count() == 1,
-        "{err}"
-    );
+    assert_refused(&r, &["already exists"]);
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "keep me");
 
     let bad = dir.join("cut.pickle");
@@ -178,12 +173,7 @@ fn report_never_overwrites_and_refuses_bad_input() {
         ],
         None,
     );
-    assert_eq!(r.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert!(
-        err.contains("cut.pickle") && err.contains("truncated") && err.lines().count() == 1,
-        "{err}"
-    );
+    assert_refused(&r, &["cut.pickle", "truncated"]);
     assert!(!target.exists(), "no page is written when an input is bad");
 
     let r = oomkit(&["report", demo.to_str().unwrap(), "-o", "-"], None);
@@ -370,12 +360,7 @@ fn diff_of_run_logs_compares_stage_peaks_and_refuses_mixed_kinds() {
 
     let demo = demo_file();
     let r = oomkit(&["diff", a.to_str().unwrap(), demo.to_str().unwrap()], None);
-    assert_eq!(r.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert!(
-        err.contains("one is a snapshot and the other a run log") && err.lines().count() == 1,
-        "{err}"
-    );
+    assert_refused(&r, &["one is a snapshot and the other a run log"]);
 }
 
 #[test]

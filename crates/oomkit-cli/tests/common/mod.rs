@@ -60,6 +60,17 @@ pub fn run_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Asserts that oomkit refused its input: exit code 2 and one line on
+/// stderr that holds every one of `needles`.
+pub fn assert_refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{n:?} not in {err}");
+    }
+}
+
 /// The Python interpreter used for independent checks.
 pub fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
