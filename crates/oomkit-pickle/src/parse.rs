@@ -79,10 +79,21 @@ fn refused(op: u8) -> Option<(&'static str, &'static str)> {
 /// dict keeps its identity (memo references still reach it) but reads as
 /// empty; [`Document::claimed`] returns the number the claim gave it. A
 /// pickle that adds items to a claimed dict later is refused as malformed.
+///
+/// Lists of memo references inside such dicts (the frames of a trace
+/// entry, which are most of a real snapshot's bytes) are offered too, to
+/// [`Claim::claim_list`], as soon as they are complete; a claimed list reads
+/// as empty and [`Document::claimed_list`] returns its number.
 pub trait Claim {
     /// Returns a record number to take over the dict of `items` (key, value,
     /// key, value, ...), or `None` to leave it in the document.
     fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32>;
+
+    /// Returns a number to take over a non-empty list of `items` found in a
+    /// dict on the fast path, or `None` (the default) to leave it in the document.
+    fn claim_list(&mut self, _doc: &Document<'_>, _items: &[Slot]) -> Option<u32> {
+        None
+    }
 }
 
 /// Batch size of CPython's pickler: a dict batch this large may be followed by more.
@@ -379,6 +390,10 @@ impl<'a> Machine<'a, '_> {
 
     /// Checks that `target` is a container of one of `kinds`.
     fn expect_kind(&self, target: Slot, kinds: &[Kind], op: &str) -> Result<()> {
+        if let Some((kind, _)) = target.claimed_id() {
+            let kind = if kind == Kind::Dict { "dict" } else { "list" };
+            return Err(self.malformed(format!("items added to a {kind} after it was complete")));
+        }
         match self.doc.kind(target) {
             Some(k) if kinds.contains(&k) => Ok(()),
             Some(k) => Err(self.malformed(format!("{op} applied to a {k:?}"))),

@@ -18,6 +18,8 @@ pub(crate) const T_CONT: u64 = 2;
 pub(crate) const T_FLOAT: u64 = 3;
 pub(crate) const T_BIGINT: u64 = 4;
 pub(crate) const T_BYTES: u64 = 5;
+/// `None`, the booleans, and dicts a claim took over on the fast path
+/// (index 3 and above), which keep no table entry of their own.
 pub(crate) const T_CONST: u64 = 6;
 pub(crate) const T_BYTEARRAY: u64 = 7;
 
@@ -32,6 +34,32 @@ impl Slot {
     pub(crate) const TRUE: Slot = Slot((2 << TAG_BITS) | T_CONST);
     /// Marks an empty memo cell; never handed out.
     pub(crate) const EMPTY: Slot = Slot(u64::MAX);
+    /// First `T_CONST` index of a claimed dict or list; even offsets are dicts.
+    const CLAIMED_BASE: u64 = 3;
+
+    /// Makes the slot of a dict taken over by a claim as number `id`.
+    ///
+    /// A trace holds one such dict per entry; keeping no container for it
+    /// saves a table write and eight bytes per entry.
+    pub(crate) fn claimed(id: u32) -> Slot {
+        Slot(((2 * id as u64 + Self::CLAIMED_BASE) << TAG_BITS) | T_CONST)
+    }
+
+    /// Makes the slot of a list taken over by a claim as number `id`.
+    pub(crate) fn claimed_list(id: u32) -> Slot {
+        Slot(((2 * id as u64 + 1 + Self::CLAIMED_BASE) << TAG_BITS) | T_CONST)
+    }
+
+    /// Returns the kind and claim number of a slot made by [`Slot::claimed`] or [`Slot::claimed_list`].
+    pub(crate) fn claimed_id(self) -> Option<(Kind, u32)> {
+        let i = self.0 >> TAG_BITS;
+        if self.tag() != T_CONST || i < Self::CLAIMED_BASE {
+            return None;
+        }
+        let n = i - Self::CLAIMED_BASE;
+        let kind = if n.is_multiple_of(2) { Kind::Dict } else { Kind::List };
+        Some((kind, (n / 2) as u32))
+    }
 
     pub(crate) fn int(v: i64) -> Slot {
         debug_assert!((INLINE_MIN..=INLINE_MAX).contains(&v));
@@ -223,9 +251,10 @@ impl<'a> Document<'a> {
             T_BYTES => Value::Bytes(self.span(slot.index())),
             T_BYTEARRAY => Value::ByteArray(self.span(slot.index())),
             _ => match slot.index() {
+                0 => Value::None,
                 1 => Value::Bool(false),
                 2 => Value::Bool(true),
-                _ => Value::None,
+                _ => Value::Container(slot.claimed_id().map_or(Kind::Dict, |(k, _)| k)),
             },
         }
     }
@@ -285,16 +314,30 @@ impl<'a> Document<'a> {
 
     /// Returns the container kind of `slot`, if it is a container.
     pub fn kind(&self, slot: Slot) -> Option<Kind> {
+        if let Some((kind, _)) = slot.claimed_id() {
+            return Some(kind);
+        }
         (slot.tag() == T_CONT).then(|| self.containers[slot.index()].kind())
     }
 
     /// Returns the number a [`crate::Claim`] gave this dict when it took it over.
     pub fn claimed(&self, slot: Slot) -> Option<u32> {
         if slot.tag() != T_CONT {
-            return None;
+            return match slot.claimed_id() {
+                Some((Kind::Dict, id)) => Some(id),
+                _ => None,
+            };
         }
         match self.containers[slot.index()].place() {
             Place::Claimed(id) => Some(id),
+            _ => None,
+        }
+    }
+
+    /// Returns the number [`crate::Claim::claim_list`] gave this list when it took it over.
+    pub fn claimed_list(&self, slot: Slot) -> Option<u32> {
+        match slot.claimed_id() {
+            Some((Kind::List, id)) => Some(id),
             _ => None,
         }
     }
@@ -304,7 +347,7 @@ impl<'a> Document<'a> {
     /// A claimed dict has no items left in the document.
     pub fn items(&self, slot: Slot) -> Option<&[Slot]> {
         if slot.tag() != T_CONT {
-            return None;
+            return slot.claimed_id().map(|_| &[][..]);
         }
         Some(match self.containers[slot.index()].place() {
             Place::Slab { start, len } => &self.slab[start..start + len],

@@ -96,3 +96,85 @@ fn full_batches_are_not_offered() {
     assert_eq!(claim.offered, 0);
     assert_eq!(doc.dict_items(doc.root()).unwrap().count(), 1000);
 }
+
+/// Claims dicts with an `action` like [`Actions`], and lists of exactly two
+/// items, recording the list number each claimed dict's `frames` had.
+#[derive(Default)]
+struct WithLists {
+    frames: Vec<(i64, Option<u32>, usize)>,
+    lists: u32,
+}
+
+impl Claim for WithLists {
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        let get = |key: &str| {
+            items
+                .chunks_exact(2)
+                .find(|p| doc.as_str(p[0]) == Some(key))
+                .map(|p| p[1])
+        };
+        let frames = get("frames")?;
+        let n = doc.as_i64(get("n")?)?;
+        let left = doc.seq(frames).map_or(0, |s| s.len());
+        self.frames.push((n, doc.claimed_list(frames), left));
+        Some(self.frames.len() as u32 - 1)
+    }
+
+    fn claim_list(&mut self, _doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        (items.len() == 2).then(|| {
+            self.lists += 1;
+            self.lists - 1
+        })
+    }
+}
+
+#[test]
+fn claimed_lists_keep_their_identity_and_read_as_empty() {
+    // f = {'filename': 'a.py', 'line': 1, 'name': 'f'}; frames = [f, f]
+    // pickle.dumps([f, {'action': 'alloc', 'n': 1, 'frames': frames},
+    //               {'action': 'free', 'n': 2, 'frames': frames},
+    //               {'action': 'x', 'n': 3, 'frames': [f, f, f]}, frames], protocol=4)
+    let data = b"\x80\x04\x95\x8c\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94(\x8c\x08filename\x94\x8c\x04a.py\x94\x8c\x04line\x94K\x01\x8c\x04name\x94\x8c\x01f\x94u}\x94(\x8c\x06action\x94\x8c\x05alloc\x94\x8c\x01n\x94K\x01\x8c\x06frames\x94]\x94(h\x01h\x01eu}\x94(h\x08\x8c\x04free\x94h\x0aK\x02h\x0bh\x0cu}\x94(h\x08\x8c\x01x\x94h\x0aK\x03h\x0b]\x94(h\x01h\x01h\x01euh\x0ce.";
+    let mut claim = WithLists::default();
+    let doc = Document::parse_claiming(data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    // The two entries share one claimed list through the memo; the
+    // three-item list was declined and keeps its items.
+    assert_eq!(
+        claim.frames,
+        vec![(1, Some(0), 0), (2, Some(0), 0), (3, None, 3)]
+    );
+    assert_eq!(claim.lists, 1);
+    let root = doc.seq(doc.root()).unwrap();
+    assert_eq!(root.len(), 5);
+    let list = root[4];
+    assert_eq!(doc.claimed_list(list), Some(0));
+    assert_eq!(doc.claimed(list), None);
+    assert_eq!(doc.kind(list), Some(Kind::List));
+    assert_eq!(doc.seq(list), Some(&[][..]));
+    assert_eq!(doc.claimed(root[1]), Some(0));
+    assert_eq!(doc.claimed_list(root[1]), None);
+    // The frame dict itself is not a list and stays whole.
+    assert_eq!(
+        doc.as_str(doc.dict_get(root[0], "name").unwrap()),
+        Some("f")
+    );
+    // Without a claim, every list keeps its items.
+    let plain = Document::parse(data).unwrap();
+    let root = plain.seq(plain.root()).unwrap();
+    assert_eq!(plain.seq(root[4]).map(|s| s.len()), Some(2));
+}
+
+#[test]
+fn adding_to_a_claimed_list_later_is_malformed() {
+    // {'n': 1, 'frames': ['n', 'n']}: the claimed list is fetched from the
+    // memo and appended to.
+    let data = b"\x80\x04}\x94(\x8c\x01n\x94K\x01\x8c\x06frames\x94]\x94(h\x01h\x01eu0h\x03K\x07a.";
+    let mut claim = WithLists::default();
+    match Document::parse_claiming(data, &Limits::default(), &mut |_| {}, &mut claim) {
+        Err(Error::Malformed { reason, .. }) => {
+            assert!(reason.contains("list after it was complete"), "{reason}")
+        }
+        other => panic!("expected malformed, got {:?}", other.map(|_| ())),
+    }
+    assert!(Document::parse(data).is_ok());
+}

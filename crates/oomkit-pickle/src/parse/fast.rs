@@ -73,10 +73,14 @@ impl Machine<'_, '_> {
         let data = self.doc.data;
         let mut p = self.pos;
         let mut cells = 2;
-        let dict = Slot::tagged(T_CONT, self.doc.containers.len());
-        self.doc.containers.push(Container::new(Kind::Dict));
+        // The dict's own slot is known only once the claim has answered, so
+        // its memo cell stays empty until then; a reference to the dict
+        // from inside itself finds it empty and leaves the dict to the
+        // generic machine.
+        let mut memo_at = None;
         if *data.get(p)? == 0x94 {
-            self.memo.push(dict);
+            memo_at = Some(self.memo.len());
+            self.memo.push(Slot::EMPTY);
             cells += 1;
             p += 1;
         }
@@ -177,15 +181,20 @@ impl Machine<'_, '_> {
         }
         let doc = &self.doc;
         let id = self.claim.as_mut().and_then(|c| c.claim(doc, items));
-        let c = &mut self.doc.containers[dict.index()];
-        match id {
-            Some(id) => c.set_claimed(id),
+        let dict = match id {
+            Some(id) => Slot::claimed(id),
             None => {
                 let start = self.doc.slab.len();
                 self.doc.slab.extend_from_slice(items);
+                let mut c = Container::new(Kind::Dict);
                 c.set_slab(start, n);
+                self.doc.containers.push(c);
                 cells += n;
+                Slot::tagged(T_CONT, self.doc.containers.len() - 1)
             }
+        };
+        if let Some(i) = memo_at {
+            self.memo[i] = dict;
         }
         self.cells += cells;
         self.stack.push(dict);
@@ -195,14 +204,17 @@ impl Machine<'_, '_> {
     /// Reads a list of memo references after its `EMPTY_LIST` at `p`:
     /// returns the list, the next position and the cells it used.
     fn fast_list(&mut self, data: &[u8], mut p: usize) -> Option<(Slot, usize, usize)> {
-        let list = Slot::tagged(T_CONT, self.doc.containers.len());
         let mut c = Container::new(Kind::List);
         let mut cells = 2;
+        // As for the dict, the list's slot is known once the claim has answered.
+        let mut memo_at = None;
         if *data.get(p)? == 0x94 {
-            self.memo.push(list);
+            memo_at = Some(self.memo.len());
+            self.memo.push(Slot::EMPTY);
             cells += 1;
             p += 1;
         }
+        let mut claimed = None;
         if *data.get(p)? == b'(' {
             p += 1;
             let start = self.doc.slab.len();
@@ -216,10 +228,28 @@ impl Machine<'_, '_> {
             if len > SLAB_MAX_LEN {
                 return None;
             }
-            c.set_slab(start, len);
-            cells += 2 * len;
+            let doc = &self.doc;
+            claimed = self
+                .claim
+                .as_mut()
+                .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
+            if claimed.is_some() {
+                self.doc.slab.truncate(start);
+            } else {
+                c.set_slab(start, len);
+                cells += 2 * len;
+            }
         }
-        self.doc.containers.push(c);
+        let list = match claimed {
+            Some(id) => Slot::claimed_list(id),
+            None => {
+                self.doc.containers.push(c);
+                Slot::tagged(T_CONT, self.doc.containers.len() - 1)
+            }
+        };
+        if let Some(i) = memo_at {
+            self.memo[i] = list;
+        }
         Some((list, p, cells))
     }
 }
