@@ -15,6 +15,11 @@ ap = argparse.ArgumentParser()
 ap.add_argument("source")
 ap.add_argument("out")
 ap.add_argument("--events", type=int, default=1_000_000, help="at least this many trace entries")
+ap.add_argument(
+    "--fresh-frames",
+    action="store_true",
+    help="give each tile its own frames lists, as a longer real run has (frame dicts stay shared)",
+)
 args = ap.parse_args()
 
 with open(args.source, "rb") as f:
@@ -37,8 +42,13 @@ for k in range(tiles):
         s2 = dict(s, address=s["address"] + shift)
         s2["blocks"] = [dict(b, address=b["address"] + shift) for b in s["blocks"]]
         segments.append(s2)
+    # PyTorch writes one frames list per captured traceback and shares the
+    # frame dicts; copying the lists per tile keeps that pattern.
+    fresh = {}
     for e in trace:
         e2 = dict(e)
+        if args.fresh_frames and "frames" in e:
+            e2["frames"] = fresh.setdefault(id(e["frames"]), list(e["frames"]))
         if e["action"] != "oom":
             e2["addr"] = e["addr"] + shift
         if "time_us" in e:
