@@ -57,7 +57,11 @@ impl Slot {
             return None;
         }
         let n = i - Self::CLAIMED_BASE;
-        let kind = if n.is_multiple_of(2) { Kind::Dict } else { Kind::List };
+        let kind = if n.is_multiple_of(2) {
+            Kind::Dict
+        } else {
+            Kind::List
+        };
         Some((kind, (n / 2) as u32))
     }
 
