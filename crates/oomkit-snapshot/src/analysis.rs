@@ -2,7 +2,7 @@
 //! set at the peak by allocation site, OOM events, phases, and advice.
 
 use crate::hash::FastState;
-use crate::model::{Action, BlockState, Snapshot};
+use crate::model::{Action, BlockState, Snapshot, TraceEvent};
 use crate::stacks::{Frame, Site, StackId, Stacks};
 pub use oomkit_units::human_bytes;
 use serde::Serialize;
@@ -332,6 +332,185 @@ fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) 
         .collect()
 }
 
+/// Traces at least this long get their first two passes on two cores.
+const PARALLEL_MIN_EVENTS: usize = 100_000;
+
+/// What one pass over a trace learns about blocks that predate it.
+struct TraceScan {
+    /// Addresses the trace allocated and had not freed by its end.
+    in_trace: HashSet<u64, FastState>,
+    /// Blocks freed by the trace that it never allocated.
+    orphans: Vec<(u64, Live)>,
+    net_active: i128,
+    net_reserved: i128,
+    action_counts: [u64; Action::ALL.len()],
+    missing_frames: u64,
+    allocs: u64,
+}
+
+/// Finds which blocks predate the trace: frees without an alloc before
+/// them, and (through `in_trace`) blocks alive at the end that the trace
+/// never allocated.
+fn scan_trace(events: &[TraceEvent]) -> TraceScan {
+    let mut s = TraceScan {
+        in_trace: HashSet::default(),
+        orphans: Vec::new(),
+        net_active: 0,
+        net_reserved: 0,
+        action_counts: [0; Action::ALL.len()],
+        missing_frames: 0,
+        allocs: 0,
+    };
+    for e in events {
+        s.action_counts[e.action as usize] += 1;
+        match e.action {
+            Action::Alloc => {
+                s.net_active += e.size as i128;
+                s.in_trace.insert(e.addr);
+                s.allocs += 1;
+                s.missing_frames += (e.stack == StackId::EMPTY) as u64;
+            }
+            Action::FreeCompleted => {
+                s.net_active -= e.size as i128;
+                if !s.in_trace.remove(&e.addr) {
+                    s.orphans.push((
+                        e.addr,
+                        Live {
+                            size: e.size,
+                            stack: StackId::EMPTY,
+                            before_recording: true,
+                        },
+                    ));
+                }
+            }
+            Action::SegmentAlloc | Action::SegmentMap => s.net_reserved += e.size as i128,
+            Action::SegmentFree | Action::SegmentUnmap => s.net_reserved -= e.size as i128,
+            _ => {}
+        }
+    }
+    s
+}
+
+/// Running totals after each entry, their peaks, and the OOM entries.
+struct Totals {
+    peak: u64,
+    peak_idx: Option<usize>,
+    peak_res: u64,
+    after: Vec<u64>,
+    oom_idx: Vec<usize>,
+    reserved_after: Vec<u64>,
+}
+
+/// The running totals counted from zero, before the starting totals are known.
+struct RelativeTotals {
+    /// Active bytes after each entry minus those before the first, modulo 2^64.
+    after: Vec<u64>,
+    max_active: i128,
+    min_active: i128,
+    max_reserved: i128,
+    min_reserved: i128,
+    peak_idx: Option<usize>,
+    oom_idx: Vec<usize>,
+    /// Reserved bytes at each OOM, relative like `after`.
+    reserved_at_oom: Vec<u64>,
+}
+
+fn relative_totals(events: &[TraceEvent]) -> RelativeTotals {
+    let (mut active, mut reserved) = (0i128, 0i128);
+    let mut r = RelativeTotals {
+        after: Vec::with_capacity(events.len()),
+        max_active: 0,
+        min_active: 0,
+        max_reserved: 0,
+        min_reserved: 0,
+        peak_idx: None,
+        oom_idx: Vec::new(),
+        reserved_at_oom: Vec::new(),
+    };
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => active += e.size as i128,
+            Action::FreeCompleted => active -= e.size as i128,
+            Action::SegmentAlloc | Action::SegmentMap => reserved += e.size as i128,
+            Action::SegmentFree | Action::SegmentUnmap => reserved -= e.size as i128,
+            Action::Oom => {
+                r.oom_idx.push(i);
+                r.reserved_at_oom.push(reserved as u64);
+            }
+            _ => {}
+        }
+        if active > r.max_active {
+            r.max_active = active;
+            r.peak_idx = Some(i);
+        }
+        r.min_active = r.min_active.min(active);
+        r.max_reserved = r.max_reserved.max(reserved);
+        r.min_reserved = r.min_reserved.min(reserved);
+        r.after.push(active as u64);
+    }
+    r
+}
+
+impl RelativeTotals {
+    /// Adds the starting totals, or returns `None` where a total would have
+    /// gone below zero: the replay clamps at zero there, and only a replay
+    /// that knows the start can follow it.
+    fn absolute(self, base_active: u64, base_reserved: u64) -> Option<Totals> {
+        if base_active as i128 + self.min_active < 0
+            || base_reserved as i128 + self.min_reserved < 0
+        {
+            return None;
+        }
+        // Each true total lies in 0..2^64, so wrapping sums give it exactly.
+        let mut after = self.after;
+        for a in &mut after {
+            *a = base_active.wrapping_add(*a);
+        }
+        let reserved_after = self
+            .reserved_at_oom
+            .iter()
+            .map(|r| base_reserved.wrapping_add(*r))
+            .collect();
+        Some(Totals {
+            peak: (base_active as i128 + self.max_active) as u64,
+            peak_idx: self.peak_idx,
+            peak_res: (base_reserved as i128 + self.max_reserved) as u64,
+            after,
+            oom_idx: self.oom_idx,
+            reserved_after,
+        })
+    }
+}
+
+/// Replays the totals from the start, clamping at zero as the allocator's
+/// own counters would; used where a trace frees more than it could hold.
+fn exact_totals(events: &[TraceEvent], base_active: u64, base_reserved: u64) -> Totals {
+    let mut cur = base_active;
+    let mut cur_res = base_reserved;
+    let mut t = Totals {
+        peak: base_active,
+        peak_idx: None,
+        peak_res: base_reserved,
+        after: Vec::with_capacity(events.len()),
+        oom_idx: Vec::new(),
+        reserved_after: Vec::new(),
+    };
+    for (i, e) in events.iter().enumerate() {
+        crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
+        if e.action == Action::Oom {
+            t.oom_idx.push(i);
+            t.reserved_after.push(cur_res);
+        }
+        if cur > t.peak {
+            t.peak = cur;
+            t.peak_idx = Some(i);
+        }
+        t.peak_res = t.peak_res.max(cur_res);
+        t.after.push(cur);
+    }
+    t
+}
+
 fn analyze_device(
     snap: &Snapshot,
     device: i64,
@@ -391,41 +570,31 @@ fn analyze_device(
         .collect();
     let final_active: u64 = final_blocks.iter().map(|(_, l)| l.size).sum();
 
-    // Which blocks predate the trace: frees without an alloc before them,
-    // and blocks alive at the end that the trace never allocated.
-    let mut in_trace: HashSet<u64, FastState> = HashSet::default();
-    let mut orphans: Vec<(u64, Live)> = Vec::new();
-    let (mut net_active, mut net_reserved) = (0i128, 0i128);
-    let mut action_counts = [0u64; Action::ALL.len()];
-    let mut missing_frames = 0u64;
-    let mut allocs = 0u64;
-    for e in events {
-        action_counts[e.action as usize] += 1;
-        match e.action {
-            Action::Alloc => {
-                net_active += e.size as i128;
-                in_trace.insert(e.addr);
-                allocs += 1;
-                missing_frames += (e.stack == StackId::EMPTY) as u64;
-            }
-            Action::FreeCompleted => {
-                net_active -= e.size as i128;
-                if !in_trace.remove(&e.addr) {
-                    orphans.push((
-                        e.addr,
-                        Live {
-                            size: e.size,
-                            stack: StackId::EMPTY,
-                            before_recording: true,
-                        },
-                    ));
-                }
-            }
-            Action::SegmentAlloc | Action::SegmentMap => net_reserved += e.size as i128,
-            Action::SegmentFree | Action::SegmentUnmap => net_reserved -= e.size as i128,
-            _ => {}
-        }
-    }
+    // The two first passes are independent, since the totals pass counts
+    // from zero and the starting totals are added once known, so on a
+    // large trace the totals run on a second core.
+    let (scan, rel) = if events.len() >= PARALLEL_MIN_EVENTS {
+        std::thread::scope(|sc| {
+            let totals = sc.spawn(|| relative_totals(events));
+            let scan = scan_trace(events);
+            // A panic in the totals thread is a bug; rethrowing it keeps it one.
+            let rel = totals
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (scan, rel)
+        })
+    } else {
+        (scan_trace(events), relative_totals(events))
+    };
+    let TraceScan {
+        in_trace,
+        orphans,
+        net_active,
+        net_reserved,
+        action_counts,
+        missing_frames,
+        allocs,
+    } = scan;
     let mut base_active = final_active as i128 - net_active;
     let mut base_reserved = reserved as i128 - net_reserved;
     if !events.is_empty() && (base_active < 0 || base_reserved < 0) {
@@ -445,27 +614,17 @@ fn analyze_device(
     let base_active = base_active as u64;
     let base_reserved = base_reserved as u64;
 
-    // Pass 1: running totals, the peaks, and active bytes after each entry.
-    let mut cur = base_active;
-    let mut cur_res = base_reserved;
-    let (mut peak, mut peak_idx) = (base_active, None::<usize>);
-    let mut peak_res = base_reserved;
-    let mut after = Vec::with_capacity(events.len());
-    let mut oom_idx = Vec::new();
-    let mut reserved_after = Vec::new();
-    for (i, e) in events.iter().enumerate() {
-        crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
-        if e.action == Action::Oom {
-            oom_idx.push(i);
-            reserved_after.push(cur_res);
-        }
-        if cur > peak {
-            peak = cur;
-            peak_idx = Some(i);
-        }
-        peak_res = peak_res.max(cur_res);
-        after.push(cur);
-    }
+    // Running totals, the peaks, and active bytes after each entry.
+    let Totals {
+        peak,
+        peak_idx,
+        peak_res,
+        after,
+        oom_idx,
+        reserved_after,
+    } = rel
+        .absolute(base_active, base_reserved)
+        .unwrap_or_else(|| exact_totals(events, base_active, base_reserved));
 
     // Pass 2: replay the live set up to the peak and every OOM.
     let mut live: HashMap<u64, Live, FastState> = HashMap::default();
@@ -832,5 +991,145 @@ fn advise_settings(snap: &Snapshot, reports: &[DeviceReport], findings: &mut Vec
                 bytes: gap,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(action: Action, addr: u64, size: u64) -> TraceEvent {
+        let mut e = TraceEvent::BLANK;
+        e.action = action;
+        e.addr = addr;
+        e.size = size;
+        e
+    }
+
+    /// A trace of allocs, frees, segment changes and OOMs from a fixed seed,
+    /// consistent with starting from `start_active` live bytes.
+    fn trace(seed: u64, n: usize, start_active: u64) -> Vec<TraceEvent> {
+        let mut x = seed;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut live: Vec<(u64, u64)> = vec![(1, start_active)];
+        let mut out = Vec::new();
+        for i in 0..n as u64 {
+            let r = next();
+            match r % 7 {
+                0..=2 => {
+                    let size = 512 * (1 + next() % 4096);
+                    live.push((1000 + i, size));
+                    out.push(ev(Action::Alloc, 1000 + i, size));
+                }
+                3 | 4 if !live.is_empty() => {
+                    let (a, s) = live.swap_remove((next() as usize) % live.len());
+                    out.push(ev(Action::FreeCompleted, a, s));
+                }
+                _ if r % 499 == 6 => out.push(ev(Action::Oom, 0, 1 << 30)),
+                _ => out.push(ev(Action::SegmentAlloc, 0, 2 << 20)),
+            }
+        }
+        out
+    }
+
+    fn same(a: &Totals, b: &Totals) -> bool {
+        (
+            a.peak,
+            a.peak_idx,
+            a.peak_res,
+            &a.after,
+            &a.oom_idx,
+            &a.reserved_after,
+        ) == (
+            b.peak,
+            b.peak_idx,
+            b.peak_res,
+            &b.after,
+            &b.oom_idx,
+            &b.reserved_after,
+        )
+    }
+
+    #[test]
+    fn relative_totals_match_the_exact_replay() {
+        for seed in 1..40u64 {
+            let base = seed * 1_000_000;
+            let events = trace(seed, 2000, base);
+            let rel = relative_totals(&events).absolute(base, 7 << 20).unwrap();
+            assert!(
+                same(&rel, &exact_totals(&events, base, 7 << 20)),
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_trace_that_frees_too_much_takes_the_exact_replay() {
+        // Frees 3 MiB from a start of 1 MiB: the replay clamps at zero, which
+        // starting totals added afterwards cannot reproduce.
+        let events = vec![
+            ev(Action::Alloc, 1, 1 << 20),
+            ev(Action::FreeCompleted, 2, 3 << 20),
+            ev(Action::Alloc, 3, 1 << 20),
+        ];
+        assert!(relative_totals(&events).absolute(1 << 20, 0).is_none());
+        let exact = exact_totals(&events, 1 << 20, 0);
+        assert_eq!(exact.after, vec![2 << 20, 0, 1 << 20]);
+        assert_eq!((exact.peak, exact.peak_idx), (2 << 20, Some(0)));
+    }
+
+    #[test]
+    fn long_traces_analyzed_on_two_cores_find_the_exact_peak() {
+        // A trace that frees all it allocated and returns every segment, so
+        // that it is consistent with a snapshot holding nothing.
+        let mut events = trace(7, PARALLEL_MIN_EVENTS + 5000, 0);
+        let mut live = std::collections::HashMap::new();
+        let mut segments = 0;
+        for e in &events {
+            match e.action {
+                Action::Alloc => {
+                    live.insert(e.addr, e.size);
+                }
+                Action::FreeCompleted => {
+                    live.remove(&e.addr);
+                }
+                Action::SegmentAlloc => segments += 1,
+                _ => {}
+            }
+        }
+        let mut rest: Vec<_> = live.into_iter().collect();
+        rest.sort();
+        events.extend(rest.iter().map(|&(a, s)| ev(Action::FreeCompleted, a, s)));
+        events.extend((0..segments).map(|_| ev(Action::SegmentFree, 0, 2 << 20)));
+        let exact = exact_totals(&events, 0, 0);
+        let snap = Snapshot {
+            segments: Vec::new(),
+            traces: vec![crate::model::DeviceTrace {
+                events,
+                unknown_actions: BTreeMap::new(),
+            }],
+            allocator_settings: None,
+            annotations: Vec::new(),
+            stacks: Stacks::default(),
+            layout: crate::model::Layout::default(),
+        };
+        let a = analyze(&snap, &Options::default());
+        let d = &a.devices[0];
+        assert!(a.warnings.iter().all(|w| w.kind != "inconsistent_trace"));
+        assert_eq!(d.peak_active_bytes, exact.peak);
+        assert_eq!(d.peak_event_index, exact.peak_idx.map(|i| i as u64));
+        assert_eq!(d.peak_reserved_bytes, exact.peak_res);
+        assert!(!exact.oom_idx.is_empty());
+        assert_eq!(d.ooms.len(), exact.oom_idx.len());
+        assert!(d
+            .ooms
+            .iter()
+            .zip(&exact.reserved_after)
+            .all(|(o, &r)| o.reserved_bytes == r));
     }
 }

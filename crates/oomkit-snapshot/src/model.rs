@@ -182,7 +182,7 @@ const NO_TIME: i64 = i64::MIN;
 
 impl TraceEvent {
     /// An entry before its fields are read.
-    const BLANK: TraceEvent = TraceEvent {
+    pub(crate) const BLANK: TraceEvent = TraceEvent {
         action: Action::Unknown,
         addr: 0,
         size: 0,
