@@ -91,6 +91,10 @@ pub trait Claim {
 
     /// Returns a number to take over a non-empty list of `items` found in a
     /// dict on the fast path, or `None` (the default) to leave it in the document.
+    ///
+    /// The answer must depend on the items' slots alone: the parser gives a
+    /// later list that holds exactly the slots of a claimed one the same
+    /// number without asking again.
     fn claim_list(&mut self, _doc: &Document<'_>, _items: &[Slot]) -> Option<u32> {
         None
     }
@@ -107,6 +111,10 @@ struct Machine<'a, 'p> {
     marks: Vec<usize>,
     memo: Vec<Slot>,
     sparse_memo: HashMap<u64, Slot>,
+    /// Changes whenever a memo cell that existed is replaced, so that what
+    /// was learned from memo references can be known to still hold.
+    memo_epoch: u64,
+    lists: fast::ListCache,
     cells: usize,
     max_cells: usize,
     limits: &'p Limits,
@@ -172,6 +180,8 @@ impl Document<'_> {
             marks: Vec::new(),
             memo: Vec::with_capacity(data.len() / 64),
             sparse_memo: HashMap::new(),
+            memo_epoch: 0,
+            lists: fast::ListCache::default(),
             cells: 0,
             max_cells,
             limits,
@@ -425,6 +435,7 @@ impl<'a> Machine<'a, '_> {
         let i = idx as usize;
         if i < self.memo.len() {
             self.memo[i] = top;
+            self.memo_epoch += 1;
         } else if (i as u64) == idx && i - self.memo.len() <= MEMO_DENSE_GAP {
             self.charge(i + 1 - self.memo.len())?;
             self.memo.resize(i, Slot::EMPTY);

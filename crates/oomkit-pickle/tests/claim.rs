@@ -178,3 +178,35 @@ fn adding_to_a_claimed_list_later_is_malformed() {
     }
     assert!(Document::parse(data).is_ok());
 }
+
+/// f = {'filename': 'a.py', 'line': 1, 'name': 'f'}
+/// pickle.dumps([f, {'action': 'a', 'n': 1, 'frames': [f, f]},
+///               {'action': 'a', 'n': 2, 'frames': [f, f]}], protocol=4):
+/// two lists written apart with the same bytes.
+const TWO_LISTS: &[u8] = b"\x80\x04\x95m\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94(\x8c\x08filename\x94\x8c\x04a.py\x94\x8c\x04line\x94K\x01\x8c\x04name\x94\x8c\x01f\x94u}\x94(\x8c\x06action\x94\x8c\x01a\x94\x8c\x01n\x94K\x01\x8c\x06frames\x94]\x94(h\x01h\x01eu}\x94(h\x08h\x09h\x0aK\x02h\x0b]\x94(h\x01h\x01eue.";
+
+#[test]
+fn a_list_with_the_bytes_of_a_claimed_one_gets_its_number_unasked() {
+    let mut claim = WithLists::default();
+    Document::parse_claiming(TWO_LISTS, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(0), 0)]);
+    assert_eq!(claim.lists, 1, "the second list was not offered");
+}
+
+#[test]
+fn a_replaced_memo_cell_makes_the_same_bytes_be_asked_again() {
+    // Between the entries, `N q\x01 0` stores None in memo cell 1 (the
+    // frame dict), so the second list's bytes now mean [None, None].
+    let split = TWO_LISTS.windows(2).rposition(|w| w == b"u}").unwrap() + 1;
+    let mut data = TWO_LISTS[..split].to_vec();
+    data.extend_from_slice(b"Nq\x010");
+    data.extend_from_slice(&TWO_LISTS[split..]);
+    let mut claim = WithLists::default();
+    let doc = Document::parse_claiming(&data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(1), 0)]);
+    assert_eq!(claim.lists, 2);
+    assert!(matches!(
+        doc.value(doc.seq(doc.root()).unwrap()[0]),
+        oomkit_pickle::Value::Container(Kind::Dict)
+    ));
+}

@@ -37,6 +37,7 @@ impl Machine<'_, '_> {
         match self.try_fast_dict() {
             Some(end) => {
                 self.pos = end;
+                self.lists.commit();
                 true
             }
             None => {
@@ -44,6 +45,10 @@ impl Machine<'_, '_> {
                 self.doc.slab.truncate(saved.slab);
                 self.doc.spans.truncate(saved.spans);
                 self.memo.truncate(saved.memo);
+                // The generic machine will fill those memo cells again,
+                // perhaps with other slots, so what was learned about list
+                // bodies read since the dict began is forgotten.
+                self.lists.discard();
                 false
             }
         }
@@ -217,6 +222,20 @@ impl Machine<'_, '_> {
         let mut claimed = None;
         if *data.get(p)? == b'(' {
             p += 1;
+            // A traceback's list is written anew each time but repeats the
+            // bytes of an earlier one: the same memo references. While no
+            // memo cell has been replaced those bytes mean the same slots,
+            // so the earlier claim's answer holds without resolving them.
+            let body_end = list_body_end(data, p)?;
+            let body = &data[p..body_end];
+            if let Some(id) = self.lists.get(body, self.memo_epoch) {
+                p = body_end + 1;
+                let list = Slot::claimed_list(id);
+                if let Some(i) = memo_at {
+                    self.memo[i] = list;
+                }
+                return Some((list, p, cells));
+            }
             let start = self.doc.slab.len();
             while *data.get(p)? != b'e' {
                 let (s, next) = self.fast_get(data, p)?;
@@ -233,8 +252,9 @@ impl Machine<'_, '_> {
                 .claim
                 .as_mut()
                 .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
-            if claimed.is_some() {
+            if let Some(id) = claimed {
                 self.doc.slab.truncate(start);
+                self.lists.put(body, self.memo_epoch, id);
             } else {
                 c.set_slab(start, len);
                 cells += 2 * len;
@@ -268,4 +288,115 @@ fn small_long(b: &[u8]) -> Option<i64> {
     buf[..b.len()].copy_from_slice(b);
     let v = i64::from_le_bytes(buf);
     (INLINE_MIN..=INLINE_MAX).contains(&v).then_some(v)
+}
+
+/// Returns where the `APPENDS` that ends a list body of memo references
+/// starting at `p` is, or `None` if the body holds anything else.
+#[inline(always)]
+fn list_body_end(data: &[u8], mut p: usize) -> Option<usize> {
+    loop {
+        match *data.get(p)? {
+            b'h' => p += 2,
+            b'j' => p += 5,
+            b'e' => return Some(p),
+            _ => return None,
+        }
+    }
+}
+
+/// Most list bodies the cache remembers, and most bytes it keeps, so that
+/// hostile input cannot grow it beyond a few megabytes.
+const LIST_CACHE_MAX: usize = 1 << 16;
+const LIST_CACHE_MAX_BYTES: usize = 8 << 20;
+
+/// Claimed list bodies by their bytes, with the memo epoch they were read in.
+///
+/// Bodies read inside a dict on the fast path wait in `pending` until the
+/// dict is complete: if the dict goes to the generic machine after all, the
+/// memo cells they may refer to are filled again, perhaps differently.
+#[derive(Default)]
+pub(super) struct ListCache {
+    by_hash: HashMap<u64, (usize, usize, u64, u32), BuildKeyHash>,
+    bytes: Vec<u8>,
+    pending: Vec<(u64, (usize, usize, u64, u32))>,
+}
+
+/// Hashes keys that are already well-mixed hashes by taking them as they are.
+#[derive(Clone, Copy, Default)]
+pub(super) struct BuildKeyHash;
+
+/// The hasher of [`BuildKeyHash`].
+#[derive(Default)]
+pub(super) struct KeyHash(u64);
+
+impl std::hash::BuildHasher for BuildKeyHash {
+    type Hasher = KeyHash;
+    fn build_hasher(&self) -> KeyHash {
+        KeyHash(0)
+    }
+}
+
+impl std::hash::Hasher for KeyHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | b as u64).rotate_left(5);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+impl ListCache {
+    fn hash(body: &[u8]) -> u64 {
+        // Four independent multiply lanes over eight-byte words; the
+        // length goes in last so that bodies padded with zeros differ.
+        let mut lanes = [0u64; 4];
+        let mut words = body.chunks_exact(8);
+        for (i, w) in (&mut words).enumerate() {
+            let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
+            let l = &mut lanes[i % 4];
+            *l = (*l ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+        }
+        let mut tail = [0u8; 8];
+        tail[..words.remainder().len()].copy_from_slice(words.remainder());
+        let mut h =
+            u64::from_le_bytes(tail) ^ (body.len() as u64).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        for l in lanes {
+            h = (h ^ l).wrapping_mul(0xc4ce_b9fe_1a85_ec53).rotate_left(31);
+        }
+        h ^ (h >> 32)
+    }
+
+    fn get(&self, body: &[u8], epoch: u64) -> Option<u32> {
+        let &(start, len, at, id) = self.by_hash.get(&Self::hash(body))?;
+        (at == epoch && self.bytes[start..start + len] == *body).then_some(id)
+    }
+
+    fn put(&mut self, body: &[u8], epoch: u64, id: u32) {
+        if self.by_hash.len() + self.pending.len() >= LIST_CACHE_MAX
+            || self.bytes.len() + body.len() > LIST_CACHE_MAX_BYTES
+        {
+            return;
+        }
+        let entry = (self.bytes.len(), body.len(), epoch, id);
+        self.pending.push((Self::hash(body), entry));
+        self.bytes.extend_from_slice(body);
+    }
+
+    fn commit(&mut self) {
+        for (h, entry) in self.pending.drain(..) {
+            self.by_hash.insert(h, entry);
+        }
+    }
+
+    fn discard(&mut self) {
+        if let Some(&(_, (start, ..))) = self.pending.first() {
+            self.bytes.truncate(start);
+        }
+        self.pending.clear();
+    }
 }
