@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Time `oomkit analyze` beside what a user would otherwise run, on one file.
 
-For each tool it runs the command --runs times and reports the median wall
-time and the largest peak resident set size (from wait4), then the ratios.
+For each tool it runs the command --runs times, the tools taking turns, and
+reports the median wall time and the largest peak resident set size (from wait4), then the ratios.
 
     python3 scripts/bench_analyze.py bench-data/big.pickle --oomkit target/release/oomkit
 """
@@ -47,9 +47,17 @@ def run(cmd):
 size = os.path.getsize(args.file)
 print(f"file: {args.file}, {size / 2**20:.1f} MiB")
 results = {}
-for name, cmd in tools:
-    runs = [run(cmd) for _ in range(args.runs)]
-    results[name] = (statistics.median(w for w, _ in runs), max(r for _, r in runs))
+# One untimed run of each tool first, then the tools in turn, round after
+# round: this machine's speed drifts by tens of percent over minutes, and
+# interleaving makes every tool see the same drift.
+for _, cmd in tools:
+    run(cmd)
+runs = {name: [] for name, _ in tools}
+for _ in range(args.runs):
+    for name, cmd in tools:
+        runs[name].append(run(cmd))
+for name, rs in runs.items():
+    results[name] = (statistics.median(w for w, _ in rs), max(r for _, r in rs))
 base_wall, base_rss = results["oomkit analyze"]
 print(f"| tool | wall (median of {args.runs}) | peak RSS | RSS / file | time vs oomkit |")
 print("|---|---|---|---|---|")
