@@ -2,7 +2,8 @@
 """Time `oomkit analyze` beside what a user would otherwise run, on one file.
 
 For each tool it runs the command --runs times, the tools taking turns, and
-reports the median wall time and the largest peak resident set size (from wait4), then the ratios.
+reports the median wall time and the largest peak resident set size (from
+wait4), then the ratios.
 
     python3 scripts/bench_analyze.py bench-data/big.pickle --oomkit target/release/oomkit
 """
