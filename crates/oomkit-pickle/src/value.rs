@@ -18,8 +18,8 @@ pub(crate) const T_CONT: u64 = 2;
 pub(crate) const T_FLOAT: u64 = 3;
 pub(crate) const T_BIGINT: u64 = 4;
 pub(crate) const T_BYTES: u64 = 5;
-/// `None`, the booleans, and dicts a claim took over on the fast path
-/// (index 3 and above), which keep no table entry of their own.
+/// `None`, the booleans, and the dicts and lists a claim took over on the
+/// fast path (index 3 and above), which keep no table entry of their own.
 pub(crate) const T_CONST: u64 = 6;
 pub(crate) const T_BYTEARRAY: u64 = 7;
 

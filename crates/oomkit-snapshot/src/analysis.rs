@@ -415,6 +415,7 @@ struct RelativeTotals {
     reserved_at_oom: Vec<u64>,
 }
 
+/// Counts the totals of a trace from zero, with their extremes and the OOM entries.
 fn relative_totals(events: &[TraceEvent]) -> RelativeTotals {
     let (mut active, mut reserved) = (0i128, 0i128);
     let mut r = RelativeTotals {

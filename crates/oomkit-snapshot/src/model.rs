@@ -462,21 +462,17 @@ impl StackReader {
     }
 
     /// Interns a list of frames that the parser offers to claim, if every
-    /// item is a frame dict; anything else stays in the document.
+    /// item is a frame dict (or the list repeats one already read as
+    /// frames); anything else stays in the document.
     fn claim_list(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
         if let Some(id) = self.seen(hash_slots(items), items) {
             return Some(id.0);
         }
-        {
-            let is_frame = |f: Slot| {
-                self.frame_cache.contains_key(&f)
-                    || (doc.dict_get(f, "filename").is_some() && doc.dict_get(f, "name").is_some())
-            };
-            if !items.iter().all(|&f| is_frame(f)) {
-                return None;
-            }
-        }
-        Some(self.intern(doc, items).0)
+        let frames = items.iter().all(|f| {
+            self.frame_cache.contains_key(f)
+                || (doc.dict_get(*f, "filename").is_some() && doc.dict_get(*f, "name").is_some())
+        });
+        frames.then(|| self.intern(doc, items).0)
     }
 }
 
