@@ -210,10 +210,12 @@ fn run(cli: Cli) -> u8 {
             output,
             max_points,
             force,
-        } => match export(&file, max_points).and_then(|doc| {
-            let text =
-                serde_json::to_vec(&doc).map_err(|e| format!("cannot encode the output: {e}"))?;
-            write_output(&output, &text, force)
+        } => match export(&file, max_points).and_then(|trace| {
+            // Written as it is encoded: a trace that keeps every entry of a
+            // large snapshot runs to hundreds of megabytes.
+            write_output_with(&output, force, &mut |w| {
+                serde_json::to_writer(&mut *w, &trace).map_err(std::io::Error::from)
+            })
         }) {
             Ok(()) => EXIT_OK,
             Err(msg) => {
@@ -323,7 +325,7 @@ fn run(cli: Cli) -> u8 {
 }
 
 /// Builds the Perfetto trace of a snapshot or run log.
-fn export(path: &Path, max_points: usize) -> Result<serde_json::Value, String> {
+fn export(path: &Path, max_points: usize) -> Result<oomkit_report::Trace, String> {
     let shown = path.display().to_string();
     if looks_like_run_log(path) {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
@@ -338,18 +340,27 @@ fn export(path: &Path, max_points: usize) -> Result<serde_json::Value, String> {
 
 /// Writes a document to `path`, or to standard output for `-`.
 fn write_output(path: &Path, text: &[u8], force: bool) -> Result<(), String> {
+    write_output_with(path, force, &mut |w| w.write_all(text))
+}
+
+/// Writes what `fill` produces to `path`, or to standard output for `-`.
+fn write_output_with(
+    path: &Path,
+    force: bool,
+    fill: &mut dyn FnMut(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), String> {
     if path.as_os_str() == "-" {
-        let mut out = std::io::stdout().lock();
-        return out
-            .write_all(text)
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        return fill(&mut out)
             .and_then(|_| out.write_all(b"\n"))
+            .and_then(|_| out.flush())
             .map_err(|e| format!("standard output: {e}"));
     }
-    write_file(path, text, force, "pass --force to replace it")?;
+    let written = write_file_with(path, force, "pass --force to replace it", fill)?;
     eprintln!(
         "oomkit: wrote {} ({})",
         path.display(),
-        oomkit_snapshot::human_bytes(text.len() as u64)
+        oomkit_snapshot::human_bytes(written)
     );
     Ok(())
 }
@@ -358,6 +369,34 @@ fn write_output(path: &Path, text: &[u8], force: bool) -> Result<(), String> {
 /// failure never leaves half a file behind. An existing file is replaced
 /// only when `replace` is set; otherwise the error says so, with `hint`.
 fn write_file(path: &Path, bytes: &[u8], replace: bool, hint: &str) -> Result<(), String> {
+    write_file_with(path, replace, hint, &mut |w| w.write_all(bytes)).map(|_| ())
+}
+
+/// Counts the bytes that pass through it.
+struct Counted<W> {
+    inner: W,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes what `fill` produces to `path` as [`write_file`] does, returning
+/// how many bytes it wrote.
+fn write_file_with(
+    path: &Path,
+    replace: bool,
+    hint: &str,
+    fill: &mut dyn FnMut(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<u64, String> {
     let shown = path.display();
     // Creating the target first claims its name, so that a file appearing
     // meanwhile is never replaced by the rename below.
@@ -378,14 +417,25 @@ fn write_file(path: &Path, bytes: &[u8], replace: bool, hint: &str) -> Result<()
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".oomkit-{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    if let Err(e) = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path)) {
-        let _ = std::fs::remove_file(&tmp);
-        if claimed {
-            let _ = std::fs::remove_file(path);
+    let written = std::fs::File::create(&tmp).and_then(|f| {
+        let mut out = Counted {
+            inner: std::io::BufWriter::new(f),
+            bytes: 0,
+        };
+        fill(&mut out)?;
+        out.flush()?;
+        Ok(out.bytes)
+    });
+    match written.and_then(|n| std::fs::rename(&tmp, path).map(|_| n)) {
+        Ok(n) => Ok(n),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            if claimed {
+                let _ = std::fs::remove_file(path);
+            }
+            Err(format!("{shown}: {e}"))
         }
-        return Err(format!("{shown}: {e}"));
     }
-    Ok(())
 }
 
 /// Writes `bytes` to a file that must not exist yet.

@@ -11,7 +11,7 @@ mod ranks;
 pub use diff::{diff_runs, diff_snapshots, diff_text, DeviceDelta, Diff, SiteDelta, StageDelta};
 pub use html::{html_report, HtmlInput};
 use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};
-pub use perfetto::{run_trace, snapshot_trace};
+pub use perfetto::{run_trace, snapshot_trace, Trace};
 pub use ranks::{rank_table, rank_text, RankRow, RankSource, IMBALANCE_FRACTION};
 use serde_json::{json, Value};
 use std::fmt::Write;

@@ -6,6 +6,8 @@
 
 use oomkit_runlog::{MeasureKind, Run};
 use oomkit_snapshot::{human_bytes, phase_ranges, timeline, Analysis, PhaseRange, Snapshot};
+use serde::ser::{SerializeMap, SerializeSeq};
+use serde::{Serialize, Serializer};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
@@ -16,22 +18,97 @@ const TID_PHASES: u64 = 1;
 /// Thread of the tracker's stages inside steps.
 const TID_STAGES: u64 = 2;
 
+/// A trace document, written out event by event when serialized.
+///
+/// A snapshot's memory series has two counter events per trace entry kept;
+/// holding each as a JSON tree took about 3 KiB per entry (8 GiB for 1.3 M
+/// entries), so the series stays as plain numbers until it is written.
+pub struct Trace {
+    parts: Vec<Part>,
+    other: Value,
+}
+
+/// A run of the trace's events.
+enum Part {
+    /// One event as it is written.
+    Event(Value),
+    /// Active and reserved bytes of a device: time, active, reserved.
+    Memory {
+        pid: i64,
+        samples: Vec<(f64, u64, u64)>,
+    },
+}
+
+/// One counter event, in the shape `"ph": "C"` needs.
+#[derive(Serialize)]
+struct Counter {
+    ph: &'static str,
+    name: &'static str,
+    pid: i64,
+    tid: u64,
+    ts: f64,
+    args: CounterArgs,
+}
+
+#[derive(Serialize)]
+struct CounterArgs {
+    bytes: u64,
+}
+
+fn counter_event(name: &'static str, pid: i64, ts: f64, bytes: u64) -> Counter {
+    Counter {
+        ph: "C",
+        name,
+        pid,
+        tid: TID_MEMORY,
+        ts,
+        args: CounterArgs { bytes },
+    }
+}
+
+/// The `traceEvents` array, written part by part.
+struct Events<'a>(&'a [Part]);
+
+impl Serialize for Events<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(None)?;
+        for part in self.0 {
+            match part {
+                Part::Event(v) => seq.serialize_element(v)?,
+                Part::Memory { pid, samples } => {
+                    for &(ts, active, reserved) in samples {
+                        seq.serialize_element(&counter_event("active", *pid, ts, active))?;
+                        seq.serialize_element(&counter_event("reserved", *pid, ts, reserved))?;
+                    }
+                }
+            }
+        }
+        seq.end()
+    }
+}
+
+impl Serialize for Trace {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(3))?;
+        m.serialize_entry("traceEvents", &Events(&self.parts))?;
+        m.serialize_entry("displayTimeUnit", "ms")?;
+        m.serialize_entry("otherData", &self.other)?;
+        m.end()
+    }
+}
+
 fn name_meta(ph_name: &str, pid: i64, tid: u64, name: &str) -> Value {
     json!({"ph": "M", "name": ph_name, "pid": pid, "tid": tid, "args": {"name": name}})
 }
 
-fn counter(name: &str, pid: i64, ts: f64, bytes: u64) -> Value {
-    json!({"ph": "C", "name": name, "pid": pid, "tid": TID_MEMORY, "ts": ts, "args": {"bytes": bytes}})
+fn counter(name: &'static str, pid: i64, ts: f64, bytes: u64) -> Value {
+    serde_json::to_value(counter_event(name, pid, ts, bytes)).unwrap_or(Value::Null)
 }
 
-/// Wraps events in the trace document, saying where they came from and
-/// what their timestamps count.
-fn document(events: Vec<Value>, file: &str, clock: &str) -> Value {
-    json!({
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"source": "oomkit", "file": file, "clock": clock},
-    })
+/// What `otherData` says: where the events came from and what their
+/// timestamps count.
+fn other_data(file: &str, clock: &str) -> Value {
+    json!({"source": "oomkit", "file": file, "clock": clock})
 }
 
 /// Converts a snapshot's analysis to a trace, with at most `max_points`
@@ -44,7 +121,7 @@ pub fn snapshot_trace(
     snap: &Snapshot,
     analysis: &Analysis,
     max_points: usize,
-) -> Value {
+) -> Trace {
     let lines: Vec<_> = analysis
         .devices
         .iter()
@@ -69,14 +146,24 @@ pub fn snapshot_trace(
     let mut events = Vec::new();
     for (d, line) in &lines {
         let pid = d.device;
-        events.push(name_meta(
+        events.push(Part::Event(name_meta(
             "process_name",
             pid,
             TID_MEMORY,
             &format!("cuda:{pid}"),
-        ));
-        events.push(name_meta("thread_name", pid, TID_MEMORY, "memory"));
-        events.push(name_meta("thread_name", pid, TID_PHASES, "phases"));
+        )));
+        events.push(Part::Event(name_meta(
+            "thread_name",
+            pid,
+            TID_MEMORY,
+            "memory",
+        )));
+        events.push(Part::Event(name_meta(
+            "thread_name",
+            pid,
+            TID_PHASES,
+            "phases",
+        )));
         let events_of_device = snap.events(pid);
         // The time of entry `i`, or of the start when `i` is None.
         let ts = |i: Option<u64>| -> f64 {
@@ -92,6 +179,7 @@ pub fn snapshot_trace(
             }
         };
         let mut last_ts = 0.0f64;
+        let mut samples = Vec::with_capacity(line.points.len());
         for p in &line.points {
             // Entries without a time keep the last one, so the clock never runs back.
             let t = if timed {
@@ -100,18 +188,18 @@ pub fn snapshot_trace(
                 ts(p.after_event)
             };
             last_ts = t;
-            events.push(counter("active", pid, t, p.active_bytes));
-            events.push(counter("reserved", pid, t, p.reserved_bytes));
+            samples.push((t, p.active_bytes, p.reserved_bytes));
         }
+        events.push(Part::Memory { pid, samples });
         if let Some(i) = d.peak_event_index {
-            events.push(json!({
+            events.push(Part::Event(json!({
                 "ph": "i", "s": "p", "pid": pid, "tid": TID_MEMORY, "ts": ts(Some(i)),
                 "name": format!("peak: {} active", human_bytes(d.peak_active_bytes)),
                 "args": {"event_index": i, "active_bytes": d.peak_active_bytes, "phase": d.peak_phase},
-            }));
+            })));
         }
         for o in &d.ooms {
-            events.push(json!({
+            events.push(Part::Event(json!({
                 "ph": "i", "s": "p", "pid": pid, "tid": TID_MEMORY, "ts": ts(Some(o.event_index)),
                 "name": format!("OOM: {} requested, {} free ({})", human_bytes(o.requested_bytes), human_bytes(o.free_bytes), o.cause),
                 "args": {
@@ -123,16 +211,16 @@ pub fn snapshot_trace(
                     "cause": o.cause,
                     "site": o.label,
                 },
-            }));
+            })));
         }
         if timed {
             for r in ranges.get(&pid).into_iter().flatten() {
                 let end = r.end_us.unwrap_or(t0 + last_ts as i64);
-                events.push(json!({
+                events.push(Part::Event(json!({
                     "ph": "X", "pid": pid, "tid": TID_PHASES, "name": r.name.as_str(),
                     "ts": (r.start_us - t0) as f64, "dur": (end - r.start_us).max(0) as f64,
                     "args": {"open_at_snapshot": r.end_us.is_none()},
-                }));
+                })));
             }
         }
     }
@@ -141,9 +229,12 @@ pub fn snapshot_trace(
     } else {
         "trace entry index (the snapshot has no times)"
     };
-    let mut doc = document(events, file, clock);
-    doc["otherData"]["decimated"] = json!(lines.iter().any(|(_, t)| t.decimated));
-    doc
+    let mut other = other_data(file, clock);
+    other["decimated"] = json!(lines.iter().any(|(_, t)| t.decimated));
+    Trace {
+        parts: events,
+        other,
+    }
 }
 
 /// Converts a run log to a trace: steps, stages and phases as slices, and
@@ -152,7 +243,7 @@ pub fn snapshot_trace(
 /// Run logs record how long each stage took, not when it started, so the
 /// slices are laid end to end from those durations: gaps between steps
 /// (data loading, logging) do not appear.
-pub fn run_trace(file: &str, run: &Run) -> Value {
+pub fn run_trace(file: &str, run: &Run) -> Trace {
     let pid = run.start.as_ref().map_or(0, |s| s.rank as i64);
     let device = run
         .start
@@ -205,9 +296,11 @@ pub fn run_trace(file: &str, run: &Run) -> Value {
             "args": {"step": o.step, "stage": o.stage, "message": o.message, "snapshot": o.snapshot},
         }));
     }
-    document(
-        events,
-        file,
-        "microseconds, slices laid end to end from the recorded durations",
-    )
+    Trace {
+        parts: events.into_iter().map(Part::Event).collect(),
+        other: other_data(
+            file,
+            "microseconds, slices laid end to end from the recorded durations",
+        ),
+    }
 }
