@@ -391,44 +391,176 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
     s
 }
 
-/// Running totals after each entry, their peaks, and the OOM entries.
+/// Where an annotated range starts and ends in a trace: the entries
+/// `first..last`, as found by time.
+type Window = (usize, usize);
+
+/// Finds the entries of each range, or none at all when the trace has no
+/// times to place them by.
+fn windows(ranges: &[(String, i64, i64)], events: &[TraceEvent]) -> Vec<Window> {
+    if events.iter().all(|e| e.time_us().is_none()) {
+        return Vec::new();
+    }
+    ranges
+        .iter()
+        .map(|&(_, start, end)| {
+            let first = events.partition_point(|e| e.time_us().is_none_or(|t| t < start));
+            let last = events.partition_point(|e| e.time_us().is_none_or(|t| t <= end));
+            (first, last)
+        })
+        .collect()
+}
+
+/// Active bytes of one range: before its first entry, after its last, and
+/// its peak, the entry that first reached it (`None` if none rose above the
+/// start).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WindowStats {
+    at_start: u64,
+    at_end: u64,
+    peak: u64,
+    peak_idx: Option<usize>,
+}
+
+/// Follows the ranges through one pass of running totals, so that no total
+/// per entry has to be kept (eight bytes per entry, the analysis's largest
+/// table after the events themselves).
+struct Sweep<'w> {
+    windows: &'w [Window],
+    /// Range numbers by first entry.
+    by_first: Vec<usize>,
+    /// (entry, range, whether it is the range's start) by entry: the totals
+    /// before that entry are the range's start or end.
+    probes: Vec<(usize, usize, bool)>,
+    next_first: usize,
+    next_probe: usize,
+    open: Vec<usize>,
+    /// Start, end, peak and the entry of the peak, per range.
+    stats: Vec<(i128, i128, i128, Option<usize>)>,
+}
+
+impl<'w> Sweep<'w> {
+    fn new(windows: &'w [Window]) -> Self {
+        let mut by_first: Vec<usize> = (0..windows.len()).collect();
+        by_first.sort_by_key(|&w| windows[w].0);
+        let mut probes: Vec<(usize, usize, bool)> = windows
+            .iter()
+            .enumerate()
+            .flat_map(|(w, &(first, last))| [(first, w, true), (last, w, false)])
+            .collect();
+        // Starts before ends at one entry, so that an empty range's peak is its start.
+        probes.sort_by_key(|&(at, _, start)| (at, !start));
+        Sweep {
+            windows,
+            by_first,
+            probes,
+            next_first: 0,
+            next_probe: 0,
+            open: Vec::new(),
+            stats: vec![(0, 0, 0, None); windows.len()],
+        }
+    }
+
+    /// Takes the totals before entry `i` (after the last entry for `i == n`).
+    #[inline]
+    fn before(&mut self, i: usize, v: i128) {
+        while let Some(&(at, w, start)) = self.probes.get(self.next_probe) {
+            if at != i {
+                break;
+            }
+            if start {
+                self.stats[w].0 = v;
+                self.stats[w].2 = v;
+            } else {
+                self.stats[w].1 = v;
+            }
+            self.next_probe += 1;
+        }
+        while let Some(&w) = self.by_first.get(self.next_first) {
+            if self.windows[w].0 != i {
+                break;
+            }
+            if self.windows[w].0 < self.windows[w].1 {
+                self.open.push(w);
+            }
+            self.next_first += 1;
+        }
+    }
+
+    /// Takes the totals after entry `i`.
+    #[inline]
+    fn after(&mut self, i: usize, v: i128) {
+        if self.open.is_empty() {
+            return;
+        }
+        let (windows, stats) = (self.windows, &mut self.stats);
+        self.open.retain(|&w| {
+            let s = &mut stats[w];
+            if v > s.2 {
+                s.2 = v;
+                s.3 = Some(i);
+            }
+            i + 1 < windows[w].1
+        });
+    }
+
+    /// Returns each range's figures with `base` added.
+    fn finish(self, base: u64) -> Vec<WindowStats> {
+        let abs = |v: i128| (base as i128 + v) as u64;
+        self.stats
+            .into_iter()
+            .map(|(a, e, p, pi)| WindowStats {
+                at_start: abs(a),
+                at_end: abs(e),
+                peak: abs(p),
+                peak_idx: pi,
+            })
+            .collect()
+    }
+}
+
+/// The peaks of a trace's running totals, and its OOM entries with the
+/// totals there.
 struct Totals {
     peak: u64,
     peak_idx: Option<usize>,
     peak_res: u64,
-    after: Vec<u64>,
     oom_idx: Vec<usize>,
+    /// Active bytes when each OOM entry was recorded.
+    oom_live: Vec<u64>,
     reserved_after: Vec<u64>,
+    windows: Vec<WindowStats>,
 }
 
 /// The running totals counted from zero, before the starting totals are known.
-struct RelativeTotals {
-    /// Active bytes after each entry minus those before the first, modulo 2^64.
-    after: Vec<u64>,
+struct RelativeTotals<'w> {
     max_active: i128,
     min_active: i128,
     max_reserved: i128,
     min_reserved: i128,
     peak_idx: Option<usize>,
     oom_idx: Vec<usize>,
-    /// Reserved bytes at each OOM, relative like `after`.
-    reserved_at_oom: Vec<u64>,
+    /// Active and reserved bytes at each OOM, relative to the start.
+    at_oom: Vec<(i128, i128)>,
+    sweep: Sweep<'w>,
 }
 
-/// Counts the totals of a trace from zero, with their extremes and the OOM entries.
-fn relative_totals(events: &[TraceEvent]) -> RelativeTotals {
+/// Counts the totals of a trace from zero, with their extremes, the OOM
+/// entries, and the figures of each range in `windows`.
+fn relative_totals<'w>(events: &[TraceEvent], windows: &'w [Window]) -> RelativeTotals<'w> {
     let (mut active, mut reserved) = (0i128, 0i128);
     let mut r = RelativeTotals {
-        after: Vec::with_capacity(events.len()),
         max_active: 0,
         min_active: 0,
         max_reserved: 0,
         min_reserved: 0,
         peak_idx: None,
         oom_idx: Vec::new(),
-        reserved_at_oom: Vec::new(),
+        at_oom: Vec::new(),
+        sweep: Sweep::new(windows),
     };
     for (i, e) in events.iter().enumerate() {
+        r.sweep.before(i, active);
         match e.action {
             Action::Alloc => active += e.size as i128,
             Action::FreeCompleted => active -= e.size as i128,
@@ -436,7 +568,7 @@ fn relative_totals(events: &[TraceEvent]) -> RelativeTotals {
             Action::SegmentFree | Action::SegmentUnmap => reserved -= e.size as i128,
             Action::Oom => {
                 r.oom_idx.push(i);
-                r.reserved_at_oom.push(reserved as u64);
+                r.at_oom.push((active, reserved));
             }
             _ => {}
         }
@@ -447,12 +579,13 @@ fn relative_totals(events: &[TraceEvent]) -> RelativeTotals {
         r.min_active = r.min_active.min(active);
         r.max_reserved = r.max_reserved.max(reserved);
         r.min_reserved = r.min_reserved.min(reserved);
-        r.after.push(active as u64);
+        r.sweep.after(i, active);
     }
+    r.sweep.before(events.len(), active);
     r
 }
 
-impl RelativeTotals {
+impl RelativeTotals<'_> {
     /// Adds the starting totals, or returns `None` where a total would have
     /// gone below zero: the replay clamps at zero there, and only a replay
     /// that knows the start can follow it.
@@ -462,44 +595,53 @@ impl RelativeTotals {
         {
             return None;
         }
-        // Each true total lies in 0..2^64, so wrapping sums give it exactly.
-        let mut after = self.after;
-        for a in &mut after {
-            *a = base_active.wrapping_add(*a);
-        }
-        let reserved_after = self
-            .reserved_at_oom
-            .iter()
-            .map(|r| base_reserved.wrapping_add(*r))
-            .collect();
+        let abs = |base: u64, v: i128| (base as i128 + v) as u64;
         Some(Totals {
-            peak: (base_active as i128 + self.max_active) as u64,
+            peak: abs(base_active, self.max_active),
             peak_idx: self.peak_idx,
-            peak_res: (base_reserved as i128 + self.max_reserved) as u64,
-            after,
+            peak_res: abs(base_reserved, self.max_reserved),
             oom_idx: self.oom_idx,
-            reserved_after,
+            oom_live: self
+                .at_oom
+                .iter()
+                .map(|&(a, _)| abs(base_active, a))
+                .collect(),
+            reserved_after: self
+                .at_oom
+                .iter()
+                .map(|&(_, r)| abs(base_reserved, r))
+                .collect(),
+            windows: self.sweep.finish(base_active),
         })
     }
 }
 
 /// Replays the totals from the start, clamping at zero as the allocator's
 /// own counters would; used where a trace frees more than it could hold.
-fn exact_totals(events: &[TraceEvent], base_active: u64, base_reserved: u64) -> Totals {
+fn exact_totals(
+    events: &[TraceEvent],
+    windows: &[Window],
+    base_active: u64,
+    base_reserved: u64,
+) -> Totals {
     let mut cur = base_active;
     let mut cur_res = base_reserved;
+    let mut sweep = Sweep::new(windows);
     let mut t = Totals {
         peak: base_active,
         peak_idx: None,
         peak_res: base_reserved,
-        after: Vec::with_capacity(events.len()),
         oom_idx: Vec::new(),
+        oom_live: Vec::new(),
         reserved_after: Vec::new(),
+        windows: Vec::new(),
     };
     for (i, e) in events.iter().enumerate() {
+        sweep.before(i, cur as i128);
         crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
         if e.action == Action::Oom {
             t.oom_idx.push(i);
+            t.oom_live.push(cur);
             t.reserved_after.push(cur_res);
         }
         if cur > t.peak {
@@ -507,8 +649,10 @@ fn exact_totals(events: &[TraceEvent], base_active: u64, base_reserved: u64) -> 
             t.peak_idx = Some(i);
         }
         t.peak_res = t.peak_res.max(cur_res);
-        t.after.push(cur);
+        sweep.after(i, cur as i128);
     }
+    sweep.before(events.len(), cur as i128);
+    t.windows = sweep.finish(0);
     t
 }
 
@@ -574,9 +718,11 @@ fn analyze_device(
     // The two first passes are independent, since the totals pass counts
     // from zero and the starting totals are added once known, so on a
     // large trace the totals run on a second core.
+    let ranges = ranges(snap, device);
+    let windows = windows(&ranges, events);
     let (scan, rel) = if events.len() >= PARALLEL_MIN_EVENTS {
         std::thread::scope(|sc| {
-            let totals = sc.spawn(|| relative_totals(events));
+            let totals = sc.spawn(|| relative_totals(events, &windows));
             let scan = scan_trace(events);
             // A panic in the totals thread is a bug; rethrowing it keeps it one.
             let rel = totals
@@ -585,7 +731,7 @@ fn analyze_device(
             (scan, rel)
         })
     } else {
-        (scan_trace(events), relative_totals(events))
+        (scan_trace(events), relative_totals(events, &windows))
     };
     let TraceScan {
         in_trace,
@@ -620,12 +766,13 @@ fn analyze_device(
         peak,
         peak_idx,
         peak_res,
-        after,
         oom_idx,
+        oom_live,
         reserved_after,
+        windows: window_stats,
     } = rel
         .absolute(base_active, base_reserved)
-        .unwrap_or_else(|| exact_totals(events, base_active, base_reserved));
+        .unwrap_or_else(|| exact_totals(events, &windows, base_active, base_reserved));
 
     // Pass 2: replay the live set up to the peak and every OOM.
     let mut live: HashMap<u64, Live, FastState> = HashMap::default();
@@ -693,15 +840,14 @@ fn analyze_device(
 
     let t0 = events.iter().find_map(|e| e.time_us());
     let peak_time = peak_idx.and_then(|i| events[i].time_us());
-    let ranges = ranges(snap, device);
-    let phases = phases(&ranges, events, &after, base_active);
+    let phases = phases(&ranges, &window_stats);
     let peak_phase = peak_time.and_then(|pt| innermost_phase(&ranges, pt));
 
     // OOM events.
     let mut ooms = Vec::new();
     for (k, &i) in oom_idx.iter().enumerate() {
         let e = &events[i];
-        let live_bytes = if i == 0 { base_active } else { after[i - 1] };
+        let live_bytes = oom_live[k];
         let res = reserved_after[k];
         let unalloc = res.saturating_sub(live_bytes);
         let cause = if unalloc >= e.size {
@@ -913,29 +1059,11 @@ fn innermost_phase(ranges: &[(String, i64, i64)], t: i64) -> Option<String> {
         .map(|(n, _, _)| n.clone())
 }
 
-fn phases(
-    ranges: &[(String, i64, i64)],
-    events: &[crate::model::TraceEvent],
-    after: &[u64],
-    base: u64,
-) -> Vec<PhaseReport> {
+fn phases(ranges: &[(String, i64, i64)], stats: &[WindowStats]) -> Vec<PhaseReport> {
     let mut by_name: BTreeMap<String, PhaseReport> = BTreeMap::new();
-    if events.iter().all(|e| e.time_us().is_none()) {
-        return Vec::new();
-    }
-    for (name, start, end) in ranges {
-        let (start, end) = (*start, *end);
-        let first = events.partition_point(|e| e.time_us().is_none_or(|t| t < start));
-        let last = events.partition_point(|e| e.time_us().is_none_or(|t| t <= end));
-        let at_start = if first == 0 { base } else { after[first - 1] };
-        let at_end = if last == 0 { base } else { after[last - 1] };
-        let (mut p, mut pi) = (at_start, None);
-        for (i, &a) in after.iter().enumerate().take(last).skip(first) {
-            if a > p {
-                p = a;
-                pi = Some(i as u64);
-            }
-        }
+    for ((name, _, _), w) in ranges.iter().zip(stats) {
+        let (at_start, at_end, p, pi) =
+            (w.at_start, w.at_end, w.peak, w.peak_idx.map(|i| i as u64));
         let r = by_name.entry(name.clone()).or_insert(PhaseReport {
             name: name.clone(),
             occurrences: 0,
@@ -1043,17 +1171,75 @@ mod tests {
             a.peak,
             a.peak_idx,
             a.peak_res,
-            &a.after,
             &a.oom_idx,
+            &a.oom_live,
             &a.reserved_after,
+            &a.windows,
         ) == (
             b.peak,
             b.peak_idx,
             b.peak_res,
-            &b.after,
             &b.oom_idx,
+            &b.oom_live,
             &b.reserved_after,
+            &b.windows,
         )
+    }
+
+    /// Ranges of every kind from a seed: nested, overlapping, empty,
+    /// reversed (ending before they start), and reaching the end.
+    fn some_windows(seed: u64, n: usize) -> Vec<Window> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = move |m: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % (m as u64 + 1)) as usize
+        };
+        let mut w: Vec<Window> = (0..30)
+            .map(|_| {
+                let a = next(n);
+                (a, (a + next(n / 4)).min(n))
+            })
+            .collect();
+        w.extend([(0, n), (n / 2, n / 2), (n / 2 + 10, n / 3), (0, 0), (n, n)]);
+        w
+    }
+
+    /// The figures of each range the way the analysis first computed them,
+    /// from the totals after every entry.
+    fn windows_by_brute_force(
+        events: &[TraceEvent],
+        windows: &[Window],
+        base: u64,
+    ) -> Vec<WindowStats> {
+        let (mut cur, mut res) = (base, 0u64);
+        let after: Vec<u64> = events
+            .iter()
+            .map(|e| {
+                crate::timeline::apply(e.action, e.size, &mut cur, &mut res);
+                cur
+            })
+            .collect();
+        let before = |p: usize| if p == 0 { base } else { after[p - 1] };
+        windows
+            .iter()
+            .map(|&(first, last)| {
+                let (mut peak, mut peak_idx) = (before(first), None);
+                for (i, &a) in after.iter().enumerate().take(last).skip(first) {
+                    if a > peak {
+                        peak = a;
+                        peak_idx = Some(i);
+                    }
+                }
+                WindowStats {
+                    at_start: before(first),
+                    at_end: before(last),
+                    peak,
+                    peak_idx,
+                }
+            })
+            .collect()
     }
 
     #[test]
@@ -1061,9 +1247,15 @@ mod tests {
         for seed in 1..40u64 {
             let base = seed * 1_000_000;
             let events = trace(seed, 2000, base);
-            let rel = relative_totals(&events).absolute(base, 7 << 20).unwrap();
-            assert!(
-                same(&rel, &exact_totals(&events, base, 7 << 20)),
+            let windows = some_windows(seed, events.len());
+            let rel = relative_totals(&events, &windows)
+                .absolute(base, 7 << 20)
+                .unwrap();
+            let exact = exact_totals(&events, &windows, base, 7 << 20);
+            assert!(same(&rel, &exact), "seed {seed}");
+            assert_eq!(
+                rel.windows,
+                windows_by_brute_force(&events, &windows, base),
                 "seed {seed}"
             );
         }
@@ -1078,10 +1270,18 @@ mod tests {
             ev(Action::FreeCompleted, 2, 3 << 20),
             ev(Action::Alloc, 3, 1 << 20),
         ];
-        assert!(relative_totals(&events).absolute(1 << 20, 0).is_none());
-        let exact = exact_totals(&events, 1 << 20, 0);
-        assert_eq!(exact.after, vec![2 << 20, 0, 1 << 20]);
+        let windows = [(0, 3), (1, 2), (2, 3)];
+        assert!(relative_totals(&events, &windows)
+            .absolute(1 << 20, 0)
+            .is_none());
+        let exact = exact_totals(&events, &windows, 1 << 20, 0);
         assert_eq!((exact.peak, exact.peak_idx), (2 << 20, Some(0)));
+        // The totals after each entry are 2, 0 and 1 MiB.
+        assert_eq!(
+            exact.windows,
+            windows_by_brute_force(&events, &windows, 1 << 20)
+        );
+        assert_eq!(exact.windows[1].at_end, 0);
     }
 
     #[test]
@@ -1107,7 +1307,7 @@ mod tests {
         rest.sort();
         events.extend(rest.iter().map(|&(a, s)| ev(Action::FreeCompleted, a, s)));
         events.extend((0..segments).map(|_| ev(Action::SegmentFree, 0, 2 << 20)));
-        let exact = exact_totals(&events, 0, 0);
+        let exact = exact_totals(&events, &[], 0, 0);
         let snap = Snapshot {
             segments: Vec::new(),
             traces: vec![crate::model::DeviceTrace {
