@@ -78,17 +78,7 @@ impl Machine<'_, '_> {
         let data = self.doc.data;
         let mut p = self.pos;
         let mut cells = 2;
-        // The dict's own slot is known only once the claim has answered, so
-        // its memo cell stays empty until then; a reference to the dict
-        // from inside itself finds it empty and leaves the dict to the
-        // generic machine.
-        let mut memo_at = None;
-        if *data.get(p)? == 0x94 {
-            memo_at = Some(self.memo.len());
-            self.memo.push(Slot::EMPTY);
-            cells += 1;
-            p += 1;
-        }
+        let memo_at = self.reserve_memo(data, &mut p, &mut cells)?;
         if *data.get(p)? != b'(' {
             return None;
         }
@@ -206,59 +196,69 @@ impl Machine<'_, '_> {
         Some(p)
     }
 
+    /// Takes the memo cell of a container whose `EMPTY_DICT` or
+    /// `EMPTY_LIST` was just read, if a `MEMOIZE` at `p` follows it,
+    /// returning the cell's index.
+    ///
+    /// The container's slot is known only once the claim has answered, so
+    /// the cell stays empty until then: a reference to the container from
+    /// inside itself finds it empty and leaves the dict to the generic machine.
+    fn reserve_memo(
+        &mut self,
+        data: &[u8],
+        p: &mut usize,
+        cells: &mut usize,
+    ) -> Option<Option<usize>> {
+        if *data.get(*p)? != 0x94 {
+            return Some(None);
+        }
+        self.memo.push(Slot::EMPTY);
+        *cells += 1;
+        *p += 1;
+        Some(Some(self.memo.len() - 1))
+    }
+
     /// Reads a list of memo references after its `EMPTY_LIST` at `p`:
     /// returns the list, the next position and the cells it used.
     fn fast_list(&mut self, data: &[u8], mut p: usize) -> Option<(Slot, usize, usize)> {
         let mut c = Container::new(Kind::List);
         let mut cells = 2;
-        // As for the dict, the list's slot is known once the claim has answered.
-        let mut memo_at = None;
-        if *data.get(p)? == 0x94 {
-            memo_at = Some(self.memo.len());
-            self.memo.push(Slot::EMPTY);
-            cells += 1;
-            p += 1;
-        }
+        let memo_at = self.reserve_memo(data, &mut p, &mut cells)?;
         let mut claimed = None;
         if *data.get(p)? == b'(' {
-            p += 1;
+            let body_end = list_body_end(data, p + 1)?;
+            let body = &data[p + 1..body_end];
             // A traceback's list is written anew each time but repeats the
             // bytes of an earlier one: the same memo references. While no
             // memo cell has been replaced those bytes mean the same slots,
             // so the earlier claim's answer holds without resolving them.
-            let body_end = list_body_end(data, p)?;
-            let body = &data[p..body_end];
-            if let Some(id) = self.lists.get(body, self.memo_epoch) {
-                p = body_end + 1;
-                let list = Slot::claimed_list(id);
-                if let Some(i) = memo_at {
-                    self.memo[i] = list;
+            claimed = self.lists.get(body, self.memo_epoch);
+            if claimed.is_none() {
+                let start = self.doc.slab.len();
+                let mut q = p + 1;
+                while q < body_end {
+                    let (s, next) = self.fast_get(data, q)?;
+                    self.doc.slab.push(s);
+                    q = next;
                 }
-                return Some((list, p, cells));
+                let len = self.doc.slab.len() - start;
+                if len > SLAB_MAX_LEN {
+                    return None;
+                }
+                let doc = &self.doc;
+                claimed = self
+                    .claim
+                    .as_mut()
+                    .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
+                if let Some(id) = claimed {
+                    self.doc.slab.truncate(start);
+                    self.lists.put(body, self.memo_epoch, id);
+                } else {
+                    c.set_slab(start, len);
+                    cells += 2 * len;
+                }
             }
-            let start = self.doc.slab.len();
-            while *data.get(p)? != b'e' {
-                let (s, next) = self.fast_get(data, p)?;
-                self.doc.slab.push(s);
-                p = next;
-            }
-            p += 1;
-            let len = self.doc.slab.len() - start;
-            if len > SLAB_MAX_LEN {
-                return None;
-            }
-            let doc = &self.doc;
-            claimed = self
-                .claim
-                .as_mut()
-                .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
-            if let Some(id) = claimed {
-                self.doc.slab.truncate(start);
-                self.lists.put(body, self.memo_epoch, id);
-            } else {
-                c.set_slab(start, len);
-                cells += 2 * len;
-            }
+            p = body_end + 1;
         }
         let list = match claimed {
             Some(id) => Slot::claimed_list(id),
