@@ -1,5 +1,8 @@
 //! `oomkit explain` and `oomkit estimate` as a user runs them.
 
+mod common;
+
+use common::success_json;
 use serde_json::Value;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
@@ -30,12 +33,7 @@ torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.24 GiB. GPU
 #[test]
 fn explain_json_from_stdin() {
     let out = oomkit(&["explain", "--json"], Some(LOG));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = success_json(&out, "oomkit explain --json");
     for field in [
         "requested_bytes",
         "capacity_bytes",
@@ -59,8 +57,7 @@ fn explain_old_form_has_nulls_and_file_input_works() {
     // https://github.com/One-2-3-45/One-2-3-45/issues/25
     std::fs::write(&path, "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.69 GiB (GPU 0; 14.56 GiB total capacity; 649.97 MiB already allocated; 1.31 GiB free; 1.01 GiB reserved in total by PyTorch)\n").unwrap();
     let out = oomkit(&["explain", "--json", path.to_str().unwrap()], None);
-    assert!(out.status.success());
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = success_json(&out, "oomkit explain FILE");
     assert_eq!(v["process_bytes"], Value::Null);
     assert_eq!(v["cause"], "capacity");
 }
@@ -83,12 +80,7 @@ fn estimate_json_fields() {
         ],
         None,
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = success_json(&out, "oomkit estimate --json");
     for field in [
         "weights_bytes",
         "gradients_bytes",
@@ -132,7 +124,7 @@ fn estimate_bad_input() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
     // No --gpu and no GPU here: capacity and max_batch are null.
     let out = oomkit(&["estimate", "--params", "125M", "--json"], None);
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = success_json(&out, "oomkit estimate --params 125M");
     assert_eq!(v["capacity_bytes"], Value::Null);
     assert_eq!(v["max_batch"], Value::Null);
 }

@@ -51,10 +51,14 @@ pub fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
 
 /// Runs oomkit, which must succeed, and parses what it printed as JSON.
 pub fn run_json(args: &[&str]) -> serde_json::Value {
-    let out = oomkit(args, None);
+    success_json(&oomkit(args, None), &format!("{args:?}"))
+}
+
+/// Asserts that a run of oomkit (`what`) succeeded and parses what it printed as JSON.
+pub fn success_json(out: &Output, what: &str) -> serde_json::Value {
     assert!(
         out.status.success(),
-        "{args:?}: {}",
+        "{what}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
