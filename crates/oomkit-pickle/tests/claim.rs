@@ -210,3 +210,35 @@ fn a_replaced_memo_cell_makes_the_same_bytes_be_asked_again() {
         oomkit_pickle::Value::Container(Kind::Dict)
     ));
 }
+
+#[test]
+fn frames_inside_a_dict_or_a_list_body_keep_the_fast_path() {
+    // The pickler starts a frame before any object once the current one is
+    // full, so in a large file frames fall inside dicts and list bodies.
+    const FRAME: &[u8] = b"\x95\x00\x00\x00\x00\x00\x00\x00\x00";
+    let second = TWO_LISTS.windows(2).rposition(|w| w == b"u}").unwrap() + 1;
+    let in_dict = second + b"}\x94(h\x08h\x09".len();
+    let in_list = TWO_LISTS.len() - b"h\x01eue.".len();
+    let mut data = TWO_LISTS[..in_dict].to_vec();
+    data.extend_from_slice(FRAME);
+    data.extend_from_slice(&TWO_LISTS[in_dict..in_list]);
+    data.extend_from_slice(FRAME);
+    data.extend_from_slice(&TWO_LISTS[in_list..]);
+    let mut claim = WithLists::default();
+    Document::parse_claiming(&data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    // The second list is still claimed, though its bytes, with a frame
+    // inside, are no longer those of the first and so it is offered again.
+    assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(1), 0)]);
+    assert_eq!(claim.lists, 2);
+
+    // A frame inside a dict that runs past the input is reported as the
+    // generic machine reports it.
+    let mut bad = TWO_LISTS[..in_dict].to_vec();
+    bad.extend_from_slice(b"\x95\xff\x00\x00\x00\x00\x00\x00\x00");
+    bad.extend_from_slice(&TWO_LISTS[in_dict..]);
+    let mut claim = WithLists::default();
+    match Document::parse_claiming(&bad, &Limits::default(), &mut |_| {}, &mut claim) {
+        Err(Error::Truncated { what, .. }) => assert!(what.contains("FRAME"), "{what}"),
+        other => panic!("expected truncated, got {:?}", other.map(|_| ())),
+    }
+}

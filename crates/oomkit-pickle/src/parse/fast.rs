@@ -158,6 +158,12 @@ impl Machine<'_, '_> {
                     p += 1;
                     break;
                 }
+                0x95 => {
+                    // The pickler starts a new frame before any object once
+                    // the current one is full, so frames split dicts too.
+                    p = frame_end(data, p)?;
+                    continue;
+                }
                 _ => return None,
             };
             if n == FAST_MAX_ITEMS {
@@ -226,17 +232,24 @@ impl Machine<'_, '_> {
         let memo_at = self.reserve_memo(data, &mut p, &mut cells)?;
         let mut claimed = None;
         if *data.get(p)? == b'(' {
-            let body_end = list_body_end(data, p + 1)?;
+            let (body_end, framed) = list_body_end(data, p + 1)?;
             let body = &data[p + 1..body_end];
             // A traceback's list is written anew each time but repeats the
             // bytes of an earlier one: the same memo references. While no
             // memo cell has been replaced those bytes mean the same slots,
             // so the earlier claim's answer holds without resolving them.
-            claimed = self.lists.get(body, self.memo_epoch);
+            // A body with a frame boundary inside is resolved every time.
+            if !framed {
+                claimed = self.lists.get(body, self.memo_epoch);
+            }
             if claimed.is_none() {
                 let start = self.doc.slab.len();
                 let mut q = p + 1;
                 while q < body_end {
+                    if data[q] == 0x95 {
+                        q += 9;
+                        continue;
+                    }
                     let (s, next) = self.fast_get(data, q)?;
                     self.doc.slab.push(s);
                     q = next;
@@ -252,7 +265,9 @@ impl Machine<'_, '_> {
                     .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
                 if let Some(id) = claimed {
                     self.doc.slab.truncate(start);
-                    self.lists.put(body, self.memo_epoch, id);
+                    if !framed {
+                        self.lists.put(body, self.memo_epoch, id);
+                    }
                 } else {
                     c.set_slab(start, len);
                     cells += 2 * len;
@@ -291,17 +306,32 @@ fn small_long(b: &[u8]) -> Option<i64> {
 }
 
 /// Returns where the `APPENDS` that ends a list body of memo references
-/// starting at `p` is, or `None` if the body holds anything else.
+/// starting at `p` is, and whether a `FRAME` lies inside it, or `None` if
+/// the body holds anything else.
 #[inline(always)]
-fn list_body_end(data: &[u8], mut p: usize) -> Option<usize> {
+fn list_body_end(data: &[u8], mut p: usize) -> Option<(usize, bool)> {
+    let mut framed = false;
     loop {
         match *data.get(p)? {
             b'h' => p += 2,
             b'j' => p += 5,
-            b'e' => return Some(p),
+            b'e' => return Some((p, framed)),
+            0x95 => {
+                p = frame_end(data, p)?;
+                framed = true;
+            }
             _ => return None,
         }
     }
+}
+
+/// Returns the position after the `FRAME` opcode at `p`, or `None` if its
+/// length runs past the input (which the generic machine then reports).
+#[inline(always)]
+fn frame_end(data: &[u8], p: usize) -> Option<usize> {
+    let b = data.get(p + 1..p + 9)?;
+    let n = u64::from_le_bytes(b.try_into().ok()?);
+    (n <= (data.len() - p - 9) as u64).then_some(p + 9)
 }
 
 /// Most list bodies the cache remembers, and most bytes it keeps, so that
