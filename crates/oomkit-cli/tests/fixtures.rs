@@ -147,40 +147,79 @@ fn peaks_are_attributed_to_user_lines() {
 /// generic reader (every dict kept in the arena) must agree on every file.
 #[test]
 fn claimed_and_generic_readings_agree() {
-    use oomkit_report::{json, FileAnalysis};
-    use oomkit_snapshot::{Options, Snapshot};
     let mut files = fixture_files();
     files.push(demo_file());
     for path in files {
-        let bytes = std::fs::read(&path).unwrap();
-        let streamed = Snapshot::load(&path, &mut |_, _| {}).unwrap();
-        let doc = oomkit_pickle::Document::parse(&bytes).unwrap();
-        let generic = Snapshot::from_document(&doc).unwrap();
-        let opts = Options::default();
-        let a = json(&FileAnalysis::new("f".into(), 0, &streamed, &opts));
-        let b = json(&FileAnalysis::new("f".into(), 0, &generic, &opts));
-        assert_eq!(a, b, "{}", path.display());
-        let events = |s: &Snapshot| -> Vec<String> {
-            s.traces
-                .iter()
-                .flat_map(|t| &t.events)
-                .map(|e| {
-                    let frames: Vec<_> = s
-                        .stacks
-                        .stack(e.stack)
-                        .iter()
-                        .map(|&f| s.stacks.frame(f))
-                        .collect();
-                    format!(
-                        "{:?} {} {} {:?} {frames:?}",
-                        e.action,
-                        e.addr,
-                        e.size,
-                        e.time_us()
-                    )
-                })
-                .collect()
-        };
-        assert_eq!(events(&streamed), events(&generic), "{}", path.display());
+        readings_agree(&path);
     }
+}
+
+/// A file past the size at which the parser's pager runs a helper thread
+/// (mapping pages ahead, releasing them behind, faulting tables in) gives
+/// CPython's figures and the generic reader's events all the same.
+#[test]
+fn a_file_large_enough_for_the_pager_matches_cpython() {
+    let dir = tempdir("pager");
+    let big = dir.join("big.pickle");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/make_big_snapshot.py"
+    );
+    let out = Command::new(python())
+        .arg(script)
+        .arg(demo_file())
+        .arg(&big)
+        .args(["--events", "700000", "--fresh-frames"])
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let size = std::fs::metadata(&big).unwrap().len() as usize;
+    assert!(
+        size > oomkit_pickle::PAGER_MIN,
+        "{size} bytes is too small to start the pager's helper"
+    );
+    check(&big);
+    readings_agree(&big);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Checks that the streaming and the generic readings of `path` give the
+/// same analysis and the same events.
+fn readings_agree(path: &Path) {
+    use oomkit_report::{json, FileAnalysis};
+    use oomkit_snapshot::{Options, Snapshot};
+    let bytes = std::fs::read(path).unwrap();
+    let streamed = Snapshot::load(path, &mut |_, _| {}).unwrap();
+    let doc = oomkit_pickle::Document::parse(&bytes).unwrap();
+    let generic = Snapshot::from_document(&doc).unwrap();
+    let opts = Options::default();
+    let a = json(&FileAnalysis::new("f".into(), 0, &streamed, &opts));
+    let b = json(&FileAnalysis::new("f".into(), 0, &generic, &opts));
+    assert_eq!(a, b, "{}", path.display());
+    let events = |s: &Snapshot| -> Vec<String> {
+        s.traces
+            .iter()
+            .flat_map(|t| &t.events)
+            .map(|e| {
+                let frames: Vec<_> = s
+                    .stacks
+                    .stack(e.stack)
+                    .iter()
+                    .map(|&f| s.stacks.frame(f))
+                    .collect();
+                format!(
+                    "{:?} {} {} {:?} {frames:?}",
+                    e.action,
+                    e.addr,
+                    e.size,
+                    e.time_us()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(events(&streamed), events(&generic), "{}", path.display());
 }

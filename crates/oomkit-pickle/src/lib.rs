@@ -23,12 +23,14 @@
 //! ```
 
 mod error;
+mod pager;
 mod parse;
 mod repr;
 mod source;
 mod value;
 
 pub use error::{Error, Result};
+pub use pager::{Ahead, Pager, PAGER_MIN};
 pub use parse::{Claim, Limits};
 pub use source::{advise_huge_pages, Source};
 pub use value::{Document, Kind, Slot, Value};

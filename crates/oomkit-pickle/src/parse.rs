@@ -1,6 +1,7 @@
 //! The pickle virtual machine: opcodes in, arena out, nothing executed.
 
 use crate::error::{Error, Result};
+use crate::pager::Ahead;
 use crate::value::*;
 use std::collections::HashMap;
 
@@ -39,6 +40,8 @@ impl Default for Limits {
 
 /// How often, in input bytes, the progress callback is called.
 const PROGRESS_STEP: usize = 1 << 20;
+/// How much of the memo's spare capacity one progress step names as about to be filled.
+const MEMO_AHEAD: usize = 1 << 20;
 /// Gap beyond which an explicit memo index goes to the sparse map instead of the vector.
 const MEMO_DENSE_GAP: usize = 1 << 16;
 
@@ -98,6 +101,10 @@ pub trait Claim {
     fn claim_list(&mut self, _doc: &Document<'_>, _items: &[Slot]) -> Option<u32> {
         None
     }
+
+    /// Names the claim's own tables that the next megabyte of input will
+    /// fill, so that a [`crate::Pager`] can fault them in first.
+    fn ahead(&self, _ahead: &mut Ahead) {}
 }
 
 /// Batch size of CPython's pickler: a dict batch this large may be followed by more.
@@ -124,15 +131,16 @@ struct Machine<'a, 'p> {
 impl Document<'_> {
     /// Parses a whole pickle with the default [`Limits`].
     pub fn parse(data: &[u8]) -> Result<Document<'_>> {
-        Self::parse_with(data, &Limits::default(), &mut |_| {})
+        Self::parse_with(data, &Limits::default(), &mut |_, _| {})
     }
 
-    /// Parses a pickle with explicit limits, calling `progress` with the
-    /// number of bytes read every few megabytes.
+    /// Parses a pickle with explicit limits, calling `progress` every
+    /// megabyte with the number of bytes read and the tables about to grow
+    /// (for a [`crate::Pager`]).
     pub fn parse_with<'a>(
         data: &'a [u8],
         limits: &Limits,
-        progress: &mut dyn FnMut(usize),
+        progress: &mut dyn FnMut(usize, &Ahead),
     ) -> Result<Document<'a>> {
         Self::parse_inner(data, limits, progress, None)
     }
@@ -142,7 +150,7 @@ impl Document<'_> {
     pub fn parse_claiming<'a, 'p>(
         data: &'a [u8],
         limits: &'p Limits,
-        progress: &mut dyn FnMut(usize),
+        progress: &mut dyn FnMut(usize, &Ahead),
         claim: &'p mut dyn Claim,
     ) -> Result<Document<'a>> {
         Self::parse_inner(data, limits, progress, Some(claim))
@@ -151,7 +159,7 @@ impl Document<'_> {
     fn parse_inner<'a, 'p>(
         data: &'a [u8],
         limits: &'p Limits,
-        progress: &mut dyn FnMut(usize),
+        progress: &mut dyn FnMut(usize, &Ahead),
         claim: Option<&'p mut dyn Claim>,
     ) -> Result<Document<'a>> {
         let max_cells = limits
@@ -463,12 +471,17 @@ impl<'a> Machine<'a, '_> {
         }
     }
 
-    fn run(&mut self, progress: &mut dyn FnMut(usize)) -> Result<()> {
+    fn run(&mut self, progress: &mut dyn FnMut(usize, &Ahead)) -> Result<()> {
         let data = self.doc.data;
         let mut next_progress = PROGRESS_STEP;
         loop {
             if self.pos >= next_progress {
-                progress(self.pos);
+                let mut ahead = Ahead::default();
+                ahead.add(&self.memo, MEMO_AHEAD);
+                if let Some(claim) = &self.claim {
+                    claim.ahead(&mut ahead);
+                }
+                progress(self.pos, &ahead);
                 next_progress = self.pos + PROGRESS_STEP;
             }
             self.op_at = self.pos;
@@ -491,7 +504,7 @@ impl<'a> Machine<'a, '_> {
                 b'.' => {
                     let root = self.pop()?;
                     self.doc.root = root;
-                    progress(self.pos);
+                    progress(self.pos, &Ahead::default());
                     return Ok(());
                 }
                 b'(' => {

@@ -26,7 +26,7 @@ impl Claim for Actions {
 }
 
 fn parse_claiming<'a>(data: &'a [u8], claim: &mut Actions) -> oomkit_pickle::Result<Document<'a>> {
-    Document::parse_claiming(data, &Limits::default(), &mut |_| {}, claim)
+    Document::parse_claiming(data, &Limits::default(), &mut |_, _| {}, claim)
 }
 
 /// pickle.dumps([{'action':'alloc','n':1},{'x':2},{'action':'free','n':3}], protocol=4)
@@ -136,7 +136,8 @@ fn claimed_lists_keep_their_identity_and_read_as_empty() {
     //               {'action': 'x', 'n': 3, 'frames': [f, f, f]}, frames], protocol=4)
     let data = b"\x80\x04\x95\x8c\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94(\x8c\x08filename\x94\x8c\x04a.py\x94\x8c\x04line\x94K\x01\x8c\x04name\x94\x8c\x01f\x94u}\x94(\x8c\x06action\x94\x8c\x05alloc\x94\x8c\x01n\x94K\x01\x8c\x06frames\x94]\x94(h\x01h\x01eu}\x94(h\x08\x8c\x04free\x94h\x0aK\x02h\x0bh\x0cu}\x94(h\x08\x8c\x01x\x94h\x0aK\x03h\x0b]\x94(h\x01h\x01h\x01euh\x0ce.";
     let mut claim = WithLists::default();
-    let doc = Document::parse_claiming(data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    let doc =
+        Document::parse_claiming(data, &Limits::default(), &mut |_, _| {}, &mut claim).unwrap();
     // The two entries share one claimed list through the memo; the
     // three-item list was declined and keeps its items.
     assert_eq!(
@@ -170,7 +171,7 @@ fn adding_to_a_claimed_list_later_is_malformed() {
     // memo and appended to.
     let data = b"\x80\x04}\x94(\x8c\x01n\x94K\x01\x8c\x06frames\x94]\x94(h\x01h\x01eu0h\x03K\x07a.";
     let mut claim = WithLists::default();
-    match Document::parse_claiming(data, &Limits::default(), &mut |_| {}, &mut claim) {
+    match Document::parse_claiming(data, &Limits::default(), &mut |_, _| {}, &mut claim) {
         Err(Error::Malformed { reason, .. }) => {
             assert!(reason.contains("list after it was complete"), "{reason}")
         }
@@ -188,7 +189,7 @@ const TWO_LISTS: &[u8] = b"\x80\x04\x95m\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94(
 #[test]
 fn a_list_with_the_bytes_of_a_claimed_one_gets_its_number_unasked() {
     let mut claim = WithLists::default();
-    Document::parse_claiming(TWO_LISTS, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    Document::parse_claiming(TWO_LISTS, &Limits::default(), &mut |_, _| {}, &mut claim).unwrap();
     assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(0), 0)]);
     assert_eq!(claim.lists, 1, "the second list was not offered");
 }
@@ -202,7 +203,8 @@ fn a_replaced_memo_cell_makes_the_same_bytes_be_asked_again() {
     data.extend_from_slice(b"Nq\x010");
     data.extend_from_slice(&TWO_LISTS[split..]);
     let mut claim = WithLists::default();
-    let doc = Document::parse_claiming(&data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    let doc =
+        Document::parse_claiming(&data, &Limits::default(), &mut |_, _| {}, &mut claim).unwrap();
     assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(1), 0)]);
     assert_eq!(claim.lists, 2);
     assert!(matches!(
@@ -225,7 +227,7 @@ fn frames_inside_a_dict_or_a_list_body_keep_the_fast_path() {
     data.extend_from_slice(FRAME);
     data.extend_from_slice(&TWO_LISTS[in_list..]);
     let mut claim = WithLists::default();
-    Document::parse_claiming(&data, &Limits::default(), &mut |_| {}, &mut claim).unwrap();
+    Document::parse_claiming(&data, &Limits::default(), &mut |_, _| {}, &mut claim).unwrap();
     // The second list is still claimed, though its bytes, with a frame
     // inside, are no longer those of the first and so it is offered again.
     assert_eq!(claim.frames, vec![(1, Some(0), 0), (2, Some(1), 0)]);
@@ -237,7 +239,7 @@ fn frames_inside_a_dict_or_a_list_body_keep_the_fast_path() {
     bad.extend_from_slice(b"\x95\xff\x00\x00\x00\x00\x00\x00\x00");
     bad.extend_from_slice(&TWO_LISTS[in_dict..]);
     let mut claim = WithLists::default();
-    match Document::parse_claiming(&bad, &Limits::default(), &mut |_| {}, &mut claim) {
+    match Document::parse_claiming(&bad, &Limits::default(), &mut |_, _| {}, &mut claim) {
         Err(Error::Truncated { what, .. }) => assert!(what.contains("FRAME"), "{what}"),
         other => panic!("expected truncated, got {:?}", other.map(|_| ())),
     }

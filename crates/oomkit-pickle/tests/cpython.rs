@@ -200,7 +200,7 @@ fn claiming(bytes: &[u8], take: bool) -> (String, Vec<String>) {
         take,
         seen: Vec::new(),
     };
-    let doc = Document::parse_claiming(bytes, &Limits::default(), &mut |_| {}, &mut rec)
+    let doc = Document::parse_claiming(bytes, &Limits::default(), &mut |_, _| {}, &mut rec)
         .unwrap_or_else(|e| panic!("{e}"));
     (doc.repr(doc.root(), 1000), rec.seen)
 }

@@ -165,7 +165,7 @@ fn memory_is_bounded() {
         ..Limits::default()
     };
     assert!(matches!(
-        Document::parse_with(&dup, &limits, &mut |_| {}),
+        Document::parse_with(&dup, &limits, &mut |_, _| {}),
         Err(Error::Limit { .. })
     ));
     let limits = Limits {
@@ -173,7 +173,7 @@ fn memory_is_bounded() {
         ..Limits::default()
     };
     assert!(matches!(
-        Document::parse_with(&dup, &limits, &mut |_| {}),
+        Document::parse_with(&dup, &limits, &mut |_, _| {}),
         Err(Error::Limit { offset: 5000, .. })
     ));
 }

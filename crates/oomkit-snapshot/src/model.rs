@@ -271,12 +271,15 @@ impl Snapshot {
     /// Parses pickle bytes and reads the snapshot in them, turning trace
     /// entries into events while parsing (see [`Snapshot::load`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Snapshot> {
-        Self::read_streaming(bytes, &mut |_| {})
+        Self::read_streaming(bytes, &mut |_, _| {})
     }
 
     /// Parses with trace entries claimed as they complete, so that the
     /// generic arena never holds them.
-    fn read_streaming(bytes: &[u8], progress: &mut dyn FnMut(usize)) -> Result<Snapshot> {
+    fn read_streaming(
+        bytes: &[u8],
+        progress: &mut dyn FnMut(usize, &oomkit_pickle::Ahead),
+    ) -> Result<Snapshot> {
         let mut claim = EntryClaim::new(bytes.len());
         let doc = Document::parse_claiming(
             bytes,
@@ -534,6 +537,8 @@ struct EntryClaim {
 
 /// Size of the direct-mapped caches of key and action strings.
 const KEY_BUCKETS: usize = 64;
+/// How much of the events' spare capacity one parse step names as about to be filled.
+const EVENTS_AHEAD: usize = 2 << 20;
 /// Size of the direct-mapped cache in front of the stack table.
 const STACK_BUCKETS: usize = 4096;
 
@@ -662,6 +667,10 @@ impl EntryClaim {
 }
 
 impl Claim for EntryClaim {
+    fn ahead(&self, ahead: &mut oomkit_pickle::Ahead) {
+        ahead.add(&self.events, EVENTS_AHEAD);
+    }
+
     fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
         let id = u32::try_from(self.events.len()).ok()?;
         let ev = self.read(doc, items)?;
@@ -1075,15 +1084,11 @@ impl Snapshot {
         let src = oomkit_pickle::Source::open(path)?;
         let bytes = src.bytes();
         let total = bytes.len();
-        let mut released = 0;
-        let snap = Self::read_streaming(bytes, &mut |pos| {
-            // Strings are borrowed from the map, so pages behind the parser
-            // may be read again; a small lag keeps the current frame's pages
-            // resident.
-            let upto = pos.saturating_sub(256 << 10);
-            src.release(released, upto);
-            released = released.max(upto);
-            progress(pos, total);
+        let snap = src.paged(|pager| {
+            Self::read_streaming(bytes, &mut |pos, ahead| {
+                pager.advanced(pos, ahead);
+                progress(pos, total);
+            })
         });
         src.release(0, total);
         snap
