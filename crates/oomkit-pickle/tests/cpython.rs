@@ -1,9 +1,10 @@
 //! Differential tests: CPython writes and reads each value, we read it, and
 //! the two canonical renderings must be identical.
 
-use oomkit_pickle::{Claim, Document, Error, Limits, Slot, Value};
+use oomkit_pickle::{Claim, Document, Error, Kind, Limits, Slot, Value};
 use proptest::prelude::*;
 use serde_json::{json, Value as Json};
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
@@ -221,12 +222,142 @@ fn check_claims(value: Json) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Generates a trace whose entries' frames lists follow a repeating order,
+/// as a training loop's do, with a few entries changed, lists that share a
+/// prefix or differ only in length, and some entries that the fast path
+/// gives up on after reading their list (an empty dict after it).
+fn repeating_trace() -> impl Strategy<Value = Json> {
+    let frame = "[a-z]{0,6}".prop_map(|n| json!({"d": [[{"k": "name"}, {"s": n}]]}));
+    let template = proptest::collection::vec(0usize..6, 1..10);
+    (
+        proptest::collection::vec(frame, 1..6),
+        proptest::collection::vec(template, 1..6),
+        proptest::collection::vec(0usize..6, 1..8),
+        1usize..6,
+        proptest::collection::vec((0usize..48, 0usize..6, any::<bool>()), 0..6),
+    )
+        .prop_map(|(frames, mut templates, base, repeats, changes)| {
+            let frames_len = frames.len();
+            // A template extended by one frame: the same prefix, a different length.
+            let mut longer = templates[0].clone();
+            longer.push(0);
+            templates.push(longer);
+            let mut order: Vec<(usize, bool)> = (0..repeats)
+                .flat_map(|_| base.iter().map(|&t| (t % templates.len(), false)))
+                .collect();
+            for (at, t, give_up) in changes {
+                if let Some(slot) = order.get_mut(at) {
+                    *slot = (t % templates.len(), give_up);
+                }
+            }
+            let entries: Vec<Json> = order
+                .iter()
+                .enumerate()
+                .map(|(n, &(t, give_up))| {
+                    // Shared objects are numbered in the order they were built, so
+                    // numbers below the frames' count are the frame dicts.
+                    let list: Vec<Json> = templates[t]
+                        .iter()
+                        .map(|&f| json!({"share": f % frames_len}))
+                        .collect();
+                    let mut items = vec![
+                        json!([{"k": "action"}, {"k": "alloc"}]),
+                        json!([{"k": "size"}, {"i": n.to_string()}]),
+                        json!([{"k": "frames"}, {"l": list}]),
+                    ];
+                    if give_up {
+                        items.push(json!([{"k": "compile_context"}, {"d": []}]));
+                    }
+                    json!({"d": items})
+                })
+                .collect();
+            json!({"l": [{"l": frames}, {"l": entries}]})
+        })
+}
+
+/// Claims the dicts that have an `action` and numbers lists by their slots,
+/// rendering each claimed dict with its lists spelled out, whether they
+/// were claimed (by number) or not (by their items).
+#[derive(Default)]
+struct ListRecorder {
+    seen: Vec<String>,
+    lists: Vec<String>,
+    numbers: HashMap<Vec<Slot>, u32>,
+}
+
+impl ListRecorder {
+    fn render(&self, doc: &Document<'_>, s: Slot) -> String {
+        let items = |v: &[Slot]| {
+            v.iter()
+                .map(|&x| doc.repr(x, 1000))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match (doc.claimed_list(s), doc.kind(s)) {
+            (Some(n), _) => format!("[{}]", self.lists[n as usize]),
+            (None, Some(Kind::List)) => format!("[{}]", items(doc.seq(s).unwrap_or(&[]))),
+            _ => doc.repr(s, 1000),
+        }
+    }
+}
+
+impl Claim for ListRecorder {
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        if !items
+            .chunks_exact(2)
+            .any(|p| doc.as_str(p[0]) == Some("action"))
+        {
+            return None;
+        }
+        let rendered: Vec<String> = items.iter().map(|&s| self.render(doc, s)).collect();
+        self.seen.push(rendered.join(","));
+        Some(self.seen.len() as u32 - 1)
+    }
+
+    fn claim_list(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        if let Some(&n) = self.numbers.get(items) {
+            return Some(n);
+        }
+        let n = self.lists.len() as u32;
+        self.lists.push(
+            items
+                .iter()
+                .map(|&x| doc.repr(x, 1000))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        self.numbers.insert(items.to_vec(), n);
+        Some(n)
+    }
+}
+
+/// Checks that lists claimed on the fast path (found again by their bytes
+/// or by the order they come in) get the number their items call for, by
+/// comparing with the generic machine, which claims no list, reading the
+/// same value pickled with protocol 2.
+fn check_lists(value: Json) -> Result<(), TestCaseError> {
+    let seen = |bytes: &[u8]| {
+        let mut rec = ListRecorder::default();
+        Document::parse_claiming(bytes, &Limits::default(), &mut |_, _| {}, &mut rec)
+            .unwrap_or_else(|e| panic!("{e}"));
+        rec.seen
+    };
+    let (old, _) = cpython(json!({"proto": 2, "value": value}));
+    let (new, _) = cpython(json!({"proto": 4, "value": value}));
+    let (old, new) = (seen(&old), seen(&new));
+    prop_assert!(!new.is_empty());
+    prop_assert_eq!(new, old);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
     #[test]
     fn claimed_dicts_read_alike_on_both_paths(v in desc(2)) { check_claims(v)?; }
     #[test]
     fn claimed_trace_entries_read_alike_on_both_paths(v in trace_like()) { check_claims(v)?; }
+    #[test]
+    fn repeated_frames_lists_get_the_numbers_of_their_items(v in repeating_trace()) { check_lists(v)?; }
     #[test]
     fn protocol_2(v in desc(2)) { check(2, v)?; }
     #[test]

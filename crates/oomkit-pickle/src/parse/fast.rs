@@ -232,48 +232,61 @@ impl Machine<'_, '_> {
         let memo_at = self.reserve_memo(data, &mut p, &mut cells)?;
         let mut claimed = None;
         if *data.get(p)? == b'(' {
-            let (body_end, framed) = list_body_end(data, p + 1)?;
-            let body = &data[p + 1..body_end];
-            // A traceback's list is written anew each time but repeats the
-            // bytes of an earlier one: the same memo references. While no
-            // memo cell has been replaced those bytes mean the same slots,
-            // so the earlier claim's answer holds without resolving them.
-            // A body with a frame boundary inside is resolved every time.
-            if !framed {
-                claimed = self.lists.get(body, self.memo_epoch);
-            }
-            if claimed.is_none() {
-                let start = self.doc.slab.len();
-                let mut q = p + 1;
-                while q < body_end {
-                    if data[q] == 0x95 {
-                        q += 9;
-                        continue;
-                    }
-                    let (s, next) = self.fast_get(data, q)?;
-                    self.doc.slab.push(s);
-                    q = next;
-                }
-                let len = self.doc.slab.len() - start;
-                if len > SLAB_MAX_LEN {
-                    return None;
-                }
-                let doc = &self.doc;
-                claimed = self
-                    .claim
-                    .as_mut()
-                    .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
-                if let Some(id) = claimed {
-                    self.doc.slab.truncate(start);
-                    if !framed {
-                        self.lists.put(body, self.memo_epoch, id);
-                    }
+            if let Some(c) = self.lists.predict(&data[p + 1..], self.memo_epoch) {
+                // The list that followed the previous one last time, with the
+                // same bytes up to the same APPENDS: found without stepping
+                // through its opcodes.
+                claimed = Some(c.id);
+                self.lists.followed(Some(c));
+                p += c.len + 2;
+            } else {
+                let (body_end, framed) = list_body_end(data, p + 1)?;
+                let body = &data[p + 1..body_end];
+                // A traceback's list is written anew each time but repeats the
+                // bytes of an earlier one: the same memo references. While no
+                // memo cell has been replaced those bytes mean the same slots,
+                // so the earlier claim's answer holds without resolving them.
+                // A body with a frame boundary inside is resolved every time.
+                let mut cached = if framed {
+                    None
                 } else {
-                    c.set_slab(start, len);
-                    cells += 2 * len;
+                    self.lists.get(body, self.memo_epoch)
+                };
+                claimed = cached.map(|c| c.id);
+                if claimed.is_none() {
+                    let start = self.doc.slab.len();
+                    let mut q = p + 1;
+                    while q < body_end {
+                        if data[q] == 0x95 {
+                            q += 9;
+                            continue;
+                        }
+                        let (s, next) = self.fast_get(data, q)?;
+                        self.doc.slab.push(s);
+                        q = next;
+                    }
+                    let len = self.doc.slab.len() - start;
+                    if len > SLAB_MAX_LEN {
+                        return None;
+                    }
+                    let doc = &self.doc;
+                    claimed = self
+                        .claim
+                        .as_mut()
+                        .and_then(|cl| cl.claim_list(doc, &doc.slab[start..]));
+                    if let Some(id) = claimed {
+                        self.doc.slab.truncate(start);
+                        if !framed {
+                            cached = self.lists.put(body, self.memo_epoch, id);
+                        }
+                    } else {
+                        c.set_slab(start, len);
+                        cells += 2 * len;
+                    }
                 }
+                self.lists.followed(cached);
+                p = body_end + 1;
             }
-            p = body_end + 1;
         }
         let list = match claimed {
             Some(id) => Slot::claimed_list(id),
@@ -341,14 +354,60 @@ const LIST_CACHE_MAX_BYTES: usize = 8 << 20;
 
 /// Claimed list bodies by their bytes, with the memo epoch they were read in.
 ///
+/// A body is found two ways. First by prediction: a training loop allocates
+/// in the same order step after step, so the list that followed the
+/// previous two lists last time is likely to follow them again, and checking
+/// that its bytes and `APPENDS` are there needs no step through the
+/// opcodes. Otherwise by the hash of the whole body, which needs its end
+/// first.
+///
 /// Bodies read inside a dict on the fast path wait in `pending` until the
 /// dict is complete: if the dict goes to the generic machine after all, the
 /// memo cells they may refer to are filled again, perhaps differently.
-#[derive(Default)]
 pub(super) struct ListCache {
-    by_hash: HashMap<u64, (usize, usize, u64, u32), BuildKeyHash>,
+    by_hash: HashMap<u64, Cached, BuildKeyHash>,
+    /// The body that followed each pair of bodies, by [`context`] of their numbers.
+    next: HashMap<u64, Cached, BuildKeyHash>,
+    /// The numbers of the last two bodies read ([`NOT_CACHED`] for one not
+    /// cached), and of the last two read by a complete dict.
+    last: [u32; 2],
+    committed_last: [u32; 2],
     bytes: Vec<u8>,
-    pending: Vec<(u64, (usize, usize, u64, u32))>,
+    pending: Vec<(u64, Cached)>,
+    pending_next: Vec<(u64, Cached)>,
+}
+
+impl Default for ListCache {
+    fn default() -> Self {
+        ListCache {
+            by_hash: HashMap::default(),
+            next: HashMap::default(),
+            last: [NOT_CACHED; 2],
+            committed_last: [NOT_CACHED; 2],
+            bytes: Vec::new(),
+            pending: Vec::new(),
+            pending_next: Vec::new(),
+        }
+    }
+}
+
+/// Stands for a list that was not cached among the last two.
+const NOT_CACHED: u32 = u32::MAX;
+
+/// A well-mixed key for the pair of the last two list numbers.
+fn context(last: [u32; 2]) -> u64 {
+    let h = (last[0] as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ (last[1] as u64).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 29)
+}
+
+/// Where a claimed body's bytes are kept, the memo epoch it was read in, and its number.
+#[derive(Clone, Copy)]
+pub(super) struct Cached {
+    start: usize,
+    len: usize,
+    epoch: u64,
+    id: u32,
 }
 
 /// Hashes keys that are already well-mixed hashes by taking them as they are.
@@ -401,32 +460,67 @@ impl ListCache {
         h ^ (h >> 32)
     }
 
-    fn get(&self, body: &[u8], epoch: u64) -> Option<u32> {
-        let &(start, len, at, id) = self.by_hash.get(&Self::hash(body))?;
-        (at == epoch && self.bytes[start..start + len] == *body).then_some(id)
+    /// Returns the body that followed the last one before, if `rest` starts
+    /// with its bytes and an `APPENDS`.
+    fn predict(&self, rest: &[u8], epoch: u64) -> Option<Cached> {
+        let c = *self.next.get(&context(self.last))?;
+        (c.epoch == epoch
+            && rest.get(c.len) == Some(&b'e')
+            && rest[..c.len] == self.bytes[c.start..c.start + c.len])
+            .then_some(c)
     }
 
-    fn put(&mut self, body: &[u8], epoch: u64, id: u32) {
+    fn get(&self, body: &[u8], epoch: u64) -> Option<Cached> {
+        let c = *self.by_hash.get(&Self::hash(body))?;
+        (c.epoch == epoch && self.bytes[c.start..c.start + c.len] == *body).then_some(c)
+    }
+
+    fn put(&mut self, body: &[u8], epoch: u64, id: u32) -> Option<Cached> {
         if self.by_hash.len() + self.pending.len() >= LIST_CACHE_MAX
             || self.bytes.len() + body.len() > LIST_CACHE_MAX_BYTES
         {
-            return;
+            return None;
         }
-        let entry = (self.bytes.len(), body.len(), epoch, id);
+        let entry = Cached {
+            start: self.bytes.len(),
+            len: body.len(),
+            epoch,
+            id,
+        };
         self.pending.push((Self::hash(body), entry));
         self.bytes.extend_from_slice(body);
+        Some(entry)
+    }
+
+    /// Records that the list just read was `body` (`None`: one not cached).
+    fn followed(&mut self, body: Option<Cached>) {
+        if let Some(b) = body {
+            let ctx = context(self.last);
+            if self.next.get(&ctx).is_none_or(|c| c.start != b.start) {
+                self.pending_next.push((ctx, b));
+            }
+        }
+        self.last = [self.last[1], body.map_or(NOT_CACHED, |b| b.id)];
     }
 
     fn commit(&mut self) {
         for (h, entry) in self.pending.drain(..) {
             self.by_hash.insert(h, entry);
         }
+        for (ctx, entry) in self.pending_next.drain(..) {
+            if self.next.len() < LIST_CACHE_MAX {
+                self.next.insert(ctx, entry);
+            }
+        }
+        self.committed_last = self.last;
     }
 
     fn discard(&mut self) {
-        if let Some(&(_, (start, ..))) = self.pending.first() {
-            self.bytes.truncate(start);
+        if let Some(&(_, first)) = self.pending.first() {
+            self.bytes.truncate(first.start);
         }
         self.pending.clear();
+        self.pending_next.clear();
+        self.last = self.committed_last;
     }
 }
