@@ -54,8 +54,11 @@ results = {}
 for _, cmd in tools:
     run(cmd)
 runs = {name: [] for name, _ in tools}
-for _ in range(args.runs):
-    for name, cmd in tools:
+# Each round starts one tool later than the last, so that every tool
+# follows every other equally often: a run right after a tool that freed a
+# gigabyte is slower here, while the kernel hands that memory back.
+for r in range(args.runs):
+    for name, cmd in tools[r % len(tools):] + tools[:r % len(tools)]:
         runs[name].append(run(cmd))
 for name, rs in runs.items():
     results[name] = (statistics.median(w for w, _ in rs), max(r for _, r in rs))
