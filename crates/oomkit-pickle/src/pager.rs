@@ -116,13 +116,20 @@ impl Pager<'_> {
             m.step = Some((pos, *ahead));
             self.ready.notify_one();
         } else {
-            let upto = pos.saturating_sub(KEEP_BEHIND);
-            let released = self.released.load(Ordering::Relaxed);
-            if upto > released {
-                self.source.release(released, upto);
-                self.released.store(upto, Ordering::Relaxed);
-            }
+            let released = self.release_behind(self.released.load(Ordering::Relaxed), pos);
+            self.released.store(released, Ordering::Relaxed);
         }
+    }
+
+    /// Releases the file's pages from `released` up to a little behind
+    /// `pos`, returning how far the file is released now.
+    fn release_behind(&self, released: usize, pos: usize) -> usize {
+        let upto = pos.saturating_sub(KEEP_BEHIND);
+        if upto <= released {
+            return released;
+        }
+        self.source.release(released, upto);
+        upto
     }
 
     /// Ends the helper thread's loop once its current step is done.
@@ -152,11 +159,7 @@ impl Pager<'_> {
             };
             // Releasing only here, never on the parser's thread, means a page
             // mapped ahead is released at most once and never mapped again.
-            let upto = pos.saturating_sub(KEEP_BEHIND);
-            if upto > released {
-                self.source.release(released, upto);
-                released = upto;
-            }
+            released = self.release_behind(released, pos);
             let from = mapped.max(pos);
             let to = (pos + READ_AHEAD).min(bytes.len());
             if to > from {

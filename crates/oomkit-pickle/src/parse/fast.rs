@@ -233,11 +233,11 @@ impl Machine<'_, '_> {
         let mut claimed = None;
         if *data.get(p)? == b'(' {
             if let Some(c) = self.lists.predict(&data[p + 1..], self.memo_epoch) {
-                // The list that followed the previous one last time, with the
+                // The list that followed the previous two last time, with the
                 // same bytes up to the same APPENDS: found without stepping
                 // through its opcodes.
                 claimed = Some(c.id);
-                self.lists.followed(Some(c));
+                self.lists.shift(c.id);
                 p += c.len + 2;
             } else {
                 let (body_end, framed) = list_body_end(data, p + 1)?;
@@ -403,7 +403,7 @@ fn context(last: [u32; 2]) -> u64 {
 
 /// Where a claimed body's bytes are kept, the memo epoch it was read in, and its number.
 #[derive(Clone, Copy)]
-pub(super) struct Cached {
+struct Cached {
     start: usize,
     len: usize,
     epoch: u64,
@@ -500,7 +500,13 @@ impl ListCache {
                 self.pending_next.push((ctx, b));
             }
         }
-        self.last = [self.last[1], body.map_or(NOT_CACHED, |b| b.id)];
+        self.shift(body.map_or(NOT_CACHED, |b| b.id));
+    }
+
+    /// Makes `id` the number of the last body read. A predicted body needs
+    /// only this: that it follows the two before it is what predicted it.
+    fn shift(&mut self, id: u32) {
+        self.last = [self.last[1], id];
     }
 
     fn commit(&mut self) {
