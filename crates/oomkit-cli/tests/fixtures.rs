@@ -5,21 +5,10 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
 
 fn independent(path: &Path) -> Value {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/independent_figures.py");
-    let out = Command::new(python())
-        .arg(script)
-        .arg(path)
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&python_script(script, &[path.as_os_str()])).unwrap()
 }
 
 fn check(path: &Path) {
@@ -165,18 +154,15 @@ fn a_file_large_enough_for_the_pager_matches_cpython() {
         env!("CARGO_MANIFEST_DIR"),
         "/../../scripts/make_big_snapshot.py"
     );
-    let out = Command::new(python())
-        .arg(script)
-        .arg(demo_file())
-        .arg(&big)
-        .args(["--events", "700000", "--fresh-frames"])
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let demo = demo_file();
+    let args: [&std::ffi::OsStr; 5] = [
+        demo.as_ref(),
+        big.as_ref(),
+        "--events".as_ref(),
+        "700000".as_ref(),
+        "--fresh-frames".as_ref(),
+    ];
+    python_script(script, &args);
     let size = std::fs::metadata(&big).unwrap().len() as usize;
     assert!(
         size > oomkit_pickle::PAGER_MIN,

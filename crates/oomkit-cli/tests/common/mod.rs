@@ -80,6 +80,21 @@ pub fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
+/// Runs a Python script with `args`, which must succeed, and returns what it printed.
+pub fn python_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
+    let out = Command::new(python())
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 /// Makes an empty scratch folder for one test, unique to this process.
 pub fn tempdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("oomkit-test-{tag}-{}", std::process::id()));
