@@ -334,13 +334,7 @@ impl<'a> Machine<'a, '_> {
     fn new_int_bytes(&mut self, bytes: &'a [u8]) -> Result<()> {
         // Addresses and times are 5 to 8 bytes wide; sign-extend them directly.
         if (1..8).contains(&bytes.len()) {
-            let mut buf = [if bytes[bytes.len() - 1] & 0x80 != 0 {
-                0xff
-            } else {
-                0
-            }; 8];
-            buf[..bytes.len()].copy_from_slice(bytes);
-            let v = i64::from_le_bytes(buf);
+            let v = sign_extend(bytes);
             if (INLINE_MIN..=INLINE_MAX).contains(&v) {
                 return self.push(Slot::int(v));
             }
@@ -755,4 +749,19 @@ impl<'a> Machine<'a, '_> {
             }
         }
     }
+}
+
+/// Reads a little-endian two's-complement integer of 1 to 8 bytes.
+///
+/// Built in a register: copying the bytes into a stack buffer and reading
+/// it back as a word stalled on store forwarding at every trace entry.
+#[inline(always)]
+fn sign_extend(bytes: &[u8]) -> i64 {
+    debug_assert!((1..=8).contains(&bytes.len()));
+    let raw = bytes
+        .iter()
+        .rev()
+        .fold(0u64, |acc, &b| (acc << 8) | b as u64);
+    let unused = 64 - 8 * bytes.len() as u32;
+    ((raw << unused) as i64) >> unused
 }

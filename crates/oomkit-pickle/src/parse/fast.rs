@@ -311,10 +311,7 @@ fn small_long(b: &[u8]) -> Option<i64> {
     if b.len() > 8 {
         return None;
     }
-    let fill = if b[b.len() - 1] & 0x80 != 0 { 0xff } else { 0 };
-    let mut buf = [fill; 8];
-    buf[..b.len()].copy_from_slice(b);
-    let v = i64::from_le_bytes(buf);
+    let v = sign_extend(b);
     (INLINE_MIN..=INLINE_MAX).contains(&v).then_some(v)
 }
 
