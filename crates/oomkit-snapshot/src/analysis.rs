@@ -6,7 +6,7 @@ use crate::model::{Action, BlockState, Snapshot, TraceEvent};
 use crate::stacks::{Frame, Site, StackId, Stacks};
 pub use oomkit_units::human_bytes;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 /// What to analyze and how much to report.
 #[derive(Clone, Debug)]
@@ -294,14 +294,16 @@ pub fn stack_label(stacks: &Stacks, stack: StackId) -> String {
 }
 
 /// Groups live allocations by site, largest first.
-fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) -> Vec<SiteBytes> {
+fn group(stacks: &Stacks, live: impl Iterator<Item = Live>, top: usize) -> Vec<SiteBytes> {
     let mut groups: HashMap<SiteKey, (u64, u64, Live)> = HashMap::new();
     for l in live {
-        let e = groups.entry(site_key(stacks, l)).or_insert((0, 0, *l));
+        let e = groups.entry(site_key(stacks, &l)).or_insert((0, 0, l));
         e.0 += l.size;
         e.1 += 1;
+        // The first of equal sizes stays, so the stack shown does not
+        // depend on hashing: live sets come oldest allocation first.
         if l.size > e.2.size {
-            e.2 = *l;
+            e.2 = l;
         }
     }
     // Ties go by label, not by interning order, so the report does not
@@ -335,12 +337,25 @@ fn group<'a>(stacks: &Stacks, live: impl Iterator<Item = &'a Live>, top: usize) 
 /// Traces at least this long get their first two passes on two cores.
 const PARALLEL_MIN_EVENTS: usize = 100_000;
 
-/// What one pass over a trace learns about blocks that predate it.
+/// Marks an entry of [`TraceScan::link`] that ends no earlier allocation.
+const NO_LINK: u32 = u32::MAX;
+
+/// What one pass over a trace learns about blocks that predate it, and
+/// which entry ends which allocation.
 struct TraceScan {
-    /// Addresses the trace allocated and had not freed by its end.
-    in_trace: HashSet<u64, FastState>,
-    /// Blocks freed by the trace that it never allocated.
-    orphans: Vec<(u64, Live)>,
+    /// Addresses the trace allocated and had not freed by its end, with the
+    /// entry that allocated each.
+    open: HashMap<u64, u32, FastState>,
+    /// For each entry, the earlier allocation it ends, or [`NO_LINK`]: a
+    /// free ends the allocation at its address, and an allocation at an
+    /// address still held ends the one there before it.
+    ///
+    /// Entry indices fit in 32 bits because each trace entry is a claimed
+    /// object or a slab cell, both numbered with 32 bits by the parser.
+    link: Vec<u32>,
+    /// Blocks freed by the trace that it never allocated, with the entry
+    /// that freed each.
+    orphans: Vec<(usize, Live)>,
     net_active: i128,
     net_reserved: i128,
     action_counts: [u64; Action::ALL.len()],
@@ -349,11 +364,13 @@ struct TraceScan {
 }
 
 /// Finds which blocks predate the trace: frees without an alloc before
-/// them, and (through `in_trace`) blocks alive at the end that the trace
-/// never allocated.
+/// them, and (through `open`) blocks alive at the end that the trace never
+/// allocated. It also links each free to its allocation, so that the live
+/// set at any entry can be rebuilt later without looking addresses up again.
 fn scan_trace(events: &[TraceEvent]) -> TraceScan {
     let mut s = TraceScan {
-        in_trace: HashSet::default(),
+        open: HashMap::default(),
+        link: vec![NO_LINK; events.len()],
         orphans: Vec::new(),
         net_active: 0,
         net_reserved: 0,
@@ -361,26 +378,29 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
         missing_frames: 0,
         allocs: 0,
     };
-    for e in events {
+    for (i, e) in events.iter().enumerate() {
         s.action_counts[e.action as usize] += 1;
         match e.action {
             Action::Alloc => {
                 s.net_active += e.size as i128;
-                s.in_trace.insert(e.addr);
+                if let Some(earlier) = s.open.insert(e.addr, i as u32) {
+                    s.link[i] = earlier;
+                }
                 s.allocs += 1;
                 s.missing_frames += (e.stack == StackId::EMPTY) as u64;
             }
             Action::FreeCompleted => {
                 s.net_active -= e.size as i128;
-                if !s.in_trace.remove(&e.addr) {
-                    s.orphans.push((
-                        e.addr,
+                match s.open.remove(&e.addr) {
+                    Some(alloc) => s.link[i] = alloc,
+                    None => s.orphans.push((
+                        i,
                         Live {
                             size: e.size,
                             stack: StackId::EMPTY,
                             before_recording: true,
                         },
-                    ));
+                    )),
                 }
             }
             Action::SegmentAlloc | Action::SegmentMap => s.net_reserved += e.size as i128,
@@ -389,6 +409,73 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
         }
     }
     s
+}
+
+/// Calls `visit` with each entry of `targets` (sorted, no repeats) and the
+/// allocations live just after that entry: the trace's own, oldest first,
+/// then the blocks that predate the trace and are not yet freed.
+///
+/// The trace's allocations are followed in a bit set indexed by entry, with
+/// the frees already matched to their allocations by [`scan_trace`], so this
+/// pass does no lookups by address.
+fn live_at(
+    events: &[TraceEvent],
+    scan: &TraceScan,
+    before: &[Live],
+    targets: &[usize],
+    mut visit: impl FnMut(usize, &mut dyn Iterator<Item = Live>),
+) {
+    let Some(&last) = targets.last() else {
+        return;
+    };
+    let mut alive = vec![0u64; last / 64 + 1];
+    let mut next = targets.iter().peekable();
+    for (i, e) in events[..=last].iter().enumerate() {
+        let ended = scan.link[i];
+        if ended != NO_LINK {
+            alive[ended as usize / 64] &= !(1 << (ended % 64));
+        }
+        if e.action == Action::Alloc {
+            alive[i / 64] |= 1 << (i % 64);
+        }
+        while next.next_if_eq(&&i).is_some() {
+            let mut in_trace = alive[..=i / 64].iter().enumerate().flat_map(|(w, &bits)| {
+                Bits(bits).map(move |b| {
+                    let a = &events[w * 64 + b];
+                    Live {
+                        size: a.size,
+                        stack: a.stack,
+                        before_recording: false,
+                    }
+                })
+            });
+            let orphans = scan
+                .orphans
+                .iter()
+                .filter(|(freed, _)| *freed > i)
+                .map(|(_, l)| *l);
+            visit(
+                i,
+                &mut (&mut in_trace).chain(orphans).chain(before.iter().copied()),
+            );
+        }
+    }
+}
+
+/// The positions of the set bits of a word, lowest first.
+struct Bits(u64);
+
+impl Iterator for Bits {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let b = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(b)
+    }
 }
 
 /// Where an annotated range starts and ends in a trace: the entries
@@ -733,17 +820,8 @@ fn analyze_device(
     } else {
         (scan_trace(events), relative_totals(events, &windows))
     };
-    let TraceScan {
-        in_trace,
-        orphans,
-        net_active,
-        net_reserved,
-        action_counts,
-        missing_frames,
-        allocs,
-    } = scan;
-    let mut base_active = final_active as i128 - net_active;
-    let mut base_reserved = reserved as i128 - net_reserved;
+    let mut base_active = final_active as i128 - scan.net_active;
+    let mut base_reserved = reserved as i128 - scan.net_reserved;
     if !events.is_empty() && (base_active < 0 || base_reserved < 0) {
         warnings.push(Warning {
             kind: "inconsistent_trace",
@@ -774,18 +852,15 @@ fn analyze_device(
         .absolute(base_active, base_reserved)
         .unwrap_or_else(|| exact_totals(events, &windows, base_active, base_reserved));
 
-    // Pass 2: replay the live set up to the peak and every OOM.
-    let mut live: HashMap<u64, Live, FastState> = HashMap::default();
-    for (addr, l) in &orphans {
-        live.insert(*addr, *l);
-    }
-    for (addr, l) in &final_blocks {
-        if !in_trace.contains(addr) {
-            let mut l = *l;
-            l.before_recording = true;
-            live.insert(*addr, l);
-        }
-    }
+    // Pass 2: the live set at the peak and at every OOM.
+    let before: Vec<Live> = final_blocks
+        .iter()
+        .filter(|(addr, _)| !scan.open.contains_key(addr))
+        .map(|(_, l)| Live {
+            before_recording: true,
+            ..*l
+        })
+        .collect();
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
     let mut targets: Vec<usize> = oom_idx.clone();
@@ -796,43 +871,25 @@ fn analyze_device(
     targets.dedup();
     let oom_holders_top = opts.top.min(5);
     if peak_idx.is_none() && !events.is_empty() {
-        top_sites = group(stacks, live.values(), opts.top);
+        // The peak is the start: what predates the trace.
+        let orphans = scan.orphans.iter().map(|(_, l)| *l);
+        top_sites = group(stacks, orphans.chain(before.iter().copied()), opts.top);
     }
-    let mut t = targets.iter().peekable();
-    for (i, e) in events.iter().enumerate() {
-        if t.peek().is_none() {
-            break;
+    live_at(events, &scan, &before, &targets, |i, live| {
+        if Some(i) == peak_idx {
+            let live: Vec<Live> = live.collect();
+            if events[i].action == Action::Oom {
+                holders.push(group(stacks, live.iter().copied(), oom_holders_top));
+            }
+            top_sites = group(stacks, live.into_iter(), opts.top);
+        } else {
+            holders.push(group(stacks, live, oom_holders_top));
         }
-        match e.action {
-            Action::Alloc => {
-                live.insert(
-                    e.addr,
-                    Live {
-                        size: e.size,
-                        stack: e.stack,
-                        before_recording: false,
-                    },
-                );
-            }
-            Action::FreeCompleted => {
-                live.remove(&e.addr);
-            }
-            _ => {}
-        }
-        while t.peek() == Some(&&i) {
-            t.next();
-            if Some(i) == peak_idx {
-                top_sites = group(stacks, live.values(), opts.top);
-            }
-            if e.action == Action::Oom {
-                holders.push(group(stacks, live.values(), oom_holders_top));
-            }
-        }
-    }
+    });
     let top_sites_at = if events.is_empty() {
         // No trace: the live set now is all there is.
         // The replay started from final_active, so that is already the peak.
-        top_sites = group(stacks, final_blocks.iter().map(|(_, l)| l), opts.top);
+        top_sites = group(stacks, final_blocks.iter().map(|(_, l)| *l), opts.top);
         "snapshot"
     } else {
         "peak"
@@ -880,6 +937,13 @@ fn analyze_device(
     }
 
     // Warnings about the evidence.
+    let TraceScan {
+        orphans,
+        action_counts,
+        missing_frames,
+        allocs,
+        ..
+    } = scan;
     if !orphans.is_empty() {
         let bytes: u64 = orphans.iter().map(|(_, l)| l.size).sum();
         warnings.push(Warning {
@@ -1282,6 +1346,113 @@ mod tests {
             windows_by_brute_force(&events, &windows, 1 << 20)
         );
         assert_eq!(exact.windows[1].at_end, 0);
+    }
+
+    /// A consistent trace with history: blocks at addresses 100 to 100 + `n`
+    /// predate it, some freed once by the trace (which makes them orphans)
+    /// and the rest alive at the end, returned as the snapshot's blocks;
+    /// each trace allocation gets a stack numbered after its address.
+    fn with_history(seed: u64, n: u64) -> (Vec<TraceEvent>, Vec<(u64, Live)>) {
+        let mut events = trace(seed, 3000, 0);
+        let mut freed = std::collections::HashSet::new();
+        for (k, e) in events.iter_mut().enumerate() {
+            if e.action == Action::Alloc {
+                e.stack = StackId((e.addr % 17) as u32);
+            }
+            // Frees of pre-trace blocks, spread over the trace.
+            let a = 100 + (k as u64 * 7 + seed) % n;
+            if e.action == Action::SegmentAlloc && !a.is_multiple_of(3) && freed.insert(a) {
+                *e = ev(Action::FreeCompleted, a, 4096 * a);
+            }
+        }
+        let finals = (100..100 + n)
+            .filter(|a| !freed.contains(a))
+            .map(|a| {
+                let live = Live {
+                    size: 4096 * a,
+                    stack: StackId(a as u32 % 5),
+                    before_recording: true,
+                };
+                (a, live)
+            })
+            .collect();
+        (events, finals)
+    }
+
+    /// The live set after each target the way the analysis first found it:
+    /// a map by address, filled with the blocks that predate the trace and
+    /// then replayed.
+    fn live_by_address(
+        events: &[TraceEvent],
+        orphans: &[(usize, Live)],
+        finals: &[(u64, Live)],
+        targets: &[usize],
+    ) -> Vec<Vec<(u64, u32, bool)>> {
+        let mut live: HashMap<u64, Live> = HashMap::new();
+        for &(i, l) in orphans {
+            live.insert(events[i].addr, l);
+        }
+        live.extend(finals.iter().copied());
+        let mut out = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            match e.action {
+                Action::Alloc => {
+                    let l = Live {
+                        size: e.size,
+                        stack: e.stack,
+                        before_recording: false,
+                    };
+                    live.insert(e.addr, l);
+                }
+                Action::FreeCompleted => {
+                    live.remove(&e.addr);
+                }
+                _ => {}
+            }
+            if targets.contains(&i) {
+                out.push(sorted(live.values().copied()));
+            }
+        }
+        out
+    }
+
+    fn sorted(live: impl Iterator<Item = Live>) -> Vec<(u64, u32, bool)> {
+        let mut v: Vec<_> = live
+            .map(|l| (l.size, l.stack.0, l.before_recording))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn live_sets_rebuilt_from_linked_frees_match_a_replay_by_address() {
+        for seed in 1..30u64 {
+            let (events, finals) = with_history(seed, 40);
+            let scan = scan_trace(&events);
+            assert!(!scan.orphans.is_empty(), "seed {seed}");
+            let before: Vec<Live> = finals
+                .iter()
+                .filter(|(a, _)| !scan.open.contains_key(a))
+                .map(|(_, l)| *l)
+                .collect();
+            assert_eq!(before.len(), finals.len(), "seed {seed}");
+            assert!(!before.is_empty(), "seed {seed}");
+            // Every OOM, and entries of every kind besides.
+            let mut targets: Vec<usize> = (0..events.len())
+                .filter(|&i| events[i].action == Action::Oom || i % 97 == seed as usize)
+                .collect();
+            targets.push(events.len() - 1);
+            targets.dedup();
+            let mut ours = Vec::new();
+            live_at(&events, &scan, &before, &targets, |_, live| {
+                ours.push(sorted(live))
+            });
+            let theirs = live_by_address(&events, &scan.orphans, &finals, &targets);
+            assert_eq!(ours.len(), targets.len(), "seed {seed}");
+            for ((t, a), b) in targets.iter().zip(&ours).zip(&theirs) {
+                assert!(a == b, "seed {seed}, entry {t}: {a:?} != {b:?}");
+            }
+        }
     }
 
     #[test]
