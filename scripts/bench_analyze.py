@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Time `oomkit analyze` beside what a user would otherwise run, on one file.
 
-For each tool it runs the command --runs times, the tools taking turns, and
-reports the median wall time and the largest peak resident set size (from
-wait4), then the ratios.
+For each tool it runs the command --runs times, the tools taking turns in
+balanced orders, and reports the median wall time and the largest peak
+resident set size (from wait4), then the ratios.
 
     python3 scripts/bench_analyze.py bench-data/big.pickle --oomkit target/release/oomkit
 """
@@ -18,7 +18,8 @@ import time
 ap = argparse.ArgumentParser()
 ap.add_argument("file")
 ap.add_argument("--oomkit", default="target/release/oomkit")
-ap.add_argument("--runs", type=int, default=3)
+ap.add_argument("--runs", type=int, default=8)
+ap.add_argument("--pause", type=float, default=2.0, help="idle seconds before each round")
 args = ap.parse_args()
 
 py = sys.executable
@@ -45,6 +46,23 @@ def run(cmd):
     return wall, usage.ru_maxrss * 1024
 
 
+def balanced_orders(n):
+    """Orders of n tools in which each tool runs right after each other tool
+    equally often (a Williams design: for odd n, the rows and their reverses)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
 size = os.path.getsize(args.file)
 print(f"file: {args.file}, {size / 2**20:.1f} MiB")
 results = {}
@@ -54,11 +72,18 @@ results = {}
 for _, cmd in tools:
     run(cmd)
 runs = {name: [] for name, _ in tools}
-# Each round starts one tool later than the last, so that every tool
-# follows every other equally often: a run right after a tool that freed a
-# gigabyte is slower here, while the kernel hands that memory back.
+# A run right after a tool that kept the CPU busy for seconds is slower on
+# this machine, so the order within a round follows a balanced design: over
+# each block of rounds every tool runs right after every other tool once.
+# Each round starts after a pause, so its first tool follows an idle machine,
+# which each tool also does once per block.
+orders = balanced_orders(len(tools))
+if args.runs % len(orders):
+    print(f"--runs {args.runs} is not a multiple of {len(orders)}: the orders are not balanced", file=sys.stderr)
 for r in range(args.runs):
-    for name, cmd in tools[r % len(tools):] + tools[:r % len(tools)]:
+    time.sleep(args.pause)
+    for i in orders[r % len(orders)]:
+        name, cmd = tools[i]
         runs[name].append(run(cmd))
 for name, rs in runs.items():
     results[name] = (statistics.median(w for w, _ in rs), max(r for _, r in rs))
