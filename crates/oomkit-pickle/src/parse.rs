@@ -314,12 +314,14 @@ impl<'a> Machine<'a, '_> {
     #[inline]
     fn new_span(&mut self, tag: u64, bytes: &'a [u8]) -> Result<()> {
         let off = bytes.as_ptr() as usize - self.doc.data.as_ptr() as usize;
-        let idx = self.doc.spans.len();
-        self.doc.spans.push(Span {
-            off,
-            len: bytes.len(),
+        let slot = Slot::short_span(tag, off, bytes.len()).unwrap_or_else(|| {
+            self.doc.spans.push(Span {
+                off,
+                len: bytes.len(),
+            });
+            Slot::tagged(tag, self.doc.spans.len() - 1)
         });
-        self.push(Slot::tagged(tag, idx))
+        self.push(slot)
     }
 
     #[inline]

@@ -4,8 +4,9 @@ use std::fmt;
 
 /// One value in a [`Document`]: an 8-byte handle, cheap to copy.
 ///
-/// Small integers, `None` and booleans live inside the handle; everything
-/// else is an index into the document's tables. Two slots that refer to the
+/// Small integers, `None` and booleans live inside the handle, and so does
+/// the place in the input of a string, bytes or wide integer of up to 255
+/// bytes; everything else is an index into the document's tables. Two slots that refer to the
 /// same shared object (through the pickle memo) are equal.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Slot(pub(crate) u64);
@@ -22,6 +23,13 @@ pub(crate) const T_BYTES: u64 = 5;
 /// fast path (index 3 and above), which keep no table entry of their own.
 pub(crate) const T_CONST: u64 = 6;
 pub(crate) const T_BYTEARRAY: u64 = 7;
+
+/// The index bit of a span slot that keeps its offset and length itself.
+const SHORT_SPAN: u64 = 1 << 60;
+/// Longest span a slot keeps itself (the length takes the index's low byte).
+const SHORT_SPAN_MAX_LEN: usize = 0xff;
+/// Furthest offset a slot keeps itself.
+const SHORT_SPAN_MAX_OFF: usize = (1 << 52) - 1;
 
 /// The largest integer stored inline in a slot.
 pub(crate) const INLINE_MAX: i64 = (1 << 60) - 1;
@@ -73,6 +81,24 @@ impl Slot {
     pub(crate) fn int_value(self) -> i64 {
         (self.0 as i64) >> TAG_BITS
     }
+    /// Makes the slot of a string, bytes or wide integer at `off` in the
+    /// input, keeping `off` and `len` inside the slot when they fit and
+    /// returning `None` (a span in the table is needed) otherwise.
+    ///
+    /// A trace entry holds a fresh short string or two (`'N/A'`); keeping
+    /// them out of the span table saves 16 bytes of fresh memory each.
+    pub(crate) fn short_span(tag: u64, off: usize, len: usize) -> Option<Slot> {
+        (len <= SHORT_SPAN_MAX_LEN && off <= SHORT_SPAN_MAX_OFF).then_some(Slot(
+            ((SHORT_SPAN | (off as u64) << 8 | len as u64) << TAG_BITS) | tag,
+        ))
+    }
+
+    /// Returns the offset and length kept by [`Slot::short_span`], if this slot has them.
+    pub(crate) fn short_span_of(self) -> Option<(usize, usize)> {
+        let i = self.0 >> TAG_BITS;
+        (i & SHORT_SPAN != 0).then_some((((i & !SHORT_SPAN) >> 8) as usize, (i & 0xff) as usize))
+    }
+
     pub(crate) fn tagged(tag: u64, index: usize) -> Slot {
         Slot(((index as u64) << TAG_BITS) | tag)
     }
@@ -248,12 +274,12 @@ impl<'a> Document<'a> {
     pub fn value(&self, slot: Slot) -> Value<'a> {
         match slot.tag() {
             T_INT => Value::Int(slot.int_value()),
-            T_STR => Value::Str(self.str_at(slot.index())),
+            T_STR => Value::Str(self.str_at(slot)),
             T_CONT => Value::Container(self.containers[slot.index()].kind()),
             T_FLOAT => Value::Float(self.floats[slot.index()]),
-            T_BIGINT => Value::BigInt(self.span(slot.index())),
-            T_BYTES => Value::Bytes(self.span(slot.index())),
-            T_BYTEARRAY => Value::ByteArray(self.span(slot.index())),
+            T_BIGINT => Value::BigInt(self.span(slot)),
+            T_BYTES => Value::Bytes(self.span(slot)),
+            T_BYTEARRAY => Value::ByteArray(self.span(slot)),
             _ => match slot.index() {
                 0 => Value::None,
                 1 => Value::Bool(false),
@@ -263,25 +289,29 @@ impl<'a> Document<'a> {
         }
     }
 
-    fn span(&self, i: usize) -> &'a [u8] {
-        let s = self.spans[i];
-        &self.data[s.off..s.off + s.len]
+    /// Returns the input bytes of a string, bytes or wide-integer slot.
+    fn span(&self, slot: Slot) -> &'a [u8] {
+        let (off, len) = slot.short_span_of().unwrap_or_else(|| {
+            let s = self.spans[slot.index()];
+            (s.off, s.len)
+        });
+        &self.data[off..off + len]
     }
 
-    fn str_at(&self, i: usize) -> &'a str {
+    fn str_at(&self, slot: Slot) -> &'a str {
         // Validated when parsed; checking again keeps this crate free of
         // unsafe code and costs little on the short strings of snapshots.
-        std::str::from_utf8(self.span(i)).unwrap_or("")
+        std::str::from_utf8(self.span(slot)).unwrap_or("")
     }
 
     /// Returns the string in `slot`, if it is one.
     pub fn as_str(&self, slot: Slot) -> Option<&'a str> {
-        (slot.tag() == T_STR).then(|| self.str_at(slot.index()))
+        (slot.tag() == T_STR).then(|| self.str_at(slot))
     }
 
     /// Returns the raw UTF-8 bytes of a string slot without validating them again.
     pub fn str_bytes(&self, slot: Slot) -> Option<&'a [u8]> {
-        (slot.tag() == T_STR).then(|| self.span(slot.index()))
+        (slot.tag() == T_STR).then(|| self.span(slot))
     }
 
     /// Returns the integer in `slot` if it fits in an `i64` (booleans count as 0 and 1).
@@ -303,7 +333,7 @@ impl<'a> Document<'a> {
     #[inline]
     pub fn as_i128(&self, slot: Slot) -> Option<i128> {
         if slot.tag() == T_BIGINT {
-            return bigint_to_i128(self.span(slot.index()));
+            return bigint_to_i128(self.span(slot));
         }
         self.as_i64(slot).map(i128::from)
     }

@@ -407,6 +407,32 @@ fn long1_wider_than_eight_bytes() {
 }
 
 #[test]
+fn strings_bytes_and_wide_integers_on_both_sides_of_the_short_span_limit() {
+    // Up to 255 bytes a slot keeps the offset and length itself; longer
+    // ones go to the span table. Both must read back the same, shared or not.
+    // Bytes need protocol 3 and bytearray 5 to pickle without a GLOBAL.
+    let expr = "(lambda s: [s, s, 'x' * 256, 'é' * 127, 'é' * 128, '', b'y' * 255, b'y' * 256, \
+                2**64, -2**2000, {'k' * 255: 'v' * 256}, bytearray(b'z' * 300)])('a' * 255)";
+    for proto in [4, 5] {
+        let expr = if proto == 5 {
+            expr.to_string()
+        } else {
+            expr.replace(", bytearray(b'z' * 300)", "")
+        };
+        let (bytes, theirs) = cpython(json!({"proto": proto, "special": expr}));
+        assert_eq!(ours(&bytes), theirs, "protocol {proto}");
+        let doc = Document::parse(&bytes).unwrap();
+        let items = doc.seq(doc.root()).unwrap();
+        assert_eq!(doc.as_str(items[0]), Some("a".repeat(255).as_str()));
+        assert_eq!(items[0], items[1], "a memo reference is the same slot");
+        assert_eq!(doc.as_str(items[2]), Some("x".repeat(256).as_str()));
+        assert_eq!(doc.as_str(items[3]).map(str::len), Some(254));
+        assert_eq!(doc.as_str(items[4]).map(str::len), Some(256));
+        assert_eq!(doc.as_str(items[5]), Some(""));
+    }
+}
+
+#[test]
 fn refused_opcodes_name_themselves_and_their_offset() {
     let cases: &[(&str, &str)] = &[
         ("__import__('collections').OrderedDict(a=1)", "REDUCE"),

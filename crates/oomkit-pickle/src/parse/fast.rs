@@ -134,9 +134,10 @@ impl Machine<'_, '_> {
                         return None;
                     }
                     p = off + len;
-                    let s = Slot::tagged(T_STR, self.doc.spans.len());
-                    self.doc.spans.push(Span { off, len });
-                    s
+                    Slot::short_span(T_STR, off, len).unwrap_or_else(|| {
+                        self.doc.spans.push(Span { off, len });
+                        Slot::tagged(T_STR, self.doc.spans.len() - 1)
+                    })
                 }
                 0x94 => {
                     // MEMOIZE stores the item just read; it adds no item.
