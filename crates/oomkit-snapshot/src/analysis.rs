@@ -512,6 +512,11 @@ struct WindowStats {
 /// Follows the ranges through one pass of running totals, so that no total
 /// per entry has to be kept (eight bytes per entry, the analysis's largest
 /// table after the events themselves).
+///
+/// The pass runs from one range boundary (a first or last entry) to the
+/// next, and hands over only the highest total of each such span: between
+/// boundaries the set of open ranges does not change, so one comparison per
+/// open range and span replaces one per open range and entry.
 struct Sweep<'w> {
     windows: &'w [Window],
     /// Range numbers by first entry.
@@ -548,9 +553,9 @@ impl<'w> Sweep<'w> {
         }
     }
 
-    /// Takes the totals before entry `i` (after the last entry for `i == n`).
-    #[inline]
-    fn before(&mut self, i: usize, v: i128) {
+    /// Takes the totals before entry `i` (after the last entry for `i == n`)
+    /// and returns the next entry after `i` where a range starts or ends.
+    fn before(&mut self, i: usize, v: i128) -> usize {
         while let Some(&(at, w, start)) = self.probes.get(self.next_probe) {
             if at != i {
                 break;
@@ -572,22 +577,22 @@ impl<'w> Sweep<'w> {
             }
             self.next_first += 1;
         }
+        self.probes
+            .get(self.next_probe)
+            .map_or(usize::MAX, |&(at, _, _)| at)
     }
 
-    /// Takes the totals after entry `i`.
-    #[inline]
-    fn after(&mut self, i: usize, v: i128) {
-        if self.open.is_empty() {
-            return;
-        }
+    /// Takes the highest total after the entries before `end` since the
+    /// last boundary, reached first after entry `at`.
+    fn span(&mut self, end: usize, peak: i128, at: usize) {
         let (windows, stats) = (self.windows, &mut self.stats);
         self.open.retain(|&w| {
             let s = &mut stats[w];
-            if v > s.2 {
-                s.2 = v;
-                s.3 = Some(i);
+            if peak > s.2 {
+                s.2 = peak;
+                s.3 = Some(at);
             }
-            i + 1 < windows[w].1
+            end < windows[w].1
         });
     }
 
@@ -646,29 +651,40 @@ fn relative_totals<'w>(events: &[TraceEvent], windows: &'w [Window]) -> Relative
         at_oom: Vec::new(),
         sweep: Sweep::new(windows),
     };
-    for (i, e) in events.iter().enumerate() {
-        r.sweep.before(i, active);
-        match e.action {
-            Action::Alloc => active += e.size as i128,
-            Action::FreeCompleted => active -= e.size as i128,
-            Action::SegmentAlloc | Action::SegmentMap => reserved += e.size as i128,
-            Action::SegmentFree | Action::SegmentUnmap => reserved -= e.size as i128,
-            Action::Oom => {
-                r.oom_idx.push(i);
-                r.at_oom.push((active, reserved));
+    let mut i = 0;
+    loop {
+        let end = r.sweep.before(i, active).min(events.len());
+        if i == events.len() {
+            break;
+        }
+        let (mut span_peak, mut span_at) = (i128::MIN, i);
+        for (i, e) in events[i..end].iter().enumerate().map(|(k, e)| (i + k, e)) {
+            match e.action {
+                Action::Alloc => active += e.size as i128,
+                Action::FreeCompleted => active -= e.size as i128,
+                Action::SegmentAlloc | Action::SegmentMap => reserved += e.size as i128,
+                Action::SegmentFree | Action::SegmentUnmap => reserved -= e.size as i128,
+                Action::Oom => {
+                    r.oom_idx.push(i);
+                    r.at_oom.push((active, reserved));
+                }
+                _ => {}
             }
-            _ => {}
+            if active > span_peak {
+                span_peak = active;
+                span_at = i;
+            }
+            r.min_active = r.min_active.min(active);
+            r.max_reserved = r.max_reserved.max(reserved);
+            r.min_reserved = r.min_reserved.min(reserved);
         }
-        if active > r.max_active {
-            r.max_active = active;
-            r.peak_idx = Some(i);
+        r.sweep.span(end, span_peak, span_at);
+        if span_peak > r.max_active {
+            r.max_active = span_peak;
+            r.peak_idx = Some(span_at);
         }
-        r.min_active = r.min_active.min(active);
-        r.max_reserved = r.max_reserved.max(reserved);
-        r.min_reserved = r.min_reserved.min(reserved);
-        r.sweep.after(i, active);
+        i = end;
     }
-    r.sweep.before(events.len(), active);
     r
 }
 
@@ -723,22 +739,34 @@ fn exact_totals(
         reserved_after: Vec::new(),
         windows: Vec::new(),
     };
-    for (i, e) in events.iter().enumerate() {
-        sweep.before(i, cur as i128);
-        crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
-        if e.action == Action::Oom {
-            t.oom_idx.push(i);
-            t.oom_live.push(cur);
-            t.reserved_after.push(cur_res);
+    let mut i = 0;
+    loop {
+        let end = sweep.before(i, cur as i128).min(events.len());
+        if i == events.len() {
+            break;
         }
-        if cur > t.peak {
-            t.peak = cur;
-            t.peak_idx = Some(i);
+        let mut span: Option<(u64, usize)> = None;
+        for (i, e) in events[i..end].iter().enumerate().map(|(k, e)| (i + k, e)) {
+            crate::timeline::apply(e.action, e.size, &mut cur, &mut cur_res);
+            if e.action == Action::Oom {
+                t.oom_idx.push(i);
+                t.oom_live.push(cur);
+                t.reserved_after.push(cur_res);
+            }
+            if span.is_none_or(|(peak, _)| cur > peak) {
+                span = Some((cur, i));
+            }
+            t.peak_res = t.peak_res.max(cur_res);
         }
-        t.peak_res = t.peak_res.max(cur_res);
-        sweep.after(i, cur as i128);
+        if let Some((peak, at)) = span {
+            sweep.span(end, peak as i128, at);
+            if peak > t.peak {
+                t.peak = peak;
+                t.peak_idx = Some(at);
+            }
+        }
+        i = end;
     }
-    sweep.before(events.len(), cur as i128);
     t.windows = sweep.finish(0);
     t
 }
