@@ -20,6 +20,12 @@ ap.add_argument(
     action="store_true",
     help="give each tile its own frames lists, as a longer real run has (frame dicts stay shared)",
 )
+ap.add_argument(
+    "--fresh-strings",
+    action="store_true",
+    help="give each entry its own copy of the strings that are its own in the source "
+    "(PyTorch writes a new compile_context string for every entry)",
+)
 args = ap.parse_args()
 
 with open(args.source, "rb") as f:
@@ -34,6 +40,13 @@ for e in trace:
         lo, hi = min(lo, e["addr"]), max(hi, e["addr"] + e["size"])
 stride = (hi - lo + (1 << 30)) // (1 << 21) * (1 << 21)
 tiles = -(-args.events // len(trace))
+# Strings that only one entry of the source refers to are that entry's own
+# objects, which the pickler writes out again for every entry.
+uses = {}
+for e in trace:
+    for v in e.values():
+        if isinstance(v, str):
+            uses[id(v)] = uses.get(id(v), 0) + 1
 
 segments, events, annotations = [], [], []
 for k in range(tiles):
@@ -49,6 +62,10 @@ for k in range(tiles):
         e2 = dict(e)
         if args.fresh_frames and "frames" in e:
             e2["frames"] = fresh.setdefault(id(e["frames"]), list(e["frames"]))
+        if args.fresh_strings:
+            for key, v in e.items():
+                if isinstance(v, str) and uses[id(v)] == 1:
+                    e2[key] = v.encode().decode()
         if e["action"] != "oom":
             e2["addr"] = e["addr"] + shift
         if "time_us" in e:
