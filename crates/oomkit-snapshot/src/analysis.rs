@@ -337,18 +337,16 @@ fn group(stacks: &Stacks, live: impl Iterator<Item = Live>, top: usize) -> Vec<S
 /// Traces at least this long get their first two passes on two cores.
 const PARALLEL_MIN_EVENTS: usize = 100_000;
 
-/// Marks an entry of [`TraceScan::link`] that ends no earlier allocation.
-const NO_LINK: u32 = u32::MAX;
-
 /// What one pass over a trace learns about blocks that predate it, and
 /// which entry ends which allocation.
 struct TraceScan {
     /// Addresses the trace allocated and had not freed by its end, with the
     /// entry that allocated each.
     open: HashMap<u64, u32, FastState>,
-    /// For each entry, the earlier allocation it ends, or [`NO_LINK`]: a
-    /// free ends the allocation at its address, and an allocation at an
-    /// address still held ends the one there before it.
+    /// For each entry, one more than the index of the earlier allocation it
+    /// ends, or 0: a free ends the allocation at its address, and an
+    /// allocation at an address still held ends the one there before it.
+    /// (Zero for none lets the table start as untouched zeroed pages.)
     ///
     /// Entry indices fit in 32 bits because each trace entry is a claimed
     /// object or a slab cell, both numbered with 32 bits by the parser.
@@ -370,7 +368,7 @@ struct TraceScan {
 fn scan_trace(events: &[TraceEvent]) -> TraceScan {
     let mut s = TraceScan {
         open: HashMap::default(),
-        link: vec![NO_LINK; events.len()],
+        link: vec![0; events.len()],
         orphans: Vec::new(),
         net_active: 0,
         net_reserved: 0,
@@ -384,7 +382,7 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
             Action::Alloc => {
                 s.net_active += e.size as i128;
                 if let Some(earlier) = s.open.insert(e.addr, i as u32) {
-                    s.link[i] = earlier;
+                    s.link[i] = earlier + 1;
                 }
                 s.allocs += 1;
                 s.missing_frames += (e.stack == StackId::EMPTY) as u64;
@@ -392,7 +390,7 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
             Action::FreeCompleted => {
                 s.net_active -= e.size as i128;
                 match s.open.remove(&e.addr) {
-                    Some(alloc) => s.link[i] = alloc,
+                    Some(alloc) => s.link[i] = alloc + 1,
                     None => s.orphans.push((
                         i,
                         Live {
@@ -431,8 +429,7 @@ fn live_at(
     let mut alive = vec![0u64; last / 64 + 1];
     let mut next = targets.iter().peekable();
     for (i, e) in events[..=last].iter().enumerate() {
-        let ended = scan.link[i];
-        if ended != NO_LINK {
+        if let Some(ended) = scan.link[i].checked_sub(1) {
             alive[ended as usize / 64] &= !(1 << (ended % 64));
         }
         if e.action == Action::Alloc {
