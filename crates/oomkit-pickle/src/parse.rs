@@ -167,9 +167,12 @@ impl Document<'_> {
             .unwrap_or_else(|| data.len().saturating_mul(4).saturating_add(16 << 20))
             // Containers index the slab with 32 bits.
             .min(u32::MAX as usize);
-        // Real snapshots need about one slab cell per five input bytes, and a
-        // container and a string per eighty; reserving that up front avoids growing by
-        // doubling, which would briefly hold two copies of the largest tables.
+        // Real snapshots need about one slab cell per five input bytes, a
+        // container and a string per eighty, and a memo cell per fifty (a
+        // trace entry memoizes its dict, its frames list and a fresh string
+        // in about 150 bytes); reserving that up front avoids growing by
+        // doubling, which would briefly hold two copies of the largest tables
+        // and copy them into memory that the pager has not faulted in.
         // Untouched reserved pages cost no resident memory.
         let mut m = Machine {
             doc: Document {
@@ -186,7 +189,7 @@ impl Document<'_> {
             op_at: 0,
             stack: Vec::new(),
             marks: Vec::new(),
-            memo: Vec::with_capacity(data.len() / 64),
+            memo: Vec::with_capacity(data.len() / 32),
             sparse_memo: HashMap::new(),
             memo_epoch: 0,
             lists: fast::ListCache::default(),
