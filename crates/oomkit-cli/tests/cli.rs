@@ -231,3 +231,52 @@ fn demo_save_never_overwrites() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(std::fs::read(&path).unwrap(), b"mine");
 }
+
+#[test]
+fn a_trace_with_many_ooms_details_the_first_ones_and_counts_the_rest() {
+    // A loop that retries after every OOM records one per step; each OOM's
+    // holders cost a pass over the live set, so only the first are detailed.
+    let dir = tempdir("many-ooms");
+    let file = dir.join("many_ooms.pickle");
+    let script = r#"
+import pickle, sys
+ev = []
+for i in range(40):
+    ev.append({'action': 'alloc', 'addr': (1 << 30) + i * 512, 'size': 512, 'frames': []})
+    ev.append({'action': 'oom', 'addr': 1 << 20, 'size': 1 << 30, 'frames': []})
+ev += [{'action': 'free_completed', 'addr': (1 << 30) + i * 512, 'size': 512, 'frames': []} for i in range(40)]
+pickle.dump({'segments': [], 'device_traces': [ev]}, open(sys.argv[1], 'wb'), protocol=4)
+"#;
+    let status = Command::new(python())
+        .args(["-c", script])
+        .arg(&file)
+        .status()
+        .expect("python3");
+    assert!(status.success());
+    let path = file.to_str().unwrap();
+    let j = run_json(&["analyze", "--json", path]);
+    let ooms = j["devices"][0]["ooms"].as_array().unwrap();
+    assert_eq!(ooms.len(), 40);
+    let detailed: Vec<bool> = ooms
+        .iter()
+        .map(|o| !o["top_holders"].as_array().unwrap().is_empty())
+        .collect();
+    assert_eq!(detailed, [[true; 32].as_slice(), &[false; 8]].concat());
+    assert_eq!(ooms[39]["live_bytes"], 40 * 512);
+    let oom_findings = j["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "oom_capacity")
+        .count();
+    assert_eq!(oom_findings, 32);
+    assert!(j["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|w| w["kind"] == "many_ooms"));
+    let text = stdout(&["analyze", path], None);
+    assert_eq!(text.matches("OOM at event").count(), 10);
+    assert!(text.contains("and 30 more OOM entries"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

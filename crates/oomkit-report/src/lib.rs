@@ -148,7 +148,7 @@ fn device_text(d: &DeviceReport, out: &mut String) {
             );
         }
     }
-    for o in &d.ooms {
+    for o in d.ooms.iter().take(OOMS_SHOWN) {
         let _ = writeln!(
             out,
             "\n  OOM at event {}: {} requested at {}",
@@ -168,7 +168,17 @@ fn device_text(d: &DeviceReport, out: &mut String) {
             let _ = writeln!(out, "    {:>10}  {}", human_bytes(h.bytes), h.label);
         }
     }
+    if d.ooms.len() > OOMS_SHOWN {
+        let _ = writeln!(
+            out,
+            "\n  ... and {} more OOM entries (--json lists them all)",
+            d.ooms.len() - OOMS_SHOWN
+        );
+    }
 }
+
+/// Most OOM entries a terminal report shows in full.
+const OOMS_SHOWN: usize = 10;
 
 fn settings_line(settings: &Value) -> Option<String> {
     let obj = settings.as_object()?;

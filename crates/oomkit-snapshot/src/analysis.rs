@@ -334,6 +334,10 @@ fn group(stacks: &Stacks, live: impl Iterator<Item = Live>, top: usize) -> Vec<S
         .collect()
 }
 
+/// Most OOM entries of a trace that get their holders of memory and a
+/// finding; the rest are listed with their own figures only.
+const OOMS_DETAILED: usize = 32;
+
 /// Traces at least this long get their first two passes on two cores.
 const PARALLEL_MIN_EVENTS: usize = 100_000;
 
@@ -426,31 +430,43 @@ fn live_at(
     let Some(&last) = targets.last() else {
         return;
     };
+    // A second level marks the words with a bit set, so that a visit costs
+    // about the live allocations, not a walk over the trace's whole bit set:
+    // a file with many OOM entries must not take quadratic time.
     let mut alive = vec![0u64; last / 64 + 1];
+    let mut words = vec![0u64; alive.len().div_ceil(64)];
     let mut next = targets.iter().peekable();
     for (i, e) in events[..=last].iter().enumerate() {
         if let Some(ended) = scan.link[i].checked_sub(1) {
-            alive[ended as usize / 64] &= !(1 << (ended % 64));
+            let w = ended as usize / 64;
+            alive[w] &= !(1 << (ended % 64));
+            if alive[w] == 0 {
+                words[w / 64] &= !(1 << (w % 64));
+            }
         }
         if e.action == Action::Alloc {
             alive[i / 64] |= 1 << (i % 64);
+            words[i / 4096] |= 1 << (i / 64 % 64);
         }
         while next.next_if_eq(&&i).is_some() {
-            let mut in_trace = alive[..=i / 64].iter().enumerate().flat_map(|(w, &bits)| {
-                Bits(bits).map(move |b| {
-                    let a = &events[w * 64 + b];
-                    Live {
-                        size: a.size,
-                        stack: a.stack,
-                        before_recording: false,
-                    }
+            let alive = &alive;
+            let mut in_trace = words.iter().enumerate().flat_map(|(ww, &set)| {
+                Bits(set).flat_map(move |b| {
+                    let w = ww * 64 + b;
+                    Bits(alive[w]).map(move |b| {
+                        let a = &events[w * 64 + b];
+                        Live {
+                            size: a.size,
+                            stack: a.stack,
+                            before_recording: false,
+                        }
+                    })
                 })
             });
-            let orphans = scan
-                .orphans
-                .iter()
-                .filter(|(freed, _)| *freed > i)
-                .map(|(_, l)| *l);
+            // Orphans are in the order they were freed; those still live
+            // are the ones freed after this entry.
+            let from = scan.orphans.partition_point(|&(freed, _)| freed <= i);
+            let orphans = scan.orphans[from..].iter().map(|(_, l)| *l);
             visit(
                 i,
                 &mut (&mut in_trace).chain(orphans).chain(before.iter().copied()),
@@ -888,7 +904,21 @@ fn analyze_device(
         .collect();
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
-    let mut targets: Vec<usize> = oom_idx.clone();
+    // Each OOM's holders cost a pass over the live set, so a trace that
+    // records an OOM at every step would take quadratic time, and a finding
+    // per OOM would bury the rest.
+    let mut targets: Vec<usize> = oom_idx.iter().take(OOMS_DETAILED).copied().collect();
+    if oom_idx.len() > OOMS_DETAILED {
+        warnings.push(Warning {
+            kind: "many_ooms",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: the trace records {} OOM entries; the holders of memory and the findings cover the first {OOMS_DETAILED}",
+                oom_idx.len()
+            ),
+            fix: "fix the first OOM: a loop that retries after each one records the same failure again".into(),
+        });
+    }
     if let Some(p) = peak_idx {
         targets.push(p);
     }
@@ -903,7 +933,7 @@ fn analyze_device(
     live_at(events, &scan, &before, &targets, |i, live| {
         if Some(i) == peak_idx {
             let live: Vec<Live> = live.collect();
-            if events[i].action == Action::Oom {
+            if events[i].action == Action::Oom && holders.len() < OOMS_DETAILED {
                 holders.push(group(stacks, live.iter().copied(), oom_holders_top));
             }
             top_sites = group(stacks, live.into_iter(), opts.top);
@@ -1013,7 +1043,7 @@ fn analyze_device(
     }
 
     // Findings.
-    for o in &ooms {
+    for o in ooms.iter().take(OOMS_DETAILED) {
         let (kind, advice) = if o.cause == "fragmentation" {
             ("oom_fragmentation", "the memory was there but in pieces: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or call torch.cuda.empty_cache() before the failing phase")
         } else {
