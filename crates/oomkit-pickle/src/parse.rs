@@ -758,8 +758,9 @@ impl<'a> Machine<'a, '_> {
 
 /// Reads a little-endian two's-complement integer of 1 to 8 bytes.
 ///
-/// Built in a register: copying the bytes into a stack buffer and reading
-/// it back as a word stalled on store forwarding at every trace entry.
+/// Built in a register rather than by copying the bytes into a stack buffer
+/// and reading it back, which took a `memcpy` call for every address and
+/// time of a trace.
 #[inline(always)]
 fn sign_extend(bytes: &[u8]) -> i64 {
     debug_assert!((1..=8).contains(&bytes.len()));

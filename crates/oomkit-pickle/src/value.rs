@@ -6,8 +6,9 @@ use std::fmt;
 ///
 /// Small integers, `None` and booleans live inside the handle, and so does
 /// the place in the input of a string, bytes or wide integer of up to 255
-/// bytes; everything else is an index into the document's tables. Two slots that refer to the
-/// same shared object (through the pickle memo) are equal.
+/// bytes; everything else is an index into the document's tables. Two
+/// slots that refer to the same shared object (through the pickle memo)
+/// are equal.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Slot(pub(crate) u64);
 
