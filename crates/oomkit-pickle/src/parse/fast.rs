@@ -259,7 +259,7 @@ impl Machine<'_, '_> {
                     let mut q = p + 1;
                     while q < body_end {
                         if data[q] == 0x95 {
-                            q += 9;
+                            q = frame_end(data, q)?;
                             continue;
                         }
                         let (s, next) = self.fast_get(data, q)?;
