@@ -6,9 +6,12 @@ from typing import Optional
 
 from oomkit import _native
 
+# How far along __cause__ and __context__ an OOM is looked for; frameworks
+# wrap it once or twice (the Hugging Face Trainer's evaluation, Lightning).
+_CHAIN_DEPTH = 8
 
-def is_oom(exc: BaseException) -> bool:
-    """Returns True for torch.OutOfMemoryError and any error whose message is an OOM message."""
+
+def _is_oom_here(exc: BaseException) -> bool:
     try:
         import torch
 
@@ -21,6 +24,26 @@ def is_oom(exc: BaseException) -> bool:
         pass
     # One list of message forms, shared with `oomkit run` and `oomkit explain`.
     return isinstance(exc, (RuntimeError, MemoryError)) and _native.oom_kind(str(exc)) is not None
+
+
+def find_oom(exc: Optional[BaseException]) -> Optional[BaseException]:
+    """Returns the out-of-memory error in ``exc`` or in what it was raised from (``__cause__``, ``__context__``), or None."""
+    seen = set()
+    todo = [exc]
+    while todo and len(seen) < _CHAIN_DEPTH:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _is_oom_here(e):
+            return e
+        todo.extend((e.__cause__, e.__context__))
+    return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Returns True for torch.OutOfMemoryError and any error whose message, or whose cause's, is an OOM message."""
+    return find_oom(exc) is not None
 
 
 def requested_bytes(message: str) -> Optional[int]:

@@ -18,7 +18,7 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from oomkit import _native
-from oomkit._oom import is_oom, requested_bytes
+from oomkit._oom import find_oom, requested_bytes
 
 LOG_VERSION = 1
 
@@ -60,7 +60,7 @@ def _add_unique(t: Any, seen: set) -> int:
 
 
 class _Meter:
-    """Reads memory in use and the peak since the last reset, on CUDA or CPU."""
+    """Reads memory in use, reserved, and the peak since the last reading, on CUDA or CPU."""
 
     def __init__(self, device: Any) -> None:
         torch = _torch()
@@ -77,28 +77,44 @@ class _Meter:
                 self.capacity = None
             self.can_reset = _native.reset_process_peak_rss()
 
+    def sample(self) -> Tuple[int, int, int]:
+        """Returns (peak since the last sample, in use now, reserved now), and starts a new interval.
+
+        One call per boundary between stages: reading the three figures
+        together costs one allocator query on CUDA, one read of
+        /proc/self/status on CPU.
+        """
+        if self.cuda:
+            torch = _torch()
+            try:
+                # The allocator's own nested statistics: what memory_allocated(),
+                # max_memory_allocated() and memory_reserved() each rebuild and flatten.
+                stats = torch._C._cuda_memoryStats(self.index)
+                allocated = stats["allocated_bytes"]["all"]
+                peak, now = allocated["peak"], allocated["current"]
+                reserved = stats["reserved_bytes"]["all"]["current"]
+            except Exception:  # noqa: BLE001 - a torch without the private call
+                flat = torch.cuda.memory_stats(self.index)
+                peak = flat.get("allocated_bytes.all.peak", 0)
+                now = flat.get("allocated_bytes.all.current", 0)
+                reserved = flat.get("reserved_bytes.all.current", 0)
+            torch.cuda.reset_peak_memory_stats(self.index)
+            return peak, now, reserved
+        peak, now = _native.process_sample(self.can_reset)
+        # Without a resettable peak, the peak of an interval is unknown: use now.
+        return (peak if self.can_reset else now), now, 0
+
     def now(self) -> int:
+        """Memory in use now, without touching the peak."""
         if self.cuda:
             return _torch().cuda.memory_allocated(self.index)
         return _native.process_rss()
 
     def reserved(self) -> int:
+        """Memory the allocator holds now (0 on CPU)."""
         if self.cuda:
             return _torch().cuda.memory_reserved(self.index)
         return 0
-
-    def peak_and_reset(self) -> int:
-        """Returns the peak since the last call, and starts a new interval."""
-        if self.cuda:
-            torch = _torch()
-            p = torch.cuda.max_memory_allocated(self.index)
-            torch.cuda.reset_peak_memory_stats(self.index)
-            return p
-        if self.can_reset:
-            p = _native.process_peak_rss()
-            _native.reset_process_peak_rss()
-            return p
-        return _native.process_rss()
 
 
 class _Open:
@@ -115,10 +131,38 @@ class _Open:
         self.t0 = time.perf_counter()
 
 
+# Attributes through which wrappers reach the optimizer they wrap:
+# accelerate's AcceleratedOptimizer and DeepSpeed's wrappers (`optimizer`),
+# Lightning's LightningOptimizer (`_optimizer`), ZeroRedundancyOptimizer (`optim`).
+_INNER_OPTIMIZER = ("optimizer", "_optimizer", "optim")
+# How many wrappers deep an optimizer is looked for.
+_WRAPPER_DEPTH = 8
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """Returns the torch optimizer inside framework wrappers (accelerate, Lightning, DeepSpeed), or the object itself."""
+    opt = optimizer
+    for _ in range(_WRAPPER_DEPTH):
+        inner = None
+        for attr in _INNER_OPTIMIZER:
+            try:
+                cand = opt.__dict__.get(attr) if hasattr(opt, "__dict__") else None
+            except Exception:  # noqa: BLE001
+                cand = None
+            if cand is not None and cand is not opt and hasattr(cand, "param_groups"):
+                inner = cand
+                break
+        if inner is None:
+            return opt
+        opt = inner
+    return opt
+
+
 class Tracker:
     """Records memory per training stage, component costs, gradient health and OOMs to a run log.
 
-    Example::
+    Use ``with tracker.step(i):`` in a loop you own, or the ``begin_*``/``end_*``
+    calls from a framework's callbacks. Example::
 
         tracker = oomkit.Tracker(model, optimizer=opt, log_dir="oomkit-logs")
         for i, batch in enumerate(loader):
@@ -141,23 +185,31 @@ class Tracker:
         max_entries: int = 100_000,
         console: Optional[bool] = None,
         check_duplicates: bool = True,
+        stage_hooks: bool = True,
+        rank: Optional[int] = None,
     ) -> None:
         torch = _torch()
         self._model_ref = weakref.ref(model)
-        self._opt_ref = weakref.ref(optimizer) if optimizer is not None else None
+        self._opt_ref: Optional[Any] = None
         self._ema_ref = weakref.ref(ema) if ema is not None else None
         self.grad_every = max(1, int(grad_every))
+        self.stage_hooks = bool(stage_hooks)
         self.rank, self.world_size = _rank()
+        if rank is not None:
+            self.rank = int(rank)
         self.console = (self.rank == 0) if console is None else bool(console)
         self._errors = 0
         self._closed = False
         self._open: List[_Open] = []
-        self._step: Optional[int] = None
-        self._steps_done = 0
-        self._phase: Optional[str] = None
+        self._step_open: Optional[_Open] = None
         self._stage: Optional[_Open] = None
+        self._phases: List[_Open] = []
+        self._steps_done = 0
         self._components_after_first_step = False
-        self._hooks: List[Any] = []
+        self._model_hooks: List[Any] = []
+        self._opt_hooks: List[Any] = []
+        # An OOM seen by the CUDA allocator's observer, before its exception exists.
+        self._observed_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
         probe = os.environ.get("OOMKIT_PROBE_FILE")
         self._probe = probe if probe and self.rank == 0 else None
@@ -173,6 +225,8 @@ class Tracker:
         self._history = False
         if record_history:
             self._start_history(max_entries)
+        if self._meter.cuda:
+            _watch_allocator_ooms(self)
         with torch.no_grad():
             self._write(
                 {
@@ -189,46 +243,196 @@ class Tracker:
                     "components": self._components(),
                 }
             )
-        self._install_hooks(model, optimizer)
+        self._install_model_hooks(model)
+        self.set_optimizer(optimizer)
         if check_duplicates:
             self.find_duplicates(when="start")
 
     # ----- public API -------------------------------------------------------
 
+    @property
+    def optimizer(self) -> Any:
+        """The torch optimizer whose state is counted (wrappers removed), or None."""
+        return self._opt_ref() if self._opt_ref is not None else None
+
+    def set_optimizer(self, optimizer: Any, hooks: Optional[bool] = None) -> None:
+        """Tracks ``optimizer`` (unwrapped from accelerate, Lightning or DeepSpeed) instead of the current one.
+
+        With ``hooks`` (default: the tracker's ``stage_hooks``), its step marks
+        the optimizer stage. A framework that builds a new optimizer on a
+        retry (the Hugging Face Trainer's ``auto_find_batch_size``) calls this
+        again; the old optimizer's hooks are removed.
+        """
+        try:
+            for h in self._opt_hooks:
+                with contextlib.suppress(Exception):
+                    h.remove()
+            self._opt_hooks.clear()
+            self._opt_ref = None
+            if optimizer is None:
+                return
+            inner = unwrap_optimizer(optimizer)
+            self._opt_ref = weakref.ref(inner)
+            if self.stage_hooks if hooks is None else hooks:
+                self._opt_hooks.append(inner.register_step_pre_hook(self._on_opt_pre))
+                self._opt_hooks.append(inner.register_step_post_hook(self._on_opt_post))
+        except Exception as exc:  # noqa: BLE001
+            self._error("optimizer hooks", exc)
+
     @contextlib.contextmanager
     def step(self, index: int) -> Iterator[None]:
         """Measures one training step; forward, backward and optimizer stages are found by hooks."""
-        self._begin("step", "step", index)
-        self._step = index
+        self.begin_step(index)
         try:
             yield
         except BaseException as exc:
-            self._failed(exc)
+            self.record_oom(exc)
             raise
         finally:
-            self._end_stage()
-            self._finish("step")
-            self._steps_done += 1
-            self._step = None
+            self.end_step()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Measures a named phase such as "eval", inside or outside a step."""
-        outer = self._phase
-        self._begin("phase", name, self._step)
-        self._phase = name
+        self.begin_phase(name)
         try:
             yield
         except BaseException as exc:
-            self._failed(exc)
+            self.record_oom(exc)
             raise
         finally:
-            self._finish("phase")
-            self._phase = outer
+            self.end_phase()
+
+    def begin_step(self, index: int) -> None:
+        """Starts measuring training step ``index``; a step still open is ended first."""
+        try:
+            if self._step_open is not None:
+                self.end_step()
+            now = self._sample()
+            self._step_open = self._open_measure("step", "step", int(index), now)
+        except Exception as exc:  # noqa: BLE001
+            self._error("begin step", exc)
+
+    def end_step(self) -> None:
+        """Ends the open step (and its open stage) and writes them; does nothing when no step is open."""
+        if self._step_open is None:
+            return
+        try:
+            now, reserved = self._sample_full()
+            if self._stage is not None:
+                self._close(self._stage, now, reserved)
+            step = self._step_open
+            self._step_open = None
+            self._close(step, now, reserved)
+        except Exception as exc:  # noqa: BLE001
+            self._step_open = None
+            self._stage = None
+            self._error("end step", exc)
+        self._steps_done += 1
+
+    def begin_stage(self, name: str) -> None:
+        """Starts stage ``name`` (forward, backward, optimizer) of the open step, ending the stage before it.
+
+        For integrations that mark stages from a framework's events; create
+        the tracker with ``stage_hooks=False`` so hooks do not mark them too.
+        Outside a step, or inside a phase, it does nothing.
+        """
+        if self._step_open is None or self._phases:
+            return
+        try:
+            if name == "optimizer" and self._due():
+                self._grad_health()
+            now, reserved = self._sample_full()
+            if self._stage is not None:
+                self._close(self._stage, now, reserved)
+            self._stage = self._open_measure("stage", name, self._step_open.step, now)
+        except Exception as exc:  # noqa: BLE001
+            self._error(f"begin {name}", exc)
+
+    def end_stage(self) -> None:
+        """Ends the open stage and writes it; does nothing when none is open."""
+        if self._stage is None:
+            return
+        try:
+            now, reserved = self._sample_full()
+            self._close(self._stage, now, reserved)
+        except Exception as exc:  # noqa: BLE001
+            self._stage = None
+            self._error("end stage", exc)
+
+    def begin_phase(self, name: str) -> None:
+        """Starts measuring a named phase such as "eval", inside or outside a step."""
+        try:
+            now = self._sample()
+            step = self._step_open.step if self._step_open is not None else None
+            self._phases.append(self._open_measure("phase", str(name), step, now))
+        except Exception as exc:  # noqa: BLE001
+            self._error(f"begin {name}", exc)
+
+    def end_phase(self) -> None:
+        """Ends the innermost open phase and writes it; does nothing when none is open."""
+        if not self._phases:
+            return
+        try:
+            now, reserved = self._sample_full()
+            self._close(self._phases[-1], now, reserved)
+        except Exception as exc:  # noqa: BLE001
+            self._phases.pop()
+            self._error("end phase", exc)
+
+    @property
+    def in_step(self) -> bool:
+        """True while a step is open."""
+        return self._step_open is not None
+
+    @property
+    def current_phase(self) -> Optional[str]:
+        """The innermost open phase's name, or None."""
+        return self._phases[-1].name if self._phases else None
+
+    def record_oom(self, exc: BaseException) -> bool:
+        """Records an out-of-memory error (found in ``exc`` or its ``__cause__``/``__context__``) once.
+
+        The record names the open step, stage and phase, the bytes asked for
+        and the memory now; a duplicate check runs, a snapshot is dumped when
+        history is recorded, and the diagnosis goes to stderr. Returns True
+        when ``exc`` is an OOM (recorded now or before); never raises.
+        """
+        try:
+            oom = find_oom(exc)
+            if oom is None:
+                return False
+            if getattr(oom, "_oomkit_seen", False) or getattr(exc, "_oomkit_seen", False):
+                return True
+            for e in (exc, oom):
+                with contextlib.suppress(Exception):
+                    e._oomkit_seen = True  # type: ignore[attr-defined]
+            if self._closed:
+                return True
+            if self._observed_oom:
+                # The allocator's observer already wrote this one, at the failing allocation.
+                self._observed_oom = False
+                return True
+            text = str(oom).strip()
+            message = text.splitlines()[0] if text else type(oom).__name__
+            self._write_oom(message, requested_bytes(text))
+        except Exception as e:  # noqa: BLE001
+            self._error("oom capture", e)
+        return True
+
+    def note(self, record_type: str, **fields: Any) -> None:
+        """Writes an extra record to the run log, such as the batch plan an integration applied."""
+        try:
+            rec: Dict[str, Any] = {"type": record_type, "time": time.time()}
+            rec.update(fields)
+            self._write(rec)
+        except Exception as exc:  # noqa: BLE001
+            self._error(f"note {record_type}", exc)
 
     def find_duplicates(self, when: str = "manual") -> Dict[str, Any]:
         """Finds live tensors that mirror the model's parameters but belong to nothing tracked."""
-        result: Dict[str, Any] = {"type": "duplicates", "when": when, "step": self._step, "bytes": 0, "groups": []}
+        step = self._step_open.step if self._step_open is not None else None
+        result: Dict[str, Any] = {"type": "duplicates", "when": when, "step": step, "bytes": 0, "groups": []}
         try:
             torch = _torch()
             with torch.no_grad():
@@ -239,14 +443,20 @@ class Tracker:
         return result
 
     def close(self) -> None:
-        """Removes the hooks, writes the final record and closes the log."""
+        """Ends what is open, removes the hooks, writes the final record and closes the log."""
         if self._closed:
             return
+        with contextlib.suppress(Exception):
+            while self._phases:
+                self.end_phase()
+            self.end_step()
         self._closed = True
-        for h in self._hooks:
+        _forget_tracker(self)
+        for h in self._model_hooks + self._opt_hooks:
             with contextlib.suppress(Exception):
                 h.remove()
-        self._hooks.clear()
+        self._model_hooks.clear()
+        self._opt_hooks.clear()
         with contextlib.suppress(Exception):
             self._write({"type": "end", "time": time.time(), "steps": self._steps_done})
         with contextlib.suppress(Exception):
@@ -263,52 +473,60 @@ class Tracker:
 
     # ----- measuring --------------------------------------------------------
 
-    def _fold(self) -> None:
-        """Reads the peak since the last reset into every open measure, then resets."""
-        p = self._meter.peak_and_reset()
+    def _sample(self) -> int:
+        """Folds the peak since the last sample into every open measure; returns memory in use now."""
+        peak, now, self._reserved = self._meter.sample()
         for o in self._open:
-            if p > o.peak:
-                o.peak = p
+            if peak > o.peak:
+                o.peak = peak
+        return now
 
-    def _begin(self, kind: str, name: str, step: Optional[int]) -> None:
-        try:
-            self._fold()
-            o = _Open(kind, name, step, self._meter.now())
-            self._open.append(o)
-            if kind == "stage":
-                self._stage = o
-        except Exception as exc:  # noqa: BLE001
-            self._error(f"begin {name}", exc)
+    def _sample_full(self) -> Tuple[int, int]:
+        now = self._sample()
+        return now, self._reserved
 
-    def _finish(self, kind: str) -> None:
+    def _open_measure(self, kind: str, name: str, step: Optional[int], now: int) -> _Open:
+        o = _Open(kind, name, step, now)
+        self._open.append(o)
+        return o
+
+    def _close(self, o: _Open, end: int, reserved: int) -> None:
+        """Writes a finished measure; `end` and `reserved` come from the sample just taken."""
+        with contextlib.suppress(ValueError):
+            self._open.remove(o)
+        if o is self._stage:
+            self._stage = None
+        elif o.kind == "phase" and o in self._phases:
+            self._phases.remove(o)
+        peak = o.peak if o.peak > end else end
+        self._write(
+            {
+                "type": o.kind,
+                "step": o.step,
+                "name": o.name,
+                "start_bytes": o.start,
+                "end_bytes": end,
+                "peak_bytes": peak,
+                "reserved_bytes": reserved,
+                "seconds": time.perf_counter() - o.t0,
+            }
+        )
+        if o.kind == "stage" and o.name == "optimizer" and not self._components_after_first_step:
+            # The optimizer's state exists only after its first step.
+            self._components_after_first_step = True
+            self._write_components()
+        if o.kind == "step" and self._probe:
+            self._write_probe(peak, reserved)
+
+    def _write_components(self) -> None:
         try:
-            idx = max(i for i, o in enumerate(self._open) if o.kind == kind)
-        except ValueError:
-            return
-        try:
-            self._fold()
-            o = self._open.pop(idx)
-            end = self._meter.now()
-            if kind == "stage":
-                self._stage = None
-            reserved = self._meter.reserved()
-            peak = max(o.peak, end)
-            self._write(
-                {
-                    "type": kind,
-                    "step": o.step,
-                    "name": o.name,
-                    "start_bytes": o.start,
-                    "end_bytes": end,
-                    "peak_bytes": peak,
-                    "reserved_bytes": reserved,
-                    "seconds": time.perf_counter() - o.t0,
-                }
-            )
-            if kind == "step" and self._probe:
-                self._write_probe(peak, reserved)
+            with _torch().no_grad():
+                rec = self._components()
+            rec["type"] = "components"
+            rec["step"] = self._step_open.step if self._step_open is not None else None
+            self._write(rec)
         except Exception as exc:  # noqa: BLE001
-            self._error(f"finish {kind}", exc)
+            self._error("components", exc)
 
     def _write_probe(self, peak: int, reserved: int) -> None:
         """Writes the run's peak so far for `oomkit find-batch`, whole or not at all."""
@@ -329,47 +547,49 @@ class Tracker:
             json.dump(record, f)
         os.replace(tmp, self._probe)
 
-    def _end_stage(self) -> None:
-        if self._stage is not None:
-            self._finish("stage")
-
-    def _in_step(self) -> bool:
-        return self._step is not None
+    def _hooks_mark(self) -> bool:
+        """Whether stage hooks should mark a stage now: inside a step, outside any phase."""
+        return self.stage_hooks and self._step_open is not None and not self._phases
 
     # ----- hooks ------------------------------------------------------------
 
-    def _install_hooks(self, model: Any, optimizer: Any) -> None:
-        self._hooks.append(model.register_forward_pre_hook(self._on_forward_pre))
-        self._hooks.append(model.register_forward_hook(self._on_forward))
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._on_opt_pre))
-            self._hooks.append(optimizer.register_step_post_hook(self._on_opt_post))
+    def _install_model_hooks(self, model: Any) -> None:
+        try:
+            if self.stage_hooks:
+                self._model_hooks.append(model.register_forward_pre_hook(self._on_forward_pre))
+            try:
+                # Called also when the forward raises, so an OOM there is
+                # recorded before anything unwinds, even if a framework
+                # catches it (accelerate's batch finder does).
+                self._model_hooks.append(model.register_forward_hook(self._on_forward, always_call=True))
+            except TypeError:  # torch without always_call
+                self._model_hooks.append(model.register_forward_hook(self._on_forward))
+        except Exception as exc:  # noqa: BLE001
+            self._error("model hooks", exc)
 
     def _on_forward_pre(self, module: Any, args: Any) -> None:
-        if not self._in_step() or self._phase is not None:
-            return
-        self._end_stage()
-        self._begin("stage", "forward", self._step)
+        if self._hooks_mark():
+            self.begin_stage("forward")
 
     def _on_forward(self, module: Any, args: Any, output: Any) -> None:
-        if not self._in_step() or self._phase is not None:
+        failing = sys.exc_info()[1]
+        if failing is not None and output is None:
+            self.record_oom(failing)
             return
-        if self._stage is None or self._stage.name != "forward":
+        if not self._hooks_mark() or self._stage is None or self._stage.name != "forward":
             return
-        self._finish("stage")
+        self.end_stage()
         try:
-            torch = _torch()
-            if torch.is_grad_enabled():
-                t = _first_grad_tensor(output)
-                if t is not None:
+            if _torch().is_grad_enabled():
+                for t in _grad_tensors(output):
                     t.register_hook(self._on_backward_start)
         except Exception as exc:  # noqa: BLE001
             self._error("forward hook", exc)
 
     def _on_backward_start(self, grad: Any) -> None:
         try:
-            if self._in_step() and self._stage is None:
-                self._begin("stage", "backward", self._step)
+            if self._hooks_mark() and self._stage is None:
+                self.begin_stage("backward")
                 from torch.autograd import Variable
 
                 Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -379,35 +599,20 @@ class Tracker:
 
     def _on_backward_end(self) -> None:
         if self._stage is not None and self._stage.name == "backward":
-            self._finish("stage")
+            self.end_stage()
             if self._opt_ref is None and self._due():
                 self._grad_health()
 
     def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if not self._in_step():
-            return
-        self._end_stage()
-        if self._due():
-            self._grad_health()
-        self._begin("stage", "optimizer", self._step)
+        if self._hooks_mark():
+            self.begin_stage("optimizer")
 
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._stage is not None and self._stage.name == "optimizer":
-            self._finish("stage")
-        if not self._components_after_first_step:
-            # The optimizer's state exists only after its first step.
-            self._components_after_first_step = True
-            try:
-                with _torch().no_grad():
-                    rec = self._components()
-                rec["type"] = "components"
-                rec["step"] = self._step
-                self._write(rec)
-            except Exception as exc:  # noqa: BLE001
-                self._error("components", exc)
+            self.end_stage()
 
     def _due(self) -> bool:
-        return self._step is not None and self._step % self.grad_every == 0
+        return self._step_open is not None and (self._step_open.step or 0) % self.grad_every == 0
 
     # ----- accounting -------------------------------------------------------
 
@@ -552,7 +757,7 @@ class Tracker:
         return {
             "type": "duplicates",
             "when": when,
-            "step": self._step,
+            "step": self._step_open.step if self._step_open is not None else None,
             "bytes": sum(g["bytes"] for g in out),
             "groups": out,
         }
@@ -564,7 +769,7 @@ class Tracker:
                 grads = [p.grad for p in self._params() if p.grad is not None]
                 rec: Dict[str, Any] = {
                     "type": "grad",
-                    "step": self._step,
+                    "step": self._step_open.step if self._step_open is not None else None,
                     "params_with_grad": len(grads),
                     "grad_bytes": sum(_nbytes(g) for g in grads),
                 }
@@ -601,52 +806,61 @@ class Tracker:
         torch.cuda.memory._record_memory_history(max_entries=max_entries)
         self._history = True
 
-    def _failed(self, exc: BaseException) -> None:
-        """Records an OOM leaving a step or phase; the caller re-raises it."""
-        try:
-            if not is_oom(exc) or getattr(exc, "_oomkit_seen", False):
-                return
-            with contextlib.suppress(Exception):
-                exc._oomkit_seen = True  # type: ignore[attr-defined]
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            stage = self._stage.name if self._stage is not None else None
-            snapshot = None
-            if self._history:
-                snapshot = os.path.join(
-                    os.path.dirname(str(self.log_path)),
-                    f"oom-step{self._step}-rank{self.rank}-{int(time.time())}.pickle",
-                )
-                try:
-                    _torch().cuda.memory._dump_snapshot(snapshot)
-                except Exception as e:  # noqa: BLE001
-                    self._error("dump snapshot", e)
-                    snapshot = None
-            peak = max([o.peak for o in self._open] + [0])
-            self._write(
-                {
-                    "type": "oom",
-                    "time": time.time(),
-                    "step": self._step,
-                    "stage": stage or self._phase,
-                    "phase": self._phase,
-                    "requested_bytes": requested_bytes(str(exc)),
-                    "message": message[:2000],
-                    "memory": {
-                        "allocated_bytes": self._meter.now(),
-                        "reserved_bytes": self._meter.reserved(),
-                        "peak_bytes": peak,
-                        "capacity_bytes": self._meter.capacity,
-                    },
-                    "snapshot": snapshot,
-                }
+    def _write_oom(self, message: str, requested: Optional[int]) -> None:
+        """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis."""
+        step = self._step_open.step if self._step_open is not None else None
+        phase = self.current_phase
+        stage = self._stage.name if self._stage is not None else None
+        snapshot = None
+        if self._history:
+            snapshot = os.path.join(
+                os.path.dirname(str(self.log_path)),
+                f"oom-step{step}-rank{self.rank}-{int(time.time())}.pickle",
             )
-            self.find_duplicates(when="oom")
-            self._log.flush()
-            report = _native.analyze_run_text(self.log_path)
-            sys.stderr.write(f"\noomkit (rank {self.rank}): out of memory, diagnosis\n{report}\n")
-            sys.stderr.flush()
+            try:
+                _torch().cuda.memory._dump_snapshot(snapshot)
+            except Exception as e:  # noqa: BLE001
+                self._error("dump snapshot", e)
+                snapshot = None
+        peak = max([o.peak for o in self._open] + [0])
+        self._write(
+            {
+                "type": "oom",
+                "time": time.time(),
+                "step": step,
+                "stage": stage or phase,
+                "phase": phase,
+                "requested_bytes": requested,
+                "message": message[:2000],
+                "memory": {
+                    "allocated_bytes": self._meter.now(),
+                    "reserved_bytes": self._meter.reserved(),
+                    "peak_bytes": peak,
+                    "capacity_bytes": self._meter.capacity,
+                },
+                "snapshot": snapshot,
+            }
+        )
+        self.find_duplicates(when="oom")
+        self._log.flush()
+        report = _native.analyze_run_text(self.log_path)
+        sys.stderr.write(f"\noomkit (rank {self.rank}): out of memory, diagnosis\n{report}\n")
+        sys.stderr.flush()
+
+    def _on_allocator_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        """Records an OOM the CUDA allocator reports, at the failing allocation, even if a framework swallows the error."""
+        try:
+            if self._closed or device != getattr(self._meter, "index", None):
+                return
+            self._write_oom(
+                f"CUDA out of memory (seen by the allocator): tried to allocate {alloc} bytes "
+                f"with {device_free} bytes free on GPU {device}",
+                int(alloc),
+            )
+            # The exception that follows is this same OOM.
+            self._observed_oom = True
         except Exception as e:  # noqa: BLE001
-            self._error("oom capture", e)
+            self._error("allocator oom observer", e)
 
     # ----- plumbing ---------------------------------------------------------
 
@@ -699,12 +913,24 @@ def _collect_tensors(v: Any, out: List[Any], depth: int) -> None:
             _collect_tensors(x, out, depth - 1)
 
 
-def _first_grad_tensor(output: Any, depth: int = 4) -> Any:
-    """Finds a tensor in a model's output through which backward will pass."""
-    if depth < 0:
-        return None
+# How many tensors of a model's output get a hook that marks the start of backward.
+_BACKWARD_MARKS = 4
+
+
+def _grad_tensors(output: Any, depth: int = 4, out: Optional[List[Any]] = None) -> List[Any]:
+    """Finds up to a few tensors in a model's output through which backward may pass.
+
+    Several, because the loss a framework backpropagates is not always the
+    first tensor of the output (a custom loss on the logits, say); the first
+    hook to fire starts the backward stage.
+    """
+    found: List[Any] = [] if out is None else out
+    if depth < 0 or len(found) >= _BACKWARD_MARKS:
+        return found
     if _is_tensor(output):
-        return output if output.requires_grad else None
+        if output.requires_grad:
+            found.append(output)
+        return found
     if isinstance(output, dict):
         items = list(output.values())
     elif isinstance(output, (list, tuple)):
@@ -712,12 +938,42 @@ def _first_grad_tensor(output: Any, depth: int = 4) -> Any:
     elif hasattr(output, "__dict__"):
         items = list(vars(output).values())
     else:
-        return None
+        return found
     for v in items:
-        t = _first_grad_tensor(v, depth - 1)
-        if t is not None:
-            return t
-    return None
+        _grad_tensors(v, depth - 1, found)
+        if len(found) >= _BACKWARD_MARKS:
+            break
+    return found
+
+
+# Trackers on CUDA that hear the allocator's OOM observer; the observer
+# cannot be removed once attached, so one is attached per process.
+_WATCHERS: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+_OBSERVER_ATTACHED = False
+
+
+def _allocator_oom(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    for t in list(_WATCHERS):
+        t._on_allocator_oom(device, alloc, device_allocated, device_free)
+
+
+def _watch_allocator_ooms(tracker: Tracker) -> None:
+    """Has the CUDA allocator tell ``tracker`` of every OOM, where torch offers the (private) observer."""
+    global _OBSERVER_ATTACHED
+    _WATCHERS.add(tracker)
+    if _OBSERVER_ATTACHED:
+        return
+    try:
+        attach = getattr(_torch()._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is not None:
+            attach(_allocator_oom)
+            _OBSERVER_ATTACHED = True
+    except Exception as exc:  # noqa: BLE001
+        tracker._error("allocator oom observer", exc)
+
+
+def _forget_tracker(tracker: Tracker) -> None:
+    _WATCHERS.discard(tracker)
 
 
 @contextlib.contextmanager

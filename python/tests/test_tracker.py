@@ -178,7 +178,7 @@ def test_tracker_failures_never_reach_the_training_loop(tmp_path, monkeypatch):
         def broken():
             raise RuntimeError("meter broke")
 
-        monkeypatch.setattr(tracker._meter, "now", broken)
+        monkeypatch.setattr(tracker._meter, "sample", broken)
         for i in range(3):
             with tracker.step(i):
                 model(torch.randn(4, 64)).sum().backward()
@@ -308,3 +308,160 @@ def test_one_log_per_rank_and_console_from_rank_zero(tmp_path):
     for rank, path in enumerate(paths):
         a = oomkit.analyze(path)
         assert a["rank"] == rank
+
+
+def stage_sequence(log_path):
+    """The (step, name) of every stage record, in order."""
+    return [(r["step"], r["name"]) for r in map(json.loads, open(log_path)) if r["type"] == "stage"]
+
+
+class Wrapper(torch.optim.Optimizer):
+    """Wraps an optimizer without calling Optimizer.__init__, as accelerate's AcceleratedOptimizer does."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def test_a_wrapped_optimizer_is_unwrapped_and_its_state_counted(tmp_path):
+    model = MLP(64, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = Wrapper(Wrapper(inner))
+    # The wrapper has none of torch's hook tables: hooking it directly raises.
+    with pytest.raises(AttributeError):
+        wrapped.register_step_pre_hook(lambda *a: None)
+    with oomkit.Tracker(model, optimizer=wrapped, log_dir=tmp_path) as tracker:
+        assert tracker.optimizer is inner
+        for i in range(2):
+            with tracker.step(i):
+                model(torch.randn(4, 64)).sum().backward()
+                wrapped.step()
+                wrapped.zero_grad()
+    assert stage_sequence(tracker.log_path) == [(i, s) for i in range(2) for s in ("forward", "backward", "optimizer")]
+    a = oomkit.analyze(tracker.log_path)
+    assert a["components"]["optimizer_state_bytes"] >= 2 * a["components"]["params_bytes"]
+    assert not any(w["kind"] == "tracker_errors" for w in a["warnings"])
+
+
+def test_hooks_that_cannot_be_installed_are_logged_and_training_goes_on(tmp_path):
+    class NoHooks:
+        """An optimizer-like object torch cannot hook."""
+
+        param_groups = []
+
+        def step(self):
+            pass
+
+    model = MLP(64, 2)
+    with oomkit.Tracker(model, optimizer=NoHooks(), log_dir=tmp_path) as tracker:
+        with tracker.step(0):
+            model(torch.randn(4, 64)).sum().backward()
+    a = oomkit.analyze(tracker.log_path)
+    assert any(w["kind"] == "tracker_errors" for w in a["warnings"]), a["warnings"]
+    assert a["steps"] == 1
+
+
+def test_begin_and_end_calls_mark_steps_stages_and_phases_without_hooks(tmp_path):
+    model = MLP(64, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path, stage_hooks=False)
+    for i in range(3):
+        tracker.begin_step(i)
+        for _ in range(2):  # two micro-batches
+            tracker.begin_stage("forward")
+            loss = model(torch.randn(4, 64)).sum()
+            tracker.begin_stage("backward")
+            loss.backward()
+            tracker.end_stage()
+        tracker.begin_stage("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker.end_step()
+    tracker.begin_phase("eval")
+    with torch.no_grad():
+        model(torch.randn(4, 64))
+    tracker.end_phase()
+    tracker.end_phase()  # nothing open: does nothing
+    tracker.end_step()
+    tracker.close()
+    per_step = ["forward", "backward", "forward", "backward", "optimizer"]
+    assert stage_sequence(tracker.log_path) == [(i, s) for i in range(3) for s in per_step]
+    a = oomkit.analyze(tracker.log_path)
+    counts = {(s["kind"], s["name"]): s["count"] for s in a["stages"]}
+    assert counts[("step", "step")] == 3 and counts[("phase", "eval")] == 1
+    assert not any(w["kind"] == "tracker_errors" for w in a["warnings"])
+
+
+def test_an_oom_in_forward_is_recorded_even_when_the_caller_swallows_it(tmp_path):
+    model = MLP(64, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = oomkit.Tracker(model, optimizer=opt, log_dir=tmp_path)
+
+    def huge(module, args, output):
+        # A real allocator failure inside the forward.
+        torch.empty(1 << 62, dtype=torch.uint8)
+
+    handle = model.head.register_forward_hook(huge)
+    tracker.begin_step(0)
+    try:
+        model(torch.randn(4, 64))
+    except RuntimeError as exc:  # a framework's retry loop would swallow it
+        swallowed = exc
+    handle.remove()
+    tracker.end_step()
+    # Raising it later (or again) does not record it twice.
+    assert tracker.record_oom(swallowed) is True
+    tracker.close()
+    ooms = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    assert len(ooms) == 1
+    assert ooms[0]["stage"] == "forward" and ooms[0]["step"] == 0
+    assert ooms[0]["requested_bytes"] == 1 << 62
+
+
+def test_an_oom_wrapped_by_a_framework_is_found_through_its_cause(tmp_path):
+    model = MLP(64, 2)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path)
+    try:
+        try:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        except RuntimeError as e:
+            # The Hugging Face Trainer's evaluation wraps it like this.
+            raise RuntimeError("Evaluation hit an out-of-memory error.") from e
+    except RuntimeError as wrapped:
+        outer = wrapped
+    assert oomkit.is_oom(outer)
+    assert not oomkit.is_oom(RuntimeError("Evaluation hit an error."))
+    tracker.begin_phase("eval")
+    assert tracker.record_oom(outer) is True
+    assert tracker.record_oom(ValueError("not memory")) is False
+    tracker.close()
+    [oom] = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    assert oom["phase"] == "eval" and oom["requested_bytes"] == 1 << 62
+    assert "DefaultCPUAllocator" in oom["message"]
+    # accelerate's give-up is an OOM too, though no allocator message is chained to it.
+    assert oomkit.is_oom(RuntimeError("No executable batch size found, reached zero."))
+
+
+def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
+    model = MLP(64, 2)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path)
+    tracker._meter.index = 0  # as a tracker on cuda:0 is
+    tracker.begin_step(5)
+    tracker.begin_stage("backward")
+    # What torch's CUDA allocator calls, with (device, alloc, device_allocated, device_free).
+    tracker._on_allocator_oom(1, 1 << 30, 0, 0)  # another device: not ours
+    tracker._on_allocator_oom(0, 3 << 30, 70 << 30, 1 << 29)
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+    assert tracker.record_oom(exc) is True
+    tracker.close()
+    [oom] = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    assert (oom["step"], oom["stage"], oom["requested_bytes"]) == (5, "backward", 3 << 30)

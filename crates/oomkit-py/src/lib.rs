@@ -204,6 +204,12 @@ fn reset_process_peak_rss() -> bool {
     oomkit_runlog::process::reset_peak_rss()
 }
 
+/// Returns (peak RSS since the last reset, RSS now) in bytes from one read, resetting the peak when asked; (0, 0) where unknown.
+#[pyfunction]
+fn process_sample(reset: bool) -> (u64, u64) {
+    oomkit_runlog::process::sample_rss(reset).unwrap_or((0, 0))
+}
+
 /// Runs the oomkit command line (argv with the program name first) and returns its exit code.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
@@ -254,6 +260,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(process_rss, m)?)?;
     m.add_function(wrap_pyfunction!(process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(reset_process_peak_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(process_sample, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
     m.add_function(wrap_pyfunction!(oom_requested_bytes, m)?)?;

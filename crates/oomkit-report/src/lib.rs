@@ -283,6 +283,27 @@ pub fn run_json(run: &RunFile) -> Value {
     v
 }
 
+/// One line saying which micro-batch plan the run used and who chose it.
+fn plan_line(p: &oomkit_runlog::Plan) -> String {
+    let n = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |x| x.to_string());
+    let by = match (p.source.as_str(), p.attempt) {
+        ("", _) => String::new(),
+        (s, Some(a)) => format!(", from {s} (attempt {a})"),
+        (s, None) => format!(", from {s}"),
+    };
+    let on = if p.framework.is_empty() {
+        String::new()
+    } else {
+        format!(" in {}", p.framework)
+    };
+    format!(
+        "plan: micro-batch {} x accumulation {} = {} samples per optimizer step{by}{on}",
+        n(p.micro_batch),
+        n(p.grad_accum),
+        n(p.effective_batch)
+    )
+}
+
 /// Renders a run log's analysis for a terminal.
 pub fn run_text(run: &RunFile) -> String {
     let a = &run.analysis;
@@ -303,6 +324,9 @@ pub fn run_text(run: &RunFile) -> String {
         a.steps,
         human_bytes(a.peak_bytes)
     );
+    if let Some(p) = &a.plan {
+        let _ = writeln!(out, "{}", plan_line(p));
+    }
     if !a.stages.is_empty() {
         let _ = writeln!(
             out,

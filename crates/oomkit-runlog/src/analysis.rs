@@ -1,6 +1,6 @@
 //! What a run log says: stage table, leaks, eval spikes, gradients, components.
 
-use crate::record::{Components, MeasureKind, Run};
+use crate::record::{Components, MeasureKind, Plan, Run};
 use oomkit_snapshot::human_bytes;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -137,6 +137,8 @@ pub struct Analysis {
     pub grad_nonfinite_checks: u64,
     /// OOMs.
     pub ooms: Vec<OomSummary>,
+    /// The latest batch plan an integration recorded, or null.
+    pub plan: Option<Plan>,
     /// Conclusions, most urgent first.
     pub findings: Vec<Finding>,
     /// Limits of the evidence.
@@ -493,6 +495,7 @@ pub fn analyze(run: &Run) -> Analysis {
         components,
         grad_nonfinite_checks: nonfinite.len() as u64,
         ooms,
+        plan: run.plans.last().cloned(),
         findings,
         warnings,
     }

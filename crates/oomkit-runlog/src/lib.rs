@@ -19,6 +19,6 @@ pub use analysis::{
 pub use error::{Error, Result};
 pub use record::{
     is_run_log, Components, DuplicateGroup, Duplicates, Grad, Measure, MeasureKind, ModuleCost,
-    Oom, OomMemory, Run, Start,
+    Oom, OomMemory, Plan, Run, Start,
 };
 pub use writer::Writer;

@@ -28,6 +28,132 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// Open handles on this process's `/proc` files, the pid they belong to, and
+/// what the last reset of the peak left behind.
+#[cfg(unix)]
+struct ProcFiles {
+    pid: u32,
+    status: std::fs::File,
+    statm: std::fs::File,
+    clear_refs: Option<std::fs::File>,
+    /// `getrusage`'s peak right after the last reset: the least peak that
+    /// belongs to the interval since.
+    floor: u64,
+    /// Whether `floor` is the peak the kernel kept at exec (the image the
+    /// process was started from) rather than memory in use at the reset.
+    floor_stale: bool,
+}
+
+/// The handles, kept open so that a sample costs a read and a write instead of opens and closes.
+#[cfg(unix)]
+static PROC_FILES: std::sync::Mutex<Option<ProcFiles>> = std::sync::Mutex::new(None);
+
+/// Largest `/proc/self/status` read; the file is about 1.5 KiB.
+const STATUS_BUF: usize = 8192;
+
+#[cfg(unix)]
+fn getrusage_peak() -> u64 {
+    // SAFETY: getrusage writes the struct it is given and nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    // Linux reports ru_maxrss in KiB.
+    (ru.ru_maxrss.max(0) as u64) * 1024
+}
+
+#[cfg(unix)]
+fn status_peak(status: &std::fs::File) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; STATUS_BUF];
+    let n = status.read_at(&mut buf, 0).ok()?;
+    let text = std::str::from_utf8(&buf[..n]).ok()?;
+    let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line["VmHWM:".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(unix)]
+fn statm_rss(statm: &std::fs::File) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 256];
+    let n = statm.read_at(&mut buf, 0).ok()?;
+    let pages: u64 = std::str::from_utf8(&buf[..n])
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(pages * page_size())
+}
+
+/// Returns the peak resident set size since the last reset and the resident set size now, in
+/// bytes, and resets the peak when `reset` is true; `None` where `/proc` cannot be read.
+///
+/// The peak comes from `getrusage`, which costs no file read, whenever it
+/// can only be this interval's: the kernel reports the larger of the
+/// resettable peak (VmHWM) and a peak it never resets (the peak of the
+/// image the process was exec'ed from: its parent's, after vfork). Where that
+/// second figure may hide the interval's peak, it is read from
+/// `/proc/self/status` instead.
+#[cfg(unix)]
+pub fn sample_rss(reset: bool) -> Option<(u64, u64)> {
+    use std::io::Write;
+    let mut guard = PROC_FILES.lock().ok()?;
+    let pid = std::process::id();
+    // A forked child inherits the handles, which still name its parent's files.
+    if guard.as_ref().is_none_or(|f| f.pid != pid) {
+        *guard = Some(ProcFiles {
+            pid,
+            status: std::fs::File::open("/proc/self/status").ok()?,
+            statm: std::fs::File::open("/proc/self/statm").ok()?,
+            clear_refs: std::fs::OpenOptions::new()
+                .write(true)
+                .open("/proc/self/clear_refs")
+                .ok(),
+            floor: u64::MAX,
+            floor_stale: true,
+        });
+    }
+    let files = guard.as_mut()?;
+    let ru = getrusage_peak();
+    let now = statm_rss(&files.statm)?;
+    let peak = if ru > files.floor {
+        // Above everything the last reset left: the interval's own peak.
+        ru
+    } else if !files.floor_stale {
+        // The interval never rose above where it started.
+        files.floor
+    } else {
+        status_peak(&files.status)?
+    };
+    if reset {
+        if let Some(f) = files.clear_refs.as_mut() {
+            // Writing 5 resets VmHWM to the current resident set (Linux 4.0+).
+            if f.write_all(b"5").is_ok() {
+                let after = getrusage_peak();
+                files.floor = after;
+                // Right after a reset VmHWM is the resident set; more means
+                // the never-reset figure is what getrusage shows (or that
+                // memory grew since `now` was read: the slow path is then
+                // taken for nothing, which costs time, never accuracy).
+                files.floor_stale = after > now;
+            }
+        }
+    }
+    Some((peak.max(now), now))
+}
+
+/// Returns `None`: only Linux's `/proc` gives these figures.
+#[cfg(not(unix))]
+pub fn sample_rss(_reset: bool) -> Option<(u64, u64)> {
+    None
+}
+
 #[cfg(unix)]
 fn page_size() -> u64 {
     // SAFETY: sysconf reads a constant of the running system.
@@ -48,8 +174,19 @@ fn page_size() -> u64 {
 mod tests {
     use super::*;
 
+    /// The process's memory is shared by every test thread: one test measures at a time.
+    static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// How far apart two readings of the resident set can be at one moment.
+    const SLACK: u64 = 1 << 20;
+
+    fn touched(bytes: usize) -> Vec<u8> {
+        vec![1u8; bytes]
+    }
+
     #[test]
     fn rss_grows_with_touched_memory_and_peak_resets() {
+        let _one = MEMORY.lock();
         if rss_bytes() == 0 {
             return; // not Linux
         }
@@ -62,5 +199,80 @@ mod tests {
         if reset_peak_rss() {
             assert!(peak_rss_bytes() < during);
         }
+    }
+
+    #[test]
+    fn one_sample_reads_the_peak_and_the_current_set_and_resets() {
+        let _one = MEMORY.lock();
+        let Some((_, before)) = sample_rss(true) else {
+            return; // not Linux
+        };
+        let v = vec![1u8; 64 << 20];
+        let (peak, during) = sample_rss(true).expect("readable");
+        assert!(during >= before + (60 << 20), "{before} -> {during}");
+        assert!(peak >= during);
+        drop(v);
+        let (_, after) = sample_rss(false).expect("readable");
+        let (peak_after, _) = sample_rss(true).expect("readable");
+        if reset_peak_rss() {
+            // The peak of the interval since the last reset, not of the process.
+            assert!(peak_after < during, "{peak_after} >= {during}");
+            assert!(peak_after >= after);
+        }
+    }
+
+    /// Set in the child that `a_large_parent_does_not_inflate_later_peaks` starts.
+    const CHILD_ENV: &str = "OOMKIT_TEST_PEAK_CHILD";
+
+    #[test]
+    fn a_large_parent_does_not_inflate_later_peaks() {
+        if std::env::var_os(CHILD_ENV).is_some() || sample_rss(true).is_none() || !reset_peak_rss()
+        {
+            return; // the child itself, or not Linux, or no resettable peak
+        }
+        // The kernel keeps, for good, the peak of the image a process was
+        // exec'ed from (its parent's, after vfork), and getrusage reports it:
+        // the child must not mistake it for its own.
+        let held = touched(192 << 20);
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "--exact",
+                "process::tests::child_measures_its_own_peak",
+                "--nocapture",
+            ])
+            .env(CHILD_ENV, "1")
+            .output()
+            .expect("child runs");
+        drop(held);
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(said.contains("child peaks ok"), "{said}");
+    }
+
+    #[test]
+    fn child_measures_its_own_peak() {
+        if std::env::var_os(CHILD_ENV).is_none() {
+            return; // run only as the child of the test above
+        }
+        let _ = sample_rss(true);
+        let _ = sample_rss(true);
+        let v = touched(16 << 20);
+        let small = rss_bytes();
+        drop(v);
+        let (peak, now) = sample_rss(true).expect("readable");
+        let inherited = getrusage_peak();
+        assert!(peak + SLACK >= small, "{peak} < {small}");
+        assert!(
+            peak < small + (64 << 20),
+            "peak {peak} is the parent's ({inherited}), not this interval's ({small}, now {now})"
+        );
+        // The parent reads this line to know the child's checks ran.
+        let line =
+            format!("child peaks ok: peak {peak}, interval {small}, inherited {inherited}\n");
+        std::io::Write::write_all(&mut std::io::stdout(), line.as_bytes()).expect("stdout");
     }
 }

@@ -165,6 +165,24 @@ pub struct Oom {
     pub snapshot: Option<String>,
 }
 
+/// The micro-batch and accumulation a run used, as a framework integration applied or read them.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct Plan {
+    /// Samples per forward pass on one process.
+    pub micro_batch: Option<u64>,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: Option<u64>,
+    /// Micro-batch x accumulation: samples per optimizer step on one process.
+    pub effective_batch: Option<u64>,
+    /// `oomkit run`'s attempt number, when it chose the plan.
+    pub attempt: Option<u64>,
+    /// Who chose it: `oomkit run`, or the framework's own arguments.
+    pub source: String,
+    /// The framework the plan was applied to, e.g. `transformers` or `lightning`.
+    pub framework: String,
+}
+
 /// The `start` record: who ran, where, and what the model costs.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default)]
@@ -204,6 +222,8 @@ pub struct Run {
     pub duplicates: Vec<Duplicates>,
     /// OOMs.
     pub ooms: Vec<Oom>,
+    /// Batch plans, in order (a framework that retries in-process writes one per attempt).
+    pub plans: Vec<Plan>,
     /// Messages of failures inside the tracker, which it logged instead of raising.
     pub tracker_errors: Vec<String>,
     /// True when the log has an `end` record (the tracker was closed).
@@ -291,6 +311,7 @@ impl Run {
                 "grad" => run.grads.push(typed(value, n)?),
                 "duplicates" => run.duplicates.push(typed(value, n)?),
                 "oom" => run.ooms.push(typed(value, n)?),
+                "plan" => run.plans.push(typed(value, n)?),
                 "error" => run.tracker_errors.push(
                     value
                         .get("message")

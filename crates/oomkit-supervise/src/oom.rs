@@ -33,6 +33,9 @@ pub enum OomKind {
     Cudnn,
     /// Host memory, through PyTorch's CPU allocator.
     Cpu,
+    /// accelerate's `find_executable_batch_size` (behind the Hugging Face
+    /// Trainer's `auto_find_batch_size`) ran out at every batch size it tried.
+    BatchFinderExhausted,
     /// `OutOfMemoryError` with no further detail.
     Unspecified,
 }
@@ -49,6 +52,11 @@ const MARKERS: &[(&str, OomKind)] = &[
     ("CUDNN_STATUS_NOT_SUPPORTED", OomKind::Cudnn),
     ("DefaultCPUAllocator: can't allocate memory", OomKind::Cpu),
     ("DefaultCPUAllocator: not enough memory", OomKind::Cpu),
+    // accelerate raises this outside its `except`, so no chained OOM follows it.
+    (
+        "No executable batch size found",
+        OomKind::BatchFinderExhausted,
+    ),
     ("OutOfMemoryError", OomKind::Unspecified),
 ];
 
@@ -398,6 +406,11 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 hb(req)
             )
         }
+        Cause::Capacity if m.kind == OomKind::BatchFinderExhausted => {
+            advice.push("accelerate halves the micro-batch (x0.9 since accelerate 1.9) but leaves gradient accumulation alone, so it cannot keep the effective batch: `oomkit run --batch-size B --effective-batch N -- CMD` retries with a smaller micro-batch and more accumulation, and `oomkit find-batch` finds the largest micro-batch that fits.".into());
+            advice.push("Batch size 1 did not fit either: the fixed part (weights, gradients, optimizer state) or one sample's activations is too large; recompute activations (gradient_checkpointing_enable()), shorten the sequence, or shrink optimizer state (8-bit or fused AdamW, FSDP/ZeRO). `oomkit estimate` shows each part.".into());
+            "accelerate's find_executable_batch_size (the Trainer's auto_find_batch_size) ran out of memory at every batch size down to 1 and gave up.".to_string()
+        }
         Cause::Capacity => {
             let cut = shortfall.unwrap_or(0);
             if m.kind == OomKind::Cpu {
@@ -535,6 +548,10 @@ mod tests {
         );
         assert_eq!(detect("step 10 loss 2.1"), None);
         assert_eq!(detect("torch.OutOfMemoryError"), Some(OomKind::Unspecified));
+        assert_eq!(
+            detect("RuntimeError: No executable batch size found, reached zero."),
+            Some(OomKind::BatchFinderExhausted)
+        );
     }
 
     #[test]

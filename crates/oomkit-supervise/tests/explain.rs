@@ -186,6 +186,26 @@ Traceback (most recent call last):
     assert!(explain("step 10 loss 2.31\nall good\n", None).is_none());
 }
 
+// https://github.com/huggingface/accelerate/issues/1934 (the Trainer's
+// auto_find_batch_size giving up; raised outside accelerate's `except`, so the
+// traceback holds no CUDA message before it)
+const BATCH_FINDER: &str = r#"  File "site-packages/accelerate/utils/memory.py", line 134, in decorator
+    raise RuntimeError("No executable batch size found, reached zero.")
+RuntimeError: No executable batch size found, reached zero."#;
+
+#[test]
+fn batch_finder_gave_up() {
+    let e = explain(BATCH_FINDER, None).expect("found");
+    assert_eq!(e.message.kind, OomKind::BatchFinderExhausted);
+    assert_eq!(
+        e.messages, 1,
+        "the source line in the traceback is not a second failure"
+    );
+    assert_eq!(e.cause, Cause::Capacity);
+    assert!(e.summary.contains("auto_find_batch_size"), "{}", e.summary);
+    assert!(e.advice[0].contains("--effective-batch"), "{}", e.advice[0]);
+}
+
 mod fuzz {
     use super::*;
     use proptest::prelude::*;
