@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
-# and pip installs maturin, pytest and PyTorch (CPU use) into .venv, which
+# and pip installs maturin, pytest, PyTorch (CPU use), transformers, accelerate
+# and lightning into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -44,5 +45,14 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"
 python -c "import maturin, pytest" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest
 python -c "import torch" 2>/dev/null || python -m pip install -q torch
+# The integration tests train tiny models with the real frameworks (built
+# from configs; nothing is downloaded). transformers needs Python 3.10+;
+# on older Pythons those tests are skipped with a message.
+if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  python -c "import transformers, accelerate, lightning" 2>/dev/null \
+    || python -m pip install -q transformers accelerate lightning
+else
+  echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
+fi
 python -m pip install -q --no-build-isolation --force-reinstall --no-deps .
 python -m pytest -q python/tests

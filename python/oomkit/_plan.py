@@ -1,0 +1,86 @@
+"""The micro-batch plan that `oomkit run` hands a training command through its environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+# Set by `oomkit run` for every attempt (README, "oomkit run").
+MICRO_BATCH_ENV = "OOMKIT_MICRO_BATCH"
+GRAD_ACCUM_ENV = "OOMKIT_GRAD_ACCUM"
+EFFECTIVE_BATCH_ENV = "OOMKIT_EFFECTIVE_BATCH"
+ATTEMPT_ENV = "OOMKIT_ATTEMPT"
+# Set by `oomkit run` (unless --no-auto-callback) so that Lightning's entry
+# point adds oomkit's callback; never set otherwise.
+AUTO_CALLBACK_ENV = "OOMKIT_AUTO_CALLBACK"
+# Where integrations write run logs when no log_dir is given.
+LOG_DIR_ENV = "OOMKIT_LOG_DIR"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Micro-batch and gradient accumulation for one process, and where they came from."""
+
+    micro_batch: int
+    grad_accum: int
+    effective_batch: Optional[int] = None
+    attempt: Optional[int] = None
+    source: str = "oomkit run"
+
+    def record(self, framework: str) -> Dict[str, Any]:
+        """The fields of the run log's ``plan`` record."""
+        return {
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "effective_batch": self.effective_batch or self.micro_batch * self.grad_accum,
+            "attempt": self.attempt,
+            "source": self.source,
+            "framework": framework,
+        }
+
+
+def _int(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        sys.stderr.write(f"oomkit: ignoring {name}={raw!r}: not a whole number\n")
+        return None
+    return value if value > 0 else None
+
+
+def from_env() -> Optional[Plan]:
+    """The plan `oomkit run` chose for this attempt, or None outside `oomkit run` (or without --batch-size)."""
+    micro = _int(MICRO_BATCH_ENV)
+    if micro is None:
+        return None
+    return Plan(
+        micro_batch=micro,
+        grad_accum=_int(GRAD_ACCUM_ENV) or 1,
+        effective_batch=_int(EFFECTIVE_BATCH_ENV),
+        attempt=_int(ATTEMPT_ENV),
+    )
+
+
+def auto_callback_requested() -> bool:
+    """True when `oomkit run` asked frameworks with entry points to add oomkit's callback."""
+    return os.environ.get(AUTO_CALLBACK_ENV, "") == "1"
+
+
+def default_log_dir(framework_dir: "str | os.PathLike[str] | None") -> str:
+    """``$OOMKIT_LOG_DIR`` when set, else ``oomkit-logs`` under the framework's output folder."""
+    env = os.environ.get(LOG_DIR_ENV)
+    if env:
+        return env
+    return os.path.join(os.fspath(framework_dir) if framework_dir else ".", "oomkit-logs")
+
+
+def say(message: str) -> None:
+    """One line on stderr, from rank 0 only."""
+    if os.environ.get("RANK", "0") in ("0", ""):
+        sys.stderr.write(f"oomkit: {message}\n")
+        sys.stderr.flush()

@@ -1,0 +1,128 @@
+"""A tiny Hugging Face Trainer run on CPU with oomkit's callback, built from a config (no download).
+
+Run as a script it trains and prints the run log's path; flags plant a real
+allocator OOM above a micro-batch size or at a step, in the forward or the
+backward. The tests import `build` to drive it in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.utils.data import Dataset
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from oomkit.integrations.transformers import OomkitCallback  # noqa: E402
+
+VOCAB = 128
+CTX = 16
+
+
+class Tokens(Dataset):
+    """Random token sequences; labels are the inputs, as for language modelling."""
+
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, CTX), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def huge() -> None:
+    """A real allocator failure: the CPU allocator refuses 4 EiB at once."""
+    torch.empty(1 << 62, dtype=torch.uint8)
+
+
+class Planted(GPT2LMHeadModel):
+    """GPT-2 whose forward (or backward) runs out of memory where the test says."""
+
+    oom_above = 0  # micro-batch above which the forward runs out of memory
+    oom_at_step = -1  # forward call at which it runs out
+    oom_in_backward = False
+    calls = 0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if self.training:
+            Planted.calls += 1
+            due = (self.oom_above and input_ids.shape[0] > self.oom_above) or Planted.calls - 1 == self.oom_at_step
+            if due and not self.oom_in_backward:
+                huge()
+            if due and self.oom_in_backward:
+                out.loss = _FailInBackward.apply(out.loss)
+        return out
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        huge()
+        return g
+
+
+def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_steps: int = 0, callback=None, **planted) -> Trainer:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=CTX, bos_token_id=0, eos_token_id=0)
+    model = Planted(config)
+    # Each build plants only what it is given.
+    settings = {"oom_above": 0, "oom_at_step": -1, "oom_in_backward": False, **planted}
+    for k, v in settings.items():
+        setattr(Planted, k, v)
+    Planted.calls = 0
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=accum,
+        max_steps=steps,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps or None,
+        dataloader_num_workers=0,
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(8) if eval_steps else None,
+        callbacks=[callback if callback is not None else OomkitCallback()],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--oom-above", type=int, default=0)
+    args = ap.parse_args()
+    trainer = build(args.out, batch=args.batch, accum=args.accum, steps=args.steps, oom_above=args.oom_above)
+    trainer.train()
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OomkitCallback))
+    print(f"log: {cb.tracker.log_path}")
+    print(f"trained with micro-batch {trainer._train_batch_size} x accumulation {trainer.args.gradient_accumulation_steps}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
