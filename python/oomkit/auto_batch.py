@@ -96,6 +96,7 @@ def auto_batch(
     min_batch_size: int = 1,
     max_retries: Optional[int] = None,
     group: Any = None,
+    accelerator: Any = None,
 ) -> Any:
     """Calls ``fn(micro_batch, grad_accum, *args, **kwargs)``, halving the micro-batch after each OOM.
 
@@ -136,6 +137,8 @@ def auto_batch(
                 failure: Optional[BaseException] = None
                 result: Any = None
                 here = False
+                if accelerator is not None:
+                    accelerator.gradient_accumulation_steps = accum
                 try:
                     result = f(micro, accum, *args, **kwargs)
                 except _StepDown as exc:
@@ -158,6 +161,8 @@ def auto_batch(
                         f"another rank ran out of memory at micro-batch {micro}, and no smaller one is allowed"
                     )
                 failure = None
+                if accelerator is not None:
+                    accelerator.free_memory()
                 _free_memory()
                 retries += 1
                 where = "this rank" if here else "another rank"

@@ -89,6 +89,9 @@ pub struct RunArgs {
     /// After the last OOM on the GPU, run once more on the CPU.
     #[arg(long)]
     cpu_fallback: bool,
+    /// Do not set OOMKIT_AUTO_CALLBACK=1, which has Lightning add oomkit's callback by itself.
+    #[arg(long)]
+    no_auto_callback: bool,
     /// Write the attempts as JSON to this new file.
     #[arg(long, value_name = "FILE")]
     summary_json: Option<PathBuf>,
@@ -280,6 +283,7 @@ pub fn run(a: RunArgs) -> u8 {
         min_batch_size: a.min_batch_size,
         max_retries: a.max_retries,
         cpu_fallback: a.cpu_fallback,
+        auto_callback: !a.no_auto_callback,
         claims: ClaimDir::default_location(),
     };
     let summary = match oomkit_supervise::supervise(&opts, &mut |m| say(m)) {

@@ -240,6 +240,25 @@ echo "RuntimeError: CUDA error: out of memory" >&2; exit 1"#,
 }
 
 #[test]
+fn run_asks_for_framework_callbacks_unless_told_not_to() {
+    let s = Sandbox::new("autocallback");
+    s.gpus(&[(80, 80)]);
+    let show = ["sh", "-c", "echo auto=[${OOMKIT_AUTO_CALLBACK-unset}]"];
+    let out = s.run(&[&["run", "--gpus", "0", "--"][..], &show[..]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "auto=[1]");
+    let out = s.run(
+        &[
+            &["run", "--gpus", "0", "--no-auto-callback", "--"][..],
+            &show[..],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "auto=[unset]");
+}
+
+#[test]
 fn run_without_gpu_warns_or_fails_with_require_gpu() {
     let s = Sandbox::new("runnogpu");
     s.gpus(&[]);

@@ -33,6 +33,8 @@ pub struct RunOptions {
     pub max_retries: u32,
     /// After the last GPU attempt fails with an OOM, run once more on the CPU.
     pub cpu_fallback: bool,
+    /// Ask frameworks with entry points (Lightning) to add oomkit's callback, through [`AUTO_CALLBACK_ENV`].
+    pub auto_callback: bool,
     /// Where GPU claims are kept.
     pub claims: ClaimDir,
 }
@@ -74,6 +76,10 @@ pub struct RunSummary {
     /// Things the user should know, such as an effective batch that could not be kept exact.
     pub notes: Vec<String>,
 }
+
+/// Set to `1` in the command's environment so that Lightning's entry point adds oomkit's callback,
+/// which applies the plan and records a run log; nothing adds it otherwise.
+pub const AUTO_CALLBACK_ENV: &str = "OOMKIT_AUTO_CALLBACK";
 
 fn env(k: &str, v: impl ToString) -> (OsString, OsString) {
     (k.into(), v.to_string().into())
@@ -168,6 +174,9 @@ pub fn supervise(
                 .collect(),
             env: vec![env("OOMKIT_ATTEMPT", number)],
         };
+        if opts.auto_callback {
+            spec.env.push(env(AUTO_CALLBACK_ENV, 1));
+        }
         if let Some(p) = &plan {
             spec.env.push(env("OOMKIT_MICRO_BATCH", p.micro_batch));
             spec.env.push(env("OOMKIT_GRAD_ACCUM", p.grad_accum));

@@ -92,6 +92,11 @@ class OomkitCallback(TrainerCallback):
         self._previous_hook: Any = None
         self._train_begins = 0
 
+    @property
+    def log_path(self) -> Optional[str]:
+        """The run log, once training has begun."""
+        return self.tracker.log_path if self.tracker is not None else None
+
     # ----- the plan from `oomkit run` ----------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
