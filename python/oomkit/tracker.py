@@ -381,6 +381,11 @@ class Tracker:
             self._error("end phase", exc)
 
     @property
+    def closed(self) -> bool:
+        """True once the tracker is closed."""
+        return self._closed
+
+    @property
     def in_step(self) -> bool:
         """True while a step is open."""
         return self._step_open is not None

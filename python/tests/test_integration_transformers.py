@@ -158,3 +158,16 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
     assert last["plan"]["effective_batch"] == 32 and last["steps"] == 2
     first = oomkit.analyze(logs[0])
     assert first["ooms"] and first["ooms"][0]["stage"] == "forward"
+
+
+def test_train_applies_the_plan_when_the_callback_came_after_the_trainer(tmp_path, monkeypatch):
+    # trainer.add_callback(...) after Trainer(...): on_init_end never reaches the callback.
+    trainer = build(str(tmp_path), batch=8, accum=1, steps=1, callback=transformers.TrainerCallback())
+    cb = OomkitCallback()
+    trainer.add_callback(cb)
+    monkeypatch.setenv("OOMKIT_MICRO_BATCH", "4")
+    monkeypatch.setenv("OOMKIT_GRAD_ACCUM", "2")
+    train(trainer)
+    assert trainer._train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 2
+    [plan] = records(cb.log_path, "plan")
+    assert (plan["micro_batch"], plan["grad_accum"], plan["source"]) == (4, 2, "oomkit run")

@@ -28,20 +28,18 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// Open handles on this process's `/proc` files, the pid they belong to, and
-/// what the last reset of the peak left behind.
+/// Open handles on this process's `/proc` files, the pid they belong to,
+/// and the most that `getrusage` can report without it being the peak of
+/// the interval since the last reset.
 #[cfg(unix)]
 struct ProcFiles {
     pid: u32,
     status: std::fs::File,
     statm: std::fs::File,
     clear_refs: Option<std::fs::File>,
-    /// `getrusage`'s peak right after the last reset: the least peak that
-    /// belongs to the interval since.
-    floor: u64,
-    /// Whether `floor` is the peak the kernel kept at exec (the image the
-    /// process was started from) rather than memory in use at the reset.
-    floor_stale: bool,
+    /// The least `getrusage` peak read right after a reset: at least the
+    /// peak the kernel kept at exec, which it never resets.
+    inherited: u64,
 }
 
 /// The handles, kept open so that a sample costs a read and a write instead of opens and closes.
@@ -96,10 +94,10 @@ fn statm_rss(statm: &std::fs::File) -> Option<u64> {
 ///
 /// The peak comes from `getrusage`, which costs no file read, whenever it
 /// can only be this interval's: the kernel reports the larger of the
-/// resettable peak (VmHWM) and a peak it never resets (the peak of the
-/// image the process was exec'ed from: its parent's, after vfork). Where that
-/// second figure may hide the interval's peak, it is read from
-/// `/proc/self/status` instead.
+/// resettable peak (VmHWM) and a peak it keeps from exec on (that of the
+/// image the process was exec'ed from: its parent's, after vfork), and only
+/// changes at exec. Where the second may hide the interval's peak, the peak
+/// is read from `/proc/self/status` instead.
 #[cfg(unix)]
 pub fn sample_rss(reset: bool) -> Option<(u64, u64)> {
     use std::io::Write;
@@ -115,34 +113,24 @@ pub fn sample_rss(reset: bool) -> Option<(u64, u64)> {
                 .write(true)
                 .open("/proc/self/clear_refs")
                 .ok(),
-            floor: u64::MAX,
-            floor_stale: true,
+            inherited: u64::MAX,
         });
     }
     let files = guard.as_mut()?;
     let ru = getrusage_peak();
     let now = statm_rss(&files.statm)?;
-    let peak = if ru > files.floor {
-        // Above everything the last reset left: the interval's own peak.
+    let peak = if ru > files.inherited {
         ru
-    } else if !files.floor_stale {
-        // The interval never rose above where it started.
-        files.floor
     } else {
         status_peak(&files.status)?
     };
-    if reset {
-        if let Some(f) = files.clear_refs.as_mut() {
-            // Writing 5 resets VmHWM to the current resident set (Linux 4.0+).
-            if f.write_all(b"5").is_ok() {
-                let after = getrusage_peak();
-                files.floor = after;
-                // Right after a reset VmHWM is the resident set; more means
-                // the never-reset figure is what getrusage shows (or that
-                // memory grew since `now` was read: the slow path is then
-                // taken for nothing, which costs time, never accuracy).
-                files.floor_stale = after > now;
-            }
+    if let Some(f) = files.clear_refs.as_mut().filter(|_| reset) {
+        // Writing 5 resets VmHWM to the current resident set (Linux 4.0+).
+        if f.write_all(b"5").is_ok() {
+            // Right after a reset, getrusage shows the larger of the resident
+            // set and the kept peak: a bound on the kept peak, which gets
+            // tighter each time the resident set is lower at a reset.
+            files.inherited = files.inherited.min(getrusage_peak());
         }
     }
     Some((peak.max(now), now))

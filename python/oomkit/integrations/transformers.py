@@ -90,7 +90,6 @@ class OomkitCallback(TrainerCallback):
         self.tracker: Optional[Tracker] = None
         self.plan: Optional[_plan.Plan] = None
         self._previous_hook: Any = None
-        self._train_begins = 0
 
     @property
     def log_path(self) -> Optional[str]:
@@ -104,15 +103,18 @@ class OomkitCallback(TrainerCallback):
         if plan is None:
             return
         with contextlib.suppress(Exception):
-            apply(_find_trainer(), plan, args)
-            self.plan = plan
+            if apply(_find_trainer(), plan, args):
+                self.plan = plan
 
     # ----- training ----------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
-        self._train_begins += 1
         try:
             micro = _loader_batch(kwargs.get("train_dataloader")) or args.per_device_train_batch_size
+            # A second on_train_begin without on_train_end between them is
+            # accelerate's batch finder starting again after an OOM.
+            tracker = self.tracker
+            retry = tracker is not None and not tracker.closed
             record: Dict[str, Any]
             if self.plan is not None and self.plan.micro_batch == micro:
                 record = self.plan.record(FRAMEWORK)
@@ -120,13 +122,13 @@ class OomkitCallback(TrainerCallback):
                 record = _plan.Plan(
                     micro_batch=int(micro),
                     grad_accum=int(args.gradient_accumulation_steps),
-                    source="auto_find_batch_size" if self._train_begins > 1 else "training arguments",
+                    source="auto_find_batch_size" if retry else "training arguments",
                 ).record(FRAMEWORK)
-            if self.tracker is not None and not self.tracker._closed:
+            if retry and tracker is not None:
                 # accelerate's batch finder starts the loop again after an OOM
                 # with a smaller batch, a new optimizer and a new state.
-                self.tracker.end_step()
-                self.tracker.set_optimizer(optimizer)
+                tracker.end_step()
+                tracker.set_optimizer(optimizer)
             elif model is not None:
                 log_dir = self.log_dir or _plan.default_log_dir(args.output_dir)
                 options = dict(self.tracker_options)
@@ -187,8 +189,7 @@ class OomkitCallback(TrainerCallback):
         self._previous_hook = None
 
     def _begin_eval(self) -> None:
-        assert self.tracker is not None
-        if self.tracker.current_phase != "eval":
+        if self.tracker is not None and self.tracker.current_phase != "eval":
             self.tracker.begin_phase("eval")
 
     def _chain_excepthook(self) -> None:
@@ -215,31 +216,27 @@ def apply(trainer: Any, plan: _plan.Plan, args: Any = None) -> bool:
     them when it was built. Says so on stderr.
     """
     args = args if args is not None else getattr(trainer, "args", None)
-    if args is None:
-        return False
-    before = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    args.per_device_train_batch_size = plan.micro_batch
-    args.gradient_accumulation_steps = plan.grad_accum
-    applied = trainer is not None and hasattr(trainer, "_train_batch_size")
-    if applied:
-        trainer._train_batch_size = args.train_batch_size
-        if int(transformers.__version__.split(".")[0]) < 5:
-            # Before 5.0 the accelerator kept its own copy of the accumulation.
-            with contextlib.suppress(Exception):
-                trainer.accelerator.gradient_accumulation_steps = plan.grad_accum
     attempt = f" attempt {plan.attempt}" if plan.attempt else ""
-    if applied:
-        _plan.say(
-            f"oomkit run{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
-            f"{plan.grad_accum} (the script asked for {before[0]} x {before[1]})"
-        )
-    else:
+    if args is None or not hasattr(trainer, "_train_batch_size"):
         _plan.say(
             f"oomkit run{attempt} chose micro-batch {plan.micro_batch} x accumulation {plan.grad_accum}, "
             "but the Trainer was not found to apply it: pass per_device_train_batch_size={batch_size} "
             "and gradient_accumulation_steps={grad_accum} in the command"
         )
-    return applied
+        return False
+    before = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    args.per_device_train_batch_size = plan.micro_batch
+    args.gradient_accumulation_steps = plan.grad_accum
+    trainer._train_batch_size = args.train_batch_size
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # Before 5.0 the accelerator kept its own copy of the accumulation.
+        with contextlib.suppress(Exception):
+            trainer.accelerator.gradient_accumulation_steps = plan.grad_accum
+    _plan.say(
+        f"oomkit run{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
+        f"{plan.grad_accum} (the script asked for {before[0]} x {before[1]})"
+    )
+    return True
 
 
 def train(trainer: Any, *args: Any, **kwargs: Any) -> Any:
