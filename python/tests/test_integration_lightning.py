@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("lightning", reason="lightning is not installed for this Python (it needs Python 3.10 or newer)")
 
 import oomkit  # noqa: E402
-from pl_train import build  # noqa: E402
+from lightning_trainer import build  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 NAMESPACES = {
     "lightning.pytorch": "oomkit.integrations.lightning",
@@ -126,8 +126,8 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
     cmd = [
         OOMKIT, "run", "--gpus", "0", "--batch-size", "16", "--effective-batch", "32",
         "--summary-json", str(summary), "--",
-        sys.executable, os.path.join(HERE, "pl_train.py"), "--namespace", namespace,
-        "--root", str(tmp_path), "--oom-above", "4",
+        sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--namespace", namespace,
+        "--root", str(tmp_path), "--oom-above", "4", "--steps", "2", "--val-every", "0",
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -143,3 +143,18 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
     assert first["ooms"][0]["stage"] == "forward"
     assert (last["plan"]["micro_batch"], last["plan"]["grad_accum"], last["plan"]["attempt"]) == (4, 8, 3)
     assert last["steps"] == 2 and not last["ooms"]
+
+
+def test_the_readme_example_runs_as_written(tmp_path):
+    # README, "Lightning": the example script with oomkit's callback, then oomkit analyze on its log.
+    p = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--root", "runs/pl", "--oomkit"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    [log] = (tmp_path / "runs/pl/oomkit-logs").glob("run-*.jsonl")
+    out = subprocess.run([OOMKIT, "analyze", str(log.relative_to(tmp_path))], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "6 steps" in out.stdout and "[eval]" in out.stdout and "[sanity_check]" in out.stdout
+    counts = {s["name"]: s["count"] for s in oomkit.analyze(log)["stages"]}
+    assert (counts["forward"], counts["backward"], counts["optimizer"]) == (12, 12, 6)

@@ -15,10 +15,10 @@ transformers = pytest.importorskip(
 pytest.importorskip("accelerate", reason="accelerate is not installed for this Python")
 
 import oomkit  # noqa: E402
-from hf_train import build  # noqa: E402
+from hf_trainer import build  # noqa: E402
 from oomkit.integrations.transformers import OomkitCallback, train  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 
 
@@ -83,8 +83,8 @@ def test_an_oom_that_ends_the_script_is_captured_without_the_wrapper(tmp_path):
     # trainer.train() alone: the callback's excepthook records it as Python exits.
     script = tmp_path / "run.py"
     script.write_text(
-        f"import sys; sys.path.insert(0, {HERE!r})\n"
-        "from hf_train import build\n"
+        f"import sys; sys.path.insert(0, {EXAMPLES!r})\n"
+        "from hf_trainer import build\n"
         "from oomkit.integrations.transformers import OomkitCallback\n"
         f"trainer = build({str(tmp_path)!r}, steps=4, oom_at_step=1, oom_in_backward=True)\n"
         "cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OomkitCallback))\n"
@@ -141,7 +141,8 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
     cmd = [
         OOMKIT, "run", "--gpus", "0", "--batch-size", "16", "--effective-batch", "32",
         "--summary-json", str(summary), "--",
-        sys.executable, os.path.join(HERE, "hf_train.py"), "--out", str(out), "--oom-above", "4", "--steps", "2",
+        sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", str(out), "--oom-above", "4", "--steps", "2",
+        "--eval-steps", "0",
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -150,7 +151,7 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
         (16, 2, True), (8, 4, True), (4, 8, False)
     ]
     assert "trained with micro-batch 4 x accumulation 8" in p.stdout
-    assert "oomkit run attempt 3: training with micro-batch 4 x accumulation 8 (the script asked for 16 x 2)" in p.stderr
+    assert "oomkit run attempt 3: training with micro-batch 4 x accumulation 8 (the script asked for 8 x 2)" in p.stderr
     # One log per attempt, in the order they started.
     logs = sorted((out / "oomkit-logs").glob("run-*.jsonl"), key=lambda f: json.loads(f.open().readline())["time"])
     assert len(logs) == 3
@@ -171,3 +172,20 @@ def test_train_applies_the_plan_when_the_callback_came_after_the_trainer(tmp_pat
     assert trainer._train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 2
     [plan] = records(cb.log_path, "plan")
     assert (plan["micro_batch"], plan["grad_accum"], plan["source"]) == (4, 2, "oomkit run")
+
+
+def test_the_readme_example_runs_as_written(tmp_path):
+    # README, "Hugging Face Trainer": the example script, then oomkit analyze on its log.
+    p = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", "runs/hf"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    [log] = (tmp_path / "runs/hf/oomkit-logs").glob("run-*.jsonl")
+    out = subprocess.run([OOMKIT, "analyze", str(log.relative_to(tmp_path))], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "6 steps" in text and "[eval]" in text
+    assert "plan: micro-batch 8 x accumulation 2 = 16 samples per optimizer step, from training arguments in transformers" in text
+    counts = {s["name"]: s["count"] for s in oomkit.analyze(log)["stages"]}
+    assert (counts["forward"], counts["backward"], counts["optimizer"], counts["eval"]) == (12, 12, 6, 2)

@@ -1,8 +1,12 @@
-"""A tiny Hugging Face Trainer run on CPU with oomkit's callback, built from a config (no download).
+"""A tiny Hugging Face Trainer run with oomkit's callback: GPT-2 built from a config (nothing is downloaded), on CPU.
 
-Run as a script it trains and prints the run log's path; flags plant a real
-allocator OOM above a micro-batch size or at a step, in the forward or the
-backward. The tests import `build` to drive it in-process.
+    python examples/hf_trainer.py --out runs/hf
+    oomkit analyze runs/hf/oomkit-logs/run-*.jsonl
+
+It trains with gradient accumulation and evaluates every few steps, then
+prints the run log's path. `--oom-above N` plants a real allocator OOM in the
+forward when the micro-batch is larger than N, to watch `oomkit run` step it
+down. The tests import `build` to drive it in-process.
 """
 
 from __future__ import annotations
@@ -111,12 +115,15 @@ def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--oom-above", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
+    ap.add_argument("--accum", type=int, default=2, help="gradient_accumulation_steps")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps")
+    ap.add_argument("--eval-steps", type=int, default=3, help="evaluate every N steps (0: never)")
+    ap.add_argument("--oom-above", type=int, default=0, help="run out of memory above this micro-batch")
     args = ap.parse_args()
-    trainer = build(args.out, batch=args.batch, accum=args.accum, steps=args.steps, oom_above=args.oom_above)
+    trainer = build(
+        args.out, batch=args.batch, accum=args.accum, steps=args.steps, eval_steps=args.eval_steps, oom_above=args.oom_above
+    )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OomkitCallback))
     print(f"log: {cb.tracker.log_path}")

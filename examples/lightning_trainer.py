@@ -1,9 +1,14 @@
 """A tiny Lightning run on CPU, for `lightning.pytorch` or the standalone `pytorch_lightning`.
 
-Run as a script it trains with whatever callbacks Lightning adds by itself
-(oomkit's comes from its entry point under `oomkit run`) and prints the
-micro-batch and accumulation it used; flags plant a real allocator OOM above
-a micro-batch size. The tests import `build` to drive it in-process.
+    python examples/lightning_trainer.py --root runs/pl --oomkit
+    oomkit analyze runs/pl/oomkit-logs/run-*.jsonl
+
+`--oomkit` adds oomkit's callback; without it the script has no oomkit code
+at all, and `oomkit run` still gets a run log and applies its plan through
+Lightning's entry point. It prints the callbacks Lightning used and the
+micro-batch and accumulation it trained with. `--oom-above N` plants a real
+allocator OOM when the micro-batch is larger than N. The tests import
+`build` to drive it in-process.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def make(namespace: str):
             super().__init__()
             self.batch_size = batch_size
             g = torch.Generator().manual_seed(0)
-            self.x = torch.randn(64, 32, generator=g)
-            self.y = torch.randn(64, generator=g)
+            self.x = torch.randn(96, 32, generator=g)
+            self.y = torch.randn(96, generator=g)
 
         def train_dataloader(self):
             return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
@@ -111,12 +116,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--namespace", default="lightning.pytorch")
     ap.add_argument("--root", required=True)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--oom-above", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8, help="the datamodule's batch_size")
+    ap.add_argument("--accum", type=int, default=2, help="accumulate_grad_batches")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps")
+    ap.add_argument("--val-every", type=int, default=4, help="validate every N batches (0: never)")
+    ap.add_argument("--oom-above", type=int, default=0, help="run out of memory above this micro-batch")
+    ap.add_argument("--oomkit", action="store_true", help="add oomkit's callback")
     args = ap.parse_args()
-    trainer, model, data = build(args.namespace, args.root, batch=args.batch, accum=args.accum, steps=args.steps, oom_above=args.oom_above)
+    callbacks = []
+    if args.oomkit:
+        module = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_lightning"}[args.namespace]
+        callbacks.append(importlib.import_module(f"oomkit.integrations.{module}").OomkitCallback())
+    trainer, model, data = build(
+        args.namespace, args.root, batch=args.batch, accum=args.accum, steps=args.steps,
+        val_every=args.val_every, callbacks=callbacks, oom_above=args.oom_above,
+    )
     trainer.fit(model, datamodule=data)
     names = [type(c).__module__ + "." + type(c).__name__ for c in trainer.callbacks]
     print("callbacks:", ", ".join(names))
