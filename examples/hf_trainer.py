@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from oomkit.integrations.transformers import OomkitCallback  # noqa: E402
+from planted import FailInBackward, huge  # noqa: E402
 
 VOCAB = 128
 CTX = 16
@@ -42,11 +43,6 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def huge() -> None:
-    """A real allocator failure: the CPU allocator refuses 4 EiB at once."""
-    torch.empty(1 << 62, dtype=torch.uint8)
-
-
 class Planted(GPT2LMHeadModel):
     """GPT-2 whose forward (or backward) runs out of memory where the test says."""
 
@@ -63,19 +59,8 @@ class Planted(GPT2LMHeadModel):
             if due and not self.oom_in_backward:
                 huge()
             if due and self.oom_in_backward:
-                out.loss = _FailInBackward.apply(out.loss)
+                out.loss = FailInBackward.apply(out.loss)
         return out
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        huge()
-        return g
 
 
 def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_steps: int = 0, callback=None, **planted) -> Trainer:

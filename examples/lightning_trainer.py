@@ -18,12 +18,8 @@ import importlib
 import sys
 
 import torch
+from planted import FailInBackward, huge
 from torch.utils.data import DataLoader, TensorDataset
-
-
-def huge() -> None:
-    """A real allocator failure: the CPU allocator refuses 4 EiB at once."""
-    torch.empty(1 << 62, dtype=torch.uint8)
 
 
 def make(namespace: str):
@@ -50,7 +46,7 @@ def make(namespace: str):
             pred = self(x) if self.call_self else self.net(x)
             if (self.oom_above and len(x) > self.oom_above) or batch_idx == self.oom_at_batch:
                 if self.oom_in_backward:
-                    pred = _FailInBackward.apply(pred)
+                    pred = FailInBackward.apply(pred)
                 else:
                     huge()
             return torch.nn.functional.mse_loss(pred.squeeze(-1), y)
@@ -77,17 +73,6 @@ def make(namespace: str):
             return DataLoader(TensorDataset(self.x[:16], self.y[:16]), batch_size=8)
 
     return pl, Regressor, Data
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        huge()
-        return g
 
 
 def build(namespace: str, root: str, *, batch: int = 8, accum: int = 1, steps: int = 4, val_every: int = 0, callbacks=(), **planted):

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("lightning", reason="lightning is not installed for this Python (it needs Python 3.10 or newer)")
 
 import oomkit  # noqa: E402
+from runlog import records, stages_by_step  # noqa: E402
 from lightning_trainer import build  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
@@ -21,17 +22,6 @@ NAMESPACES = {
     "lightning.pytorch": "oomkit.integrations.lightning",
     "pytorch_lightning": "oomkit.integrations.pytorch_lightning",
 }
-
-
-def records(path, kind):
-    return [r for r in map(json.loads, open(path)) if r["type"] == kind]
-
-
-def stages_by_step(path):
-    out = {}
-    for r in records(path, "stage"):
-        out.setdefault(r["step"], []).append(r["name"])
-    return out
 
 
 def callback(namespace, **kw):

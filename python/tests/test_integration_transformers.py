@@ -15,22 +15,12 @@ transformers = pytest.importorskip(
 pytest.importorskip("accelerate", reason="accelerate is not installed for this Python")
 
 import oomkit  # noqa: E402
+from runlog import records, stages_by_step  # noqa: E402
 from hf_trainer import build  # noqa: E402
 from oomkit.integrations.transformers import OomkitCallback, train  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
-
-
-def records(path, kind):
-    return [r for r in map(json.loads, open(path)) if r["type"] == kind]
-
-
-def stages_by_step(path):
-    out = {}
-    for r in records(path, "stage"):
-        out.setdefault(r["step"], []).append(r["name"])
-    return out
 
 
 def callback_of(trainer):
