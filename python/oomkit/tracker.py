@@ -227,24 +227,30 @@ class Tracker:
             self._start_history(max_entries)
         if self._meter.cuda:
             _watch_allocator_ooms(self)
-        with torch.no_grad():
-            self._write(
-                {
-                    "type": "start",
-                    "version": LOG_VERSION,
-                    "time": time.time(),
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "device": self.device,
-                    "capacity_bytes": self._meter.capacity,
-                    "pid": os.getpid(),
-                    "torch": str(torch.__version__),
-                    "grad_every": self.grad_every,
-                    "components": self._components(),
-                }
-            )
-        self._install_model_hooks(model)
+        # Before the start record, so that a resumed optimizer's state is counted in it.
         self.set_optimizer(optimizer)
+        components: Dict[str, Any] = {}
+        try:
+            with torch.no_grad():
+                components = self._components()
+        except Exception as exc:  # noqa: BLE001 - an exotic model or optimizer: log it, count nothing
+            self._error("components", exc)
+        self._write(
+            {
+                "type": "start",
+                "version": LOG_VERSION,
+                "time": time.time(),
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "device": self.device,
+                "capacity_bytes": self._meter.capacity,
+                "pid": os.getpid(),
+                "torch": str(torch.__version__),
+                "grad_every": self.grad_every,
+                "components": components,
+            }
+        )
+        self._install_model_hooks(model)
         if check_duplicates:
             self.find_duplicates(when="start")
 
@@ -273,6 +279,8 @@ class Tracker:
                 return
             inner = unwrap_optimizer(optimizer)
             self._opt_ref = weakref.ref(inner)
+            # A new optimizer's state appears after its own first step.
+            self._components_after_first_step = False
             if self.stage_hooks if hooks is None else hooks:
                 self._opt_hooks.append(inner.register_step_pre_hook(self._on_opt_pre))
                 self._opt_hooks.append(inner.register_step_post_hook(self._on_opt_post))
@@ -308,25 +316,24 @@ class Tracker:
         try:
             if self._step_open is not None:
                 self.end_step()
-            now = self._sample()
+            now, _ = self._sample()
             self._step_open = self._open_measure("step", "step", int(index), now)
         except Exception as exc:  # noqa: BLE001
             self._error("begin step", exc)
 
     def end_step(self) -> None:
         """Ends the open step (and its open stage) and writes them; does nothing when no step is open."""
-        if self._step_open is None:
+        step = self._step_open
+        if step is None:
             return
         try:
-            now, reserved = self._sample_full()
+            now, reserved = self._sample()
             if self._stage is not None:
                 self._close(self._stage, now, reserved)
-            step = self._step_open
-            self._step_open = None
             self._close(step, now, reserved)
         except Exception as exc:  # noqa: BLE001
-            self._step_open = None
-            self._stage = None
+            self._drop(self._stage)
+            self._drop(step)
             self._error("end step", exc)
         self._steps_done += 1
 
@@ -342,7 +349,7 @@ class Tracker:
         try:
             if name == "optimizer" and self._due():
                 self._grad_health()
-            now, reserved = self._sample_full()
+            now, reserved = self._sample()
             if self._stage is not None:
                 self._close(self._stage, now, reserved)
             self._stage = self._open_measure("stage", name, self._step_open.step, now)
@@ -351,19 +358,20 @@ class Tracker:
 
     def end_stage(self) -> None:
         """Ends the open stage and writes it; does nothing when none is open."""
-        if self._stage is None:
+        stage = self._stage
+        if stage is None:
             return
         try:
-            now, reserved = self._sample_full()
-            self._close(self._stage, now, reserved)
+            now, reserved = self._sample()
+            self._close(stage, now, reserved)
         except Exception as exc:  # noqa: BLE001
-            self._stage = None
+            self._drop(stage)
             self._error("end stage", exc)
 
     def begin_phase(self, name: str) -> None:
         """Starts measuring a named phase such as "eval", inside or outside a step."""
         try:
-            now = self._sample()
+            now, _ = self._sample()
             step = self._step_open.step if self._step_open is not None else None
             self._phases.append(self._open_measure("phase", str(name), step, now))
         except Exception as exc:  # noqa: BLE001
@@ -373,11 +381,12 @@ class Tracker:
         """Ends the innermost open phase and writes it; does nothing when none is open."""
         if not self._phases:
             return
+        phase = self._phases[-1]
         try:
-            now, reserved = self._sample_full()
-            self._close(self._phases[-1], now, reserved)
+            now, reserved = self._sample()
+            self._close(phase, now, reserved)
         except Exception as exc:  # noqa: BLE001
-            self._phases.pop()
+            self._drop(phase)
             self._error("end phase", exc)
 
     @property
@@ -478,31 +487,33 @@ class Tracker:
 
     # ----- measuring --------------------------------------------------------
 
-    def _sample(self) -> int:
-        """Folds the peak since the last sample into every open measure; returns memory in use now."""
-        peak, now, self._reserved = self._meter.sample()
+    def _sample(self) -> Tuple[int, int]:
+        """Folds the peak since the last sample into every open measure; returns (in use, reserved) now."""
+        peak, now, reserved = self._meter.sample()
         for o in self._open:
             if peak > o.peak:
                 o.peak = peak
-        return now
-
-    def _sample_full(self) -> Tuple[int, int]:
-        now = self._sample()
-        return now, self._reserved
+        return now, reserved
 
     def _open_measure(self, kind: str, name: str, step: Optional[int], now: int) -> _Open:
         o = _Open(kind, name, step, now)
         self._open.append(o)
         return o
 
-    def _close(self, o: _Open, end: int, reserved: int) -> None:
-        """Writes a finished measure; `end` and `reserved` come from the sample just taken."""
-        with contextlib.suppress(ValueError):
-            self._open.remove(o)
+    def _drop(self, o: Optional[_Open]) -> None:
+        """Forgets a measure, written or not, so that nothing keeps it open."""
+        if o is None:
+            return
+        self._open = [x for x in self._open if x is not o]
+        self._phases = [x for x in self._phases if x is not o]
         if o is self._stage:
             self._stage = None
-        elif o.kind == "phase" and o in self._phases:
-            self._phases.remove(o)
+        if o is self._step_open:
+            self._step_open = None
+
+    def _close(self, o: _Open, end: int, reserved: int) -> None:
+        """Writes a finished measure; `end` and `reserved` come from the sample just taken."""
+        self._drop(o)
         peak = o.peak if o.peak > end else end
         self._write(
             {
@@ -694,7 +705,10 @@ class Tracker:
         if opt is None:
             return []
         out: List[Any] = []
-        for state in opt.state.values():
+        states = getattr(opt, "state", None)
+        if not isinstance(states, dict):  # an optimizer-like object without torch's state table
+            return out
+        for state in states.values():
             if isinstance(state, dict):
                 out.extend(v for v in state.values() if _is_tensor(v))
         return out
