@@ -1,0 +1,37 @@
+"""The plain PyTorch example scripts, run as the README shows them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
+
+
+def test_the_readme_example_names_the_stale_copy(tmp_path):
+    # README, "Examples and validation on a GPU".
+    cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--steps", "20",
+           "--tracker", "--log-dir", "runs/gpt-stale", "--stale-copy"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1][len("RESULT "):])
+    assert (result["status"], result["steps_done"], result["bugs"]) == ("ok", 20, ["stale_copy"])
+    [log] = (tmp_path / "runs/gpt-stale").glob("run-*.jsonl")
+    out = subprocess.run([OOMKIT, "analyze", str(log)], capture_output=True, text=True)
+    assert out.returncode == 0 and "[duplicate_copy]" in out.stdout and "mirror the model's parameters" in out.stdout
+
+
+def test_a_clean_cnn_run_has_no_finding_and_a_planted_oom_fails_the_run(tmp_path):
+    base = [sys.executable, os.path.join(EXAMPLES, "cnn_train.py"), "--device", "cpu", "--steps", "6", "--tracker"]
+    p = subprocess.run(base + ["--log-dir", "clean"], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    [log] = (tmp_path / "clean").glob("run-*.jsonl")
+    a = json.loads(subprocess.run([OOMKIT, "analyze", "--json", str(log)], capture_output=True, text=True).stdout)
+    assert a["steps"] == 6 and a["findings"] == []
+    p = subprocess.run(base + ["--log-dir", "oom", "--batch", "16", "--oom-above", "8"], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 1 and "DefaultCPUAllocator" in p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1][len("RESULT "):])
+    assert (result["status"], result["error"]) == ("oom", "RuntimeError")

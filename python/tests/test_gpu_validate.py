@@ -1,0 +1,63 @@
+"""The GPU validation script, run end to end on CPU with small sizes, so no GPU minute goes to debugging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed for this Python (it needs Python 3.10 or newer)")
+pytest.importorskip("lightning", reason="lightning is not installed for this Python")
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "gpu_validate.py")
+
+
+def test_every_section_runs_on_cpu_and_reports(tmp_path):
+    out = tmp_path / "v"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    p = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), "--budget", "900"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["VALIDATION-draft.md", "artifacts.tar.gz", "results.json"]
+    r = json.loads((out / "results.json").read_text())
+    s = r["sections"]
+    assert {k: d["status"] for k, d in s.items()} == {
+        "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
+    }, {k: d.get("error") for k, d in s.items()}
+
+    rows = {row["case"]: row for row in s["planted"]["rows"]}
+    assert len(rows) == 2 * 5 + 2
+    assert all(row["rc"] == 0 for row in rows.values()), rows
+    # What CPU can show: the stale copy is named in both models; a clean run gets no finding.
+    assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
+    assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
+    assert rows["hf-callback"]["log_findings"] == [] and rows["lightning-callback"]["log_findings"] == []
+
+    oom = s["oom"]
+    assert oom["capture"]["rc"] == 1 and oom["capture"]["diagnosis_printed"]
+    [captured] = oom["capture"]["log_ooms"]
+    assert captured["requested_bytes"] == 1 << 62 and captured["stage"] == "forward"
+    attempts = oom["run"]["summary"]["attempts"]
+    assert [(a["batch_size"], a["grad_accum"]) for a in attempts] == [(64, 1), (32, 2), (16, 4)]
+    assert oom["run"]["rc"] == 0
+    # The script fits up to 16: find-batch and the bisection agree.
+    assert oom["scan"]["largest"] == 16
+    assert oom["find_batch"]["recommended"] == 16
+
+    bench = s["overhead"]["result"]
+    assert bench["plain_ms"] > 0 and bench["tracked_ms"] > 0 and bench["tracker_device_bytes"] is None
+    assert len(s["estimate"]["rows"]) == 2 and all(row["estimated_bytes"] for row in s["estimate"]["rows"])
+    assert s["gpus"]["oomkit_rc"] == 3  # no GPU here
+    assert s["big"]["skipped"]
+
+    draft = (out / "VALIDATION-draft.md").read_text()
+    assert "| gpt-stale_copy | duplicate_copy |" in draft
+    with tarfile.open(out / "artifacts.tar.gz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith(".jsonl") for n in names)

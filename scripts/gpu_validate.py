@@ -1,0 +1,355 @@
+"""Every measurement of the GPU validation, in order of priority, into one folder, in one command.
+
+    python scripts/gpu_validate.py --out validation-out             # on the GPU machine
+    python scripts/gpu_validate.py --device cpu --quick --out /tmp/v  # the same steps on CPU, small
+
+Sections, most important first (each is skipped when the time budget left
+is smaller than its estimate, and one that fails is recorded and the next
+runs):
+
+1. planted: the example scripts with each planted bug under oomkit's
+   tracker (and, on CUDA, a snapshot), the findings of the run log and the
+   snapshot per bug, and the two framework examples with their callbacks;
+2. oom: a real OOM (CUDA: `set_per_process_memory_fraction`; CPU: a real
+   allocator failure above a micro-batch) captured by the tracker, `oomkit
+   run` stepping down with the same effective batch, and `oomkit
+   find-batch` against a bisection over every micro-batch;
+3. overhead: step time with and without the tracker, and the device memory
+   the tracker adds;
+4. estimate: `oomkit estimate --config` against measured peaks, three sizes
+   at two micro-batches;
+5. gpus: `oomkit gpus` against `nvidia-smi`, figures and latency;
+6. big: a recording of at least 1 M events timed under `oomkit analyze`,
+   `pickle.load` and `torch.cuda._memory_viz stats` (CUDA only).
+
+The folder gets `results.json` (everything), `VALIDATION-draft.md` (the
+tables), and `artifacts.tar.gz` (run logs, snapshots, outputs): few files,
+as the device tool brings back at most eight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+# What each planted bug should be named as, in a run log and in a snapshot.
+EXPECTED = {
+    "leak": ("leak", "phase_retains_memory"),
+    "stale_copy": ("duplicate_copy", None),
+    "eval_keeps_outputs": ("eval_spike", "phase_retains_memory"),
+    "ema_on_device": ("ema_on_device", None),
+}
+
+
+class Validation:
+    """The run's settings, its results, and the helpers every section uses."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cuda = args.device == "cuda"
+        self.out = os.path.abspath(args.out)
+        self.work = os.path.join(self.out, "work")
+        os.makedirs(self.work, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.results: Dict[str, Any] = {"device": args.device, "quick": args.quick, "sections": {}}
+        self.oomkit = shutil.which("oomkit") or ""
+
+    def left(self) -> float:
+        return self.args.budget - (time.monotonic() - self.t0)
+
+    def sh(self, cmd: List[str], timeout: float = 300, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:
+        """Runs a command; returns its exit code, seconds and output (kept in the artifacts)."""
+        t = time.monotonic()
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or self.work)
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = 124, str(e.stdout or ""), str(e.stderr or "") + "\n[timed out]"
+        n = len(os.listdir(self.work))
+        with open(os.path.join(self.work, f"cmd-{n:03d}.txt"), "w", encoding="utf-8") as f:
+            f.write(" ".join(cmd) + f"\n# exit {rc}\n--- stdout\n{out}\n--- stderr\n{err}")
+        return {"rc": rc, "seconds": time.monotonic() - t, "stdout": out, "stderr": err}
+
+    def example(self, script: str, flags: List[str], **kw: Any) -> Dict[str, Any]:
+        """Runs an example script; its RESULT line, parsed, is under "result"."""
+        r = self.sh([sys.executable, os.path.join(EXAMPLES, script), "--device", self.args.device] + flags, **kw)
+        r["result"] = next(
+            (json.loads(line[len("RESULT "):]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None
+        )
+        return r
+
+    def analyze(self, path: str) -> Dict[str, Any]:
+        r = self.sh([self.oomkit, "analyze", "--json", path])
+        if r["rc"] != 0:
+            return {"error": r["stderr"].strip()[-300:]}
+        return json.loads(r["stdout"])
+
+    def section(self, name: str, estimate: float, fn: Callable[[], Dict[str, Any]]) -> None:
+        if self.left() < estimate:
+            self.results["sections"][name] = {"status": "skipped", "why": f"{self.left():.0f} s left, needs about {estimate:.0f} s"}
+            return
+        t = time.monotonic()
+        try:
+            data = fn()
+            data["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - one broken section must not cost the others
+            data = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        data["seconds"] = round(time.monotonic() - t, 1)
+        self.results["sections"][name] = data
+        self.save()
+
+    def save(self) -> None:
+        with open(os.path.join(self.out, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(self.results, f, indent=1, default=str)
+
+    # ----- sizes ---------------------------------------------------------------
+
+    def gpt_flags(self) -> List[str]:
+        return ["--size", "100m", "--batch", "8"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
+
+    def cnn_flags(self) -> List[str]:
+        return ["--size", "resnet", "--batch", "64"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
+
+
+def last_json_object(text: str) -> Optional[Dict[str, Any]]:
+    """The JSON object a command prints after its child's own output (which starts at a line that is just "{")."""
+    at = text.rfind("\n{\n")
+    if at >= 0:
+        start = at + 1
+    elif text.startswith("{\n"):
+        start = 0
+    else:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text[start:])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def kinds(analysis: Dict[str, Any]) -> List[str]:
+    return [f["kind"] for f in analysis.get("findings", [])]
+
+
+def planted(v: Validation) -> Dict[str, Any]:
+    rows = []
+    steps = "12" if v.args.quick else "30"
+    for script, flags in (("gpt_train.py", v.gpt_flags()), ("cnn_train.py", v.cnn_flags())):
+        for bug in [None] + list(EXPECTED):
+            name = f"{script.split('_')[0]}-{bug or 'clean'}"
+            run_flags = flags + ["--steps", steps, "--eval-every", "4", "--tracker", "--log-dir", f"logs-{name}"]
+            if bug:
+                run_flags.append("--" + bug.replace("_", "-"))
+            if v.cuda:
+                run_flags += ["--snapshot", f"{name}.pickle"]
+            r = v.example(script, run_flags)
+            res = r["result"] or {}
+            row: Dict[str, Any] = {"case": name, "bug": bug, "rc": r["rc"], "peak_bytes": res.get("peak_bytes")}
+            if res.get("log"):
+                row["log_findings"] = kinds(v.analyze(os.path.join(v.work, res["log"])))
+            if res.get("snapshot"):
+                row["snapshot_findings"] = kinds(v.analyze(os.path.join(v.work, res["snapshot"])))
+            if bug:
+                want_log, want_snap = EXPECTED[bug]
+                row["expected"] = [w for w in (want_log, want_snap) if w]
+                row["named"] = want_log in row.get("log_findings", []) or (
+                    want_snap is not None and want_snap in row.get("snapshot_findings", [])
+                )
+            else:
+                row["named"] = None
+            rows.append(row)
+    # The frameworks, each with oomkit's callback, on a clean run.
+    for script, flags in (("hf_trainer.py", ["--out", "hf"]), ("lightning_trainer.py", ["--root", "pl", "--oomkit"])):
+        r = v.sh([sys.executable, os.path.join(EXAMPLES, script)] + flags)
+        folder = os.path.join(v.work, flags[1], "oomkit-logs")
+        logs = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        findings = kinds(v.analyze(os.path.join(folder, logs[-1]))) if logs else None
+        rows.append({"case": script.split("_")[0] + "-callback", "bug": None, "rc": r["rc"], "log_findings": findings, "named": None})
+    return {"rows": rows}
+
+
+def oom(v: Validation) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    # The tracker's capture of a real OOM.
+    if v.cuda:
+        flags = ["--size", "100m", "--batch", "64", "--memory-fraction", "0.25", "--record-history"]
+    else:
+        flags = ["--size", "tiny", "--batch", "32", "--oom-above", "16", "--tracker"]
+    r = v.example("gpt_train.py", flags + ["--steps", "3", "--log-dir", "logs-oom"])
+    capture: Dict[str, Any] = {"rc": r["rc"], "diagnosis_printed": "out of memory, diagnosis" in r["stderr"]}
+    res = r["result"] or {}
+    if res.get("log"):
+        a = v.analyze(os.path.join(v.work, res["log"]))
+        capture["log_ooms"] = a.get("ooms")
+        snaps = [o.get("snapshot") for o in a.get("ooms", []) if o.get("snapshot")]
+        if snaps:
+            s = v.analyze(snaps[0])
+            capture["snapshot_ooms"] = sum(len(d.get("ooms", [])) for d in s.get("devices", []))
+            capture["snapshot_findings"] = kinds(s)
+    out["capture"] = capture
+    # oomkit run steps the micro-batch down and keeps the effective batch.
+    summary = os.path.join(v.work, "run-summary.json")
+    if os.path.exists(summary):
+        os.remove(summary)
+    # What makes the script run out of memory above some micro-batch.
+    script_flags = ["--size", "100m", "--memory-fraction", "0.25"] if v.cuda else ["--size", "tiny", "--oom-above", "16"]
+    run = v.sh(
+        [v.oomkit, "run", "--gpus", "0", "--batch-size", "64", "--effective-batch", "64", "--max-retries", "4",
+         "--summary-json", summary, "--", sys.executable, os.path.join(EXAMPLES, "gpt_train.py"),
+         "--device", v.args.device, "--steps", "3", "--tracker", "--log-dir", "logs-run"] + script_flags,
+        timeout=400,
+    )
+    out["run"] = {"rc": run["rc"], "summary": json.load(open(summary)) if os.path.exists(summary) else None}
+    # find-batch against a bisection over every micro-batch.
+    fb_cmd = [v.oomkit, "find-batch", "--json", "--max", "128"]
+    if not v.cuda:
+        fb_cmd += ["--capacity", "64GiB"]
+    fb = v.sh(
+        fb_cmd + ["--", sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", v.args.device,
+                  "--steps", "2", "--tracker", "--log-dir", "logs-fb", "--batch", "{batch_size}"] + script_flags,
+        timeout=400,
+    )
+    found = last_json_object(fb["stdout"]) if fb["rc"] == 0 else None
+    out["find_batch"] = {"rc": fb["rc"], "recommended": found and found.get("recommended_batch"),
+                         "runs": found and len(found.get("trials", [])), "method": found and found.get("method")}
+
+    def fits(b: int) -> bool:
+        r = v.example("gpt_train.py", ["--steps", "2", "--batch", str(b)] + script_flags)
+        return r["rc"] == 0
+
+    lo, hi, runs = 0, 129, 0  # lo fits (0: none known), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        runs += 1
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    out["scan"] = {"largest": lo, "runs": runs}
+    return out
+
+
+def overhead(v: Validation) -> Dict[str, Any]:
+    flags = v.gpt_flags() + ["--bench", "--steps", "36" if v.args.quick else "120", "--log-dir", "logs-bench"]
+    r = v.example("gpt_train.py", flags, timeout=400)
+    return {"rc": r["rc"], "result": r["result"]}
+
+
+def estimate(v: Validation) -> Dict[str, Any]:
+    rows = []
+    sizes = ["tiny"] if v.args.quick else ["tiny", "small", "100m"]
+    batches = [4, 8]
+    for size in sizes:
+        cfg = os.path.join(v.work, f"config-{size}.json")
+        v.example("gpt_train.py", ["--size", size, "--config-out", cfg])
+        seq = json.load(open(cfg))["n_positions"]
+        for b in batches:
+            r = v.example("gpt_train.py", ["--size", size, "--batch", str(b), "--steps", "3"])
+            dtype = "bf16" if v.cuda else "fp32"
+            e = v.sh([v.oomkit, "estimate", "--json", "--config", cfg, "--batch", str(b), "--seq", str(seq),
+                      "--dtype", dtype, "--optimizer", "adamw", "--gpu", "80GiB"])
+            est = json.loads(e["stdout"]) if e["rc"] == 0 else {}
+            measured = (r["result"] or {}).get("peak_bytes")
+            # The allocator's peak excludes the CUDA context, which the estimate adds as overhead.
+            predicted = est.get("total_bytes", 0) - est.get("overhead_bytes", 0) if est else None
+            rows.append({"size": size, "batch": b, "seq": seq, "measured_peak_bytes": measured,
+                         "estimated_bytes": predicted,
+                         "error_percent": round(100 * (predicted - measured) / measured, 1) if predicted and measured else None,
+                         "measured_on": "allocator peak" if v.cuda else "process RSS peak (includes Python and torch)"})
+    return {"rows": rows}
+
+
+def gpus(v: Validation) -> Dict[str, Any]:
+    mine = v.sh([v.oomkit, "gpus", "--json"])
+    out: Dict[str, Any] = {"oomkit_rc": mine["rc"], "oomkit_seconds": round(mine["seconds"], 3)}
+    if mine["rc"] == 0:
+        out["oomkit"] = json.loads(mine["stdout"])
+    if shutil.which("nvidia-smi"):
+        smi = v.sh(["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,memory.free,utilization.gpu", "--format=csv,noheader,nounits"])
+        out["nvidia_smi"] = smi["stdout"].strip().splitlines()
+        out["nvidia_smi_seconds"] = round(smi["seconds"], 3)
+    return out
+
+
+def big(v: Validation) -> Dict[str, Any]:
+    if not v.cuda:
+        return {"skipped": "recording allocation history needs CUDA"}
+    snap = os.path.join(v.work, "big.pickle")
+    steps = "6000"
+    r = v.example("gpt_train.py", ["--size", "tiny", "--batch", "8", "--steps", steps, "--snapshot", snap, "--max-entries", "2000000"], timeout=400)
+    out: Dict[str, Any] = {"record_rc": r["rc"], "file_bytes": os.path.getsize(snap) if os.path.exists(snap) else None}
+    if not os.path.exists(snap):
+        return out
+    t = v.sh([v.oomkit, "analyze", "--json", snap])
+    out["oomkit_analyze_seconds"] = round(t["seconds"], 2)
+    a = json.loads(t["stdout"]) if t["rc"] == 0 else {}
+    out["events"] = sum(d.get("events", 0) for d in a.get("devices", []))
+    start = time.monotonic()
+    with open(snap, "rb") as f:
+        pickle.load(f)
+    out["pickle_load_seconds"] = round(time.monotonic() - start, 2)
+    mv = v.sh([sys.executable, "-m", "torch.cuda._memory_viz", "stats", snap], timeout=400)
+    out["memory_viz_stats_seconds"] = round(mv["seconds"], 2)
+    out["memory_viz_rc"] = mv["rc"]
+    return out
+
+
+def draft(v: Validation) -> str:
+    """The tables for VALIDATION.md."""
+    s = v.results["sections"]
+    lines = [f"# Validation draft ({v.args.device}{', quick' if v.args.quick else ''})", ""]
+    p = s.get("planted", {})
+    if p.get("rows"):
+        lines += ["## Planted bugs", "", "| case | expected | run-log findings | snapshot findings | named |", "|---|---|---|---|---|"]
+        for row in p["rows"]:
+            named = {True: "yes", False: "**no**", None: "-"}[row.get("named")]
+            lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
+                         f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
+        lines.append("")
+    for name in ("oom", "overhead", "estimate", "gpus", "big"):
+        if name in s:
+            lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--out", default="validation-out")
+    ap.add_argument("--quick", action="store_true", help="small sizes (for CPU and CI)")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
+    ap.add_argument("--only", default=None, help="comma-separated sections to run")
+    args = ap.parse_args()
+    v = Validation(args)
+    if not v.oomkit:
+        sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
+    plan = [("planted", 60, planted), ("oom", 60, oom), ("overhead", 20, overhead), ("estimate", 30, estimate),
+            ("gpus", 5, gpus), ("big", 120, big)]
+    only = set(args.only.split(",")) if args.only else None
+    for name, est, fn in plan:
+        if only is None or name in only:
+            v.section(name, est if v.cuda else est / 3, lambda fn=fn: fn(v))
+    v.results["total_seconds"] = round(time.monotonic() - v.t0, 1)
+    v.save()
+    with open(os.path.join(v.out, "VALIDATION-draft.md"), "w", encoding="utf-8") as f:
+        f.write(draft(v))
+    with tarfile.open(os.path.join(v.out, "artifacts.tar.gz"), "w:gz") as tar:
+        tar.add(v.work, arcname="work")
+    shutil.rmtree(v.work)
+    print(json.dumps({k: {"status": d.get("status"), "seconds": d.get("seconds")} for k, d in v.results["sections"].items()}))
+
+
+if __name__ == "__main__":
+    main()
