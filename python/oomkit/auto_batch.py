@@ -7,10 +7,11 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from oomkit import _native
-from oomkit._oom import is_oom
+from oomkit._oom import find_oom, is_oom
 
 _log = logging.getLogger("oomkit")
 T = TypeVar("T")
@@ -30,6 +31,24 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - freeing is best effort
         pass
+
+
+def _cause_note(message: str) -> str:
+    """What the OOM's cause means for a retry inside this process, as a clause for the log."""
+    if not message:
+        return ""
+    cause = _native.oom_cause(message, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    if cause == "fragmentation":
+        # The allocator reads its settings once, when CUDA starts.
+        return (
+            " (fragmentation: expandable segments cannot be turned on inside a running process; "
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before it starts, or use `oomkit run`)"
+        )
+    if cause == "other_processes":
+        return " (other processes hold the memory: `oomkit run` moves the job to another GPU)"
+    if cause == "memory_fraction_limit":
+        return " (the process hit its own set_per_process_memory_fraction cap)"
+    return f" ({cause})" if cause else ""
 
 
 def _any_rank(flag: bool, group: Any) -> bool:
@@ -160,17 +179,20 @@ def auto_batch(
                     raise BatchSizeError(
                         f"another rank ran out of memory at micro-batch {micro}, and no smaller one is allowed"
                     )
+                failure_message = "" if failure is None or isinstance(failure, _StepDown) else str(find_oom(failure) or failure)
                 failure = None
                 if accelerator is not None:
                     accelerator.free_memory()
                 _free_memory()
                 retries += 1
                 where = "this rank" if here else "another rank"
+                why = _cause_note(failure_message)
                 micro, accum = nxt
                 note = "" if micro * accum == effective else f" ({micro * accum} samples per step: {effective} has no divisor near it)"
                 _log.warning(
-                    "oomkit.auto_batch: out of memory on %s; retrying with micro-batch %d x accumulation %d%s",
+                    "oomkit.auto_batch: out of memory on %s%s; retrying with micro-batch %d x accumulation %d%s",
                     where,
+                    why,
                     micro,
                     accum,
                     note,

@@ -251,3 +251,26 @@ def test_oomkit_run_retries_a_real_python_traceback(tmp_path: Path) -> None:
     attempts = json.loads(summary.read_text())["attempts"]
     assert [a["oom"] for a in attempts] == [True, True, False]
     assert "OutOfMemoryError" in attempts[0]["oom_message"]
+
+
+def test_the_log_says_what_the_cause_means_inside_a_running_process(caplog) -> None:
+    fragmented = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+        "1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the "
+        "allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated."
+    )
+    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+    @oomkit.auto_batch(batch_size=8)
+    def train(micro: int, accum: int) -> int:
+        if micro > 4:
+            raise oom_type(fragmented)
+        return micro
+
+    with caplog.at_level("WARNING", logger="oomkit"):
+        assert train() == 4
+    [record] = caplog.records
+    assert "fragmentation: expandable segments cannot be turned on inside a running process" in record.getMessage()
+    assert oomkit._native.oom_cause(fragmented) == "fragmentation"
+    assert oomkit._native.oom_cause(fragmented, "expandable_segments:True") == "fragmentation"
+    assert oomkit._native.oom_cause("shape mismatch") is None

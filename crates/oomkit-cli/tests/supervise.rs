@@ -592,3 +592,228 @@ fn usage_errors_are_exit_2() {
     assert_eq!(s.run(&["run"]).status.code(), Some(2));
     let _ = Path::new(".");
 }
+
+/// Reads the summary JSON a run wrote.
+fn summary_of(s: &Sandbox) -> Value {
+    serde_json::from_slice(&std::fs::read(s.path("summary.json")).unwrap()).unwrap()
+}
+
+/// Each attempt's (micro-batch, GPUs, cause, action).
+fn steps(summary: &Value) -> Vec<(Value, Value, Value, Value)> {
+    summary["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["batch_size"].clone(),
+                a["gpus"].clone(),
+                a["cause"].clone(),
+                a["action"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// Runs out of memory from fragmentation (6.08 GiB reserved but unallocated
+/// against a 2 GiB request) unless expandable segments are on.
+const FRAGMENTED_UNLESS_EXPANDABLE: &str = r#"echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] micro=$1" >> log.txt
+case "$PYTORCH_CUDA_ALLOC_CONF" in *expandable_segments:True*) echo trained; exit 0;; esac
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated." >&2
+exit 1"#;
+
+#[test]
+fn fragmentation_is_retried_with_expandable_segments_at_the_same_batch() {
+    let s = Sandbox::new("fragmented");
+    s.gpus(&[(80, 80)]);
+    let train = s.script("train.sh", FRAGMENTED_UNLESS_EXPANDABLE);
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "64",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+        ])
+        .env("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let log = std::fs::read_to_string(s.path("log.txt")).unwrap();
+    assert_eq!(
+        log.lines().collect::<Vec<_>>(),
+        [
+            "conf=[max_split_size_mb:128] micro=64",
+            "conf=[max_split_size_mb:128,expandable_segments:True] micro=64",
+        ]
+    );
+    let summary = summary_of(&s);
+    assert_eq!(
+        steps(&summary),
+        [
+            (
+                json!(64),
+                json!([0]),
+                json!("fragmentation"),
+                json!("expandable_segments")
+            ),
+            (json!(64), json!([0]), json!(null), json!(null)),
+        ]
+    );
+    let notes = summary["notes"].to_string();
+    assert!(
+        notes.contains("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128,expandable_segments:True"),
+        "{notes}"
+    );
+    // Without --batch-size a fix that needs no batch change is still tried.
+    let s2 = Sandbox::new("fragmented-nobatch");
+    s2.gpus(&[(80, 80)]);
+    let train2 = s2.script("train.sh", FRAGMENTED_UNLESS_EXPANDABLE);
+    let out = s2.run(&["run", "--", train2.to_str().unwrap(), "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn another_process_on_the_gpu_sends_the_same_plan_to_another_gpu() {
+    let s = Sandbox::new("otherprocess");
+    s.gpus(&[(80, 80), (80, 78)]);
+    // Another process took GPU 0 after oomkit chose it.
+    let train = s.script(
+        "train.sh",
+        r#"echo "gpus=$CUDA_VISIBLE_DEVICES micro=$1" >> log.txt
+[ "$CUDA_VISIBLE_DEVICES" = 1 ] && exit 0
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 3.12 GiB is free. Process 4242 has 60.00 GiB memory in use. Including non-PyTorch memory, this process has 16.02 GiB memory in use. Of the allocated memory 15.12 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated." >&2
+exit 1"#,
+    );
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "32",
+        "--summary-json",
+        "summary.json",
+        "--",
+        train.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(s.path("log.txt"))
+            .unwrap()
+            .lines()
+            .collect::<Vec<_>>(),
+        ["gpus=0 micro=32", "gpus=1 micro=32"]
+    );
+    assert_eq!(
+        steps(&summary_of(&s)),
+        [
+            (
+                json!(32),
+                json!([0]),
+                json!("other_processes"),
+                json!("other_gpu")
+            ),
+            (json!(32), json!([1]), json!(null), json!(null)),
+        ]
+    );
+    assert!(text(&out.stderr).contains("retrying the same plan on GPU 1"));
+}
+
+#[test]
+fn capacity_steps_down_and_a_request_larger_than_the_device_stops_at_the_floor() {
+    let s = Sandbox::new("causes");
+    s.gpus(&[(80, 80)]);
+    let train = s.script("train.sh", OOM_ABOVE_LIMIT);
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "16",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+            "1",
+        ])
+        .env("LIMIT", "8")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        steps(&summary_of(&s)),
+        [
+            (json!(16), json!([0]), json!("capacity"), json!("step_down")),
+            (json!(8), json!([0]), json!(null), json!(null)),
+        ]
+    );
+    assert!(summary_of(&s)["notes"]
+        .to_string()
+        .contains("--batch-size 8 --grad-accum 2"));
+
+    // 100 GiB asked of an 80 GiB GPU at the smallest batch: no retry can help.
+    let s2 = Sandbox::new("toolarge");
+    s2.gpus(&[(80, 80)]);
+    let train = s2.script(
+        "train.sh",
+        r#"echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 78.00 GiB is free. Including non-PyTorch memory, this process has 1.02 GiB memory in use. Of the allocated memory 500.00 MiB is allocated by PyTorch, and 12.00 MiB is reserved by PyTorch but unallocated." >&2; exit 1"#,
+    );
+    let out = s2.run(&[
+        "run",
+        "--batch-size",
+        "1",
+        "--summary-json",
+        "summary.json",
+        "--",
+        train.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let summary = summary_of(&s2);
+    assert_eq!(
+        steps(&summary),
+        [(
+            json!(1),
+            json!([0]),
+            json!("request_exceeds_capacity"),
+            json!("stop")
+        )]
+    );
+    assert!(summary["notes"].to_string().contains("no batch can fix it"));
+}
+
+#[test]
+fn a_memory_fraction_cap_is_named_as_the_cause() {
+    let s = Sandbox::new("fraction");
+    s.gpus(&[(80, 80)]);
+    let train = s.script(
+        "train.sh",
+        r#"[ "$1" -le 4 ] && exit 0
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. GPU 0 has a total capacity of 44.43 GiB of which 9.06 GiB is free. Including non-PyTorch memory, this process has 17.81 GiB memory in use. 17.69 GiB allowed; Of the allocated memory 17.44 GiB is allocated by PyTorch, and 59.88 MiB is reserved by PyTorch but unallocated." >&2; exit 1"#,
+    );
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "8",
+        "--summary-json",
+        "summary.json",
+        "--",
+        train.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let summary = summary_of(&s);
+    assert_eq!(
+        steps(&summary)[0],
+        (
+            json!(8),
+            json!([0]),
+            json!("memory_fraction_limit"),
+            json!("step_down")
+        )
+    );
+    assert!(summary["notes"]
+        .to_string()
+        .contains("set_per_process_memory_fraction"));
+}

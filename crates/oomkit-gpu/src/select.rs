@@ -12,6 +12,8 @@ pub struct Request {
     pub count: usize,
     /// Free memory each GPU must have; `None` asks for whole GPUs that no other oomkit job holds.
     pub min_free: Option<u64>,
+    /// GPU indices not to choose, such as one where another process took the memory.
+    pub exclude: Vec<u32>,
 }
 
 /// How long to wait for GPUs, and how often to look.
@@ -54,6 +56,7 @@ pub fn choose<'g>(
 ) -> Result<Vec<&'g Gpu>, String> {
     let mut ranked: Vec<(&Gpu, u64)> = gpus
         .iter()
+        .filter(|g| !req.exclude.contains(&g.index))
         .filter_map(|g| available(g, claims).map(|a| (g, a)))
         .collect();
     ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.index.cmp(&b.0.index)));
@@ -206,6 +209,7 @@ mod tests {
         let req = Request {
             count: 2,
             min_free: None,
+            exclude: Vec::new(),
         };
         assert_eq!(indices(choose(&gpus, &[], &req)), vec![1, 2]);
     }
@@ -216,6 +220,7 @@ mod tests {
         let req = Request {
             count: 1,
             min_free: Some(40 << 30),
+            exclude: Vec::new(),
         };
         let why = choose(&gpus, &[], &req).unwrap_err();
         assert!(why.contains("GPU 1 with 30.0 GiB"), "{why}");
@@ -227,6 +232,7 @@ mod tests {
         let req = Request {
             count: 1,
             min_free: None,
+            exclude: Vec::new(),
         };
         assert_eq!(indices(choose(&gpus, &[claim(0, None, 80)], &req)), vec![1]);
     }
@@ -236,6 +242,7 @@ mod tests {
         let req = Request {
             count: 1,
             min_free: Some(30 << 30),
+            exclude: Vec::new(),
         };
         // Just claimed, nothing used yet: 80 - 50 leaves 30, which still qualifies.
         let c = claim(0, Some(50), 80);
@@ -248,5 +255,23 @@ mod tests {
         assert!(choose(&[gpu(0, 80)], &[c.clone(), c2], &req).is_err());
         // Once the job has filled its 50 GiB the claim no longer counts twice.
         assert_eq!(indices(choose(&[gpu(0, 30)], &[c], &req)), vec![0]);
+    }
+
+    #[test]
+    fn excluded_gpus_are_never_chosen() {
+        let gpus = [gpu(0, 80), gpu(1, 40)];
+        let req = Request {
+            count: 1,
+            min_free: None,
+            exclude: vec![0],
+        };
+        let picked = choose(&gpus, &[], &req).expect("GPU 1 qualifies");
+        assert_eq!(picked[0].index, 1);
+        let req = Request {
+            count: 2,
+            min_free: None,
+            exclude: vec![0],
+        };
+        assert!(choose(&gpus, &[], &req).is_err());
     }
 }

@@ -233,6 +233,16 @@ fn oom_requested_bytes(message: &str) -> Option<u64> {
     parse_message(kind, message).requested_bytes
 }
 
+/// Why an OOM message's allocation failed, as `oomkit explain` decides it ("fragmentation", "capacity", ...), or None.
+#[pyfunction]
+#[pyo3(signature = (message, alloc_conf=None))]
+fn oom_cause(message: &str, alloc_conf: Option<&str>) -> Option<String> {
+    let e = oomkit_supervise::oom::explain(message, alloc_conf)?;
+    serde_json::to_value(e.cause)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+}
+
 /// The micro-batch and accumulation covering `effective_batch` at `micro_batch`.
 #[pyfunction]
 fn batch_plan(micro_batch: u64, effective_batch: u64) -> (u64, u64) {
@@ -264,6 +274,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
     m.add_function(wrap_pyfunction!(oom_requested_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_cause, m)?)?;
     m.add_function(wrap_pyfunction!(batch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(back_off, m)?)?;
     Ok(())

@@ -128,6 +128,7 @@ pub fn find_batch(
     let req = Request {
         count: 1,
         min_free: None,
+        exclude: Vec::new(),
     };
     let acquired = match acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &|| false) {
         Ok(a) => Some(a),

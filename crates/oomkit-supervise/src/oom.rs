@@ -98,6 +98,8 @@ pub struct OomMessage {
     pub reserved_unallocated_bytes: Option<u64>,
     /// Memory in private pools such as CUDA graphs, part of the allocated memory.
     pub private_pool_bytes: Option<u64>,
+    /// The process's own cap from `torch.cuda.set_per_process_memory_fraction` ("N allowed;").
+    pub allowed_bytes: Option<u64>,
     /// Other processes on the GPU, where the message lists them.
     pub other_processes: Vec<OtherProcess>,
     /// The message itself, as one line.
@@ -116,6 +118,8 @@ pub enum Cause {
     RequestExceedsCapacity,
     /// Other processes held the memory the request needed.
     OtherProcesses,
+    /// The process reached its own cap (`set_per_process_memory_fraction`) while the device had room.
+    MemoryFractionLimit,
 }
 
 /// A message explained: the cause, the numbers behind it, and what to change.
@@ -149,6 +153,7 @@ struct Patterns {
     this_process: Regex,
     allocated_new: Regex,
     private_pools: Regex,
+    allowed: Regex,
     unallocated_new: Regex,
     gpu_old: Regex,
     total_old: Regex,
@@ -174,6 +179,7 @@ fn patterns() -> &'static Patterns {
                 r"Of the allocated memory {s} is allocated by PyTorch"
             )),
             private_pools: re(format!(r"with {s} allocated in private pools")),
+            allowed: re(format!(r"{s} allowed;")),
             unallocated_new: re(format!(r"{s} is reserved by PyTorch but unallocated")),
             gpu_old: re(r"\(GPU (\d+);".into()),
             total_old: re(format!(r"{s} total capacity")),
@@ -215,6 +221,7 @@ pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
         allocated_bytes: None,
         reserved_unallocated_bytes: None,
         private_pool_bytes: find_size(&p.private_pools, text),
+        allowed_bytes: find_size(&p.allowed, text),
         other_processes: Vec::new(),
         text: text.trim().to_string(),
     };
@@ -344,6 +351,9 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
     let cause = match (req, m.capacity_bytes) {
         (Some(r), Some(c)) if r > c => Cause::RequestExceedsCapacity,
         (Some(r), _) if unalloc >= r && unalloc > 0 => Cause::Fragmentation,
+        (Some(r), _) if m.allowed_bytes.is_some() && free.is_some_and(|f| f >= r) => {
+            Cause::MemoryFractionLimit
+        }
         (Some(_), _) if others > 0 && shortfall.is_some_and(|s| others >= s) => {
             Cause::OtherProcesses
         }
@@ -385,6 +395,18 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
             format!(
                 "{device} had {} reserved by PyTorch but unallocated, enough for the {} request, but not in one piece: the memory is fragmented.",
                 human_bytes(unalloc),
+                hb(req)
+            )
+        }
+        Cause::MemoryFractionLimit => {
+            advice.push(format!(
+                "The cap is this process's own: raise or remove torch.cuda.set_per_process_memory_fraction (it allows {}), or cut the micro-batch to fit under it.",
+                hb(m.allowed_bytes)
+            ));
+            format!(
+                "The process reached its own memory cap of {} (set_per_process_memory_fraction) while {device} still had {} free for the {} request.",
+                hb(m.allowed_bytes),
+                hb(free),
                 hb(req)
             )
         }
@@ -492,6 +514,7 @@ impl Explanation {
             "in private pools (CUDA graphs)",
             m.private_pool_bytes,
         );
+        row(&mut out, "allowed to this process", m.allowed_bytes);
         for p in &m.other_processes {
             let _ = writeln!(
                 out,

@@ -1,9 +1,10 @@
 //! The retry loop behind `oomkit run`.
 
 use crate::child::{self, Spec};
+use crate::oom::{self, Cause};
 use crate::plan::BatchPlan;
 use crate::{fill_placeholders, has_batch_placeholder, SuperviseError};
-use oomkit_gpu::{acquire, ClaimDir, GpuError, Request, Wait};
+use oomkit_gpu::{acquire, ClaimDir, GpuError, Held, Request, Wait};
 use oomkit_units::human_bytes;
 use serde::Serialize;
 use std::ffi::OsString;
@@ -60,6 +61,10 @@ pub struct Attempt {
     pub oom: bool,
     /// The OOM line, if any.
     pub oom_message: Option<String>,
+    /// Why it ran out, as `oomkit explain` reads the OOM line; null without an OOM.
+    pub cause: Option<Cause>,
+    /// What oomkit did about it: `expandable_segments`, `other_gpu`, `step_down`, `cpu_fallback` or `stop`; null without an OOM.
+    pub action: Option<Action>,
     /// Wall time in seconds.
     pub seconds: f64,
 }
@@ -80,6 +85,25 @@ pub struct RunSummary {
 /// Set to `1` in the command's environment so that Lightning's entry point adds oomkit's callback,
 /// which applies the plan and records a run log; nothing adds it otherwise.
 pub const AUTO_CALLBACK_ENV: &str = "OOMKIT_AUTO_CALLBACK";
+
+/// The allocator settings variable that `expandable_segments` is added to.
+const ALLOC_CONF_ENV: &str = "PYTORCH_CUDA_ALLOC_CONF";
+
+/// What `oomkit run` does after an out-of-memory attempt: the smallest fix the cause allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Fragmentation: the same plan again with `expandable_segments:True` added to the allocator settings.
+    ExpandableSegments,
+    /// Another process took the memory: the same plan on another GPU.
+    OtherGpu,
+    /// A smaller micro-batch with more accumulation.
+    StepDown,
+    /// One more run on the CPU.
+    CpuFallback,
+    /// Nothing left to try, or nothing that could help.
+    Stop,
+}
 
 fn env(k: &str, v: impl ToString) -> (OsString, OsString) {
     (k.into(), v.to_string().into())
@@ -111,42 +135,11 @@ pub fn supervise(
         }
     }
     child::catch_signals();
-    let (gpus, _held) = if opts.gpus == 0 {
+    let (mut gpus, mut _held) = if opts.gpus == 0 {
         (None, None)
     } else {
-        let req = Request {
-            count: opts.gpus,
-            min_free: opts.min_free,
-        };
-        // Which signal ended the wait, for the error that reports it.
-        let stopped_by = std::cell::Cell::new(0);
-        let stop = || match child::take_signal() {
-            Some(sig) => {
-                stopped_by.set(sig);
-                true
-            }
-            None => false,
-        };
-        match acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &stop) {
-            Ok(a) => {
-                let names: Vec<String> = a
-                    .gpus
-                    .iter()
-                    .map(|g| {
-                        format!(
-                            "GPU {} ({}, {} free)",
-                            g.index,
-                            g.name,
-                            human_bytes(g.free_bytes)
-                        )
-                    })
-                    .collect();
-                say(&format!("using {}", names.join(", ")));
-                (
-                    Some(a.gpus.iter().map(|g| g.index).collect::<Vec<_>>()),
-                    Some(a.held),
-                )
-            }
+        match take_gpus(opts, &[], opts.wait, say) {
+            Ok((ids, h)) => (Some(ids), Some(h)),
             Err(e) if e.is_absent() && !opts.require_gpu => {
                 say(&format!(
                     "warning: {e}; running the command without choosing a GPU (--require-gpu makes this an error)"
@@ -154,11 +147,15 @@ pub fn supervise(
                 (None, None)
             }
             Err(GpuError::Stopped) => {
-                return Err(SuperviseError::Interrupted(stopped_by.get()));
+                return Err(SuperviseError::Interrupted(STOPPED_BY.with(|c| c.get())));
             }
             Err(e) => return Err(e.into()),
         }
     };
+    // GPUs where another process took the memory: not chosen again this run.
+    let mut avoid: Vec<u32> = Vec::new();
+    // What oomkit adds to the allocator settings, on top of the user's.
+    let mut alloc_conf: Option<String> = None;
 
     let mut attempts = Vec::new();
     let mut notes = Vec::new();
@@ -176,6 +173,9 @@ pub fn supervise(
         };
         if opts.auto_callback {
             spec.env.push(env(AUTO_CALLBACK_ENV, 1));
+        }
+        if let Some(conf) = &alloc_conf {
+            spec.env.push(env(ALLOC_CONF_ENV, conf));
         }
         if let Some(p) = &plan {
             spec.env.push(env("OOMKIT_MICRO_BATCH", p.micro_batch));
@@ -218,6 +218,14 @@ pub fn supervise(
         }
         let out = child::run(&spec, &mut |_| {})?;
         let oom = out.oom_line.is_some() && out.exit_code != 0;
+        let settings = alloc_conf
+            .clone()
+            .or_else(|| std::env::var(ALLOC_CONF_ENV).ok());
+        let explained = out
+            .oom_line
+            .as_deref()
+            .filter(|_| oom)
+            .and_then(|l| oom::explain(l, settings.as_deref()));
         attempts.push(Attempt {
             attempt: number,
             batch_size: plan.map(|p| p.micro_batch),
@@ -232,47 +240,115 @@ pub fn supervise(
             exit_code: out.exit_code,
             oom,
             oom_message: out.oom_line.clone(),
+            cause: explained.as_ref().map(|e| e.cause),
+            action: None,
             seconds: out.duration.as_secs_f64(),
         });
-        let finish = |outcome, notes| RunSummary {
-            exit_code: out.exit_code,
-            attempts: attempts.clone(),
-            outcome,
-            notes,
+        let finish = |attempts: &mut Vec<Attempt>,
+                      action: Option<Action>,
+                      outcome,
+                      mut notes: Vec<String>| {
+            if let Some(last) = attempts.last_mut() {
+                last.action = action;
+            }
+            if outcome == "succeeded" && attempts.len() > 1 {
+                notes.push(next_time(opts, plan.as_ref(), alloc_conf.as_deref()));
+            }
+            RunSummary {
+                exit_code: out.exit_code,
+                attempts: attempts.clone(),
+                outcome,
+                notes,
+            }
         };
         if let Some(sig) = out.interrupted_by {
             notes.push(format!("stopped by signal {sig}; not retried"));
-            return Ok(finish("interrupted", notes));
+            return Ok(finish(&mut attempts, None, "interrupted", notes));
         }
         if out.exit_code == 0 {
-            return Ok(finish("succeeded", notes));
+            return Ok(finish(&mut attempts, None, "succeeded", notes));
         }
         if !oom {
-            return Ok(finish("failed", notes));
+            return Ok(finish(&mut attempts, None, "failed", notes));
         }
         if on_cpu {
             notes.push("the CPU run ran out of host memory too".into());
-            return Ok(finish("oom", notes));
+            return Ok(finish(&mut attempts, Some(Action::Stop), "oom", notes));
+        }
+        if retries_left == 0 {
+            notes.push(format!(
+                "out of memory; no retries left (--max-retries {})",
+                opts.max_retries
+            ));
+            return Ok(finish(&mut attempts, Some(Action::Stop), "oom", notes));
+        }
+        let cause = explained.as_ref().map(|e| e.cause);
+        // The smallest fix first: neither of these costs throughput.
+        if cause == Some(Cause::Fragmentation)
+            && !settings.as_deref().is_some_and(oom::expandable_segments_on)
+        {
+            let conf = with_expandable_segments(settings.as_deref());
+            say(&format!(
+                "the memory was fragmented: retrying the same plan with {ALLOC_CONF_ENV}={conf}"
+            ));
+            alloc_conf = Some(conf);
+            retries_left -= 1;
+            attempts.last_mut().expect("pushed").action = Some(Action::ExpandableSegments);
+            continue;
+        }
+        if cause == Some(Cause::OtherProcesses) {
+            if let Some(ids) = gpus.clone() {
+                for id in &ids {
+                    if !avoid.contains(id) {
+                        avoid.push(*id);
+                    }
+                }
+                match take_gpus(opts, &avoid, opts.wait, say) {
+                    Ok((new_ids, h)) => {
+                        say(&format!(
+                            "another process took the memory on GPU {}: retrying the same plan on GPU {}",
+                            join(&ids),
+                            join(&new_ids)
+                        ));
+                        gpus = Some(new_ids);
+                        _held = Some(h);
+                        retries_left -= 1;
+                        attempts.last_mut().expect("pushed").action = Some(Action::OtherGpu);
+                        continue;
+                    }
+                    Err(GpuError::Stopped) => {
+                        notes.push("stopped while waiting for another GPU".into());
+                        return Ok(finish(&mut attempts, Some(Action::Stop), "interrupted", notes));
+                    }
+                    Err(e) => say(&format!(
+                        "another process took the memory on GPU {}, and no other GPU can take the job ({e}): stepping down instead",
+                        join(&ids)
+                    )),
+                }
+            }
+        }
+        if cause == Some(Cause::MemoryFractionLimit) {
+            notes.push("the process hit its own cap (set_per_process_memory_fraction), not the device's: raising the cap fixes it without a smaller batch".into());
         }
         let next = match &plan {
             None => {
                 notes.push("out of memory; give --batch-size (and {batch_size} in the command or OOMKIT_MICRO_BATCH in the script) to retry with smaller micro-batches".into());
                 None
             }
-            Some(_) if retries_left == 0 => {
-                notes.push(format!(
-                    "out of memory; no retries left (--max-retries {})",
-                    opts.max_retries
-                ));
-                None
-            }
             Some(p) => match p.back_off(opts.min_batch_size) {
                 Some(n) => Some(n),
                 None => {
-                    notes.push(format!(
-                        "out of memory at micro-batch {}, the smallest allowed (--min-batch-size {})",
-                        p.micro_batch, opts.min_batch_size
-                    ));
+                    notes.push(if cause == Some(Cause::RequestExceedsCapacity) {
+                        format!(
+                            "one allocation is larger than the whole device even at micro-batch {}: no batch can fix it (split the operation, or use a larger GPU)",
+                            p.micro_batch
+                        )
+                    } else {
+                        format!(
+                            "out of memory at micro-batch {}, the smallest allowed (--min-batch-size {})",
+                            p.micro_batch, opts.min_batch_size
+                        )
+                    });
                     None
                 }
             },
@@ -291,14 +367,117 @@ pub fn supervise(
                     say(&note);
                     notes.push(note);
                 }
+                attempts.last_mut().expect("pushed").action = Some(Action::StepDown);
                 plan = Some(n);
             }
             None if opts.cpu_fallback => {
                 say("falling back to the CPU (--cpu-fallback)");
+                attempts.last_mut().expect("pushed").action = Some(Action::CpuFallback);
                 on_cpu = true;
             }
-            None => return Ok(finish("oom", notes)),
+            None => return Ok(finish(&mut attempts, Some(Action::Stop), "oom", notes)),
         }
+    }
+}
+
+thread_local! {
+    /// Which signal ended a wait for GPUs, for the error that reports it.
+    static STOPPED_BY: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
+}
+
+/// Chooses and claims the GPUs the job asks for, leaving out `avoid`.
+fn take_gpus(
+    opts: &RunOptions,
+    avoid: &[u32],
+    wait: Wait,
+    say: &mut dyn FnMut(&str),
+) -> Result<(Vec<u32>, Held), GpuError> {
+    let req = Request {
+        count: opts.gpus,
+        min_free: opts.min_free,
+        exclude: avoid.to_vec(),
+    };
+    let stop = || match child::take_signal() {
+        Some(sig) => {
+            STOPPED_BY.with(|c| c.set(sig));
+            true
+        }
+        None => false,
+    };
+    let a = acquire(&req, &opts.claims, wait, &mut |m| say(m), &stop)?;
+    let names: Vec<String> = a
+        .gpus
+        .iter()
+        .map(|g| {
+            format!(
+                "GPU {} ({}, {} free)",
+                g.index,
+                g.name,
+                human_bytes(g.free_bytes)
+            )
+        })
+        .collect();
+    say(&format!("using {}", names.join(", ")));
+    Ok((a.gpus.iter().map(|g| g.index).collect(), a.held))
+}
+
+/// A vocabulary value as its JSON string.
+fn snake<T: Serialize>(v: &T) -> Option<String> {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|x| x.as_str().map(String::from))
+}
+
+fn join(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|g| g.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The user's allocator settings with `expandable_segments:True` added, their other settings kept.
+pub fn with_expandable_segments(settings: Option<&str>) -> String {
+    let kept: Vec<&str> = settings
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| {
+            !kv.is_empty()
+                && !kv
+                    .replace(' ', "")
+                    .to_ascii_lowercase()
+                    .starts_with("expandable_segments:")
+        })
+        .collect();
+    let mut all = kept.join(",");
+    if !all.is_empty() {
+        all.push(',');
+    }
+    all.push_str("expandable_segments:True");
+    all
+}
+
+/// What to put in the launch script so that the next run starts where this one ended.
+fn next_time(opts: &RunOptions, plan: Option<&BatchPlan>, alloc_conf: Option<&str>) -> String {
+    let mut parts = Vec::new();
+    if let (Some(p), Some(first)) = (plan, opts.batch_size) {
+        if p.micro_batch != first {
+            parts.push(format!(
+                "--batch-size {} --grad-accum {}",
+                p.micro_batch, p.grad_accum
+            ));
+        }
+    }
+    if let Some(conf) = alloc_conf {
+        parts.push(format!("{ALLOC_CONF_ENV}={conf}"));
+    }
+    if parts.is_empty() {
+        "next time, start as this run ended: nothing to change".into()
+    } else {
+        format!(
+            "next time, start as this run ended: {}",
+            parts.join(" and ")
+        )
     }
 }
 
@@ -315,32 +494,32 @@ impl RunSummary {
         );
         let _ = writeln!(
             out,
-            "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<4} {:>8}",
-            "#", "micro-batch", "accum", "effective", "device", "exit", "OOM", "time"
+            "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<24} {:<19} {:>8}",
+            "#", "micro-batch", "accum", "effective", "device", "exit", "OOM", "then", "time"
         );
         for a in &self.attempts {
             let dash = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
             let device = match (a.device, a.gpus.is_empty()) {
-                ("cuda", false) => format!(
-                    "cuda:{}",
-                    a.gpus
-                        .iter()
-                        .map(|g| g.to_string())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                ),
+                ("cuda", false) => format!("cuda:{}", join(&a.gpus)),
                 (d, _) => d.to_string(),
+            };
+            let word = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            let oom = match (a.oom, a.cause) {
+                (false, _) => "no".to_string(),
+                (true, None) => "yes".to_string(),
+                (true, Some(c)) => word(snake(&c)),
             };
             let _ = writeln!(
                 out,
-                "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<4} {:>7.1}s",
+                "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<24} {:<19} {:>7.1}s",
                 a.attempt,
                 dash(a.batch_size),
                 dash(a.grad_accum),
                 dash(a.effective_batch),
                 device,
                 a.exit_code,
-                if a.oom { "yes" } else { "no" },
+                oom,
+                word(a.action.and_then(|x| snake(&x))),
                 a.seconds
             );
         }

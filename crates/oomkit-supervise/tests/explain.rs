@@ -206,6 +206,31 @@ fn batch_finder_gave_up() {
     assert!(e.advice[0].contains("--effective-batch"), "{}", e.advice[0]);
 }
 
+// The HIP form with a per-process cap, from a ROCm run of PyTorch's own
+// test_cuda.py (test/test_cuda.py, a memory-fraction test), as quoted in a
+// public repository's CI log.
+const FRACTION: &str = "torch.OutOfMemoryError: HIP out of memory. Tried to allocate 76.00 MiB. GPU 0 has a total capacity of 255.69 GiB of which 252.82 GiB is free. 1.20 GiB allowed; Of the allocated memory 1.14 GiB is allocated by PyTorch, with 17.00 MiB allocated in private pools (e.g., HIP Graphs), and 18.63 MiB is reserved by PyTorch but unallocated.";
+
+#[test]
+fn a_memory_fraction_cap_is_the_process_own_limit() {
+    let e = explain(FRACTION, None).expect("found");
+    close(e.message.allowed_bytes, 1.20 * GIB);
+    close(e.message.private_pool_bytes, 17.0 * MIB);
+    // 252.82 GiB free on the device: the cap, not the device, ran out.
+    assert_eq!(e.cause, Cause::MemoryFractionLimit);
+    assert!(
+        e.advice[0].contains("set_per_process_memory_fraction"),
+        "{}",
+        e.advice[0]
+    );
+    // Without the clause the same numbers are not a cap.
+    let plain = FRACTION.replace("1.20 GiB allowed; ", "");
+    assert_ne!(
+        explain(&plain, None).expect("found").cause,
+        Cause::MemoryFractionLimit
+    );
+}
+
 mod fuzz {
     use super::*;
     use proptest::prelude::*;
