@@ -71,7 +71,10 @@ class Validation:
     def sh(self, cmd: List[str], timeout: float = 300, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:
         """Runs a command; returns its exit code, seconds and output (kept in the artifacts)."""
         t = time.monotonic()
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
+        # A plan memory of the run's own: stepping down is measured, not skipped by a remembered plan.
+        full_env = dict(
+            os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OOMKIT_CACHE_DIR=os.path.join(self.work, "cache"), **(env or {})
+        )
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or self.work)
             rc, out, err = p.returncode, p.stdout, p.stderr

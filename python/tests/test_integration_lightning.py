@@ -119,7 +119,9 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
         sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--namespace", namespace,
         "--root", str(tmp_path), "--oom-above", "4", "--steps", "2", "--val-every", "0",
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # A plan memory of its own, so that no earlier run's plan is reused.
+    env = dict(os.environ, OOMKIT_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert [(a["batch_size"], a["grad_accum"], a["oom"]) for a in s["attempts"]] == [

@@ -134,7 +134,9 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
         sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", str(out), "--oom-above", "4", "--steps", "2",
         "--eval-steps", "0",
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # A plan memory of its own, so that no earlier run's plan is reused.
+    env = dict(os.environ, OOMKIT_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert [(a["batch_size"], a["grad_accum"], a["oom"]) for a in s["attempts"]] == [

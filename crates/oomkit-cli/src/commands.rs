@@ -92,6 +92,9 @@ pub struct RunArgs {
     /// Do not set OOMKIT_AUTO_CALLBACK=1, which has Lightning add oomkit's callback by itself.
     #[arg(long)]
     no_auto_callback: bool,
+    /// Start from --batch-size even when a smaller plan finished last time for this command.
+    #[arg(long)]
+    fresh: bool,
     /// Write the attempts as JSON to this new file.
     #[arg(long, value_name = "FILE")]
     summary_json: Option<PathBuf>,
@@ -284,6 +287,8 @@ pub fn run(a: RunArgs) -> u8 {
         max_retries: a.max_retries,
         cpu_fallback: a.cpu_fallback,
         auto_callback: !a.no_auto_callback,
+        memory: oomkit_supervise::remember::PlanMemory::default_location(),
+        fresh: a.fresh,
         claims: ClaimDir::default_location(),
     };
     let summary = match oomkit_supervise::supervise(&opts, &mut |m| say(m)) {

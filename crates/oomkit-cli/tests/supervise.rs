@@ -58,6 +58,7 @@ impl Sandbox {
         c.args(args)
             .env("OOMKIT_FAKE_GPUS", self.path("gpus.json"))
             .env("OOMKIT_CLAIMS_DIR", self.path("claims"))
+            .env("OOMKIT_CACHE_DIR", self.path("cache"))
             .env("NO_COLOR", "1")
             .current_dir(&self.dir);
         c
@@ -816,4 +817,41 @@ echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. 
     assert!(summary["notes"]
         .to_string()
         .contains("set_per_process_memory_fraction"));
+}
+
+#[test]
+fn the_next_run_of_the_same_command_starts_from_the_plan_that_finished() {
+    let s = Sandbox::new("remember");
+    s.gpus(&[(80, 80)]);
+    let train = s.script("train.sh", OOM_ABOVE_LIMIT);
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--batch-size", "32", "--effective-batch", "64"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+            "{grad_accum}",
+        ]);
+        s.command(&args).env("LIMIT", "8").output().unwrap()
+    };
+    let first = run(&[]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let second = run(&[]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let said = text(&second.stderr);
+    assert!(
+        said.contains("starting from micro-batch 8 x accumulation 8, which finished last time for this command on Fake H100"),
+        "{said}"
+    );
+    let fresh = run(&["--fresh"]);
+    assert!(fresh.status.success());
+    let log = std::fs::read_to_string(s.path("log.txt")).unwrap();
+    let micro: Vec<&str> = log.lines().map(|l| l.split(' ').next().unwrap()).collect();
+    // First run: 32, 16, 8. Second: straight to 8. With --fresh: 32, 16, 8 again.
+    assert_eq!(
+        micro,
+        ["micro=32", "micro=16", "micro=8", "micro=8", "micro=32", "micro=16", "micro=8"]
+    );
+    assert!(s.path("cache").join("plans.json").exists());
 }

@@ -7,6 +7,7 @@ pub mod child;
 pub mod find_batch;
 pub mod oom;
 pub mod plan;
+pub mod remember;
 pub mod search;
 mod supervise;
 

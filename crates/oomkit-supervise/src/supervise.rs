@@ -3,6 +3,7 @@
 use crate::child::{self, Spec};
 use crate::oom::{self, Cause};
 use crate::plan::BatchPlan;
+use crate::remember::{PlanMemory, Remembered};
 use crate::{fill_placeholders, has_batch_placeholder, SuperviseError};
 use oomkit_gpu::{acquire, ClaimDir, GpuError, Held, Request, Wait};
 use oomkit_units::human_bytes;
@@ -36,6 +37,10 @@ pub struct RunOptions {
     pub cpu_fallback: bool,
     /// Ask frameworks with entry points (Lightning) to add oomkit's callback, through [`AUTO_CALLBACK_ENV`].
     pub auto_callback: bool,
+    /// Where the plans that finished are kept, if anywhere.
+    pub memory: Option<PlanMemory>,
+    /// Start from `batch_size` even when a plan finished last time for this command.
+    pub fresh: bool,
     /// Where GPU claims are kept.
     pub claims: ClaimDir,
 }
@@ -86,6 +91,9 @@ pub struct RunSummary {
 /// which applies the plan and records a run log; nothing adds it otherwise.
 pub const AUTO_CALLBACK_ENV: &str = "OOMKIT_AUTO_CALLBACK";
 
+/// The GPU model in the plan memory's key when oomkit does not choose the GPUs.
+const UNMANAGED_MODEL: &str = "GPUs chosen by the command";
+
 /// The allocator settings variable that `expandable_segments` is added to.
 const ALLOC_CONF_ENV: &str = "PYTORCH_CUDA_ALLOC_CONF";
 
@@ -135,16 +143,16 @@ pub fn supervise(
         }
     }
     child::catch_signals();
-    let (mut gpus, mut _held) = if opts.gpus == 0 {
-        (None, None)
+    let (mut gpus, mut _held, model) = if opts.gpus == 0 {
+        (None, None, UNMANAGED_MODEL.to_string())
     } else {
         match take_gpus(opts, &[], opts.wait, say) {
-            Ok((ids, h)) => (Some(ids), Some(h)),
+            Ok((ids, model, h)) => (Some(ids), Some(h), model),
             Err(e) if e.is_absent() && !opts.require_gpu => {
                 say(&format!(
                     "warning: {e}; running the command without choosing a GPU (--require-gpu makes this an error)"
                 ));
-                (None, None)
+                (None, None, UNMANAGED_MODEL.to_string())
             }
             Err(GpuError::Stopped) => {
                 return Err(SuperviseError::Interrupted(STOPPED_BY.with(|c| c.get())));
@@ -156,6 +164,35 @@ pub fn supervise(
     let mut avoid: Vec<u32> = Vec::new();
     // What oomkit adds to the allocator settings, on top of the user's.
     let mut alloc_conf: Option<String> = None;
+    let key = PlanMemory::key(&opts.command, &model, plan.map_or(0, |p| p.effective_batch));
+    if let (Some(memory), false) = (&opts.memory, opts.fresh) {
+        if let Some(r) = memory.recall(&key) {
+            let smaller = plan.filter(|p| r.micro_batch < p.micro_batch);
+            if smaller.is_some() || r.alloc_conf.is_some() {
+                if let Some(p) = smaller {
+                    plan = Some(BatchPlan::new(r.micro_batch, p.effective_batch));
+                }
+                alloc_conf = r.alloc_conf.clone();
+                let what = [
+                    smaller.map(|_| {
+                        format!(
+                            "micro-batch {} x accumulation {}",
+                            r.micro_batch, r.grad_accum
+                        )
+                    }),
+                    r.alloc_conf
+                        .as_ref()
+                        .map(|c| format!("{ALLOC_CONF_ENV}={c}")),
+                ];
+                let what: Vec<String> = what.into_iter().flatten().collect();
+                say(&format!(
+                    "starting from {}, which finished last time for this command on {model} (--fresh starts over; kept in {})",
+                    what.join(" and "),
+                    memory.path().display()
+                ));
+            }
+        }
+    }
 
     let mut attempts = Vec::new();
     let mut notes = Vec::new();
@@ -266,6 +303,22 @@ pub fn supervise(
             return Ok(finish(&mut attempts, None, "interrupted", notes));
         }
         if out.exit_code == 0 {
+            if let Some(memory) = &opts.memory {
+                let finished = Remembered {
+                    micro_batch: plan.map_or(0, |p| p.micro_batch),
+                    grad_accum: plan.map_or(0, |p| p.grad_accum),
+                    alloc_conf: alloc_conf.clone(),
+                    time: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs()),
+                };
+                if let Err(e) = memory.remember(&key, finished) {
+                    say(&format!(
+                        "warning: could not keep the plan in {}: {e}",
+                        memory.path().display()
+                    ));
+                }
+            }
             return Ok(finish(&mut attempts, None, "succeeded", notes));
         }
         if !oom {
@@ -304,7 +357,7 @@ pub fn supervise(
                     }
                 }
                 match take_gpus(opts, &avoid, opts.wait, say) {
-                    Ok((new_ids, h)) => {
+                    Ok((new_ids, _, h)) => {
                         say(&format!(
                             "another process took the memory on GPU {}: retrying the same plan on GPU {}",
                             join(&ids),
@@ -391,7 +444,7 @@ fn take_gpus(
     avoid: &[u32],
     wait: Wait,
     say: &mut dyn FnMut(&str),
-) -> Result<(Vec<u32>, Held), GpuError> {
+) -> Result<(Vec<u32>, String, Held), GpuError> {
     let req = Request {
         count: opts.gpus,
         min_free: opts.min_free,
@@ -418,7 +471,8 @@ fn take_gpus(
         })
         .collect();
     say(&format!("using {}", names.join(", ")));
-    Ok((a.gpus.iter().map(|g| g.index).collect(), a.held))
+    let model = a.gpus.first().map(|g| g.name.clone()).unwrap_or_default();
+    Ok((a.gpus.iter().map(|g| g.index).collect(), model, a.held))
 }
 
 /// A vocabulary value as its JSON string.
