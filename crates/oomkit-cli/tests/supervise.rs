@@ -855,3 +855,39 @@ fn the_next_run_of_the_same_command_starts_from_the_plan_that_finished() {
     );
     assert!(s.path("cache").join("plans.json").exists());
 }
+
+#[test]
+fn a_failure_far_past_the_device_jumps_to_the_predicted_micro_batch() {
+    let s = Sandbox::new("jump");
+    s.gpus(&[(80, 80)]);
+    // At micro-batch 64 the process held 19 GiB and asked for 57 GiB more with
+    // 1 GiB free: 64 x 20 / 76 is about 16, so halving to 32 would fail again.
+    let train = s.script(
+        "train.sh",
+        r#"echo "micro=$1" >> log.txt
+[ "$1" -le 16 ] && exit 0
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 57.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.00 GiB is free. Including non-PyTorch memory, this process has 19.00 GiB memory in use. Of the allocated memory 18.50 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated." >&2; exit 1"#,
+    );
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "64",
+        "--summary-json",
+        "summary.json",
+        "--",
+        train.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(s.path("log.txt"))
+            .unwrap()
+            .lines()
+            .collect::<Vec<_>>(),
+        ["micro=64", "micro=16"]
+    );
+    assert_eq!(
+        steps(&summary_of(&s))[0],
+        (json!(64), json!([0]), json!("capacity"), json!("step_down"))
+    );
+}

@@ -41,11 +41,16 @@ impl BatchPlan {
     /// between three quarters of that half and the half itself, it is taken
     /// instead, so that the effective batch stays exact whenever it can.
     pub fn back_off(&self, min_micro_batch: u64) -> Option<BatchPlan> {
+        self.back_off_to(self.micro_batch / 2, min_micro_batch)
+    }
+
+    /// Like [`BatchPlan::back_off`], but to at most `target` when that is below half the micro-batch.
+    pub fn back_off_to(&self, target: u64, min_micro_batch: u64) -> Option<BatchPlan> {
         let floor = min_micro_batch.max(1);
         if self.micro_batch <= floor {
             return None;
         }
-        let half = (self.micro_batch / 2).max(floor);
+        let half = (self.micro_batch / 2).min(target).max(floor);
         let lowest = (half * 3).div_ceil(4).max(floor);
         let exact = (lowest..=half)
             .rev()
@@ -83,6 +88,14 @@ mod tests {
         assert_eq!((p.micro_batch, p.grad_accum), (8, 13));
         assert_eq!(p.actual_effective(), 104);
         assert!(!p.is_exact());
+    }
+
+    #[test]
+    fn jumps_below_half_when_told_and_never_above_it() {
+        let p = BatchPlan::new(64, 64);
+        assert_eq!(p.back_off_to(16, 1).map(|q| q.micro_batch), Some(16));
+        assert_eq!(p.back_off_to(60, 1).map(|q| q.micro_batch), Some(32));
+        assert_eq!(p.back_off_to(0, 4).map(|q| q.micro_batch), Some(4));
     }
 
     #[test]
