@@ -51,6 +51,14 @@ def _cause_note(message: str) -> str:
     return f" ({cause})" if cause else ""
 
 
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
 def _any_rank(flag: bool, group: Any) -> bool:
     """True when `flag` is true on any rank; every rank must call this the same number of times."""
     try:
@@ -172,14 +180,16 @@ def auto_batch(
                     wrapper.plan = (micro, accum)  # type: ignore[attr-defined]
                     return result
                 del result
-                nxt = _native.back_off(micro, effective, min_batch_size)
+                failure_message = "" if failure is None or isinstance(failure, _StepDown) else str(find_oom(failure) or failure)
+                # Ranks must agree on the next plan, and only the rank that ran
+                # out has the message: jump by its figures only when alone.
+                nxt = _native.back_off(micro, effective, min_batch_size, None if _distributed() else failure_message)
                 if nxt is None or (max_retries is not None and retries >= max_retries):
                     if failure is not None and not isinstance(failure, _StepDown):
                         raise failure
                     raise BatchSizeError(
                         f"another rank ran out of memory at micro-batch {micro}, and no smaller one is allowed"
                     )
-                failure_message = "" if failure is None or isinstance(failure, _StepDown) else str(find_oom(failure) or failure)
                 failure = None
                 if accelerator is not None:
                     accelerator.free_memory()

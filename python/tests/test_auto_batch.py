@@ -274,3 +274,24 @@ def test_the_log_says_what_the_cause_means_inside_a_running_process(caplog) -> N
     assert oomkit._native.oom_cause(fragmented) == "fragmentation"
     assert oomkit._native.oom_cause(fragmented, "expandable_segments:True") == "fragmentation"
     assert oomkit._native.oom_cause("shape mismatch") is None
+
+
+def test_a_failure_far_past_the_device_jumps_to_what_the_message_allows() -> None:
+    # At 64 the process held 19 GiB and asked for 57 GiB more with 1 GiB free:
+    # about 16 fits, so halving to 32 would only fail again.
+    far = (
+        "CUDA out of memory. Tried to allocate 57.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+        "1.00 GiB is free. Including non-PyTorch memory, this process has 19.00 GiB memory in use. Of the "
+        "allocated memory 18.50 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated."
+    )
+    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    calls = []
+
+    @oomkit.auto_batch(batch_size=64, effective_batch=64)
+    def train(micro: int, accum: int) -> None:
+        calls.append((micro, accum))
+        if micro > 16:
+            raise oom_type(far)
+
+    train()
+    assert calls == [(64, 1), (16, 4)]

@@ -250,11 +250,22 @@ fn batch_plan(micro_batch: u64, effective_batch: u64) -> (u64, u64) {
     (p.micro_batch, p.grad_accum)
 }
 
-/// The next (micro-batch, accumulation) after an OOM, or None at `min_micro_batch`.
+/// The next (micro-batch, accumulation) after an OOM, or None at `min_micro_batch`; with the OOM's
+/// message, as low as its figures say could fit when that is below half, as `oomkit run` steps.
 #[pyfunction]
-fn back_off(micro_batch: u64, effective_batch: u64, min_micro_batch: u64) -> Option<(u64, u64)> {
+#[pyo3(signature = (micro_batch, effective_batch, min_micro_batch, message=None))]
+fn back_off(
+    micro_batch: u64,
+    effective_batch: u64,
+    min_micro_batch: u64,
+    message: Option<&str>,
+) -> Option<(u64, u64)> {
+    let target = message
+        .and_then(|m| oomkit_supervise::oom::explain(m, None))
+        .and_then(|e| oomkit_supervise::oom::predicted_fit(&e, micro_batch))
+        .unwrap_or(u64::MAX);
     oomkit_supervise::BatchPlan::new(micro_batch, effective_batch)
-        .back_off(min_micro_batch)
+        .back_off_to(target, min_micro_batch)
         .map(|p| (p.micro_batch, p.grad_accum))
 }
 

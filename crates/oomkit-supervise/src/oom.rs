@@ -478,6 +478,32 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
     }
 }
 
+/// The largest micro-batch the OOM message's figures say could fit, where they are all there.
+///
+/// At micro-batch `b` the process held `held` and needed at least `held +
+/// request`, with `held + free` within reach. If all of that grew in
+/// proportion to the batch, `b * (held + free) / (held + request)` would
+/// fit; a fixed part (weights, optimizer state) makes fewer fit, so this is
+/// an upper bound, used only when it is below half the batch: a failure
+/// far past the device then needs one retry instead of several halvings.
+pub fn predicted_fit(e: &Explanation, micro_batch: u64) -> Option<u64> {
+    if e.cause != Cause::Capacity {
+        return None;
+    }
+    let m = &e.message;
+    let held = m.process_bytes.or_else(|| {
+        m.allocated_bytes
+            .map(|a| a + m.reserved_unallocated_bytes.unwrap_or(0))
+    })?;
+    let (request, free) = (m.requested_bytes?, m.free_bytes?);
+    let need = held.checked_add(request)?;
+    let room = held.checked_add(free)?;
+    if need <= room || need == 0 {
+        return None;
+    }
+    Some((micro_batch as u128 * room as u128 / need as u128) as u64)
+}
+
 impl Explanation {
     /// The explanation for the terminal: the numbers, the cause, the advice.
     pub fn text(&self) -> String {
