@@ -233,14 +233,7 @@ pub fn supervise(
         };
         let place = match device {
             "cpu" => "the CPU".to_string(),
-            "cuda" => format!(
-                "cuda:{}",
-                gpus.iter()
-                    .flatten()
-                    .map(|g| g.to_string())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
+            "cuda" => format!("cuda:{}", join(gpus.as_deref().unwrap_or(&[]))),
             _ => "the devices the command chooses".to_string(),
         };
         if let Some(p) = &plan {
