@@ -192,6 +192,9 @@ def run(
         if tracker is not None:
             tracker.close()
             result["log"] = tracker.log_path
+            if device.type == "cuda":
+                # The tracker resets the allocator's peak at every stage: its log has the run's peak.
+                result["peak_bytes"] = oomkit.analyze(tracker.log_path)["peak_bytes"]
         if device.type == "cuda" and args.snapshot:
             torch.cuda.memory._dump_snapshot(args.snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
