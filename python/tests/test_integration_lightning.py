@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("lightning", reason="lightning is not installed for this Python (it needs Python 3.10 or newer)")
 
 import oomkit  # noqa: E402
-from runlog import records, stages_by_step  # noqa: E402
+from runlog import logs_in_start_order, records, run_isolated, stages_by_step  # noqa: E402
 from lightning_trainer import build  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
@@ -119,9 +119,7 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
         sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--namespace", namespace,
         "--root", str(tmp_path), "--oom-above", "4", "--steps", "2", "--val-every", "0",
     ]
-    # A plan memory of its own, so that no earlier run's plan is reused.
-    env = dict(os.environ, OOMKIT_CACHE_DIR=str(tmp_path / "cache"))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    p = run_isolated(cmd, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert [(a["batch_size"], a["grad_accum"], a["oom"]) for a in s["attempts"]] == [
@@ -129,7 +127,7 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
     ]
     assert "trained with micro-batch 4 x accumulation 8" in p.stdout
     assert NAMESPACES[namespace] + ".OomkitCallback" in p.stdout
-    logs = sorted((tmp_path / "oomkit-logs").glob("run-*.jsonl"), key=lambda f: json.loads(f.open().readline())["time"])
+    logs = logs_in_start_order(tmp_path / "oomkit-logs")
     assert len(logs) == 3
     first, last = oomkit.analyze(logs[0]), oomkit.analyze(logs[-1])
     assert first["ooms"][0]["stage"] == "forward"

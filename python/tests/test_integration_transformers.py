@@ -15,7 +15,7 @@ transformers = pytest.importorskip(
 pytest.importorskip("accelerate", reason="accelerate is not installed for this Python")
 
 import oomkit  # noqa: E402
-from runlog import records, stages_by_step  # noqa: E402
+from runlog import logs_in_start_order, records, run_isolated, stages_by_step  # noqa: E402
 from hf_trainer import build  # noqa: E402
 from oomkit.integrations.transformers import OomkitCallback, train  # noqa: E402
 
@@ -134,9 +134,7 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
         sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", str(out), "--oom-above", "4", "--steps", "2",
         "--eval-steps", "0",
     ]
-    # A plan memory of its own, so that no earlier run's plan is reused.
-    env = dict(os.environ, OOMKIT_CACHE_DIR=str(tmp_path / "cache"))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    p = run_isolated(cmd, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert [(a["batch_size"], a["grad_accum"], a["oom"]) for a in s["attempts"]] == [
@@ -144,8 +142,7 @@ def test_oomkit_run_steps_a_trainer_down_and_keeps_the_effective_batch(tmp_path)
     ]
     assert "trained with micro-batch 4 x accumulation 8" in p.stdout
     assert "oomkit run attempt 3: training with micro-batch 4 x accumulation 8 (the script asked for 8 x 2)" in p.stderr
-    # One log per attempt, in the order they started.
-    logs = sorted((out / "oomkit-logs").glob("run-*.jsonl"), key=lambda f: json.loads(f.open().readline())["time"])
+    logs = logs_in_start_order(out / "oomkit-logs")
     assert len(logs) == 3
     last = oomkit.analyze(logs[-1])
     assert last["plan"]["effective_batch"] == 32 and last["steps"] == 2

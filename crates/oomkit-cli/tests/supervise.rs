@@ -594,6 +594,29 @@ fn usage_errors_are_exit_2() {
     let _ = Path::new(".");
 }
 
+/// The lines the stand-in script wrote to log.txt.
+fn log_lines(s: &Sandbox) -> Vec<String> {
+    std::fs::read_to_string(s.path("log.txt"))
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// Runs `oomkit run --batch-size B --summary-json summary.json -- SCRIPT {batch_size}`.
+fn run_batch(s: &Sandbox, batch: &str, script: &Path) -> Output {
+    s.run(&[
+        "run",
+        "--batch-size",
+        batch,
+        "--summary-json",
+        "summary.json",
+        "--",
+        script.to_str().unwrap(),
+        "{batch_size}",
+    ])
+}
+
 /// Reads the summary JSON a run wrote.
 fn summary_of(s: &Sandbox) -> Value {
     serde_json::from_slice(&std::fs::read(s.path("summary.json")).unwrap()).unwrap()
@@ -689,24 +712,9 @@ fn another_process_on_the_gpu_sends_the_same_plan_to_another_gpu() {
 echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 3.12 GiB is free. Process 4242 has 60.00 GiB memory in use. Including non-PyTorch memory, this process has 16.02 GiB memory in use. Of the allocated memory 15.12 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated." >&2
 exit 1"#,
     );
-    let out = s.run(&[
-        "run",
-        "--batch-size",
-        "32",
-        "--summary-json",
-        "summary.json",
-        "--",
-        train.to_str().unwrap(),
-        "{batch_size}",
-    ]);
+    let out = run_batch(&s, "32", &train);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(
-        std::fs::read_to_string(s.path("log.txt"))
-            .unwrap()
-            .lines()
-            .collect::<Vec<_>>(),
-        ["gpus=0 micro=32", "gpus=1 micro=32"]
-    );
+    assert_eq!(log_lines(&s), ["gpus=0 micro=32", "gpus=1 micro=32"]);
     assert_eq!(
         steps(&summary_of(&s)),
         [
@@ -793,16 +801,7 @@ fn a_memory_fraction_cap_is_named_as_the_cause() {
         r#"[ "$1" -le 4 ] && exit 0
 echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. GPU 0 has a total capacity of 44.43 GiB of which 9.06 GiB is free. Including non-PyTorch memory, this process has 17.81 GiB memory in use. 17.69 GiB allowed; Of the allocated memory 17.44 GiB is allocated by PyTorch, and 59.88 MiB is reserved by PyTorch but unallocated." >&2; exit 1"#,
     );
-    let out = s.run(&[
-        "run",
-        "--batch-size",
-        "8",
-        "--summary-json",
-        "summary.json",
-        "--",
-        train.to_str().unwrap(),
-        "{batch_size}",
-    ]);
+    let out = run_batch(&s, "8", &train);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let summary = summary_of(&s);
     assert_eq!(
@@ -868,24 +867,9 @@ fn a_failure_far_past_the_device_jumps_to_the_predicted_micro_batch() {
 [ "$1" -le 16 ] && exit 0
 echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 57.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.00 GiB is free. Including non-PyTorch memory, this process has 19.00 GiB memory in use. Of the allocated memory 18.50 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated." >&2; exit 1"#,
     );
-    let out = s.run(&[
-        "run",
-        "--batch-size",
-        "64",
-        "--summary-json",
-        "summary.json",
-        "--",
-        train.to_str().unwrap(),
-        "{batch_size}",
-    ]);
+    let out = run_batch(&s, "64", &train);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(
-        std::fs::read_to_string(s.path("log.txt"))
-            .unwrap()
-            .lines()
-            .collect::<Vec<_>>(),
-        ["micro=64", "micro=16"]
-    );
+    assert_eq!(log_lines(&s), ["micro=64", "micro=16"]);
     assert_eq!(
         steps(&summary_of(&s))[0],
         (json!(64), json!([0]), json!("capacity"), json!("step_down"))
