@@ -214,6 +214,7 @@ mod tests {
 
     #[test]
     fn a_large_parent_does_not_inflate_later_peaks() {
+        let _one = MEMORY.lock();
         if std::env::var_os(CHILD_ENV).is_some() || sample_rss(true).is_none() || !reset_peak_rss()
         {
             return; // the child itself, or not Linux, or no resettable peak
