@@ -99,10 +99,12 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
     };
 
     let fits = |t: &Trial| t.ok;
+    // A run that ran out of memory stopped where it died: its peak is not
+    // what its batch needs, so it never feeds the line.
     let peak_of = |trials: &[Trial], b: u64| {
         trials
             .iter()
-            .find(|t| t.batch == b)
+            .find(|t| t.batch == b && !t.oom)
             .and_then(|t| t.peak_bytes)
     };
     let line = |b1: u64, p1: u64, b2: u64, p2: u64| {
@@ -123,7 +125,7 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
                     } else {
                         hi = Some(b2);
                     }
-                    if let Some(p2) = t2.peak_bytes {
+                    if let Some(p2) = t2.peak_bytes.filter(|_| !t2.oom) {
                         fit = Some(line(b1, p1, b2, p2));
                     }
                 } else if b1 == max {
@@ -311,6 +313,35 @@ mod tests {
                 peak_bytes: (m <= cap).then_some(m),
             }
         }
+    }
+
+    #[test]
+    fn a_cliff_whose_failures_report_where_they_died_is_bisected() {
+        // A planted allocator failure above 16: a failing run dies at once,
+        // and the tracker's probe reports the little it used by then.
+        let gib = 1u64 << 30;
+        let cfg = SearchConfig {
+            start: 1,
+            max: 128,
+            capacity_bytes: 64 * gib,
+            margin: 0.1,
+        };
+        let mut cliff = |b: u64| Trial {
+            batch: b,
+            ok: b <= 16,
+            oom: b > 16,
+            peak_bytes: Some(if b <= 16 {
+                700 * (1 << 20) + b * (1 << 20)
+            } else {
+                690 << 20
+            }),
+        };
+        let r = search(&cfg, &mut cliff);
+        assert_eq!(r.recommended_batch, Some(16));
+        let tried: Vec<u64> = r.trials.iter().map(|t| t.batch).collect();
+        // Never the step-by-one walk down from the first failure that a line
+        // through a failure's peak gave (83, 82, 81, ...).
+        assert!(r.trials.len() <= 8, "{tried:?}");
     }
 
     #[test]
