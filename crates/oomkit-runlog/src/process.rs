@@ -1,23 +1,36 @@
 //! This process's resident memory: the CPU tracker's measure of memory.
 
+/// The resident set in bytes from the text of `/proc/self/statm` (its second field, in pages).
+fn statm_resident(text: &str) -> Option<u64> {
+    let pages: u64 = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+/// The peak resident set (VmHWM) in bytes from the text of `/proc/self/status`.
+fn status_hwm(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line["VmHWM:".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 /// Returns the process's resident set size in bytes, or 0 where it cannot be read.
 pub fn rss_bytes() -> u64 {
     // statm's second field is resident pages; reading it costs one small read.
     std::fs::read_to_string("/proc/self/statm")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * page_size())
+        .and_then(|s| statm_resident(&s))
+        .unwrap_or(0)
 }
 
 /// Returns the process's peak resident set size (VmHWM) in bytes, or 0 where it cannot be read.
 pub fn peak_rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024)
-        })
+        .and_then(|s| status_hwm(&s))
         .unwrap_or(0)
 }
 
@@ -65,14 +78,7 @@ fn status_peak(status: &std::fs::File) -> Option<u64> {
     use std::os::unix::fs::FileExt;
     let mut buf = [0u8; STATUS_BUF];
     let n = status.read_at(&mut buf, 0).ok()?;
-    let text = std::str::from_utf8(&buf[..n]).ok()?;
-    let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line["VmHWM:".len()..]
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
+    status_hwm(std::str::from_utf8(&buf[..n]).ok()?)
 }
 
 #[cfg(unix)]
@@ -80,13 +86,7 @@ fn statm_rss(statm: &std::fs::File) -> Option<u64> {
     use std::os::unix::fs::FileExt;
     let mut buf = [0u8; 256];
     let n = statm.read_at(&mut buf, 0).ok()?;
-    let pages: u64 = std::str::from_utf8(&buf[..n])
-        .ok()?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some(pages * page_size())
+    statm_resident(std::str::from_utf8(&buf[..n]).ok()?)
 }
 
 /// Returns the peak resident set size since the last reset and the resident set size now, in
