@@ -80,9 +80,9 @@ class _Meter:
     def sample(self) -> Tuple[int, int, int]:
         """Returns (peak since the last sample, in use now, reserved now), and starts a new interval.
 
-        One call per boundary between stages: reading the three figures
-        together costs one allocator query on CUDA, one read of
-        /proc/self/status on CPU.
+        One call per boundary between stages: on CUDA one query of the
+        allocator's statistics; on CPU one native call (getrusage and statm
+        through open handles, see oomkit_runlog::process::sample_rss).
         """
         if self.cuda:
             torch = _torch()
@@ -372,8 +372,7 @@ class Tracker:
         """Starts measuring a named phase such as "eval", inside or outside a step."""
         try:
             now, _ = self._sample()
-            step = self._step_open.step if self._step_open is not None else None
-            self._phases.append(self._open_measure("phase", str(name), step, now))
+            self._phases.append(self._open_measure("phase", str(name), self._current_step, now))
         except Exception as exc:  # noqa: BLE001
             self._error(f"begin {name}", exc)
 
@@ -388,6 +387,11 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001
             self._drop(phase)
             self._error("end phase", exc)
+
+    @property
+    def _current_step(self) -> Optional[int]:
+        """The open step's index, or None outside a step."""
+        return self._step_open.step if self._step_open is not None else None
 
     @property
     def closed(self) -> bool:
@@ -445,7 +449,7 @@ class Tracker:
 
     def find_duplicates(self, when: str = "manual") -> Dict[str, Any]:
         """Finds live tensors that mirror the model's parameters but belong to nothing tracked."""
-        step = self._step_open.step if self._step_open is not None else None
+        step = self._current_step
         result: Dict[str, Any] = {"type": "duplicates", "when": when, "step": step, "bytes": 0, "groups": []}
         try:
             torch = _torch()
@@ -539,7 +543,7 @@ class Tracker:
             with _torch().no_grad():
                 rec = self._components()
             rec["type"] = "components"
-            rec["step"] = self._step_open.step if self._step_open is not None else None
+            rec["step"] = self._current_step
             self._write(rec)
         except Exception as exc:  # noqa: BLE001
             self._error("components", exc)
@@ -776,7 +780,7 @@ class Tracker:
         return {
             "type": "duplicates",
             "when": when,
-            "step": self._step_open.step if self._step_open is not None else None,
+            "step": self._current_step,
             "bytes": sum(g["bytes"] for g in out),
             "groups": out,
         }
@@ -788,7 +792,7 @@ class Tracker:
                 grads = [p.grad for p in self._params() if p.grad is not None]
                 rec: Dict[str, Any] = {
                     "type": "grad",
-                    "step": self._step_open.step if self._step_open is not None else None,
+                    "step": self._current_step,
                     "params_with_grad": len(grads),
                     "grad_bytes": sum(_nbytes(g) for g in grads),
                 }
@@ -827,7 +831,7 @@ class Tracker:
 
     def _write_oom(self, message: str, requested: Optional[int]) -> None:
         """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis."""
-        step = self._step_open.step if self._step_open is not None else None
+        step = self._current_step
         phase = self.current_phase
         stage = self._stage.name if self._stage is not None else None
         snapshot = None
