@@ -143,10 +143,12 @@ pub fn supervise(
         }
     }
     child::catch_signals();
+    // Which signal ended a wait for GPUs, for the error that reports it.
+    let stopped_by = std::cell::Cell::new(0);
     let (mut gpus, mut _held, model) = if opts.gpus == 0 {
         (None, None, UNMANAGED_MODEL.to_string())
     } else {
-        match take_gpus(opts, &[], opts.wait, say) {
+        match take_gpus(opts, &[], &stopped_by, say) {
             Ok((ids, model, h)) => (Some(ids), Some(h), model),
             Err(e) if e.is_absent() && !opts.require_gpu => {
                 say(&format!(
@@ -155,7 +157,7 @@ pub fn supervise(
                 (None, None, UNMANAGED_MODEL.to_string())
             }
             Err(GpuError::Stopped) => {
-                return Err(SuperviseError::Interrupted(STOPPED_BY.with(|c| c.get())));
+                return Err(SuperviseError::Interrupted(stopped_by.get()));
             }
             Err(e) => return Err(e.into()),
         }
@@ -349,7 +351,7 @@ pub fn supervise(
                         avoid.push(*id);
                     }
                 }
-                match take_gpus(opts, &avoid, opts.wait, say) {
+                match take_gpus(opts, &avoid, &stopped_by, say) {
                     Ok((new_ids, _, h)) => {
                         say(&format!(
                             "another process took the memory on GPU {}: retrying the same plan on GPU {}",
@@ -432,16 +434,12 @@ pub fn supervise(
     }
 }
 
-thread_local! {
-    /// Which signal ended a wait for GPUs, for the error that reports it.
-    static STOPPED_BY: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
-}
-
-/// Chooses and claims the GPUs the job asks for, leaving out `avoid`.
+/// Chooses and claims the GPUs the job asks for, leaving out `avoid`; a signal
+/// that ends the wait is left in `stopped_by`, for the error that reports it.
 fn take_gpus(
     opts: &RunOptions,
     avoid: &[u32],
-    wait: Wait,
+    stopped_by: &std::cell::Cell<i32>,
     say: &mut dyn FnMut(&str),
 ) -> Result<(Vec<u32>, String, Held), GpuError> {
     let req = Request {
@@ -451,12 +449,12 @@ fn take_gpus(
     };
     let stop = || match child::take_signal() {
         Some(sig) => {
-            STOPPED_BY.with(|c| c.set(sig));
+            stopped_by.set(sig);
             true
         }
         None => false,
     };
-    let a = acquire(&req, &opts.claims, wait, &mut |m| say(m), &stop)?;
+    let a = acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &stop)?;
     let names: Vec<String> = a
         .gpus
         .iter()
