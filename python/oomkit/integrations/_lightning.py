@@ -102,7 +102,7 @@ class OomkitLightningMixin:
                 record = (
                     self.plan
                     or _plan.Plan(
-                        micro_batch=int(self._batch_size(pl_module) or 0) or 0,
+                        micro_batch=self._batch_size(pl_module) or 0,
                         grad_accum=int(trainer.accumulate_grad_batches),
                         source="trainer arguments",
                     )
