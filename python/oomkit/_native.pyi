@@ -1,7 +1,7 @@
 """Type stubs of the native half of oomkit (Rust, PyO3)."""
 
 from os import PathLike
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 __version__: str
 
@@ -35,5 +35,9 @@ def oom_requested_bytes(message: str) -> Optional[int]: ...
 def oom_cause(message: str, alloc_conf: Optional[str] = None) -> Optional[str]: ...
 def batch_plan(micro_batch: int, effective_batch: int) -> Tuple[int, int]: ...
 def back_off(
-    micro_batch: int, effective_batch: int, min_micro_batch: int, message: Optional[str] = None
+    micro_batch: int,
+    effective_batch: int,
+    min_micro_batch: int,
+    message: Optional[str] = None,
+    earlier: List[Tuple[int, str]] = ...,
 ) -> Optional[Tuple[int, int]]: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ ATTEMPT_ENV = "OOMKIT_ATTEMPT"
 AUTO_CALLBACK_ENV = "OOMKIT_AUTO_CALLBACK"
 # Where integrations write run logs when no log_dir is given.
 LOG_DIR_ENV = "OOMKIT_LOG_DIR"
+# Set by `oomkit run` for every attempt: a file where the tracker appends each
+# OOM it records, so that the retry policy reads the real message even when a
+# framework prints something else or swallows it.
+OOM_FILE_ENV = "OOMKIT_OOM_FILE"
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,20 @@ def say(message: str) -> None:
     if os.environ.get("RANK", "0") in ("0", ""):
         sys.stderr.write(f"oomkit: {message}\n")
         sys.stderr.flush()
+
+
+def report_oom(message: str, step: Optional[int], stage: Optional[str]) -> None:
+    """Appends an OOM's message to ``$OOMKIT_OOM_FILE`` for `oomkit run`, where it is set; never raises."""
+    path = os.environ.get(OOM_FILE_ENV)
+    if not path:
+        return
+    line = json.dumps({"message": message[:2000], "step": step, "stage": stage}) + "\n"
+    try:
+        # One short write with O_APPEND: ranks sharing the file do not interleave lines.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -8,7 +8,7 @@ import functools
 import gc
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 from oomkit import _native
 from oomkit._oom import find_oom, is_oom
@@ -125,11 +125,13 @@ def auto_batch(
     group: Any = None,
     accelerator: Any = None,
 ) -> Any:
-    """Calls ``fn(micro_batch, grad_accum, *args, **kwargs)``, halving the micro-batch after each OOM.
+    """Calls ``fn(micro_batch, grad_accum, *args, **kwargs)``, stepping the micro-batch down after each OOM.
 
     The accumulation grows so that micro-batch x accumulation still covers the
     effective batch (``batch_size * grad_accum`` unless given); where no exact
-    split exists it rounds up and logs it. Under ``torch.distributed`` every
+    split exists it rounds up and logs it. Each step goes to the largest
+    micro-batch the OOM messages' figures say could fit (the proportional bound
+    after one OOM, the fitted per-sample cost after two), else to half. Under ``torch.distributed`` every
     rank reports whether its try ran out of memory (an all-reduce of one
     flag), so all ranks step down together and none is left waiting in a
     collective. The agreement happens when the function returns or raises;
@@ -160,6 +162,8 @@ def auto_batch(
             if grad_accum > accum:
                 accum = grad_accum
             retries = 0
+            # (micro-batch, message) of each OOM so far: two give the per-sample cost.
+            earlier: List[Tuple[int, str]] = []
             while True:
                 failure: Optional[BaseException] = None
                 result: Any = None
@@ -183,7 +187,10 @@ def auto_batch(
                 failure_message = "" if failure is None or isinstance(failure, _StepDown) else str(find_oom(failure) or failure)
                 # Ranks must agree on the next plan, and only the rank that ran
                 # out has the message: jump by its figures only when alone.
-                nxt = _native.back_off(micro, effective, min_batch_size, None if _distributed() else failure_message)
+                alone = not _distributed()
+                nxt = _native.back_off(micro, effective, min_batch_size, failure_message if alone else None, earlier)
+                if alone and failure_message:
+                    earlier.append((micro, failure_message))
                 if nxt is None or (max_retries is not None and retries >= max_retries):
                     if failure is not None and not isinstance(failure, _StepDown):
                         raise failure

@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from oomkit import _native
+from oomkit import _native, _plan
 from oomkit._oom import find_oom, requested_bytes
 
 LOG_VERSION = 1
@@ -427,12 +427,14 @@ class Tracker:
                     e._oomkit_seen = True  # type: ignore[attr-defined]
             if self._closed:
                 return True
-            if self._observed_oom:
-                # The allocator's observer already wrote this one, at the failing allocation.
-                self._observed_oom = False
-                return True
             text = str(oom).strip()
             message = text.splitlines()[0] if text else type(oom).__name__
+            if self._observed_oom:
+                # The allocator's observer already wrote this one, at the failing allocation;
+                # `oomkit run` still gets the exception's message, which has the figures.
+                self._observed_oom = False
+                _plan.report_oom(message, self._current_step, self.current_phase)
+                return True
             self._write_oom(message, requested_bytes(text))
         except Exception as e:  # noqa: BLE001
             self._error("oom capture", e)
@@ -864,6 +866,7 @@ class Tracker:
                 "snapshot": snapshot,
             }
         )
+        _plan.report_oom(message, step, stage or phase)
         self.find_duplicates(when="oom")
         self._log.flush()
         report = _native.analyze_run_text(self.log_path)

@@ -40,6 +40,28 @@ def test_steps_down_and_keeps_the_effective_batch() -> None:
     assert all(m * a == 256 for m, a in calls)
 
 
+def test_steps_to_the_largest_micro_batch_the_figures_leave_possible() -> None:
+    calls = []
+
+    def oom(held: int, request: int, free: int) -> BaseException:
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {request}.00 GiB. GPU 0 has a total capacity of 79.15 GiB of "
+            f"which {free}.00 GiB is free. Including non-PyTorch memory, this process has {held}.00 GiB memory in use."
+        )
+
+    @oomkit.auto_batch(batch_size=64, effective_batch=192)
+    def train(micro: int, accum: int) -> None:
+        calls.append((micro, accum))
+        if micro == 64:
+            raise oom(19, 57, 1)  # needed at least 76 GiB with 20 in reach: at most 16 fit
+        if micro > 12:
+            raise oom(70, 10, 9)  # at 16, at least 80 with 79 in reach: at most 15 fit
+
+    train()
+    # Halving would have gone 32, 16, 8; the largest exact micro-batch under 15 is 12.
+    assert calls == [(64, 3), (16, 12), (12, 16)]
+
+
 def test_message_forms_count_as_oom() -> None:
     for message in (
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
@@ -79,8 +101,9 @@ def test_uneven_effective_batch_rounds_up(caplog: pytest.LogCaptureFixture) -> N
 
     with caplog.at_level("WARNING", logger="oomkit"):
         train()
-    assert train.plan == (8, 13)
-    assert "104 samples per step" in caplog.text
+    # 97 is prime: 7 x 14 = 98 overshoots least among 4..8.
+    assert train.plan == (7, 14)
+    assert "98 samples per step" in caplog.text
 
 
 def _free_port() -> int:

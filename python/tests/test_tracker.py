@@ -171,6 +171,27 @@ def test_oom_inside_a_step_is_recorded_diagnosed_and_reraised(tmp_path, capfd):
     assert kinds(a)[0] == "oom"
 
 
+def test_an_oom_is_handed_to_oomkit_run_through_its_file(tmp_path, monkeypatch):
+    oom_file = tmp_path / "ooms.jsonl"
+    monkeypatch.setenv("OOMKIT_OOM_FILE", str(oom_file))
+    model = MLP(64, 2)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path / "logs")
+    msg = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
+        "of which 1.12 GiB is free.\nSee the documentation for Memory Management"
+    )
+    with pytest.raises(RuntimeError):
+        with tracker.step(0):
+            try:
+                raise torch.OutOfMemoryError(msg)
+            except torch.OutOfMemoryError as e:
+                # A framework wraps it; the tracker still hands on the OOM's own first line.
+                raise RuntimeError("training failed") from e
+    tracker.close()
+    lines = [json.loads(l) for l in oom_file.read_text().splitlines()]
+    assert lines == [{"message": msg.splitlines()[0], "step": 0, "stage": None}]
+
+
 def test_tracker_failures_never_reach_the_training_loop(tmp_path, monkeypatch):
     model = MLP(64, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -875,3 +875,62 @@ echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 57.00 GiB. G
         (json!(64), json!([0]), json!("capacity"), json!("step_down"))
     );
 }
+
+#[test]
+fn capacity_finishes_at_the_largest_exact_micro_batch_that_fits() {
+    let s = Sandbox::new("largest");
+    s.gpus(&[(80, 80)]);
+    let train = s.script("train.sh", OOM_ABOVE_LIMIT);
+    // Up to 20 fits; 48's divisors are 24, 16, 12: halving would stop at 12.
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "48",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+            "{grad_accum}",
+        ])
+        .env("LIMIT", "20")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let micro: Vec<Value> = steps(&summary_of(&s)).into_iter().map(|s| s.0).collect();
+    assert_eq!(micro, [json!(48), json!(24), json!(16)]);
+    assert_eq!(summary_of(&s)["attempts"][2]["effective_batch"], json!(48));
+}
+
+#[test]
+fn the_trackers_oom_record_is_read_when_the_command_prints_another_error() {
+    let s = Sandbox::new("trackerrecord");
+    s.gpus(&[(80, 80)]);
+    // What the tracker writes to $OOMKIT_OOM_FILE, while a framework prints its own line.
+    let train = s.script(
+        "train.sh",
+        r#"echo "conf=[$PYTORCH_CUDA_ALLOC_CONF]" >> log.txt
+case "$PYTORCH_CUDA_ALLOC_CONF" in *expandable_segments:True*) exit 0;; esac
+echo '{"message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated.", "step": 3, "stage": "backward"}' >> "$OOMKIT_OOM_FILE"
+echo "RuntimeError: the training loop gave up" >&2
+exit 1"#,
+    );
+    let out = run_batch(&s, "64", &train);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let summary = summary_of(&s);
+    assert_eq!(
+        steps(&summary)[0],
+        (
+            json!(64),
+            json!([0]),
+            json!("fragmentation"),
+            json!("expandable_segments")
+        )
+    );
+    assert!(summary["attempts"][0]["oom_message"]
+        .as_str()
+        .unwrap()
+        .contains("6.08 GiB is reserved by PyTorch but unallocated"));
+    assert_eq!(log_lines(&s).len(), 2);
+}

@@ -250,22 +250,28 @@ fn batch_plan(micro_batch: u64, effective_batch: u64) -> (u64, u64) {
     (p.micro_batch, p.grad_accum)
 }
 
-/// The next (micro-batch, accumulation) after an OOM, or None at `min_micro_batch`; with the OOM's
-/// message, as low as its figures say could fit when that is below half, as `oomkit run` steps.
+/// The next (micro-batch, accumulation) after an OOM, or None at `min_micro_batch`, as `oomkit run`
+/// steps: to the largest micro-batch that the capacity OOMs' messages (`earlier`, as (micro-batch,
+/// message) pairs, then this one's) say could fit, else half.
 #[pyfunction]
-#[pyo3(signature = (micro_batch, effective_batch, min_micro_batch, message=None))]
+#[pyo3(signature = (micro_batch, effective_batch, min_micro_batch, message=None, earlier=Vec::new()))]
 fn back_off(
     micro_batch: u64,
     effective_batch: u64,
     min_micro_batch: u64,
     message: Option<&str>,
+    earlier: Vec<(u64, String)>,
 ) -> Option<(u64, u64)> {
-    let target = message
-        .and_then(|m| oomkit_supervise::oom::explain(m, None))
-        .and_then(|e| oomkit_supervise::oom::predicted_fit(&e, micro_batch))
-        .unwrap_or(u64::MAX);
+    use oomkit_supervise::{fit, oom};
+    let observed: Vec<fit::Observation> = earlier
+        .iter()
+        .map(|(b, m)| (*b, m.as_str()))
+        .chain(message.map(|m| (micro_batch, m)))
+        .filter_map(|(b, m)| fit::observe(&oom::explain(m, None)?, b))
+        .collect();
+    let target = fit::predicted_fit(&observed).unwrap_or(micro_batch / 2);
     oomkit_supervise::BatchPlan::new(micro_batch, effective_batch)
-        .back_off_to(target, min_micro_batch)
+        .step_to(target, min_micro_batch)
         .map(|p| (p.micro_batch, p.grad_accum))
 }
 

@@ -1,6 +1,7 @@
 //! What a run log says: stage table, leaks, eval spikes, gradients, components.
 
 use crate::record::{Components, MeasureKind, Plan, Run};
+use oomkit_advice::Cause;
 use oomkit_snapshot::human_bytes;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -73,8 +74,8 @@ pub struct OomSummary {
     pub allocated_bytes: u64,
     /// Bytes reserved by the allocator then.
     pub reserved_bytes: u64,
-    /// `fragmentation` when reserved-but-unallocated memory could have held the request, else `capacity`.
-    pub cause: &'static str,
+    /// Why it failed, decided from the allocator's figures as `oomkit explain` decides it.
+    pub cause: Cause,
     /// The snapshot dumped at the OOM, if any.
     pub snapshot: Option<String>,
 }
@@ -247,11 +248,13 @@ fn stage_table(run: &Run) -> Vec<StageStats> {
     v
 }
 
-fn cause(requested: Option<u64>, allocated: u64, reserved: u64) -> &'static str {
-    match requested {
-        Some(r) if reserved.saturating_sub(allocated) >= r => "fragmentation",
-        _ => "capacity",
-    }
+fn cause(requested: Option<u64>, allocated: u64, reserved: u64, capacity: Option<u64>) -> Cause {
+    oomkit_advice::decide(&oomkit_advice::Figures {
+        requested,
+        capacity,
+        reserved_unallocated: Some(reserved.saturating_sub(allocated)),
+        ..Default::default()
+    })
 }
 
 /// Analyzes a run log.
@@ -302,6 +305,7 @@ pub fn analyze(run: &Run) -> Analysis {
                 o.requested_bytes,
                 o.memory.allocated_bytes,
                 o.memory.reserved_bytes,
+                o.memory.capacity_bytes,
             ),
             snapshot: o.snapshot.clone(),
         })
@@ -530,7 +534,7 @@ fn oom_finding(o: &OomSummary, device: &str) -> Finding {
         (None, Some(n)) => format!("in step {n}"),
         (None, None) => "outside any step".into(),
     };
-    let advice = if o.cause == "fragmentation" {
+    let advice = if o.cause == Cause::Fragmentation {
         "the allocator had enough reserved but unallocated memory in pieces too small: set \
          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
             .to_string()

@@ -68,9 +68,8 @@ pub struct OomReport {
     pub reserved_bytes: u64,
     /// Reserved but unallocated bytes at that moment.
     pub reserved_unallocated_bytes: u64,
-    /// `fragmentation` when the reserved-but-unallocated bytes could have
-    /// held the request, else `capacity`.
-    pub cause: &'static str,
+    /// Why it failed, decided as `oomkit explain` decides it from the replayed figures.
+    pub cause: oomkit_advice::Cause,
     /// The frame that asked for the memory.
     pub site: Option<Frame>,
     /// A short description of that frame.
@@ -962,11 +961,13 @@ fn analyze_device(
         let live_bytes = oom_live[k];
         let res = reserved_after[k];
         let unalloc = res.saturating_sub(live_bytes);
-        let cause = if unalloc >= e.size {
-            "fragmentation"
-        } else {
-            "capacity"
-        };
+        // A snapshot records neither the device's capacity nor other processes.
+        let cause = oomkit_advice::decide(&oomkit_advice::Figures {
+            requested: Some(e.size),
+            free: Some(e.addr),
+            reserved_unallocated: Some(unalloc),
+            ..Default::default()
+        });
         let key = site_key(
             stacks,
             &Live {
@@ -1044,7 +1045,7 @@ fn analyze_device(
 
     // Findings.
     for o in ooms.iter().take(OOMS_DETAILED) {
-        let (kind, advice) = if o.cause == "fragmentation" {
+        let (kind, advice) = if o.cause == oomkit_advice::Cause::Fragmentation {
             ("oom_fragmentation", "the memory was there but in pieces: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or call torch.cuda.empty_cache() before the failing phase")
         } else {
             ("oom_capacity", "the device was full: lower the micro-batch (keep the effective batch with gradient accumulation), enable activation checkpointing, or shard the model")

@@ -3,6 +3,7 @@
 //! file or, without one, by sampling the GPU.
 
 use crate::child::{self, Spec};
+use crate::child_env;
 use crate::search::{search, SearchConfig, SearchResult, Trial};
 use crate::{fill_placeholders, BatchPlan, SuperviseError};
 use oomkit_gpu::procinfo::process_group;
@@ -13,8 +14,6 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The variable naming the file where the oomkit tracker in the child writes its peak.
-pub const PROBE_ENV: &str = "OOMKIT_PROBE_FILE";
 /// How often the GPU is sampled when the child writes no probe file.
 const SAMPLE_EVERY: Duration = Duration::from_millis(200);
 
@@ -191,19 +190,19 @@ pub fn find_batch(
         let plan = BatchPlan::new(b, opts.effective.unwrap_or(b));
         let mut env = vec![
             (
-                OsString::from(PROBE_ENV),
+                OsString::from(child_env::PROBE_FILE),
                 probe_path.clone().into_os_string(),
             ),
-            ("OOMKIT_MICRO_BATCH".into(), b.to_string().into()),
+            (child_env::MICRO_BATCH.into(), b.to_string().into()),
             (
-                "OOMKIT_GRAD_ACCUM".into(),
+                child_env::GRAD_ACCUM.into(),
                 plan.grad_accum.to_string().into(),
             ),
             (
-                "OOMKIT_BASELINE_USED_BYTES".into(),
+                child_env::BASELINE_USED_BYTES.into(),
                 baseline.to_string().into(),
             ),
-            ("OOMKIT_ATTEMPT".into(), n.to_string().into()),
+            (child_env::ATTEMPT.into(), n.to_string().into()),
         ];
         if let Some(g) = &gpu {
             env.extend(child::visible_devices(&[g.index]));

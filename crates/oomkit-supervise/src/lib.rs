@@ -4,7 +4,9 @@
 //! Also the batch-size search behind `oomkit find-batch`.
 
 pub mod child;
+pub mod child_env;
 pub mod find_batch;
+pub mod fit;
 pub mod oom;
 pub mod plan;
 pub mod remember;

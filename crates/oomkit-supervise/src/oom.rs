@@ -5,9 +5,18 @@
 //! the current one ("GPU 0 has a total capacity of ... of which ... is free"),
 //! the 2.1 misspelling "capacty", the pre-2.1 parenthesised one ("(GPU 0;
 //! 7.93 GiB total capacity; ... already allocated; ... free; ... reserved in
-//! total by PyTorch)"), the 1.x "cached" variant, ROCm's "HIP out of memory",
-//! and the allocator failures that surface from cuBLAS, cuDNN and the CPU.
+//! total by PyTorch)"), the 1.0-1.3 variant whose last figure is "cached"
+//! (memory held but not allocated, pytorch/pytorch#13751), ROCm's "HIP out of
+//! memory", Intel's "XPU out of memory" (with and without the free clause),
+//! Ascend's `torch_npu` "NPU out of memory" (the parenthesised form with "NPU
+//! 0;"), Apple's "MPS backend out of memory (MPS allocated: ..., other
+//! allocations: ..., max allowed: ...)", the THC-era `THCudaCheck FAIL ...
+//! error=2 : out of memory` and `cuda runtime error (2) : out of memory`, and
+//! the allocator failures that surface from cuBLAS, cuDNN and the CPU.
+//! Messages pasted with hard line breaks, or quoted from "Tried to allocate"
+//! on, are read too.
 
+use oomkit_advice::Figures;
 use oomkit_units::human_bytes;
 use regex::Regex;
 use serde::Serialize;
@@ -25,6 +34,8 @@ pub enum OomKind {
     Xpu,
     /// Apple's Metal backend.
     Mps,
+    /// Huawei Ascend NPUs, through `torch_npu`.
+    Npu,
     /// A CUDA runtime call outside the caching allocator (NCCL, context creation).
     CudaRuntime,
     /// cuBLAS could not allocate its workspace.
@@ -46,7 +57,14 @@ const MARKERS: &[(&str, OomKind)] = &[
     ("HIP out of memory", OomKind::Hip),
     ("XPU out of memory", OomKind::Xpu),
     ("MPS backend out of memory", OomKind::Mps),
+    ("NPU out of memory", OomKind::Npu),
     ("CUDA error: out of memory", OomKind::CudaRuntime),
+    // PyTorch before 1.0 (THC): `THCudaCheck FAIL file=... line=... error=2 : out of memory`.
+    ("error=2 : out of memory", OomKind::CudaRuntime),
+    (
+        "cuda runtime error (2) : out of memory",
+        OomKind::CudaRuntime,
+    ),
     ("CUBLAS_STATUS_ALLOC_FAILED", OomKind::Cublas),
     ("CUDNN_STATUS_ALLOC_FAILED", OomKind::Cudnn),
     ("CUDNN_STATUS_NOT_SUPPORTED", OomKind::Cudnn),
@@ -106,21 +124,7 @@ pub struct OomMessage {
     pub text: String,
 }
 
-/// Why the allocation failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Cause {
-    /// Enough memory was reserved but free only in pieces too small for the request.
-    Fragmentation,
-    /// The process genuinely needed more memory than there was.
-    Capacity,
-    /// One allocation asked for more than the whole device.
-    RequestExceedsCapacity,
-    /// Other processes held the memory the request needed.
-    OtherProcesses,
-    /// The process reached its own cap (`set_per_process_memory_fraction`) while the device had room.
-    MemoryFractionLimit,
-}
+pub use oomkit_advice::Cause;
 
 /// A message explained: the cause, the numbers behind it, and what to change.
 #[derive(Clone, Debug, Serialize)]
@@ -140,10 +144,27 @@ pub struct Explanation {
     pub advice: Vec<String>,
     /// How many out-of-memory messages the text held (ranks often repeat one).
     pub messages: usize,
+    /// For fragmentation: what would be left on the device once the request
+    /// is served from the reserved pieces (free plus reserved-but-unallocated,
+    /// less the request); null for other causes or without the figures.
+    pub headroom_after_fix_bytes: Option<u64>,
 }
 
+/// Below this share of the device left after a fragmentation fix, the
+/// device is also nearly full: the fix gets past this request, and the next
+/// larger one fails for capacity. 5% of an 80 GiB GPU is 4 GiB, about one
+/// large activation or logits tensor of a 7B model at a moderate batch.
+pub const THIN_HEADROOM_FRACTION: f64 = 0.05;
+
+/// At or above this share of the allocated memory in private pools, the
+/// pools (CUDA graphs, `torch.compile(mode="reduce-overhead")`) are named as
+/// where the memory went: each captured shape keeps its own pool, which
+/// ordinary allocations cannot use.
+pub const PRIVATE_POOL_SHARE: f64 = 0.25;
+
 fn size_pattern() -> &'static str {
-    r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|MiB|GiB|TiB)"
+    // MPS printed KB/MB/GB before it printed KiB/MiB/GiB, with the same 1024 steps.
+    r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
 }
 
 struct Patterns {
@@ -160,6 +181,8 @@ struct Patterns {
     allocated_old: Regex,
     free_old: Regex,
     reserved_old: Regex,
+    cached_old: Regex,
+    mps: Regex,
     cpu_bytes: Regex,
 }
 
@@ -171,7 +194,7 @@ fn patterns() -> &'static Patterns {
         Patterns {
             requested: re(format!(r"(?i)tried to allocate {s}")),
             total_new: re(format!(
-                r"GPU (\d+) has a total capac(?:i)?ty of {s} of which {s} is free"
+                r"GPU (\d+) has a total capac(?:i)?ty of {s}(?: of which {s} is free)?"
             )),
             process: re(format!(r"Process (\d+) has {s} memory in use")),
             this_process: re(format!(r"this process has {s} memory in use")),
@@ -181,11 +204,15 @@ fn patterns() -> &'static Patterns {
             private_pools: re(format!(r"with {s} allocated in private pools")),
             allowed: re(format!(r"{s} allowed;")),
             unallocated_new: re(format!(r"{s} is reserved by PyTorch but unallocated")),
-            gpu_old: re(r"\(GPU (\d+);".into()),
+            gpu_old: re(r"\((?:GPU|NPU) ?(\d+);".into()),
             total_old: re(format!(r"{s} total capacity")),
             allocated_old: re(format!(r"{s} already allocated")),
             free_old: re(format!(r"{s} free[;)]")),
-            reserved_old: re(format!(r"{s} (?:reserved in total by PyTorch|cached)")),
+            reserved_old: re(format!(r"{s} reserved in total by PyTorch")),
+            cached_old: re(format!(r"{s} cached\)")),
+            mps: re(format!(
+                r"MPS allocated: {s}, other allocations: {s}, max allowed: {s}"
+            )),
             cpu_bytes: re(r"you tried to allocate (\d+) bytes".into()),
         }
     })
@@ -195,10 +222,10 @@ fn size_at(caps: &regex::Captures<'_>, first: usize) -> Option<u64> {
     let value: f64 = caps.get(first)?.as_str().parse().ok()?;
     let scale = match caps.get(first + 1)?.as_str() {
         "bytes" | "B" => 1.0,
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
-        "TiB" => 1024f64.powi(4),
+        "KiB" | "KB" => 1024.0,
+        "MiB" | "MB" => 1024.0 * 1024.0,
+        "GiB" | "GB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" | "TB" => 1024f64.powi(4),
         _ => return None,
     };
     Some((value * scale).round() as u64)
@@ -252,8 +279,20 @@ pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
         let reserved = find_size(&p.reserved_old, text);
         m.reserved_unallocated_bytes = match (reserved, m.allocated_bytes) {
             (Some(r), Some(a)) => Some(r.saturating_sub(a)),
-            _ => None,
+            // 1.0-1.3 printed what the allocator held beyond the allocated memory as "cached".
+            _ => find_size(&p.cached_old, text),
         };
+    } else if let Some(c) = p.mps.captures(text) {
+        // MPS has no device total: its high watermark ("max allowed", 1.7x the
+        // GPU's recommended working set by default) is the capacity it enforces,
+        // and "other allocations" are this process's Metal memory outside the allocator.
+        let (allocated, other, cap) = (size_at(&c, 1), size_at(&c, 3), size_at(&c, 5));
+        m.allocated_bytes = allocated;
+        m.process_bytes = allocated.zip(other).map(|(a, o)| a + o);
+        m.capacity_bytes = cap;
+        m.free_bytes = cap
+            .zip(m.process_bytes)
+            .map(|(cap, held)| cap.saturating_sub(held));
     }
     if kind == OomKind::Cpu && m.requested_bytes.is_none() {
         m.requested_bytes = p
@@ -279,23 +318,42 @@ pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
     m
 }
 
+/// Lines after a marker's line that can still belong to its message: a
+/// current CUDA message hard-wrapped at 72 columns, as pasted in issues, takes six.
+const CONTINUATION_LINES: usize = 8;
+
+/// Whether a line starts a message quoted from "Tried to allocate" on, with no marker before it.
+fn quoted_from_request(line: &str) -> bool {
+    line.trim_start()
+        .trim_start_matches(['`', '"', '\'', '>', ' '])
+        .starts_with("Tried to allocate")
+}
+
 /// Every out-of-memory message in `text` (a message, or a whole log with tracebacks), in order.
+///
+/// A message runs from its marker's line over the lines that continue it (up
+/// to [`CONTINUATION_LINES`], stopping at a blank line, a traceback line or
+/// another marker), joined with single spaces, so a hard-wrapped message
+/// reads as one; its kind is decided on the joined text, so a marker broken
+/// across lines, or a bare "OutOfMemoryError" line followed by the real
+/// message, gets the specific kind.
 pub fn find_messages(text: &str) -> Vec<OomMessage> {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::new();
     let mut i = 0;
     while i < lines.len() {
-        let Some(kind) = detect(lines[i]) else {
+        let quoted = detect(lines[i]).is_none() && quoted_from_request(lines[i]);
+        if detect(lines[i]).is_none() && !quoted {
             i += 1;
             continue;
-        };
-        // A bare "OutOfMemoryError" line followed by the real message belongs to it.
-        let mut joined = lines[i].to_string();
+        }
+        let mut joined = lines[i].trim().to_string();
         let mut j = i + 1;
         while j < lines.len()
-            && j <= i + 3
+            && j <= i + CONTINUATION_LINES
             && !lines[j].trim().is_empty()
             && detect(lines[j]).is_none()
+            && !quoted_from_request(lines[j])
         {
             if lines[j].starts_with("  File ") || lines[j].starts_with("Traceback") {
                 break;
@@ -304,7 +362,23 @@ pub fn find_messages(text: &str) -> Vec<OomMessage> {
             joined.push_str(lines[j].trim());
             j += 1;
         }
-        out.push(parse_message(kind, &joined));
+        let joined = joined.split_whitespace().collect::<Vec<_>>().join(" ");
+        // Quoted from "Tried to allocate" on, it is the caching allocator's own
+        // sentence: Ascend's when it names an NPU, CUDA's otherwise.
+        let kind = detect(&joined).or_else(|| {
+            quoted.then_some(if joined.contains("(NPU") {
+                OomKind::Npu
+            } else {
+                OomKind::Cuda
+            })
+        });
+        if let Some(kind) = kind {
+            let m = parse_message(kind, &joined);
+            // A "Tried to allocate" line with no figures is not a message on its own.
+            if !quoted || m.capacity_bytes.is_some() || m.free_bytes.is_some() {
+                out.push(m);
+            }
+        }
         i = j;
     }
     // An exception's repr, its str and a rank prefix often repeat one failure.
@@ -339,25 +413,27 @@ fn pct(part: u64, whole: u64) -> String {
 }
 
 fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> Explanation {
+    use std::fmt::Write;
     let others: u64 = m.other_processes.iter().map(|p| p.bytes).sum();
     let req = m.requested_bytes;
     let free = m.free_bytes;
     let unalloc = m.reserved_unallocated_bytes.unwrap_or(0);
-    let shortfall = match (req, free) {
-        (Some(r), Some(f)) => Some(r.saturating_sub(f)),
-        (Some(r), None) if m.kind == OomKind::Cpu => Some(r),
-        _ => None,
+    let figures = Figures {
+        requested: req,
+        capacity: m.capacity_bytes,
+        free,
+        reserved_unallocated: m.reserved_unallocated_bytes,
+        allowed: m.allowed_bytes,
+        other_processes: others,
     };
-    let cause = match (req, m.capacity_bytes) {
-        (Some(r), Some(c)) if r > c => Cause::RequestExceedsCapacity,
-        (Some(r), _) if unalloc >= r && unalloc > 0 => Cause::Fragmentation,
-        (Some(r), _) if m.allowed_bytes.is_some() && free.is_some_and(|f| f >= r) => {
-            Cause::MemoryFractionLimit
-        }
-        (Some(_), _) if others > 0 && shortfall.is_some_and(|s| others >= s) => {
-            Cause::OtherProcesses
-        }
-        _ => Cause::Capacity,
+    // Host memory has no free figure in its message: all of the request was missing.
+    let shortfall = figures
+        .shortfall()
+        .or(req.filter(|_| m.kind == OomKind::Cpu));
+    let cause = oomkit_advice::decide(&figures);
+    let headroom = match (cause, req) {
+        (Cause::Fragmentation, Some(r)) => Some((free.unwrap_or(0) + unalloc).saturating_sub(r)),
+        _ => None,
     };
     let device = match m.kind {
         OomKind::Cpu => "host memory".to_string(),
@@ -392,11 +468,23 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 advice.push("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts: segments then grow in place, and free space inside them can serve large requests.".into());
                 advice.push("If that is not possible, set max_split_size_mb (for example PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512) so large blocks are not carved up for small tensors.".into());
             }
-            format!(
+            let mut summary = format!(
                 "{device} had {} reserved by PyTorch but unallocated, enough for the {} request, but not in one piece: the memory is fragmented.",
                 human_bytes(unalloc),
                 hb(req)
-            )
+            );
+            if let (Some(left), Some(cap)) = (headroom, m.capacity_bytes) {
+                if (left as f64) < THIN_HEADROOM_FRACTION * cap as f64 {
+                    let _ = write!(
+                        summary,
+                        " Even with the pieces joined, only {} of {} would be left: the device is nearly full of live tensors, so the next larger allocation will fail for capacity.",
+                        human_bytes(left),
+                        human_bytes(cap)
+                    );
+                    advice.push("Also make room: a smaller micro-batch with more accumulation, or recomputed activations; `oomkit run` tries expandable segments first and steps the batch down if that run fails too.".into());
+                }
+            }
+            summary
         }
         Cause::MemoryFractionLimit => {
             advice.push(format!(
@@ -435,6 +523,9 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         }
         Cause::Capacity => {
             let cut = shortfall.unwrap_or(0);
+            if m.kind == OomKind::Mps {
+                advice.push("MPS stops at its high watermark (\"max allowed\"), a share of the machine's unified memory: cut the micro-batch, or raise PYTORCH_MPS_HIGH_WATERMARK_RATIO (0.0 removes the cap, at the risk of the whole machine swapping).".into());
+            }
             if m.kind == OomKind::Cpu {
                 advice.push("Host memory ran out: lower DataLoader num_workers and prefetch_factor, load data lazily or memory-mapped, and keep checkpoints off the host while loading.".into());
             } else {
@@ -451,7 +542,7 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 advice.push("Shrink optimizer state: a fused or 8-bit AdamW, or shard it across GPUs with FSDP or ZeRO; `oomkit estimate` shows how much each choice saves.".into());
             }
             match (req, free) {
-                (Some(r), Some(f)) if f >= r && m.kind != OomKind::Cpu => format!(
+                (Some(r), Some(f)) if f >= r && !matches!(m.kind, OomKind::Cpu | OomKind::Mps) => format!(
                     "The driver reported {} free, more than the {} request, yet the allocation failed: the free memory was not in one piece, or cuBLAS/cuDNN workspaces or another process took it first.",
                     human_bytes(f),
                     human_bytes(r)
@@ -467,6 +558,16 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
             }
         }
     };
+    if let (Some(pools), Some(allocated)) = (m.private_pool_bytes, m.allocated_bytes) {
+        if allocated > 0 && pools as f64 >= PRIVATE_POOL_SHARE * allocated as f64 {
+            advice.insert(0, format!(
+                "{} of the {} allocated is in private pools{}: CUDA graphs (torch.compile mode=\"reduce-overhead\", captured graphs) keep one pool per captured shape, which no other allocation can use; capture fewer shapes (pad to a few fixed sizes), share one pool between graphs, or compile without CUDA graphs.",
+                human_bytes(pools),
+                human_bytes(allocated),
+                pct(pools, allocated)
+            ));
+        }
+    }
     Explanation {
         other_processes_bytes: others,
         shortfall_bytes: shortfall,
@@ -475,33 +576,8 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         advice,
         messages,
         message: m,
+        headroom_after_fix_bytes: headroom,
     }
-}
-
-/// The largest micro-batch the OOM message's figures say could fit, where they are all there.
-///
-/// At micro-batch `b` the process held `held` and needed at least `held +
-/// request`, with `held + free` within reach. If all of that grew in
-/// proportion to the batch, `b * (held + free) / (held + request)` would
-/// fit; a fixed part (weights, optimizer state) makes fewer fit, so this is
-/// an upper bound, used only when it is below half the batch: a failure
-/// far past the device then needs one retry instead of several halvings.
-pub fn predicted_fit(e: &Explanation, micro_batch: u64) -> Option<u64> {
-    if e.cause != Cause::Capacity {
-        return None;
-    }
-    let m = &e.message;
-    let held = m.process_bytes.or_else(|| {
-        m.allocated_bytes
-            .map(|a| a + m.reserved_unallocated_bytes.unwrap_or(0))
-    })?;
-    let (request, free) = (m.requested_bytes?, m.free_bytes?);
-    let need = held.checked_add(request)?;
-    let room = held.checked_add(free)?;
-    if need <= room || need == 0 {
-        return None;
-    }
-    Some((micro_batch as u128 * room as u128 / need as u128) as u64)
 }
 
 impl Explanation {

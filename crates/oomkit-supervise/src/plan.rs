@@ -37,25 +37,32 @@ impl BatchPlan {
 
     /// The next plan down after an OOM, or `None` when the micro-batch is already at `min_micro_batch`.
     ///
-    /// The micro-batch is halved; where a divisor of the effective batch lies
-    /// between three quarters of that half and the half itself, it is taken
-    /// instead, so that the effective batch stays exact whenever it can.
+    /// The micro-batch is halved, or moved below the half where that keeps
+    /// the effective batch exact, as [`BatchPlan::step_to`] explains.
     pub fn back_off(&self, min_micro_batch: u64) -> Option<BatchPlan> {
-        self.back_off_to(self.micro_batch / 2, min_micro_batch)
+        self.step_to(self.micro_batch / 2, min_micro_batch)
     }
 
-    /// Like [`BatchPlan::back_off`], but to at most `target` when that is below half the micro-batch.
-    pub fn back_off_to(&self, target: u64, min_micro_batch: u64) -> Option<BatchPlan> {
+    /// The plan at micro-batch `target` (kept below the current one and at
+    /// least `min_micro_batch`), or `None` when the micro-batch is already at the floor.
+    ///
+    /// Among the micro-batches from half the target to the target, the one
+    /// whose accumulation overshoots the effective batch least is taken, the
+    /// largest of those that tie: an effective batch that stays exact (or
+    /// nearly) keeps the training the user tuned, which is worth more than the
+    /// last samples of a micro-batch.
+    pub fn step_to(&self, target: u64, min_micro_batch: u64) -> Option<BatchPlan> {
         let floor = min_micro_batch.max(1);
         if self.micro_batch <= floor {
             return None;
         }
-        let half = (self.micro_batch / 2).min(target).max(floor);
-        let lowest = (half * 3).div_ceil(4).max(floor);
-        let exact = (lowest..=half)
+        let target = target.min(self.micro_batch - 1).max(floor);
+        let lowest = target.div_ceil(2).max(floor);
+        let best = (lowest..=target)
             .rev()
-            .find(|d| self.effective_batch.is_multiple_of(*d));
-        Some(BatchPlan::new(exact.unwrap_or(half), self.effective_batch))
+            .min_by_key(|m| BatchPlan::new(*m, self.effective_batch).actual_effective())
+            .unwrap_or(target);
+        Some(BatchPlan::new(best, self.effective_batch))
     }
 }
 
@@ -82,20 +89,25 @@ mod tests {
     }
 
     #[test]
-    fn rounds_up_when_it_cannot_be_exact() {
-        // 97 is prime: no divisor near 8, so accumulation rounds up and the plan says so.
+    fn rounds_up_as_little_as_it_can_when_it_cannot_be_exact() {
+        // 97 is prime: 8 x 13 would give 104 samples; 7 x 14 gives 98.
         let p = BatchPlan::new(16, 97).back_off(1).expect("smaller");
-        assert_eq!((p.micro_batch, p.grad_accum), (8, 13));
-        assert_eq!(p.actual_effective(), 104);
+        assert_eq!((p.micro_batch, p.grad_accum), (7, 14));
+        assert_eq!(p.actual_effective(), 98);
         assert!(!p.is_exact());
     }
 
     #[test]
-    fn jumps_below_half_when_told_and_never_above_it() {
+    fn steps_to_the_largest_exact_divisor_within_half_of_the_target() {
         let p = BatchPlan::new(64, 64);
-        assert_eq!(p.back_off_to(16, 1).map(|q| q.micro_batch), Some(16));
-        assert_eq!(p.back_off_to(60, 1).map(|q| q.micro_batch), Some(32));
-        assert_eq!(p.back_off_to(0, 4).map(|q| q.micro_batch), Some(4));
+        assert_eq!(p.step_to(16, 1).map(|q| q.micro_batch), Some(16));
+        assert_eq!(p.step_to(60, 1).map(|q| q.micro_batch), Some(32));
+        assert_eq!(p.step_to(0, 4).map(|q| q.micro_batch), Some(4));
+        // Never at or above the micro-batch that ran out.
+        assert_eq!(p.step_to(100, 1).map(|q| q.micro_batch), Some(32));
+        // 120 has divisors between 45 and 23: the largest, 40, is taken.
+        let q = BatchPlan::new(60, 120).step_to(45, 1).expect("smaller");
+        assert_eq!((q.micro_batch, q.grad_accum), (40, 3));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The retry loop behind `oomkit run`.
 
 use crate::child::{self, Spec};
-use crate::oom::{self, Cause};
+use crate::child_env;
+use crate::fit::{self, Observation};
+use crate::oom::{self, Cause, Explanation};
 use crate::plan::BatchPlan;
 use crate::remember::{PlanMemory, Remembered};
 use crate::{fill_placeholders, has_batch_placeholder, SuperviseError};
@@ -35,7 +37,7 @@ pub struct RunOptions {
     pub max_retries: u32,
     /// After the last GPU attempt fails with an OOM, run once more on the CPU.
     pub cpu_fallback: bool,
-    /// Ask frameworks with entry points (Lightning) to add oomkit's callback, through [`AUTO_CALLBACK_ENV`].
+    /// Ask frameworks with entry points (Lightning) to add oomkit's callback, through [`child_env::AUTO_CALLBACK`].
     pub auto_callback: bool,
     /// Where the plans that finished are kept, if anywhere.
     pub memory: Option<PlanMemory>,
@@ -86,10 +88,6 @@ pub struct RunSummary {
     /// Things the user should know, such as an effective batch that could not be kept exact.
     pub notes: Vec<String>,
 }
-
-/// Set to `1` in the command's environment so that Lightning's entry point adds oomkit's callback,
-/// which applies the plan and records a run log; nothing adds it otherwise.
-pub const AUTO_CALLBACK_ENV: &str = "OOMKIT_AUTO_CALLBACK";
 
 /// The GPU model in the plan memory's key when oomkit does not choose the GPUs.
 const UNMANAGED_MODEL: &str = "GPUs chosen by the command";
@@ -200,6 +198,9 @@ pub fn supervise(
     let mut notes = Vec::new();
     let mut on_cpu = false;
     let mut retries_left = opts.max_retries;
+    // What each capacity OOM said about memory at its micro-batch.
+    let mut observed: Vec<Observation> = Vec::new();
+    let oom_file = std::env::temp_dir().join(format!("oomkit-oom-{}.jsonl", std::process::id()));
     loop {
         let number = attempts.len() as u32 + 1;
         let mut spec = Spec {
@@ -208,27 +209,34 @@ pub fn supervise(
                 .iter()
                 .map(|a| fill_placeholders(a, plan.as_ref(), number))
                 .collect(),
-            env: vec![env("OOMKIT_ATTEMPT", number)],
+            env: vec![
+                env(child_env::ATTEMPT, number),
+                (
+                    child_env::OOM_FILE.into(),
+                    oom_file.clone().into_os_string(),
+                ),
+            ],
         };
+        let _ = std::fs::remove_file(&oom_file);
         if opts.auto_callback {
-            spec.env.push(env(AUTO_CALLBACK_ENV, 1));
+            spec.env.push(env(child_env::AUTO_CALLBACK, 1));
         }
         if let Some(conf) = &alloc_conf {
             spec.env.push(env(ALLOC_CONF_ENV, conf));
         }
         if let Some(p) = &plan {
-            spec.env.push(env("OOMKIT_MICRO_BATCH", p.micro_batch));
-            spec.env.push(env("OOMKIT_GRAD_ACCUM", p.grad_accum));
+            spec.env.push(env(child_env::MICRO_BATCH, p.micro_batch));
+            spec.env.push(env(child_env::GRAD_ACCUM, p.grad_accum));
             spec.env
-                .push(env("OOMKIT_EFFECTIVE_BATCH", p.effective_batch));
+                .push(env(child_env::EFFECTIVE_BATCH, p.effective_batch));
         }
         let device = if on_cpu {
             spec.env.push(env("CUDA_VISIBLE_DEVICES", ""));
-            spec.env.push(env("OOMKIT_DEVICE", "cpu"));
+            spec.env.push(env(child_env::DEVICE, "cpu"));
             "cpu"
         } else if let Some(ids) = &gpus {
             spec.env.extend(child::visible_devices(ids));
-            spec.env.push(env("OOMKIT_DEVICE", "cuda"));
+            spec.env.push(env(child_env::DEVICE, "cuda"));
             "cuda"
         } else {
             "unmanaged"
@@ -249,15 +257,17 @@ pub fn supervise(
             say(&format!("attempt {number} on {place}"));
         }
         let out = child::run(&spec, &mut |_| {})?;
-        let oom = out.oom_line.is_some() && out.exit_code != 0;
+        let recorded = tracker_ooms(&oom_file);
+        let _ = std::fs::remove_file(&oom_file);
+        let oom = (out.oom_line.is_some() || !recorded.is_empty()) && out.exit_code != 0;
         let settings = alloc_conf
             .clone()
             .or_else(|| std::env::var(ALLOC_CONF_ENV).ok());
-        let explained = out
-            .oom_line
-            .as_deref()
-            .filter(|_| oom)
-            .and_then(|l| oom::explain(l, settings.as_deref()));
+        let (oom_message, explained) = if oom {
+            read_cause(&recorded, out.oom_line.as_deref(), settings.as_deref())
+        } else {
+            (out.oom_line.clone(), None)
+        };
         attempts.push(Attempt {
             attempt: number,
             batch_size: plan.map(|p| p.micro_batch),
@@ -271,7 +281,7 @@ pub fn supervise(
             device,
             exit_code: out.exit_code,
             oom,
-            oom_message: out.oom_line.clone(),
+            oom_message,
             cause: explained.as_ref().map(|e| e.cause),
             action: None,
             seconds: out.duration.as_secs_f64(),
@@ -383,11 +393,15 @@ pub fn supervise(
                 notes.push("out of memory; give --batch-size (and {batch_size} in the command or OOMKIT_MICRO_BATCH in the script) to retry with smaller micro-batches".into());
                 None
             }
-            Some(p) => match p.back_off_to(
-                explained
-                    .as_ref()
-                    .and_then(|e| oom::predicted_fit(e, p.micro_batch))
-                    .unwrap_or(u64::MAX),
+            Some(p) => match p.step_to(
+                {
+                    observed.extend(
+                        explained
+                            .as_ref()
+                            .and_then(|e| fit::observe(e, p.micro_batch)),
+                    );
+                    fit::predicted_fit(&observed).unwrap_or(p.micro_batch / 2)
+                },
                 opts.min_batch_size,
             ) {
                 Some(n) => Some(n),
@@ -431,6 +445,57 @@ pub fn supervise(
             }
             None => return Ok(finish(&mut attempts, Some(Action::Stop), "oom", notes)),
         }
+    }
+}
+
+/// The messages of the OOMs the tracker in the command recorded in `path`, oldest first; none where it wrote none.
+fn tracker_ooms(path: &std::path::Path) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("message")?.as_str().map(String::from))
+        .collect()
+}
+
+/// The OOM message to go by and its explanation: the latest message the
+/// tracker recorded, else the OOM line the command printed, taking the first
+/// of them whose figures say how much was asked for and how much was free.
+///
+/// The tracker's record comes first because it is the error training really
+/// raised, where a framework may print another line or none (accelerate's
+/// batch finder prints "No executable batch size found"); a message without
+/// figures (the allocator observer's, an old form) explains less than one with them.
+fn read_cause(
+    recorded: &[String],
+    printed: Option<&str>,
+    settings: Option<&str>,
+) -> (Option<String>, Option<Explanation>) {
+    let mut explained: Vec<(&str, Explanation)> = recorded
+        .iter()
+        .rev()
+        .map(String::as_str)
+        .chain(printed)
+        .filter_map(|m| Some((m, oom::explain(m, settings)?)))
+        .collect();
+    let has_figures =
+        |e: &Explanation| e.message.requested_bytes.is_some() && e.message.free_bytes.is_some();
+    match explained
+        .iter()
+        .position(|(_, e)| has_figures(e))
+        .or((!explained.is_empty()).then_some(0))
+    {
+        Some(i) => {
+            let (m, e) = explained.swap_remove(i);
+            (Some(m.to_string()), Some(e))
+        }
+        None => (
+            printed
+                .or(recorded.last().map(String::as_str))
+                .map(String::from),
+            None,
+        ),
     }
 }
 

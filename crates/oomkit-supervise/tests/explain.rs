@@ -86,10 +86,23 @@ const CACHED_FORM: &str = "RuntimeError: CUDA out of memory. Tried to allocate 1
 
 #[test]
 fn cached_form() {
+    // In 1.0-1.3 "cached" is what the allocator held beyond the allocated
+    // memory (pytorch/pytorch#13751 defines the terms), not a total.
     let m = explain(CACHED_FORM, None).expect("found").message;
     close(m.requested_bytes, 12.5 * MIB);
     close(m.free_bytes, 9.28 * GIB);
-    close(m.reserved_unallocated_bytes, 0.0);
+    close(m.allocated_bytes, 8.57 * MIB);
+    close(m.reserved_unallocated_bytes, 4.68 * MIB);
+}
+
+// https://github.com/pytorch/pytorch/issues/31353 (the 1.x "cached" form, fragmented)
+const CACHED_FRAGMENTED: &str = "RuntimeError: CUDA out of memory. Tried to allocate 1.86 GiB (GPU 0; 31.72 GiB total capacity; 24.58 GiB already allocated; 1.28 GiB free; 5.08 GiB cached)";
+
+#[test]
+fn cached_memory_that_could_hold_the_request_is_fragmentation() {
+    let e = explain(CACHED_FRAGMENTED, None).expect("found");
+    close(e.message.reserved_unallocated_bytes, 5.08 * GIB);
+    assert_eq!(e.cause, Cause::Fragmentation);
 }
 
 // https://github.com/YingqianWang/iPASSR/issues/9 ("0 bytes free")
@@ -253,4 +266,151 @@ mod fuzz {
             let _ = explain(&huge, Some("expandable_segments:True"));
         }
     }
+}
+
+// https://github.com/lllyasviel/Fooocus/issues/1139 (MPS before 2.3: GB and MB in 1024 steps)
+const MPS_OLD_UNITS: &str = "RuntimeError: MPS backend out of memory (MPS allocated: 8.89 GB, other allocations: 172.98 MB, max allowed: 9.07 GB). Tried to allocate 6.25 MB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may cause system failure).";
+// https://github.com/Comfy-Org/ComfyUI/issues/7440 (MPS with GiB and MiB)
+const MPS_NEW_UNITS: &str = "MPS backend out of memory (MPS allocated: 9.57 GiB, other allocations: 17.35 GiB, max allowed: 27.20 GiB). Tried to allocate 292.50 MiB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may cause system failure).";
+
+#[test]
+fn mps_in_both_unit_spellings() {
+    let e = explain(MPS_OLD_UNITS, None).expect("found");
+    let m = &e.message;
+    assert_eq!(m.kind, OomKind::Mps);
+    close(m.requested_bytes, 6.25 * MIB);
+    close(m.allocated_bytes, 8.89 * GIB);
+    close(m.process_bytes, 8.89 * GIB + 172.98 * MIB);
+    close(m.capacity_bytes, 9.07 * GIB);
+    close(m.free_bytes, 9.07 * GIB - 8.89 * GIB - 172.98 * MIB);
+    assert_eq!(e.cause, Cause::Capacity);
+    assert!(e
+        .advice
+        .iter()
+        .any(|a| a.contains("PYTORCH_MPS_HIGH_WATERMARK_RATIO")));
+    let m = explain(MPS_NEW_UNITS, None).expect("found").message;
+    close(m.process_bytes, (9.57 + 17.35) * GIB);
+    close(m.requested_bytes, 292.5 * MIB);
+}
+
+// https://github.com/intel/torch-xpu-ops/issues/3011 (XPU, current form with the free clause)
+const XPU_WITH_FREE: &str = "torch.OutOfMemoryError: XPU out of memory. Tried to allocate 4.66 GiB. GPU 0 has a total capacity of 5.65 GiB of which 5.65 GiB is free. Of the allocated memory 195.50 KiB is allocated by PyTorch, and 1.81 MiB is reserved by PyTorch but unallocated. Please use `empty_cache` to release all unoccupied cached memory.";
+// https://github.com/intel/intel-extension-for-pytorch/issues/629 (XPU through IPEX, no free clause)
+const XPU_WITHOUT_FREE: &str = "RuntimeError: XPU out of memory. Tried to allocate 1.71 GiB (GPU 0; 15.56 GiB total capacity; 176.00 MiB already allocated; 176.00 MiB reserved in total by PyTorch)";
+
+#[test]
+fn xpu_with_and_without_the_free_clause() {
+    let m = explain(XPU_WITH_FREE, None).expect("found").message;
+    assert_eq!(m.kind, OomKind::Xpu);
+    close(m.capacity_bytes, 5.65 * GIB);
+    close(m.free_bytes, 5.65 * GIB);
+    close(m.allocated_bytes, 195.5 * 1024.0);
+    let m = explain(XPU_WITHOUT_FREE, None).expect("found").message;
+    assert_eq!(m.kind, OomKind::Xpu);
+    close(m.capacity_bytes, 15.56 * GIB);
+    assert_eq!(m.free_bytes, None);
+    close(m.reserved_unallocated_bytes, 0.0);
+    // The newest form can leave out the free clause too.
+    let bare = "XPU out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.11 GiB. Of the allocated memory 12.00 GiB is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated.";
+    let m = explain(bare, None).expect("found").message;
+    close(m.capacity_bytes, 15.11 * GIB);
+    close(m.allocated_bytes, 12.0 * GIB);
+    assert_eq!(m.free_bytes, None);
+}
+
+// https://github.com/xingchensong/TouchNet/issues/100 (Ascend, torch_npu)
+const NPU: &str = "RuntimeError: NPU out of memory. Tried to allocate 5.03 GiB (NPU 3; 60.96 GiB total capacity; 49.47 GiB already allocated; 49.47 GiB current active; 1.32 GiB free; 57.55 GiB reserved in total by PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb to avoid fragmentation.";
+
+#[test]
+fn ascend_npu() {
+    let e = explain(NPU, None).expect("found");
+    let m = &e.message;
+    assert_eq!(m.kind, OomKind::Npu);
+    assert_eq!(m.device, Some(3));
+    close(m.capacity_bytes, 60.96 * GIB);
+    close(m.free_bytes, 1.32 * GIB);
+    close(m.reserved_unallocated_bytes, (57.55 - 49.47) * GIB);
+    assert_eq!(e.cause, Cause::Fragmentation);
+}
+
+// https://github.com/local-inference-lab/vllm/issues/257 (pasted hard-wrapped)
+const HARD_WRAPPED: &str =
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 304.00 MiB.
+GPU 0 has a total capacity of 94.97 GiB of which 218.81 MiB is free.
+Including non-PyTorch memory, this process has 93.84 GiB memory in use.
+Of the allocated memory 91.19 GiB is allocated by PyTorch, with 118.00 MiB
+allocated in private pools (e.g., CUDA Graphs), and 744.36 MiB is reserved by
+PyTorch but unallocated.";
+
+#[test]
+fn a_hard_wrapped_message_reads_as_one() {
+    let e = explain(HARD_WRAPPED, None).expect("found");
+    let m = &e.message;
+    close(m.capacity_bytes, 94.97 * GIB);
+    close(m.process_bytes, 93.84 * GIB);
+    close(m.private_pool_bytes, 118.0 * MIB);
+    close(m.reserved_unallocated_bytes, 744.36 * MIB);
+    assert_eq!(e.cause, Cause::Fragmentation);
+    assert_eq!(e.messages, 1);
+    // A marker broken across lines is still read as CUDA.
+    let broken = "torch.OutOfMemoryError: CUDA out of\nmemory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free.";
+    let m = explain(broken, None).expect("found").message;
+    assert_eq!(m.kind, OomKind::Cuda);
+    close(m.free_bytes, 1.12 * GIB);
+}
+
+// https://github.com/ShannonAI/Self_Explaining_Structures_Improve_NLP_Models/issues/6 (quoted from "Tried to allocate" on)
+const QUOTED: &str = "Tried to allocate 20.00 MiB (GPU 0; 1.96 GiB total capacity; 1.24 GiB already allocated; 2.88 MiB free; 1.25 GiB reserved in total by PyTorch)";
+
+#[test]
+fn a_message_quoted_from_tried_to_allocate() {
+    let e = explain(QUOTED, None).expect("found");
+    assert_eq!(e.message.kind, OomKind::Cuda);
+    close(e.message.capacity_bytes, 1.96 * GIB);
+    close(e.message.free_bytes, 2.88 * MIB);
+    assert_eq!(e.cause, Cause::Capacity);
+    // Without figures the phrase alone is not a message.
+    assert!(explain("Tried to allocate 20.00 MiB", None).is_none());
+}
+
+// https://github.com/Cadene/vqa.pytorch/issues/47 (THC, PyTorch before 1.0)
+const THC: &str = "THCudaCheck FAIL file=/opt/conda/conda-bld/pytorch_1513368888240/work/torch/lib/THC/generic/THCStorage.c line=82 error=2 : out of memory";
+
+#[test]
+fn the_thc_era_forms() {
+    assert_eq!(
+        explain(THC, None).expect("found").message.kind,
+        OomKind::CudaRuntime
+    );
+    let runtime = "RuntimeError: cuda runtime error (2) : out of memory at /pytorch/aten/src/THC/generic/THCStorage.cu:58";
+    assert_eq!(
+        explain(runtime, None).expect("found").message.kind,
+        OomKind::CudaRuntime
+    );
+}
+
+// The private-pool clause, from a notebook whose graphs (torch.compile
+// "reduce-overhead") held almost all of it; quoted in
+// https://github.com/pytorch/pytorch/issues/121932's follow-up form.
+const PRIVATE_POOLS: &str = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 47.53 GiB of which 896.00 KiB is free. Process 1686436 has 47.51 GiB memory in use. Of the allocated memory 47.00 GiB is allocated by PyTorch, with 46.22 GiB allocated in private pools (e.g., CUDA Graphs), and 149.10 MiB is reserved by PyTorch but unallocated.";
+
+#[test]
+fn private_pools_holding_most_memory_are_named() {
+    let e = explain(PRIVATE_POOLS, None).expect("found");
+    close(e.message.private_pool_bytes, 46.22 * GIB);
+    // The single listed process is this one, seen from inside a container.
+    close(e.message.process_bytes, 47.51 * GIB);
+    assert!(e.advice[0].contains("private pools"), "{:?}", e.advice);
+}
+
+#[test]
+fn fragmentation_on_a_full_device_also_says_the_headroom_is_thin() {
+    // 195 MiB reserved-but-unallocated would serve 22 MiB, but 23.6 of 23.65 GiB is in use.
+    let e = explain(CURRENT_FORM, None).expect("found");
+    assert_eq!(e.cause, Cause::Fragmentation);
+    close(e.headroom_after_fix_bytes, (11.06 + 194.87 - 22.0) * MIB);
+    assert!(e.summary.contains("nearly full"), "{}", e.summary);
+    // With room to spare, only the fragmentation is said.
+    let roomy = explain(NPU, None).expect("found");
+    assert!(!roomy.summary.contains("nearly full"), "{}", roomy.summary);
 }
