@@ -257,6 +257,62 @@ fn cause(requested: Option<u64>, allocated: u64, reserved: u64, capacity: Option
     })
 }
 
+/// A phase must peak this much above the training before it to be a spike:
+/// 10% is above the step-to-step noise of the allocator and of RSS, which
+/// the tracker sees at stage boundaries only.
+const EVAL_SPIKE_RATIO: f64 = 1.1;
+/// ... and by at least this many bytes, so tiny runs do not report noise.
+const EVAL_SPIKE_MIN_BYTES: u64 = MIB;
+
+/// The worst occurrence of a phase that peaked above the training before it.
+struct Spike<'r> {
+    name: &'r str,
+    peak: u64,
+    baseline: u64,
+    step: Option<u64>,
+}
+
+/// Each phase's worst spike above the training peak *before* it.
+///
+/// Comparing with the all-time training peak would miss the bug it looks
+/// for: memory an eval phase keeps stays counted in the steps after it
+/// (the caching allocator keeps its reserve on CUDA, glibc keeps the RSS on
+/// CPU), so the later steps' peaks already include the spike. A phase that
+/// runs before any training is compared with the whole run's training peak.
+fn eval_spikes(run: &Run, train_peak: u64) -> Vec<Spike<'_>> {
+    let mut so_far = 0u64;
+    let mut worst: BTreeMap<&str, Spike<'_>> = BTreeMap::new();
+    for (kind, m) in &run.measures {
+        if *kind != MeasureKind::Phase {
+            so_far = so_far.max(m.peak_bytes);
+            continue;
+        }
+        let baseline = if so_far > 0 { so_far } else { train_peak };
+        if baseline == 0
+            || m.peak_bytes < baseline + EVAL_SPIKE_MIN_BYTES
+            || (m.peak_bytes as f64) <= baseline as f64 * EVAL_SPIKE_RATIO
+        {
+            continue;
+        }
+        let over = m.peak_bytes - baseline;
+        let e = worst.entry(&m.name).or_insert(Spike {
+            name: &m.name,
+            peak: baseline,
+            baseline,
+            step: m.step,
+        });
+        if over > e.peak - e.baseline {
+            *e = Spike {
+                name: &m.name,
+                peak: m.peak_bytes,
+                baseline,
+                step: m.step,
+            };
+        }
+    }
+    worst.into_values().collect()
+}
+
 /// Analyzes a run log.
 pub fn analyze(run: &Run) -> Analysis {
     let start = run.start.clone().unwrap_or_default();
@@ -378,37 +434,24 @@ pub fn analyze(run: &Run) -> Analysis {
             step: d.step,
         });
     }
-    let mut phase_peaks: BTreeMap<&str, (u64, Option<u64>)> = BTreeMap::new();
-    for (_, m) in run
-        .measures
-        .iter()
-        .filter(|(k, _)| *k == MeasureKind::Phase)
-    {
-        let e = phase_peaks.entry(&m.name).or_insert((0, None));
-        if m.peak_bytes > e.0 {
-            *e = (m.peak_bytes, m.step);
-        }
-    }
-    for (name, (peak, step)) in phase_peaks {
-        let over = peak.saturating_sub(train_peak);
-        if train_peak > 0 && over >= MIB && peak * 10 > train_peak * 11 {
-            findings.push(Finding {
-                kind: "eval_spike",
-                message: format!(
-                    "phase '{name}' peaks at {}, {} above the training peak of {}",
-                    human_bytes(peak),
-                    human_bytes(over),
-                    human_bytes(train_peak)
-                ),
-                advice: "run it under `torch.no_grad()` (or `torch.inference_mode()`), move \
-                         outputs you keep to the CPU, and chunk long generations or large eval \
-                         batches"
-                    .into(),
-                bytes: Some(over),
-                bytes_per_step: None,
-                step,
-            });
-        }
+    for spike in eval_spikes(run, train_peak) {
+        findings.push(Finding {
+            kind: "eval_spike",
+            message: format!(
+                "phase '{}' peaks at {}, {} above the training peak of {} before it",
+                spike.name,
+                human_bytes(spike.peak),
+                human_bytes(spike.peak - spike.baseline),
+                human_bytes(spike.baseline)
+            ),
+            advice: "run it under `torch.no_grad()` (or `torch.inference_mode()`), move \
+                     outputs you keep to the CPU, and chunk long generations or large eval \
+                     batches"
+                .into(),
+            bytes: Some(spike.peak - spike.baseline),
+            bytes_per_step: None,
+            step: spike.step,
+        });
     }
     let nonfinite: Vec<_> = run
         .grads
@@ -741,6 +784,58 @@ mod tests {
         }
         s.push_str("{\"type\":\"end\"}\n");
         s
+    }
+
+    /// A CPU run whose eval keeps 1 GiB of outputs: RSS stays up after it, so
+    /// the steps after the eval peak above the eval itself.
+    fn eval_keeps_outputs() -> String {
+        let mut s = String::from(r#"{"type":"start","version":1,"device":"cpu"}"#);
+        s.push('\n');
+        let step = |s: &mut String, i: u64, level: u64| {
+            s.push_str(&format!(
+                "{{\"type\":\"step\",\"step\":{i},\"start_bytes\":{level},\"end_bytes\":{level},\"peak_bytes\":{}}}\n",
+                level + 100 * MIB
+            ));
+        };
+        for i in 0..5 {
+            step(&mut s, i, 700 * MIB);
+        }
+        s.push_str(&format!(
+            "{{\"type\":\"phase\",\"step\":4,\"name\":\"eval\",\"start_bytes\":{},\"end_bytes\":{},\"peak_bytes\":{}}}\n",
+            700 * MIB,
+            1700 * MIB,
+            1780 * MIB
+        ));
+        for i in 5..10 {
+            step(&mut s, i, 1700 * MIB);
+        }
+        s.push_str("{\"type\":\"end\"}\n");
+        s
+    }
+
+    #[test]
+    fn an_eval_spike_is_measured_against_the_steps_before_it() {
+        let a = analyze(&Run::parse(eval_keeps_outputs().as_bytes()).unwrap());
+        let spike = a
+            .findings
+            .iter()
+            .find(|f| f.kind == "eval_spike")
+            .expect("eval_spike");
+        // 1780 MiB against the 800 MiB peak of the steps before it, though later steps reach 1800.
+        assert_eq!(spike.bytes, Some(980 * MIB));
+        assert_eq!(spike.step, Some(4));
+    }
+
+    #[test]
+    fn an_eval_below_the_training_before_it_is_no_spike() {
+        let quiet =
+            eval_keeps_outputs().replace(&(1780 * MIB).to_string(), &(810 * MIB).to_string());
+        let a = analyze(&Run::parse(quiet.as_bytes()).unwrap());
+        assert!(
+            a.findings.iter().all(|f| f.kind != "eval_spike"),
+            "{:?}",
+            a.findings
+        );
     }
 
     #[test]

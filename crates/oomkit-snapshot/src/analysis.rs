@@ -109,7 +109,21 @@ pub struct Fragmentation {
     pub free_blocks: u64,
     /// External bytes as a fraction of reserved bytes.
     pub external_fraction: f64,
+    /// The largest block this program asked for: the largest allocation in
+    /// the trace, or the largest active block where there is no trace. Free
+    /// memory is fragmented only where no free block could serve it.
+    pub largest_request_bytes: u64,
 }
+
+/// Free memory inside segments is reported as fragmentation only from this
+/// share of the reserved memory: below it, the cache's rounding and the
+/// blocks kept for reuse are ordinary allocator behaviour.
+const FRAGMENTED_MIN_FRACTION: f64 = 0.2;
+/// ... and from this many bytes, below which no setting would change what fits.
+const FRAGMENTED_MIN_BYTES: u64 = 256 << 20;
+/// A phase that keeps this many bytes alive past its end (and 5% of the peak)
+/// is reported: less is the noise of caches and small buffers.
+const RETAINED_MIN_BYTES: u64 = 256 << 20;
 
 /// Everything learned about one device.
 #[derive(Clone, Debug, Serialize)]
@@ -362,6 +376,7 @@ struct TraceScan {
     action_counts: [u64; Action::ALL.len()],
     missing_frames: u64,
     allocs: u64,
+    largest_alloc: u64,
 }
 
 /// Finds which blocks predate the trace: frees without an alloc before
@@ -378,6 +393,7 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
         action_counts: [0; Action::ALL.len()],
         missing_frames: 0,
         allocs: 0,
+        largest_alloc: 0,
     };
     for (i, e) in events.iter().enumerate() {
         s.action_counts[e.action as usize] += 1;
@@ -388,6 +404,7 @@ fn scan_trace(events: &[TraceEvent]) -> TraceScan {
                     s.link[i] = earlier + 1;
                 }
                 s.allocs += 1;
+                s.largest_alloc = s.largest_alloc.max(e.size);
                 s.missing_frames += (e.stack == StackId::EMPTY) as u64;
             }
             Action::FreeCompleted => {
@@ -1006,12 +1023,14 @@ fn analyze_device(
             kind: "ring_buffer_overflow",
             device: Some(device),
             message: format!(
-                "cuda:{device}: the trace starts mid-run: {} blocks ({}) freed in it were allocated before its first entry, so the ring buffer of {} entries dropped the start of the run",
+                // A snapshot does not say whether recording started late or
+                // max_entries dropped the oldest entries; both look the same.
+                "cuda:{device}: the trace starts mid-run: {} blocks ({}) freed in its {} entries were allocated before its first one (recording started after them, or max_entries dropped the oldest entries)",
                 orphans.len(),
                 human_bytes(bytes),
                 events.len()
             ),
-            fix: format!("record more entries: {RECORD_CALL}"),
+            fix: format!("start recording before the model is built, with room for the whole run: {RECORD_CALL}"),
         });
     }
     if allocs > 0 && missing_frames > 0 {
@@ -1088,8 +1107,14 @@ fn analyze_device(
         // Forward keeps activations for backward by design; anything else
         // that ends with much more live than it began is holding tensors.
         let retained = p.retained_bytes.max(0) as u64;
-        if !p.name.to_lowercase().contains("forward")
-            && retained >= 256 << 20
+        // An optimizer's first step creates its state (AdamW: two tensors per
+        // parameter) and keeps it: by design, not a leak.
+        let name = p.name.to_lowercase();
+        let creates_state =
+            p.occurrences == 1 && (name.contains("optim") || name.contains(".step"));
+        if !name.contains("forward")
+            && !creates_state
+            && retained >= RETAINED_MIN_BYTES
             && retained * 20 >= peak
         {
             findings.push(Finding {
@@ -1105,16 +1130,29 @@ fn analyze_device(
             });
         }
     }
-    if frag.external_fraction >= 0.2 && frag.external_bytes >= 256 << 20 {
+    frag.largest_request_bytes = scan
+        .largest_alloc
+        .max(final_blocks.iter().map(|(_, l)| l.size).max().unwrap_or(0));
+    // Cached memory is not fragmentation: free blocks that can serve the
+    // largest request this program makes are the cache doing its job. Only
+    // free memory that in total could hold that request, with no piece that
+    // can, makes the allocator reserve more than it needs.
+    let stranded = frag.largest_free_block_bytes < frag.largest_request_bytes
+        && frag.external_bytes >= frag.largest_request_bytes;
+    if stranded
+        && frag.external_fraction >= FRAGMENTED_MIN_FRACTION
+        && frag.external_bytes >= FRAGMENTED_MIN_BYTES
+    {
         findings.push(Finding {
             kind: "fragmentation",
             device: Some(device),
             message: format!(
-                "cuda:{device}: {} ({:.0}% of reserved) is free inside segments in {} pieces, the largest {}",
+                "cuda:{device}: {} ({:.0}% of reserved) is free inside segments in {} pieces, the largest {}, smaller than the {} blocks this program asks for: such a request needs new memory though the total is there",
                 human_bytes(frag.external_bytes),
                 100.0 * frag.external_fraction,
                 frag.free_blocks,
-                human_bytes(frag.largest_free_block_bytes)
+                human_bytes(frag.largest_free_block_bytes),
+                human_bytes(frag.largest_request_bytes)
             ),
             advice: "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so freed blocks can be merged and reused".into(),
             bytes: frag.external_bytes,

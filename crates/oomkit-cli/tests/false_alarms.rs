@@ -1,0 +1,119 @@
+//! The false-alarm check: `oomkit analyze` on every real snapshot, with the
+//! findings each must get and no more. A rule that starts firing on healthy
+//! runs fails here, before it teaches users to ignore oomkit.
+
+mod common;
+use common::*;
+use serde_json::Value;
+
+/// Each shared snapshot's expected finding kinds, with why.
+const EXPECTED: &[(&str, &[&str], &str)] = &[
+    (
+        "diffusion_segments_only.pickle",
+        &[],
+        "1.52 GiB cached, the largest piece 128 MiB: larger than any 72 MiB block it asks for",
+    ),
+    (
+        "eor_nn_counterfactuals.pickle",
+        &[],
+        "81 MiB free: too little to matter",
+    ),
+    (
+        "gpt2_segments_only.pickle",
+        &[],
+        "4.67 GiB cached with a 3.07 GiB piece, for 148 MiB requests",
+    ),
+    ("legacy_segment_list.pkl", &[], "8% of reserved free"),
+    (
+        "llama_select_4gpu.pickle",
+        &[],
+        "860 MiB cached with a 478 MiB piece, for 477 MiB requests",
+    ),
+    (
+        "lm_ctx128_forward_mixed_precision.pickle",
+        &[],
+        "1% of reserved free",
+    ),
+    (
+        "lm_ctx128_full_train_step.pickle",
+        &[],
+        "AdamW's first step creates its state: by design",
+    ),
+    (
+        "lm_forward_bf16_ctx128.pickle",
+        &["fragmentation"],
+        "321 MiB free in 20 MiB pieces, for 30 MiB requests: really stranded",
+    ),
+    (
+        "lm_medium_ctx128_inference.pickle",
+        &[],
+        "3% of reserved free",
+    ),
+    (
+        "lm_medium_ctx128_training.pickle",
+        &[],
+        "6% of reserved free",
+    ),
+    (
+        "small_mem_snapshot.pickle",
+        &[],
+        "3.49 GiB cached in 512 MiB pieces, for 512 MiB requests",
+    ),
+    (
+        "snapviewer_sample.pickle",
+        &["phase_retains_memory"],
+        "Annotation1 keeps 655 MiB it created",
+    ),
+];
+
+fn kinds(report: &Value) -> Vec<String> {
+    report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn every_real_snapshot_gets_exactly_the_findings_it_should() {
+    let files = fixture_files();
+    for path in &files {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let report = run_json(&["analyze", "--json", path.to_str().unwrap()]);
+        let got = kinds(&report);
+        match EXPECTED.iter().find(|(n, _, _)| *n == name) {
+            Some((_, want, why)) => assert_eq!(got, *want, "{name} ({why})"),
+            None => {
+                // A snapshot added to the shared folder after this table was written:
+                // no healthy run should be told to change its allocator settings.
+                let advice: Vec<&String> = got
+                    .iter()
+                    .filter(|k| *k == "fragmentation" || *k == "reserved_overhead")
+                    .collect();
+                assert!(
+                    advice.is_empty() || report["devices"].to_string().contains("\"ooms\":[{"),
+                    "{name}: allocator advice {advice:?} on a run without an OOM; add it to EXPECTED if it is right"
+                );
+            }
+        }
+    }
+    // Every entry in the table names a file that is there, where the folder is.
+    if !files.is_empty() {
+        for (name, _, _) in EXPECTED {
+            assert!(
+                files.iter().any(|p| p.ends_with(name)),
+                "{name} is in EXPECTED but not among the fixtures"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_demo_still_names_every_planted_problem() {
+    let report = run_json(&["analyze", "--json", demo_file().to_str().unwrap()]);
+    let got = kinds(&report);
+    for kind in ["oom_capacity", "fragmentation"] {
+        assert!(got.iter().any(|k| k == kind), "demo lost {kind}: {got:?}");
+    }
+}
