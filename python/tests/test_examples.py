@@ -35,3 +35,15 @@ def test_a_clean_cnn_run_has_no_finding_and_a_planted_oom_fails_the_run(tmp_path
     assert p.returncode == 1 and "DefaultCPUAllocator" in p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1][len("RESULT "):])
     assert (result["status"], result["error"]) == ("oom", "RuntimeError")
+
+
+def test_an_eval_that_keeps_its_outputs_is_named_even_when_rss_stays_up(tmp_path):
+    # On CPU the process keeps the eval's memory, so the steps after it peak as high:
+    # the spike is measured against the steps before it.
+    cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--size", "small",
+           "--steps", "7", "--eval-every", "5", "--tracker", "--log-dir", "runs", "--eval-keeps-outputs"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    [log] = (tmp_path / "runs").glob("run-*.jsonl")
+    a = json.loads(subprocess.run([OOMKIT, "analyze", "--json", str(log)], capture_output=True, text=True).stdout)
+    assert "eval_spike" in [f["kind"] for f in a["findings"]], a["findings"]
