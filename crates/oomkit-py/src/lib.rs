@@ -263,13 +263,17 @@ fn back_off(
     earlier: Vec<(u64, String)>,
 ) -> Option<(u64, u64)> {
     use oomkit_supervise::{fit, oom};
+    let observe = |b: u64, m: &str| fit::observe(&oom::explain(m, None)?, b);
+    // Only a capacity OOM with figures steps by them; any other halves.
+    let this = message.and_then(|m| observe(micro_batch, m));
     let observed: Vec<fit::Observation> = earlier
         .iter()
-        .map(|(b, m)| (*b, m.as_str()))
-        .chain(message.map(|m| (micro_batch, m)))
-        .filter_map(|(b, m)| fit::observe(&oom::explain(m, None)?, b))
+        .filter_map(|(b, m)| observe(*b, m))
+        .chain(this)
         .collect();
-    let target = fit::predicted_fit(&observed).unwrap_or(micro_batch / 2);
+    let target = this
+        .and_then(|_| fit::predicted_fit(&observed))
+        .unwrap_or(micro_batch / 2);
     oomkit_supervise::BatchPlan::new(micro_batch, effective_batch)
         .step_to(target, min_micro_batch)
         .map(|p| (p.micro_batch, p.grad_accum))

@@ -395,12 +395,14 @@ pub fn supervise(
             }
             Some(p) => match p.step_to(
                 {
-                    observed.extend(
-                        explained
-                            .as_ref()
-                            .and_then(|e| fit::observe(e, p.micro_batch)),
-                    );
-                    fit::predicted_fit(&observed).unwrap_or(p.micro_batch / 2)
+                    // Only a capacity OOM with figures steps by them; any
+                    // other step down halves, whatever earlier OOMs said.
+                    let this = explained
+                        .as_ref()
+                        .and_then(|e| fit::observe(e, p.micro_batch));
+                    observed.extend(this);
+                    this.and_then(|_| fit::predicted_fit(&observed))
+                        .unwrap_or(p.micro_batch / 2)
                 },
                 opts.min_batch_size,
             ) {
