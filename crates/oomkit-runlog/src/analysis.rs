@@ -1,8 +1,8 @@
 //! What a run log says: stage table, leaks, eval spikes, gradients, components.
 
+use crate::findings;
 use crate::record::{Components, MeasureKind, Plan, Run};
-use oomkit_advice::Cause;
-use oomkit_snapshot::human_bytes;
+use oomkit_advice::{Cause, Finding};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -78,26 +78,6 @@ pub struct OomSummary {
     pub cause: Cause,
     /// The snapshot dumped at the OOM, if any.
     pub snapshot: Option<String>,
-}
-
-/// A conclusion with its evidence and what to change.
-#[derive(Clone, Debug, Serialize)]
-pub struct Finding {
-    /// Stable identifier; see the README for the vocabulary.
-    pub kind: &'static str,
-    /// What was found, with numbers.
-    pub message: String,
-    /// What to change.
-    pub advice: String,
-    /// The bytes at stake, where they apply.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<u64>,
-    /// Bytes added per step, for leaks.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bytes_per_step: Option<f64>,
-    /// The step it concerns, where one does.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub step: Option<u64>,
 }
 
 /// A limit of the evidence.
@@ -257,62 +237,6 @@ fn cause(requested: Option<u64>, allocated: u64, reserved: u64, capacity: Option
     })
 }
 
-/// A phase must peak this much above the training before it to be a spike:
-/// 10% is above the step-to-step noise of the allocator and of RSS, which
-/// the tracker sees at stage boundaries only.
-const EVAL_SPIKE_RATIO: f64 = 1.1;
-/// ... and by at least this many bytes, so tiny runs do not report noise.
-const EVAL_SPIKE_MIN_BYTES: u64 = MIB;
-
-/// The worst occurrence of a phase that peaked above the training before it.
-struct Spike<'r> {
-    name: &'r str,
-    peak: u64,
-    baseline: u64,
-    step: Option<u64>,
-}
-
-/// Each phase's worst spike above the training peak *before* it.
-///
-/// Comparing with the all-time training peak would miss the bug it looks
-/// for: memory an eval phase keeps stays counted in the steps after it
-/// (the caching allocator keeps its reserve on CUDA, glibc keeps the RSS on
-/// CPU), so the later steps' peaks already include the spike. A phase that
-/// runs before any training is compared with the whole run's training peak.
-fn eval_spikes(run: &Run, train_peak: u64) -> Vec<Spike<'_>> {
-    let mut so_far = 0u64;
-    let mut worst: BTreeMap<&str, Spike<'_>> = BTreeMap::new();
-    for (kind, m) in &run.measures {
-        if *kind != MeasureKind::Phase {
-            so_far = so_far.max(m.peak_bytes);
-            continue;
-        }
-        let baseline = if so_far > 0 { so_far } else { train_peak };
-        if baseline == 0
-            || m.peak_bytes < baseline + EVAL_SPIKE_MIN_BYTES
-            || (m.peak_bytes as f64) <= baseline as f64 * EVAL_SPIKE_RATIO
-        {
-            continue;
-        }
-        let over = m.peak_bytes - baseline;
-        let e = worst.entry(&m.name).or_insert(Spike {
-            name: &m.name,
-            peak: baseline,
-            baseline,
-            step: m.step,
-        });
-        if over > e.peak - e.baseline {
-            *e = Spike {
-                name: &m.name,
-                peak: m.peak_bytes,
-                baseline,
-                step: m.step,
-            };
-        }
-    }
-    worst.into_values().collect()
-}
-
 /// Analyzes a run log.
 pub fn analyze(run: &Run) -> Analysis {
     let start = run.start.clone().unwrap_or_default();
@@ -367,122 +291,21 @@ pub fn analyze(run: &Run) -> Analysis {
         })
         .collect();
 
-    let mut findings = Vec::new();
-    for o in &ooms {
-        findings.push(oom_finding(o, &start.device));
-    }
-    if let Some(l) = &leak {
-        let full = match l.full_at_step {
-            Some(s) => format!("; at this rate the device is full at step {s}"),
-            None => String::new(),
-        };
-        findings.push(Finding {
-            kind: "leak",
-            message: format!(
-                "end-of-step memory grows by {}/step from step {} to {} ({} -> {}, R² {:.2}){full}",
-                human_bytes(l.bytes_per_step as u64),
-                l.first_step,
-                l.last_step,
-                human_bytes(l.start_bytes),
-                human_bytes(l.end_bytes),
-                l.confidence
-            ),
-            advice: "something keeps tensors from each step alive: a list that collects losses or \
-                     outputs without .item() or .detach() keeps every step's autograd graph; \
-                     accumulate `loss.item()` or `loss.detach()` instead"
-                .into(),
-            bytes: Some(l.end_bytes.saturating_sub(l.start_bytes)),
-            bytes_per_step: Some(l.bytes_per_step),
-            step: Some(l.last_step),
-        });
-    }
-    if let Some(d) = run
-        .duplicates
-        .iter()
-        .filter(|d| d.bytes > 0)
-        .max_by_key(|d| d.bytes)
-    {
-        let groups: Vec<String> = d
-            .groups
-            .iter()
-            .map(|g| {
-                format!(
-                    "{} tensors of {} on {} ({}, mirroring {} of {} parameters)",
-                    g.tensors,
-                    g.dtype,
-                    g.device,
-                    human_bytes(g.bytes),
-                    g.params_matched,
-                    g.params_total
-                )
-            })
-            .collect();
-        findings.push(Finding {
-            kind: "duplicate_copy",
-            message: format!(
-                "{} of live tensors mirror the model's parameters but belong to no tracked module, \
-                 optimizer or gradient: {}",
-                human_bytes(d.bytes),
-                groups.join("; ")
-            ),
-            advice: "a second copy of the model is alive, typically the fp32 original kept after \
-                     `model.to(torch.bfloat16)` or a copy made for EMA or evaluation; drop the \
-                     reference (`del`) or convert in place"
-                .into(),
-            bytes: Some(d.bytes),
-            bytes_per_step: None,
-            step: d.step,
-        });
-    }
-    for spike in eval_spikes(run, train_peak) {
-        findings.push(Finding {
-            kind: "eval_spike",
-            message: format!(
-                "phase '{}' peaks at {}, {} above the training peak of {} before it",
-                spike.name,
-                human_bytes(spike.peak),
-                human_bytes(spike.peak - spike.baseline),
-                human_bytes(spike.baseline)
-            ),
-            advice: "run it under `torch.no_grad()` (or `torch.inference_mode()`), move \
-                     outputs you keep to the CPU, and chunk long generations or large eval \
-                     batches"
-                .into(),
-            bytes: Some(spike.peak - spike.baseline),
-            bytes_per_step: None,
-            step: spike.step,
-        });
-    }
-    let nonfinite: Vec<_> = run
+    let nonfinite_checks = run
         .grads
         .iter()
         .filter(|g| g.nan_params + g.inf_params > 0)
-        .collect();
-    if let Some(first) = nonfinite.first() {
-        findings.push(Finding {
-            kind: "grad_nonfinite",
-            message: format!(
-                "{} of {} gradient checks found non-finite gradients, first at step {} \
-                 ({} parameters with NaN, {} with Inf)",
-                nonfinite.len(),
-                run.grads.len(),
-                first.step,
-                first.nan_params,
-                first.inf_params
-            ),
-            advice: "lower the learning rate or clip gradients (`clip_grad_norm_`), use bf16 or a \
-                     GradScaler with fp16, and look for log/sqrt/division of values that can be zero"
-                .into(),
-            bytes: None,
-            bytes_per_step: None,
-            step: Some(first.step),
-        });
-    }
-    grad_spike(run, &mut findings);
-    if let Some(c) = &components {
-        component_findings(c, cuda, train_peak, capacity, run, &mut findings);
-    }
-    findings.sort_by_key(|f| rank(f.kind));
+        .count() as u64;
+    let findings = findings::findings(&findings::Facts {
+        run,
+        device: &start.device,
+        cuda,
+        train_peak,
+        capacity,
+        ooms: &ooms,
+        leak: leak.as_ref(),
+        components: components.as_ref(),
+    });
 
     let mut warnings = Vec::new();
     if run.start.is_none() {
@@ -540,7 +363,7 @@ pub fn analyze(run: &Run) -> Analysis {
         largest_growth,
         leak,
         components,
-        grad_nonfinite_checks: nonfinite.len() as u64,
+        grad_nonfinite_checks: nonfinite_checks,
         ooms,
         plan: run.plans.last().cloned(),
         findings,
@@ -548,228 +371,10 @@ pub fn analyze(run: &Run) -> Analysis {
     }
 }
 
-fn rank(kind: &str) -> usize {
-    [
-        "oom",
-        "leak",
-        "duplicate_copy",
-        "eval_spike",
-        "grad_nonfinite",
-        "grad_spike",
-        "activations_dominate",
-        "optimizer_state_large",
-        "grads_held_between_steps",
-        "ema_on_device",
-    ]
-    .iter()
-    .position(|k| *k == kind)
-    .unwrap_or(usize::MAX)
-}
-
-fn oom_finding(o: &OomSummary, device: &str) -> Finding {
-    let asked = o
-        .requested_bytes
-        .map(|r| format!("asking for {}", human_bytes(r)))
-        .unwrap_or_else(|| "request size unknown".into());
-    let where_ = match (&o.stage, o.step) {
-        (Some(s), Some(n)) => format!("in {s} of step {n}"),
-        (Some(s), None) => format!("in {s}"),
-        (None, Some(n)) => format!("in step {n}"),
-        (None, None) => "outside any step".into(),
-    };
-    let advice = if o.cause == Cause::Fragmentation {
-        "the allocator had enough reserved but unallocated memory in pieces too small: set \
-         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-            .to_string()
-    } else {
-        match o.stage.as_deref() {
-            Some("forward" | "backward") => "activations do not fit: halve the micro-batch and \
-                 double gradient accumulation (`oomkit run` does this and keeps the effective \
-                 batch), enable gradient checkpointing, or train in bf16/AMP"
-                .into(),
-            Some("optimizer") => "the optimizer step does not fit: 8-bit optimizer states \
-                 (bitsandbytes) or a fused/foreach=False step lower its peak"
-                .into(),
-            Some(_) => "this phase does not fit: run it under torch.no_grad(), use a smaller \
-                 eval batch, and chunk generation"
-                .into(),
-            None => "reduce the micro-batch and raise gradient accumulation".into(),
-        }
-    };
-    Finding {
-        kind: "oom",
-        message: format!(
-            "out of memory on {} {where_}, {asked}, with {} allocated and {} reserved ({})",
-            if device.is_empty() {
-                "the device"
-            } else {
-                device
-            },
-            human_bytes(o.allocated_bytes),
-            human_bytes(o.reserved_bytes),
-            o.cause
-        ),
-        advice,
-        bytes: o.requested_bytes,
-        bytes_per_step: None,
-        step: o.step,
-    }
-}
-
-fn grad_spike(run: &Run, findings: &mut Vec<Finding>) {
-    let mut norms: Vec<f64> = run
-        .grads
-        .iter()
-        .filter_map(|g| g.total_norm)
-        .filter(|n| n.is_finite())
-        .collect();
-    if norms.len() < 5 {
-        return;
-    }
-    norms.sort_by(f64::total_cmp);
-    let median = norms[norms.len() / 2];
-    if median <= 0.0 {
-        return;
-    }
-    let spike = run
-        .grads
-        .iter()
-        .filter(|g| {
-            g.total_norm
-                .is_some_and(|n| n.is_finite() && n > 10.0 * median)
-        })
-        .max_by(|a, b| {
-            a.total_norm
-                .unwrap_or(0.0)
-                .total_cmp(&b.total_norm.unwrap_or(0.0))
-        });
-    if let Some(g) = spike {
-        findings.push(Finding {
-            kind: "grad_spike",
-            message: format!(
-                "gradient norm {:.4} at step {} is {:.0}x the median {:.4}",
-                g.total_norm.unwrap_or(0.0),
-                g.step,
-                g.total_norm.unwrap_or(0.0) / median,
-                median
-            ),
-            advice: "clip gradients (`torch.nn.utils.clip_grad_norm_`) and check that batch for \
-                     outliers"
-                .into(),
-            bytes: None,
-            bytes_per_step: None,
-            step: Some(g.step),
-        });
-    }
-}
-
-fn component_findings(
-    c: &Components,
-    cuda: bool,
-    train_peak: u64,
-    capacity: Option<u64>,
-    run: &Run,
-    findings: &mut Vec<Finding>,
-) {
-    let base = capacity.unwrap_or(train_peak).max(1);
-    let pct = |b: u64| 100.0 * b as f64 / base as f64;
-    let against = if capacity.is_some() {
-        "of the device"
-    } else {
-        "of the peak"
-    };
-    if c.optimizer_state_bytes > 0
-        && (c.optimizer_state_bytes * 10 >= base * 3
-            || c.optimizer_state_bytes >= 2 * c.params_bytes.max(1))
-        && cuda
-    {
-        findings.push(Finding {
-            kind: "optimizer_state_large",
-            message: format!(
-                "optimizer state holds {} ({:.0}% {against}), {:.1}x the parameters",
-                human_bytes(c.optimizer_state_bytes),
-                pct(c.optimizer_state_bytes),
-                c.optimizer_state_bytes as f64 / c.params_bytes.max(1) as f64
-            ),
-            advice: "8-bit optimizer states (bitsandbytes AdamW8bit) cut them about 4x; ZeRO/FSDP \
-                     shards them across ranks"
-                .into(),
-            bytes: Some(c.optimizer_state_bytes),
-            bytes_per_step: None,
-            step: c.step,
-        });
-    }
-    if c.ema_bytes > 0
-        && c.ema_device
-            .as_deref()
-            .is_some_and(|d| d.starts_with("cuda"))
-    {
-        findings.push(Finding {
-            kind: "ema_on_device",
-            message: format!(
-                "the EMA copy holds {} ({:.0}% {against}) on {}",
-                human_bytes(c.ema_bytes),
-                pct(c.ema_bytes),
-                c.ema_device.as_deref().unwrap_or("")
-            ),
-            advice: "keep the EMA on the CPU and update it every few steps, or in bf16".into(),
-            bytes: Some(c.ema_bytes),
-            bytes_per_step: None,
-            step: c.step,
-        });
-    }
-    if !cuda || train_peak == 0 {
-        // Resident memory on CPU holds far more than tensors, so what is
-        // left after the components says nothing about activations.
-        return;
-    }
-    let fixed = c.params_bytes + c.buffers_bytes + c.optimizer_state_bytes + c.ema_bytes;
-    let activations = train_peak.saturating_sub(fixed + c.trainable_bytes);
-    if activations * 2 >= train_peak {
-        findings.push(Finding {
-            kind: "activations_dominate",
-            message: format!(
-                "activations and temporaries take about {} of the {} peak ({:.0}%): peak minus \
-                 parameters, gradients, optimizer state, buffers and EMA",
-                human_bytes(activations),
-                human_bytes(train_peak),
-                100.0 * activations as f64 / train_peak as f64
-            ),
-            advice: "halve the micro-batch and double gradient accumulation, enable gradient \
-                     checkpointing, or use bf16/AMP autocast"
-                .into(),
-            bytes: Some(activations),
-            bytes_per_step: None,
-            step: None,
-        });
-    }
-    // With set_to_none=True, a step starts without gradients.
-    let starts: Vec<u64> = run.steps().skip(2).map(|m| m.start_bytes).collect();
-    if let Some(&low) = starts.iter().min() {
-        let held = low.saturating_sub(fixed);
-        if c.trainable_bytes >= 16 * MIB && held * 10 >= c.trainable_bytes * 9 {
-            findings.push(Finding {
-                kind: "grads_held_between_steps",
-                message: format!(
-                    "every step starts with {} beyond parameters and optimizer state, about the \
-                     size of the gradients ({})",
-                    human_bytes(held),
-                    human_bytes(c.trainable_bytes)
-                ),
-                advice: "call `optimizer.zero_grad(set_to_none=True)` so gradients are freed \
-                         between steps"
-                    .into(),
-                bytes: Some(held),
-                bytes_per_step: None,
-                step: None,
-            });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oomkit_advice::FindingKind;
 
     fn log(ends: &[u64]) -> String {
         let mut s = String::from(
@@ -819,7 +424,7 @@ mod tests {
         let spike = a
             .findings
             .iter()
-            .find(|f| f.kind == "eval_spike")
+            .find(|f| f.kind == FindingKind::EvalSpike)
             .expect("eval_spike");
         // 1780 MiB against the 800 MiB peak of the steps before it, though later steps reach 1800.
         assert_eq!(spike.bytes, Some(980 * MIB));
@@ -832,7 +437,7 @@ mod tests {
             eval_keeps_outputs().replace(&(1780 * MIB).to_string(), &(810 * MIB).to_string());
         let a = analyze(&Run::parse(quiet.as_bytes()).unwrap());
         assert!(
-            a.findings.iter().all(|f| f.kind != "eval_spike"),
+            a.findings.iter().all(|f| f.kind != FindingKind::EvalSpike),
             "{:?}",
             a.findings
         );
@@ -847,7 +452,7 @@ mod tests {
         assert!(l.confidence > 0.99);
         // (1 GiB - 216 MiB) / 4 MiB = 202 more steps after step 29.
         assert_eq!(l.full_at_step, Some(29 + 202));
-        assert_eq!(a.findings[0].kind, "leak");
+        assert_eq!(a.findings[0].kind, FindingKind::Leak);
     }
 
     #[test]
@@ -855,7 +460,7 @@ mod tests {
         let flat: Vec<u64> = (0..30).map(|i| 100 * MIB + (i % 3) * 100_000).collect();
         let a = analyze(&Run::parse(log(&flat).as_bytes()).unwrap());
         assert!(a.leak.is_none(), "{:?}", a.leak);
-        assert!(a.findings.iter().all(|f| f.kind != "leak"));
+        assert!(a.findings.iter().all(|f| f.kind != FindingKind::Leak));
     }
 
     #[test]

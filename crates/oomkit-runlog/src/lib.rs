@@ -9,14 +9,14 @@
 
 mod analysis;
 mod error;
+mod findings;
 pub mod process;
 mod record;
 mod writer;
 
-pub use analysis::{
-    analyze, Analysis, Finding, Leak, OomSummary, StageGrowth, StageStats, Warning,
-};
+pub use analysis::{analyze, Analysis, Leak, OomSummary, StageGrowth, StageStats, Warning};
 pub use error::{Error, Result};
+pub use oomkit_advice::{Finding, FindingKind};
 pub use record::{
     is_run_log, Components, DuplicateGroup, Duplicates, Grad, Measure, MeasureKind, ModuleCost,
     Oom, OomMemory, Plan, Run, Start,

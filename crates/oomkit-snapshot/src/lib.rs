@@ -10,19 +10,26 @@
 
 mod analysis;
 mod error;
+mod findings;
 mod hash;
 mod model;
+mod replay;
+mod report;
+mod sites;
 mod stacks;
 mod timeline;
 
-pub use analysis::{
-    analyze, human_bytes, stack_label, Analysis, DeviceReport, Finding, Fragmentation, OomReport,
-    Options, PhaseReport, SiteBytes, Warning,
-};
+pub use analysis::analyze;
 pub use error::{Error, Result};
 pub use model::{
     to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
     TraceEvent,
 };
+pub use oomkit_advice::{Finding, FindingKind};
+pub use oomkit_units::human_bytes;
+pub use report::{
+    Analysis, DeviceReport, Fragmentation, OomReport, Options, PhaseReport, SiteBytes, Warning,
+};
+pub use sites::stack_label;
 pub use stacks::{classify, Frame, FrameClass, FrameId, Site, StackId, Stacks};
 pub use timeline::{phase_ranges, timeline, PhaseRange, Point, Timeline};

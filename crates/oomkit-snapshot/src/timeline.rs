@@ -1,8 +1,9 @@
 //! Memory over time: the replayed totals after each trace entry, thinned
 //! for drawing and export.
 
-use crate::analysis::DeviceReport;
-use crate::model::{Action, Snapshot, Stage};
+use crate::model::{Snapshot, Stage};
+use crate::replay::apply;
+use crate::report::DeviceReport;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -41,21 +42,6 @@ pub struct Timeline {
     pub decimated: bool,
     /// The series, in trace order.
     pub points: Vec<Point>,
-}
-
-/// Applies one trace entry to the running active and reserved totals.
-///
-/// Blocks count as active from `alloc` to `free_completed`, which is how the
-/// allocator itself counts them; segments count from `segment_alloc` (or
-/// `segment_map`) to `segment_free` (or `segment_unmap`).
-pub(crate) fn apply(action: Action, size: u64, active: &mut u64, reserved: &mut u64) {
-    match action {
-        Action::Alloc => *active += size,
-        Action::FreeCompleted => *active = active.saturating_sub(size),
-        Action::SegmentAlloc | Action::SegmentMap => *reserved += size,
-        Action::SegmentFree | Action::SegmentUnmap => *reserved = reserved.saturating_sub(size),
-        _ => {}
-    }
 }
 
 /// Replays a device's trace from the totals the analysis found before its

@@ -1,0 +1,140 @@
+//! The cause of one failed allocation, decided from whatever figures the source has.
+
+use serde::Serialize;
+
+/// Why the allocation failed; the JSON strings are the documented cause vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// Enough memory was reserved but free only in pieces too small for the request.
+    Fragmentation,
+    /// The process genuinely needed more memory than there was.
+    Capacity,
+    /// One allocation asked for more than the whole device.
+    RequestExceedsCapacity,
+    /// Other processes held the memory the request needed.
+    OtherProcesses,
+    /// The process reached its own cap (`set_per_process_memory_fraction`) while the device had room.
+    MemoryFractionLimit,
+}
+
+impl Cause {
+    /// The cause as its JSON string, for text that names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Fragmentation => "fragmentation",
+            Cause::Capacity => "capacity",
+            Cause::RequestExceedsCapacity => "request_exceeds_capacity",
+            Cause::OtherProcesses => "other_processes",
+            Cause::MemoryFractionLimit => "memory_fraction_limit",
+        }
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What is known about memory at the failing request; `None` where the source lacks it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Figures {
+    /// Bytes the failed allocation asked for.
+    pub requested: Option<u64>,
+    /// Memory on the device.
+    pub capacity: Option<u64>,
+    /// Memory the driver reported free.
+    pub free: Option<u64>,
+    /// Memory PyTorch had reserved but not handed to tensors.
+    pub reserved_unallocated: Option<u64>,
+    /// The process's own cap, where one was set.
+    pub allowed: Option<u64>,
+    /// Memory other processes held on the device.
+    pub other_processes: u64,
+}
+
+impl Figures {
+    /// Bytes that would have had to be free for the request to succeed, where both figures are known.
+    pub fn shortfall(&self) -> Option<u64> {
+        Some(self.requested?.saturating_sub(self.free?))
+    }
+}
+
+/// Decides the cause from the figures, in order of what a fix would need:
+/// nothing fits a request larger than the device; reserved pieces that
+/// together hold the request need only the allocator's settings; a cap of
+/// the process's own with room on the device needs only the cap raised;
+/// other processes that hold at least the shortfall need another GPU; the
+/// rest is capacity, which needs less memory.
+pub fn decide(f: &Figures) -> Cause {
+    let Some(request) = f.requested else {
+        return Cause::Capacity;
+    };
+    let unallocated = f.reserved_unallocated.unwrap_or(0);
+    if f.capacity.is_some_and(|c| request > c) {
+        Cause::RequestExceedsCapacity
+    } else if unallocated > 0 && unallocated >= request {
+        Cause::Fragmentation
+    } else if f.allowed.is_some() && f.free.is_some_and(|free| free >= request) {
+        Cause::MemoryFractionLimit
+    } else if f.other_processes > 0 && f.shortfall().is_some_and(|s| f.other_processes >= s) {
+        Cause::OtherProcesses
+    } else {
+        Cause::Capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn each_cause_from_its_figures() {
+        let base = Figures {
+            requested: Some(2 * GIB),
+            capacity: Some(80 * GIB),
+            free: Some(GIB),
+            ..Figures::default()
+        };
+        assert_eq!(decide(&base), Cause::Capacity);
+        let huge = Figures {
+            requested: Some(100 * GIB),
+            ..base
+        };
+        assert_eq!(decide(&huge), Cause::RequestExceedsCapacity);
+        let pieces = Figures {
+            reserved_unallocated: Some(6 * GIB),
+            ..base
+        };
+        assert_eq!(decide(&pieces), Cause::Fragmentation);
+        let capped = Figures {
+            allowed: Some(40 * GIB),
+            free: Some(9 * GIB),
+            ..base
+        };
+        assert_eq!(decide(&capped), Cause::MemoryFractionLimit);
+        let crowded = Figures {
+            other_processes: 60 * GIB,
+            ..base
+        };
+        assert_eq!(decide(&crowded), Cause::OtherProcesses);
+        assert_eq!(decide(&Figures::default()), Cause::Capacity);
+    }
+
+    #[test]
+    fn the_strings_are_the_documented_ones() {
+        for c in [
+            Cause::Fragmentation,
+            Cause::Capacity,
+            Cause::RequestExceedsCapacity,
+            Cause::OtherProcesses,
+            Cause::MemoryFractionLimit,
+        ] {
+            let json = serde_json::to_string(&c).expect("serializes");
+            assert_eq!(json, format!("\"{}\"", c.as_str()));
+        }
+    }
+}

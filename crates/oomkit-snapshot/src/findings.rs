@@ -1,0 +1,215 @@
+//! The rules that turn a snapshot's device reports into findings: one
+//! function per rule, each with its thresholds named and the numbers it
+//! rests on carried into the finding's message and bytes.
+
+use crate::report::{DeviceReport, OomReport, PhaseReport};
+use oomkit_advice::{Cause, Finding, FindingKind};
+use oomkit_units::human_bytes;
+
+/// Most OOM entries of a trace that get their holders of memory and a
+/// finding; the rest are listed with their own figures only.
+pub(crate) const OOMS_DETAILED: usize = 32;
+/// One site holding this share of the peak is where to start: 40% is more
+/// than any other single line can hold at the same time.
+const DOMINANT_SHARE: f64 = 0.4;
+/// A phase that keeps this many bytes alive past its end is reported...
+const RETAINED_MIN_BYTES: u64 = 256 << 20;
+/// ... when that is also this share of the peak: less is the noise of caches and small buffers.
+const RETAINED_MIN_SHARE: f64 = 0.05;
+/// Free memory inside segments is reported as fragmentation only from this
+/// share of the reserved memory: below it, the cache's rounding and the
+/// blocks kept for reuse are ordinary allocator behaviour.
+const FRAGMENTED_MIN_FRACTION: f64 = 0.2;
+/// ... and from this many bytes, below which no setting would change what fits.
+const FRAGMENTED_MIN_BYTES: u64 = 256 << 20;
+/// Memory freed but held for other streams is reported from this much:
+/// side streams normally hold a few buffers for a moment.
+const PENDING_MIN_BYTES: u64 = 64 << 20;
+/// The reserved peak must exceed the active peak by this much...
+const OVERHEAD_MIN_BYTES: u64 = 1 << 30;
+/// ... and by this share of the active peak to count as reserving far more than used.
+const OVERHEAD_MIN_SHARE: f64 = 0.5;
+
+/// Every finding for the devices, ranked; `expandable` says whether the
+/// snapshot's allocator settings already had expandable segments on.
+pub(crate) fn findings(reports: &[DeviceReport], expandable: bool) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for r in reports {
+        out.extend(
+            r.ooms
+                .iter()
+                .take(OOMS_DETAILED)
+                .map(|o| oom(r.device, o, expandable)),
+        );
+        out.extend(dominant_site(r));
+        out.extend(r.phases.iter().filter_map(|p| phase_retains_memory(r, p)));
+        if !expandable {
+            // Advice to enable what is already on would be noise.
+            out.extend(fragmentation(r));
+        }
+        out.extend(pending_free(r));
+        out.extend(reserved_overhead(r));
+    }
+    oomkit_advice::rank(&mut out);
+    out
+}
+
+/// An OOM entry of the trace, with the cause decided from the replayed figures.
+fn oom(device: i64, o: &OomReport, expandable: bool) -> Finding {
+    let (kind, advice) = match (o.cause, expandable) {
+        (Cause::Fragmentation, false) => (FindingKind::OomFragmentation, "the memory was there but in pieces: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or call torch.cuda.empty_cache() before the failing phase"),
+        (Cause::Fragmentation, true) => (FindingKind::OomFragmentation, "expandable segments are already on: call torch.cuda.empty_cache() before the failing phase, or lower the peak"),
+        _ => (FindingKind::OomCapacity, "the device was full: lower the micro-batch (keep the effective batch with gradient accumulation), enable activation checkpointing, or shard the model"),
+    };
+    Finding::new(
+        kind,
+        format!(
+            "cuda:{device}: out of memory at event {}: {} requested at {} with {} live, {} reserved but unallocated, {} free on the device",
+            o.event_index,
+            human_bytes(o.requested_bytes),
+            o.label,
+            human_bytes(o.live_bytes),
+            human_bytes(o.reserved_unallocated_bytes),
+            human_bytes(o.free_bytes)
+        ),
+        advice,
+    )
+    .on_device(device)
+    .with_bytes(o.requested_bytes)
+}
+
+/// One source line holding a large share of the peak.
+fn dominant_site(r: &DeviceReport) -> Option<Finding> {
+    let top = r.top_sites.first()?;
+    let peak = r.peak_active_bytes;
+    if peak == 0 || top.site.is_none() || (top.bytes as f64) < DOMINANT_SHARE * peak as f64 {
+        return None;
+    }
+    Some(
+        Finding::new(
+            FindingKind::DominantSite,
+            format!(
+                "cuda:{}: {} holds {} ({:.0}% of the {} peak) in {} allocations",
+                r.device,
+                top.label,
+                human_bytes(top.bytes),
+                100.0 * top.bytes as f64 / peak as f64,
+                human_bytes(peak),
+                top.count
+            ),
+            "start there: free or shrink what this line keeps alive at the peak (activations saved for backward, cached outputs, optimizer state)",
+        )
+        .on_device(r.device)
+        .with_bytes(top.bytes),
+    )
+}
+
+/// A phase that ends with much more live than it began with.
+fn phase_retains_memory(r: &DeviceReport, p: &PhaseReport) -> Option<Finding> {
+    let retained = p.retained_bytes.max(0) as u64;
+    let name = p.name.to_lowercase();
+    // Forward keeps activations for backward by design, and an optimizer's
+    // first step creates its state (AdamW: two tensors per parameter) and
+    // keeps it: neither is a leak.
+    let by_design = name.contains("forward")
+        || (p.occurrences == 1 && (name.contains("optim") || name.contains(".step")));
+    if by_design
+        || retained < RETAINED_MIN_BYTES
+        || (retained as f64) < RETAINED_MIN_SHARE * r.peak_active_bytes as f64
+    {
+        return None;
+    }
+    Some(
+        Finding::new(
+            FindingKind::PhaseRetainsMemory,
+            format!(
+                "cuda:{}: phase '{}' ended with {} more live than it started with: tensors created there outlive it",
+                r.device,
+                p.name,
+                human_bytes(retained)
+            ),
+            "keep only what you need from that phase and move it off the GPU (.item(), .detach().cpu()); run evaluation under torch.no_grad()",
+        )
+        .on_device(r.device)
+        .with_bytes(retained),
+    )
+}
+
+/// Free memory inside segments that no request of this program can use.
+///
+/// Cached memory is not fragmentation: free blocks that can serve the
+/// largest request this program makes are the cache doing its job. Only
+/// free memory that in total could hold that request, with no piece that
+/// can, makes the allocator reserve more than it needs.
+fn fragmentation(r: &DeviceReport) -> Option<Finding> {
+    let f = &r.fragmentation;
+    let stranded = f.largest_free_block_bytes < f.largest_request_bytes
+        && f.external_bytes >= f.largest_request_bytes;
+    if !stranded
+        || f.external_fraction < FRAGMENTED_MIN_FRACTION
+        || f.external_bytes < FRAGMENTED_MIN_BYTES
+    {
+        return None;
+    }
+    Some(
+        Finding::new(
+            FindingKind::Fragmentation,
+            format!(
+                "cuda:{}: {} ({:.0}% of reserved) is free inside segments in {} pieces, the largest {}, smaller than the {} blocks this program asks for: such a request needs new memory though the total is there",
+                r.device,
+                human_bytes(f.external_bytes),
+                100.0 * f.external_fraction,
+                f.free_blocks,
+                human_bytes(f.largest_free_block_bytes),
+                human_bytes(f.largest_request_bytes)
+            ),
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so freed blocks can be merged and reused",
+        )
+        .on_device(r.device)
+        .with_bytes(f.external_bytes),
+    )
+}
+
+/// Memory freed but held for other streams.
+fn pending_free(r: &DeviceReport) -> Option<Finding> {
+    let pending = r.pending_free_bytes;
+    (pending >= PENDING_MIN_BYTES).then(|| {
+        Finding::new(
+            FindingKind::PendingFree,
+            format!(
+                "cuda:{}: {} is freed but held for other streams (record_stream)",
+                r.device,
+                human_bytes(pending)
+            ),
+            "synchronize the side stream earlier, or avoid Tensor.record_stream on large tensors",
+        )
+        .on_device(r.device)
+        .with_bytes(pending)
+    })
+}
+
+/// The allocator reserving far more than the program ever used.
+fn reserved_overhead(r: &DeviceReport) -> Option<Finding> {
+    let gap = r.peak_reserved_bytes.saturating_sub(r.peak_active_bytes);
+    if r.events == 0
+        || gap < OVERHEAD_MIN_BYTES
+        || (gap as f64) < OVERHEAD_MIN_SHARE * r.peak_active_bytes as f64
+    {
+        return None;
+    }
+    Some(
+        Finding::new(
+            FindingKind::ReservedOverhead,
+            format!(
+                "cuda:{}: the allocator reserved up to {} for a peak of {} active, {} more than needed",
+                r.device,
+                human_bytes(r.peak_reserved_bytes),
+                human_bytes(r.peak_active_bytes),
+                human_bytes(gap)
+            ),
+            "cached segments are not being reused: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        )
+        .on_device(r.device)
+        .with_bytes(gap),
+    )
+}

@@ -1,0 +1,180 @@
+//! What an analysis of a snapshot reports: the types behind `analyze --json`.
+
+use crate::stacks::Frame;
+use oomkit_advice::Finding;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// What to analyze and how much to report.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How many allocation sites to list.
+    pub top: usize,
+    /// Analyze only this device.
+    pub device: Option<i64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            top: 10,
+            device: None,
+        }
+    }
+}
+
+/// Bytes held by one allocation site.
+#[derive(Clone, Debug, Serialize)]
+pub struct SiteBytes {
+    /// The frame that asked for the memory, or null when unknown.
+    pub site: Option<Frame>,
+    /// A short description of the site, always present.
+    pub label: String,
+    /// Bytes live from this site.
+    pub bytes: u64,
+    /// Number of live allocations from this site.
+    pub count: u64,
+    /// The full stack of the largest of those allocations, innermost first.
+    pub stack: Vec<Frame>,
+}
+
+/// One out-of-memory event from the trace.
+#[derive(Clone, Debug, Serialize)]
+pub struct OomReport {
+    /// Index of the `oom` entry in the device's trace.
+    pub event_index: u64,
+    /// When it happened, microseconds since the epoch.
+    pub time_us: Option<i64>,
+    /// Bytes the failed allocation asked for.
+    pub requested_bytes: u64,
+    /// Bytes the driver reported free on the device.
+    pub free_bytes: u64,
+    /// Bytes in active blocks at that moment.
+    pub live_bytes: u64,
+    /// Bytes reserved by the allocator at that moment.
+    pub reserved_bytes: u64,
+    /// Reserved but unallocated bytes at that moment.
+    pub reserved_unallocated_bytes: u64,
+    /// Why it failed, decided as `oomkit explain` decides it from the replayed figures.
+    pub cause: oomkit_advice::Cause,
+    /// The frame that asked for the memory.
+    pub site: Option<Frame>,
+    /// A short description of that frame.
+    pub label: String,
+    /// The largest holders of memory at that moment.
+    pub top_holders: Vec<SiteBytes>,
+}
+
+/// Peak memory within one named `record_function` range.
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseReport {
+    /// The range name.
+    pub name: String,
+    /// How many times the range ran.
+    pub occurrences: u64,
+    /// Highest active bytes seen inside any occurrence.
+    pub peak_active_bytes: u64,
+    /// Trace index of that peak.
+    pub peak_event_index: Option<u64>,
+    /// Largest growth of active bytes within one occurrence.
+    pub max_growth_bytes: u64,
+    /// Active bytes at the end of the last occurrence minus those at its
+    /// start: memory created in the phase that outlives it.
+    pub retained_bytes: i64,
+}
+
+/// Free memory inside segments, split by cause.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Fragmentation {
+    /// Bytes lost to the allocator's rounding of active blocks.
+    pub internal_bytes: u64,
+    /// Bytes in inactive blocks: reserved but not allocated.
+    pub external_bytes: u64,
+    /// The largest single inactive block.
+    pub largest_free_block_bytes: u64,
+    /// Number of inactive blocks.
+    pub free_blocks: u64,
+    /// External bytes as a fraction of reserved bytes.
+    pub external_fraction: f64,
+    /// The largest block this program asked for: the largest allocation in
+    /// the trace, or the largest active block where there is no trace. Free
+    /// memory is fragmented only where no free block could serve it.
+    pub largest_request_bytes: u64,
+}
+
+/// Everything learned about one device.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceReport {
+    /// CUDA device index.
+    pub device: i64,
+    /// Number of trace entries.
+    pub events: u64,
+    /// Trace entries by action.
+    pub actions: BTreeMap<String, u64>,
+    /// Segments at snapshot time.
+    pub segments: u64,
+    /// Bytes reserved from the driver at snapshot time.
+    pub reserved_bytes: u64,
+    /// Bytes in active blocks (pending frees included) at snapshot time.
+    pub active_bytes: u64,
+    /// Bytes in allocated blocks at snapshot time.
+    pub allocated_bytes: u64,
+    /// Bytes the program asked for in active blocks at snapshot time.
+    pub requested_bytes: u64,
+    /// Bytes freed by the program but held for other streams.
+    pub pending_free_bytes: u64,
+    /// Free memory inside segments.
+    pub fragmentation: Fragmentation,
+    /// Highest active bytes over the trace, or at snapshot time without one.
+    pub peak_active_bytes: u64,
+    /// Trace index after which the peak held; null without a trace or when
+    /// the peak was before the first entry.
+    pub peak_event_index: Option<u64>,
+    /// Time of the peak, microseconds since the epoch.
+    pub peak_time_us: Option<i64>,
+    /// Seconds from the trace's first entry to the peak.
+    pub peak_offset_s: Option<f64>,
+    /// The innermost annotated phase that contains the peak.
+    pub peak_phase: Option<String>,
+    /// Highest reserved bytes over the trace.
+    pub peak_reserved_bytes: u64,
+    /// Active bytes live before the trace's first entry.
+    pub pre_trace_active_bytes: u64,
+    /// Reserved bytes before the trace's first entry.
+    pub pre_trace_reserved_bytes: u64,
+    /// `peak` when `top_sites` is the live set at the peak, `snapshot` when
+    /// it is the live set at snapshot time (no trace).
+    pub top_sites_at: &'static str,
+    /// The largest allocation sites in that live set.
+    pub top_sites: Vec<SiteBytes>,
+    /// Out-of-memory events.
+    pub ooms: Vec<OomReport>,
+    /// Peaks within annotated phases.
+    pub phases: Vec<PhaseReport>,
+}
+
+/// A limit of the evidence, with how to get better evidence.
+#[derive(Clone, Debug, Serialize)]
+pub struct Warning {
+    /// Stable identifier, e.g. `no_trace`.
+    pub kind: &'static str,
+    /// The device it is about.
+    pub device: Option<i64>,
+    /// What is missing or doubtful.
+    pub message: String,
+    /// How to record a better snapshot.
+    pub fix: String,
+}
+
+/// The full analysis of one snapshot.
+#[derive(Clone, Debug, Serialize)]
+pub struct Analysis {
+    /// One report per device.
+    pub devices: Vec<DeviceReport>,
+    /// The allocator settings in force, when recorded.
+    pub allocator_settings: Option<serde_json::Value>,
+    /// Conclusions: OOMs first, then what explains them, then by bytes.
+    pub findings: Vec<Finding>,
+    /// Limits of the evidence.
+    pub warnings: Vec<Warning>,
+}
