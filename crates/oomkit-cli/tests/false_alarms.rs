@@ -66,6 +66,20 @@ const EXPECTED: &[(&str, &[&str], &str)] = &[
     ),
 ];
 
+/// The snapshots committed in tests/real, found by the team (SOURCES.md there).
+const OWN: &[(&str, &[&str], &str)] = &[
+    (
+        "cs336_lm_train_bcrafton.pickle",
+        &[],
+        "1.08 GiB cached, the largest piece 148 MiB, for 148 MiB requests",
+    ),
+    (
+        "cs336_lm_train_magma27.pickle",
+        &[],
+        "11.9 GiB cached, the largest piece 314 MiB, for 312 MiB requests",
+    ),
+];
+
 fn kinds(report: &Value) -> Vec<String> {
     report["findings"]
         .as_array()
@@ -106,6 +120,21 @@ fn every_real_snapshot_gets_exactly_the_findings_it_should() {
                 "{name} is in EXPECTED but not among the fixtures"
             );
         }
+    }
+}
+
+#[test]
+fn our_own_real_snapshots_get_exactly_the_findings_they_should() {
+    let files = own_fixture_files();
+    assert_eq!(files.len(), OWN.len(), "tests/real and OWN disagree");
+    for path in &files {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let (_, want, why) = OWN
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .unwrap_or_else(|| panic!("{name} is not in OWN"));
+        let report = run_json(&["analyze", "--json", path.to_str().unwrap()]);
+        assert_eq!(kinds(&report), *want, "{name} ({why})");
     }
 }
 

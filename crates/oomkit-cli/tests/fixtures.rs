@@ -82,6 +82,19 @@ fn every_real_snapshot_matches_cpython() {
 }
 
 #[test]
+fn our_own_real_snapshots_match_cpython() {
+    let files = own_fixture_files();
+    assert!(
+        files.len() >= 2,
+        "tests/real holds {} snapshots",
+        files.len()
+    );
+    for f in &files {
+        check(f);
+    }
+}
+
+#[test]
 fn the_demo_snapshot_matches_cpython() {
     check(&demo_file());
 }

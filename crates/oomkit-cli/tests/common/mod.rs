@@ -34,6 +34,18 @@ pub fn fixture_files() -> Vec<PathBuf> {
     v
 }
 
+/// The real snapshots committed with the tests (`tests/real/SOURCES.md` says where each came from).
+pub fn own_fixture_files() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/real");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pickle"))
+        .collect();
+    v.sort();
+    v
+}
+
 /// The demo snapshot bundled in the binary.
 pub fn demo_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/demo_snapshot.pickle")
