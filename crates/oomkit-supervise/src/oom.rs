@@ -329,6 +329,31 @@ fn quoted_from_request(line: &str) -> bool {
         .starts_with("Tried to allocate")
 }
 
+/// Whether a marker starts on line `i` and runs on over the next lines, as
+/// "CUDA" / "out of" / "memory" does when a narrow terminal wraps it.
+fn marker_wrapped_from(lines: &[&str], i: usize) -> bool {
+    let first = lines[i].trim();
+    if first.is_empty() {
+        return false;
+    }
+    let mut joined = first.to_string();
+    for next in lines.iter().skip(i + 1).take(MARKER_WORDS) {
+        if next.trim().is_empty() {
+            break;
+        }
+        joined.push(' ');
+        joined.push_str(next.trim());
+    }
+    MARKERS.iter().any(|(m, _)| {
+        joined
+            .match_indices(m)
+            .any(|(at, _)| at < first.len() && at + m.len() > first.len())
+    })
+}
+
+/// The most lines a wrapped marker can span: the longest has four words.
+const MARKER_WORDS: usize = 4;
+
 /// Every out-of-memory message in `text` (a message, or a whole log with tracebacks), in order.
 ///
 /// A message runs from its marker's line over the lines that continue it (up
@@ -343,7 +368,8 @@ pub fn find_messages(text: &str) -> Vec<OomMessage> {
     let mut i = 0;
     while i < lines.len() {
         let quoted = detect(lines[i]).is_none() && quoted_from_request(lines[i]);
-        if detect(lines[i]).is_none() && !quoted {
+        let split_marker = marker_wrapped_from(&lines, i);
+        if detect(lines[i]).is_none() && !quoted && !split_marker {
             i += 1;
             continue;
         }
@@ -352,8 +378,11 @@ pub fn find_messages(text: &str) -> Vec<OomMessage> {
         while j < lines.len()
             && j <= i + CONTINUATION_LINES
             && !lines[j].trim().is_empty()
-            && detect(lines[j]).is_none()
-            && !quoted_from_request(lines[j])
+            // A bare "OutOfMemoryError" line is continued by the real message.
+            && (detect(lines[j]).is_none() || detect(&joined) == Some(OomKind::Unspecified))
+            // "Tried to allocate" continues a marker's line, unless this
+            // message already has its own: then it starts the next one.
+            && !(quoted_from_request(lines[j]) && joined.contains("Tried to allocate"))
         {
             if lines[j].starts_with("  File ") || lines[j].starts_with("Traceback") {
                 break;

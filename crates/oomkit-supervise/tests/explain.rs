@@ -414,3 +414,76 @@ fn fragmentation_on_a_full_device_also_says_the_headroom_is_thin() {
     let roomy = explain(NPU, None).expect("found");
     assert!(!roomy.summary.contains("nearly full"), "{}", roomy.summary);
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The real messages above, in each form.
+    const REAL: &[&str] = &[
+        CURRENT_FORM,
+        LARGE_REQUEST,
+        CACHED_FRAGMENTED,
+        MPS_NEW_UNITS,
+        XPU_WITH_FREE,
+        XPU_WITHOUT_FREE,
+        NPU,
+        PRIVATE_POOLS,
+    ];
+
+    /// The message with a line break put in place of the spaces at the given
+    /// positions (as a terminal or an issue's text box wraps it), at most
+    /// `max_breaks` of them.
+    fn wrap(message: &str, picks: &[usize], max_breaks: usize) -> String {
+        let spaces: Vec<usize> = message.match_indices(' ').map(|(i, _)| i).collect();
+        let mut at: Vec<usize> = picks.iter().map(|p| spaces[p % spaces.len()]).collect();
+        at.sort_unstable();
+        at.dedup();
+        at.truncate(max_breaks);
+        let mut out = message.as_bytes().to_vec();
+        for i in at {
+            out[i] = b'\n';
+        }
+        String::from_utf8(out).expect("spaces are ASCII")
+    }
+
+    proptest! {
+        #[test]
+        fn any_text_is_read_without_a_panic(text in ".{0,600}") {
+            let _ = explain(&text, None);
+            let _ = explain(&text, Some("expandable_segments:True"));
+        }
+
+        #[test]
+        fn a_real_message_hard_wrapped_anywhere_reads_the_same(
+            which in 0..REAL.len(),
+            picks in proptest::collection::vec(0usize..1000, 0..8),
+        ) {
+            let message = REAL[which];
+            let whole = explain(message, None).expect("found").message;
+            let wrapped = explain(&wrap(message, &picks, 8), None).expect("found").message;
+            prop_assert_eq!(wrapped.kind, whole.kind);
+            prop_assert_eq!(wrapped.requested_bytes, whole.requested_bytes);
+            prop_assert_eq!(wrapped.capacity_bytes, whole.capacity_bytes);
+            prop_assert_eq!(wrapped.free_bytes, whole.free_bytes);
+            prop_assert_eq!(wrapped.process_bytes, whole.process_bytes);
+            prop_assert_eq!(wrapped.allocated_bytes, whole.allocated_bytes);
+            prop_assert_eq!(wrapped.reserved_unallocated_bytes, whole.reserved_unallocated_bytes);
+            prop_assert_eq!(wrapped.private_pool_bytes, whole.private_pool_bytes);
+        }
+
+        #[test]
+        fn a_cut_message_never_panics_and_keeps_its_kind(which in 0..REAL.len(), keep in 0usize..600) {
+            let message = REAL[which];
+            let mut end = keep.min(message.len());
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            // Cut before its specific marker, only the bare "OutOfMemoryError" is left.
+            if let Some(e) = explain(&message[..end], None) {
+                let whole = explain(message, None).expect("found").message.kind;
+                prop_assert!(e.message.kind == whole || e.message.kind == OomKind::Unspecified);
+            }
+        }
+    }
+}
