@@ -161,7 +161,7 @@ const LEAK_MIN_STEPS: usize = 6;
 /// Least R² for a leak verdict: the growth must be steady, not noise.
 const LEAK_MIN_R2: f64 = 0.8;
 
-fn leak(run: &Run, capacity: Option<u64>) -> Option<Leak> {
+fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
     let steps: Vec<(u64, u64)> = run
         .steps()
         .enumerate()
@@ -177,7 +177,17 @@ fn leak(run: &Run, capacity: Option<u64>) -> Option<Leak> {
     let (slope, r2) = fit(&pts);
     let (first, last) = (window[0], window[window.len() - 1]);
     let growth = last.1.saturating_sub(first.1);
-    let level = window.iter().map(|w| w.1).max().unwrap_or(0);
+    // Growth must be a share of what the run holds. On CPU the resident set
+    // starts with Python and its libraries (700 MiB with torch), which no
+    // tensor can grow into, so the run's own level is counted from the
+    // first step's start: a tiny model's leak of 250 KiB a step is 0.9% of
+    // the RSS but a fifth of what the run added.
+    let top = window.iter().map(|w| w.1).max().unwrap_or(0);
+    let level = if cuda {
+        top
+    } else {
+        top.saturating_sub(run.steps().next().map_or(0, |m| m.start_bytes))
+    };
     if slope <= 0.0 || r2 < LEAK_MIN_R2 || growth < MIB || growth * 100 < level {
         return None;
     }
@@ -270,7 +280,7 @@ pub fn analyze(run: &Run) -> Analysis {
         .last()
         .cloned()
         .or_else(|| run.start.as_ref().map(|s| s.components.clone()));
-    let leak = leak(run, capacity);
+    let leak = leak(run, capacity, cuda);
     let ooms: Vec<OomSummary> = run
         .ooms
         .iter()
@@ -453,6 +463,25 @@ mod tests {
         // (1 GiB - 216 MiB) / 4 MiB = 202 more steps after step 29.
         assert_eq!(l.full_at_step, Some(29 + 202));
         assert_eq!(a.findings[0].kind, FindingKind::Leak);
+    }
+
+    #[test]
+    fn a_small_leak_on_cpu_is_measured_against_what_the_run_added() {
+        // 700 MiB of Python and libraries, then 256 KiB a step kept in 1 MiB
+        // chunks, as glibc grows the heap: under 1% of the RSS.
+        let ends: Vec<u64> = (0..30)
+            .map(|i| 700 * MIB + (i * 256 * 1024) / MIB * MIB)
+            .collect();
+        let text = log(&ends).replace(
+            r#""device":"cuda:0","capacity_bytes":1073741824"#,
+            r#""device":"cpu""#,
+        );
+        let a = analyze(&Run::parse(text.as_bytes()).unwrap());
+        assert!(a.leak.is_some(), "{:?}", a.findings);
+        // The same growth on CUDA is under 1% of what the allocator holds: noise there.
+        assert!(analyze(&Run::parse(log(&ends).as_bytes()).unwrap())
+            .leak
+            .is_none());
     }
 
     #[test]
