@@ -36,6 +36,8 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     assert all(row["rc"] == 0 for row in rows.values()), rows
     # What CPU can show: the stale copy is named in both models; a clean run gets no finding.
     assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
+    # An eval that keeps its outputs, though the resident set never gives the memory back.
+    assert rows["gpt-eval_keeps_outputs"]["named"] and rows["cnn-eval_keeps_outputs"]["named"]
     assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
     assert rows["hf-callback"]["log_findings"] == [] and rows["lightning-callback"]["log_findings"] == []
 

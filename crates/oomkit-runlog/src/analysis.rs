@@ -160,6 +160,10 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64) {
 const LEAK_MIN_STEPS: usize = 6;
 /// Least R² for a leak verdict: the growth must be steady, not noise.
 const LEAK_MIN_R2: f64 = 0.8;
+/// Least growth over the window for a leak verdict, in bytes...
+const LEAK_MIN_GROWTH_BYTES: u64 = MIB;
+/// ... and as a share of the run's level: less is the allocator's rounding.
+const LEAK_MIN_GROWTH_SHARE: f64 = 0.01;
 
 fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
     let steps: Vec<(u64, u64)> = run
@@ -188,7 +192,11 @@ fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
     } else {
         top.saturating_sub(run.steps().next().map_or(0, |m| m.start_bytes))
     };
-    if slope <= 0.0 || r2 < LEAK_MIN_R2 || growth < MIB || growth * 100 < level {
+    if slope <= 0.0
+        || r2 < LEAK_MIN_R2
+        || growth < LEAK_MIN_GROWTH_BYTES
+        || (growth as f64) < LEAK_MIN_GROWTH_SHARE * level as f64
+    {
         return None;
     }
     let full_at_step = capacity.map(|c| {

@@ -56,7 +56,11 @@ pub(crate) fn findings(f: &Facts<'_>) -> Vec<Finding> {
     let mut out: Vec<Finding> = f.ooms.iter().map(|o| oom(o, f.device)).collect();
     out.extend(f.leak.map(leak));
     out.extend(duplicate_copy(f.run));
-    out.extend(eval_spikes(f.run, f.train_peak).into_iter().map(eval_spike));
+    out.extend(
+        eval_spikes(f.run, f.train_peak, run_floor(f))
+            .into_iter()
+            .map(eval_spike),
+    );
     out.extend(grad_nonfinite(f.run));
     out.extend(grad_spike(f.run));
     if let Some(c) = f.components {
@@ -211,7 +215,7 @@ struct Spike<'r> {
 /// (the caching allocator keeps its reserve on CUDA, glibc keeps the RSS on
 /// CPU), so the later steps' peaks already include the spike. A phase that
 /// runs before any training is compared with the whole run's training peak.
-fn eval_spikes(run: &Run, train_peak: u64) -> Vec<Spike<'_>> {
+fn eval_spikes(run: &Run, train_peak: u64, floor: u64) -> Vec<Spike<'_>> {
     let mut so_far = 0u64;
     let mut worst: BTreeMap<&str, Spike<'_>> = BTreeMap::new();
     for (kind, m) in &run.measures {
@@ -220,9 +224,11 @@ fn eval_spikes(run: &Run, train_peak: u64) -> Vec<Spike<'_>> {
             continue;
         }
         let baseline = if so_far > 0 { so_far } else { train_peak };
+        // The ratio is taken over what the run holds above `floor`.
+        let own = |b: u64| b.saturating_sub(floor) as f64;
         if baseline == 0
             || m.peak_bytes < baseline + EVAL_SPIKE_MIN_BYTES
-            || (m.peak_bytes as f64) <= baseline as f64 * EVAL_SPIKE_RATIO
+            || own(m.peak_bytes) <= own(baseline) * EVAL_SPIKE_RATIO
         {
             continue;
         }
@@ -334,6 +340,18 @@ fn grad_spike(run: &Run) -> Option<Finding> {
         )
         .at_step(Some(g.step)),
     )
+}
+
+/// Memory that is not the run's: on CPU the resident set when the first
+/// step began (Python, torch's libraries: 700 MiB before any tensor), which
+/// no tensor grows into, so shares are taken of what lies above it; on
+/// CUDA the allocator counts only tensors, and this is 0.
+pub(crate) fn run_floor(f: &Facts<'_>) -> u64 {
+    if f.cuda {
+        0
+    } else {
+        f.run.steps().next().map_or(0, |m| m.start_bytes)
+    }
 }
 
 /// What the components are measured against: the device where its size is known, else the peak.
