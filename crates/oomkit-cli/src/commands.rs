@@ -290,6 +290,7 @@ pub fn run(a: RunArgs) -> u8 {
         memory: oomkit_supervise::remember::PlanMemory::default_location(),
         fresh: a.fresh,
         claims: ClaimDir::default_location(),
+        child_stdout_to_stderr: a.json,
     };
     let summary = match oomkit_supervise::supervise(&opts, &mut |m| say(m)) {
         Ok(s) => s,
@@ -322,6 +323,7 @@ pub fn find_batch(a: FindBatchArgs) -> u8 {
         capacity: a.capacity,
         wait: a.wait.wait(),
         claims: ClaimDir::default_location(),
+        child_stdout_to_stderr: a.json,
     };
     match oomkit_supervise::find_batch::find_batch(&opts, &mut |m| say(m)) {
         Ok(report) => {

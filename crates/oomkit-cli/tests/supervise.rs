@@ -934,3 +934,36 @@ exit 1"#,
         .contains("6.08 GiB is reserved by PyTorch but unallocated"));
     assert_eq!(log_lines(&s).len(), 2);
 }
+
+#[test]
+fn json_commands_print_json_alone_and_the_commands_output_goes_to_stderr() {
+    let s = Sandbox::new("jsononly");
+    s.gpus(&[(80, 80)]);
+    // A training script that talks on stdout, as they all do.
+    let train = s.script(
+        "train.sh",
+        r#"echo "epoch 1 loss 2.31"
+if [ -n "$OOMKIT_PROBE_FILE" ]; then
+  echo "{\"peak_bytes\": $(( ($1 * 100 + 1000) * 1048576 ))}" > "$OOMKIT_PROBE_FILE"
+fi"#,
+    );
+    for args in [
+        vec!["run", "--json", "--batch-size", "8", "--"],
+        vec!["find-batch", "--json", "--max", "64", "--"],
+    ] {
+        let mut args = args;
+        args.extend_from_slice(&[train.to_str().unwrap(), "{batch_size}"]);
+        let out = s.run(&args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let parsed: Result<Value, _> = serde_json::from_slice(&out.stdout);
+        assert!(
+            parsed.is_ok(),
+            "{args:?}: stdout is not JSON alone: {}",
+            text(&out.stdout)
+        );
+        assert!(text(&out.stderr).contains("epoch 1 loss 2.31"), "{args:?}");
+    }
+    // Without --json the command's output stays on stdout.
+    let out = s.run(&["run", "--", train.to_str().unwrap(), "1"]);
+    assert!(text(&out.stdout).contains("epoch 1 loss 2.31"));
+}

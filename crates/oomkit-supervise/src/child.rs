@@ -26,6 +26,10 @@ pub struct Spec {
     pub argv: Vec<OsString>,
     /// Variables to set.
     pub env: Vec<(OsString, OsString)>,
+    /// Pass the command's standard output on to oomkit's standard error, so
+    /// that oomkit's own stdout carries JSON alone (`--json`), as cargo does
+    /// with `--message-format json`.
+    pub stdout_to_stderr: bool,
 }
 
 /// How a child ended.
@@ -157,7 +161,11 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     let mut readers = 0;
     if let Some(out) = child.stdout.take() {
         let (oom, done) = (Arc::clone(&oom), done_tx.clone());
-        std::thread::spawn(move || tee(out, std::io::stdout(), oom, done));
+        if spec.stdout_to_stderr {
+            std::thread::spawn(move || tee(out, std::io::stderr(), oom, done));
+        } else {
+            std::thread::spawn(move || tee(out, std::io::stdout(), oom, done));
+        }
         readers += 1;
     }
     if let Some(err) = child.stderr.take() {

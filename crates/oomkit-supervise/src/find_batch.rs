@@ -36,6 +36,8 @@ pub struct FindBatchOptions {
     pub wait: Wait,
     /// Where GPU claims are kept.
     pub claims: ClaimDir,
+    /// Send the command's standard output to stderr, keeping stdout for oomkit's JSON.
+    pub child_stdout_to_stderr: bool,
 }
 
 /// One run as reported.
@@ -214,6 +216,7 @@ pub fn find_batch(
                 .map(|a| fill_placeholders(a, Some(&plan), n as u32))
                 .collect(),
             env,
+            stdout_to_stderr: opts.child_stdout_to_stderr,
         };
         let mut sampled: Option<u64> = None;
         let mut last = Instant::now() - SAMPLE_EVERY;

@@ -45,6 +45,8 @@ pub struct RunOptions {
     pub fresh: bool,
     /// Where GPU claims are kept.
     pub claims: ClaimDir,
+    /// Send the command's standard output to stderr, keeping stdout for oomkit's JSON.
+    pub child_stdout_to_stderr: bool,
 }
 
 /// One run of the command.
@@ -216,6 +218,7 @@ pub fn supervise(
                     oom_file.clone().into_os_string(),
                 ),
             ],
+            stdout_to_stderr: opts.child_stdout_to_stderr,
         };
         let _ = std::fs::remove_file(&oom_file);
         if opts.auto_callback {
