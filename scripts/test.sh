@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
-# and pip installs maturin, pytest, PyTorch (CPU use), transformers, accelerate
+# and pip installs maturin, pytest, mypy (its stubtest checks the stub), PyTorch (CPU use), transformers, accelerate
 # and lightning into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
@@ -43,7 +43,7 @@ fi
 # The Python package, built with maturin and installed as a user would.
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
 export PATH="$PWD/.venv/bin:$PATH"
-python -c "import maturin, pytest" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest
+python -c "import maturin, pytest, mypy" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest mypy
 python -c "import torch" 2>/dev/null || python -m pip install -q torch
 # The integration tests train tiny models with the real frameworks (built
 # from configs; nothing is downloaded). transformers needs Python 3.10+;

@@ -15,7 +15,7 @@ from typing import Any, Dict
 
 from oomkit._native import OomkitError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
-from oomkit.auto_batch import BatchSizeError, auto_batch, oom_guard
+from oomkit.auto_batch import BatchSizeError, UsageError, auto_batch, oom_guard
 from oomkit.tracker import Tracker, record_history
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "OomkitError",
     "RunLogError",
     "Tracker",
+    "UsageError",
     "analyze",
     "auto_batch",
     "is_oom",

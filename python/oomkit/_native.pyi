@@ -1,8 +1,27 @@
 """Type stubs of the native half of oomkit (Rust, PyO3)."""
 
 from os import PathLike
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Tuple, Union, final
 
+__all__ = [
+    "OomkitError",
+    "RunLog",
+    "RunLogError",
+    "__version__",
+    "analyze_run_json",
+    "analyze_run_text",
+    "back_off",
+    "batch_plan",
+    "cli_main",
+    "oom_cause",
+    "oom_kind",
+    "oom_requested_bytes",
+    "process_peak_rss",
+    "process_rss",
+    "process_sample",
+    "reset_process_peak_rss",
+]
 __version__: str
 
 class OomkitError(Exception):
@@ -11,15 +30,16 @@ class OomkitError(Exception):
 class RunLogError(OomkitError):
     """A run log could not be written or read."""
 
+@final
 class RunLog:
     """A run log opened for appending records; never overwrites a file."""
 
-    def __init__(self, path: Union[str, PathLike[str]]) -> None: ...
+    def __new__(cls, path: Union[str, PathLike[str]]) -> RunLog: ...
     def write(self, record: Mapping[str, Any]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
     @property
-    def path(self) -> str: ...
+    def path(self) -> Path: ...
     @property
     def records(self) -> int: ...
 

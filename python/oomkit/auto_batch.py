@@ -11,14 +11,23 @@ import os
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 from oomkit import _native
+from oomkit._native import OomkitError
 from oomkit._oom import find_oom, is_oom
 
 _log = logging.getLogger("oomkit")
 T = TypeVar("T")
 
 
-class BatchSizeError(RuntimeError):
+class BatchSizeError(OomkitError, RuntimeError):
     """Raised when even the smallest allowed micro-batch runs out of memory."""
+
+    __module__ = "oomkit"
+
+
+class UsageError(OomkitError, ValueError):
+    """Raised for an argument oomkit cannot use, such as a micro-batch below 1."""
+
+    __module__ = "oomkit"
 
 
 def _free_memory() -> None:
@@ -151,7 +160,7 @@ def auto_batch(
         print(train.plan)   # e.g. (16, 16)
     """
     if batch_size < 1 or min_batch_size < 1 or grad_accum < 1:
-        raise ValueError("batch_size, grad_accum and min_batch_size must be at least 1")
+        raise UsageError("batch_size, grad_accum and min_batch_size must be at least 1")
 
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         effective = effective_batch or batch_size * grad_accum

@@ -13,14 +13,15 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+// Named under `oomkit`, where users import them, so tracebacks read `oomkit.OomkitError`.
 create_exception!(
-    _native,
+    oomkit,
     OomkitError,
     PyException,
     "Base class of oomkit's errors."
 );
 create_exception!(
-    _native,
+    oomkit,
     RunLogError,
     OomkitError,
     "A run log could not be written or read."
