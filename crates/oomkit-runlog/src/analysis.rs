@@ -1,7 +1,7 @@
 //! What a run log says: stage table, leaks, eval spikes, gradients, components.
 
 use crate::findings;
-use crate::record::{Components, MeasureKind, Plan, Run};
+use crate::record::{Components, MeasureKind, Plan, Run, LOG_VERSION};
 use oomkit_advice::{Cause, Finding};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -333,6 +333,19 @@ pub fn analyze(run: &Run) -> Analysis {
                 .into(),
         });
     }
+    if let Some(v) = run
+        .start
+        .as_ref()
+        .map(|s| s.version)
+        .filter(|&v| v > LOG_VERSION)
+    {
+        warnings.push(Warning {
+            kind: "newer_version",
+            message: format!(
+                "the log is format version {v}, written by a newer oomkit; this one reads version {LOG_VERSION}: records and fields added since are ignored (update oomkit to read them)"
+            ),
+        });
+    }
     if run.torn_last_line {
         warnings.push(Warning {
             kind: "torn_last_line",
@@ -459,6 +472,21 @@ mod tests {
             "{:?}",
             a.findings
         );
+    }
+
+    #[test]
+    fn a_log_from_a_newer_oomkit_is_read_with_a_warning() {
+        let ends: Vec<u64> = (0..8).map(|_| 100 * MIB).collect();
+        let kinds = |text: String| -> Vec<&'static str> {
+            analyze(&Run::parse(text.as_bytes()).unwrap())
+                .warnings
+                .iter()
+                .map(|w| w.kind)
+                .collect()
+        };
+        assert!(!kinds(log(&ends)).contains(&"newer_version"));
+        let newer = log(&ends).replace(r#""version":1"#, r#""version":2"#);
+        assert!(kinds(newer).contains(&"newer_version"));
     }
 
     #[test]

@@ -19,6 +19,6 @@ pub use error::{Error, Result};
 pub use oomkit_advice::{Finding, FindingKind};
 pub use record::{
     is_run_log, Components, DuplicateGroup, Duplicates, Grad, Measure, MeasureKind, ModuleCost,
-    Oom, OomMemory, Plan, Run, Start,
+    Oom, OomMemory, Plan, Run, Start, LOG_VERSION,
 };
 pub use writer::Writer;

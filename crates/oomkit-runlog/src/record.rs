@@ -183,6 +183,11 @@ pub struct Plan {
     pub framework: String,
 }
 
+/// The newest run-log format this reader knows (`version` in the `start`
+/// record; docs/run-log.md). A newer log is still read, its new record types
+/// and fields ignored, and the analysis warns.
+pub const LOG_VERSION: u32 = 1;
+
 /// The `start` record: who ran, where, and what the model costs.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default)]
