@@ -8,6 +8,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+# The variables `oomkit run` and `oomkit find-batch` set for the command they
+# run, mirrored from crates/oomkit-supervise/src/child_env.rs (a test checks
+# that both hold the same names); the README's "Environment" lists them all.
+#
 # Set by `oomkit run` for every attempt (README, "oomkit run").
 MICRO_BATCH_ENV = "OOMKIT_MICRO_BATCH"
 GRAD_ACCUM_ENV = "OOMKIT_GRAD_ACCUM"
@@ -22,6 +26,12 @@ LOG_DIR_ENV = "OOMKIT_LOG_DIR"
 # OOM it records, so that the retry policy reads the real message even when a
 # framework prints something else or swallows it.
 OOM_FILE_ENV = "OOMKIT_OOM_FILE"
+# Set by `oomkit run` to `cuda` or `cpu` where it chose the device.
+DEVICE_ENV = "OOMKIT_DEVICE"
+# Set by `oomkit find-batch`: where the tracker writes the trial's peak, and
+# the GPU memory in use before the trial, which the tracker subtracts.
+PROBE_FILE_ENV = "OOMKIT_PROBE_FILE"
+BASELINE_USED_BYTES_ENV = "OOMKIT_BASELINE_USED_BYTES"
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class Tracker:
         # An OOM seen by the CUDA allocator's observer, before its exception exists.
         self._observed_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
-        probe = os.environ.get("OOMKIT_PROBE_FILE")
+        probe = os.environ.get(_plan.PROBE_FILE_ENV)
         self._probe = probe if probe and self.rank == 0 else None
         self._probe_peak = 0
         device = None
@@ -558,7 +558,7 @@ class Tracker:
         record: Dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
         if self._meter.cuda:
             free, total = _torch().cuda.mem_get_info(self._meter.index)
-            baseline = int(os.environ.get("OOMKIT_BASELINE_USED_BYTES", "0") or 0)
+            baseline = int(os.environ.get(_plan.BASELINE_USED_BYTES_ENV, "0") or 0)
             outside = max(0, (total - free) - baseline - reserved)
             record["nonpytorch_bytes"] = outside
             need = max(need, reserved + outside)

@@ -30,3 +30,19 @@ def test_the_stub_matches_the_extension():
         pytest.skip("mypy is not installed (scripts/test.sh installs it): the stub is not checked")
     p = subprocess.run([sys.executable, "-m", "mypy.stubtest", "oomkit._native"], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_child_environment_is_mirrored_once_in_python():
+    import os
+    import re
+
+    from oomkit import _plan
+
+    rust = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "oomkit-supervise", "src", "child_env.rs")
+    if not os.path.exists(rust):
+        pytest.skip("the Rust sources are not beside the tests")
+    with open(rust) as f:
+        names = set(re.findall(r'pub const [A-Z_]+: &str = "(OOMKIT_[A-Z_]+)";', f.read()))
+    mirrored = {v for k, v in vars(_plan).items() if k.endswith("_ENV") and isinstance(v, str)}
+    # OOMKIT_LOG_DIR is the user's to set, not oomkit run's.
+    assert names == mirrored - {"OOMKIT_LOG_DIR"}, (names, mirrored)
