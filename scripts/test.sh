@@ -19,6 +19,8 @@ fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Every declared dependency is used.
+python3 scripts/check_deps.py
 # Regenerating the demo snapshot must give the committed bytes.
 check=$(mktemp)
 trap 'rm -f "$check"' EXIT

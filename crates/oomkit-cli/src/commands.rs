@@ -39,7 +39,7 @@ fn positive(s: &str) -> Result<u64, String> {
 
 /// Options shared by the commands that take a GPU.
 #[derive(clap::Args)]
-pub struct WaitArgs {
+pub(crate) struct WaitArgs {
     /// Wait this long for a GPU to qualify (30s, 10m, 2h); 0 looks once.
     #[arg(long, value_parser = duration, default_value = "0s", value_name = "DURATION")]
     wait: Duration,
@@ -59,7 +59,7 @@ impl WaitArgs {
 
 /// Flags of `oomkit run`.
 #[derive(clap::Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// How many GPUs to give the command; 0 leaves CUDA_VISIBLE_DEVICES alone.
     #[arg(long, default_value_t = 1, value_name = "N")]
     gpus: usize,
@@ -108,7 +108,7 @@ pub struct RunArgs {
 
 /// Flags of `oomkit find-batch`.
 #[derive(clap::Args)]
-pub struct FindBatchArgs {
+pub(crate) struct FindBatchArgs {
     /// The first micro-batch to try.
     #[arg(long, value_parser = positive, default_value_t = 1, value_name = "B")]
     start: u64,
@@ -136,7 +136,7 @@ pub struct FindBatchArgs {
 
 /// Flags of `oomkit explain`.
 #[derive(clap::Args)]
-pub struct ExplainArgs {
+pub(crate) struct ExplainArgs {
     /// The message, a log file holding it, or `-` (the default) for stdin.
     #[arg(value_name = "MESSAGE | FILE | -")]
     input: Option<String>,
@@ -150,7 +150,7 @@ pub struct ExplainArgs {
 
 /// Flags of `oomkit estimate`.
 #[derive(clap::Args)]
-pub struct EstimateArgs {
+pub(crate) struct EstimateArgs {
     /// Parameter count (7B, 350M, 1.3B).
     #[arg(long, value_parser = count, value_name = "N", required_unless_present = "config")]
     params: Option<u64>,
@@ -240,7 +240,7 @@ fn supervise_exit(e: &SuperviseError) -> u8 {
 }
 
 /// `oomkit gpus`.
-pub fn gpus(json: bool) -> u8 {
+pub(crate) fn gpus(json: bool) -> u8 {
     match oomkit_gpu::probe() {
         Ok(gpus) => {
             if json {
@@ -269,7 +269,7 @@ fn must_be_new(path: &Option<PathBuf>) -> Result<(), String> {
 }
 
 /// `oomkit run`.
-pub fn run(a: RunArgs) -> u8 {
+pub(crate) fn run(a: RunArgs) -> u8 {
     if let Err(msg) = must_be_new(&a.summary_json) {
         say(&msg);
         return EXIT_INPUT;
@@ -313,7 +313,7 @@ pub fn run(a: RunArgs) -> u8 {
 }
 
 /// `oomkit find-batch`.
-pub fn find_batch(a: FindBatchArgs) -> u8 {
+pub(crate) fn find_batch(a: FindBatchArgs) -> u8 {
     let opts = FindBatchOptions {
         command: a.command,
         start: a.start,
@@ -346,7 +346,7 @@ pub fn find_batch(a: FindBatchArgs) -> u8 {
 }
 
 /// `oomkit explain`.
-pub fn explain(a: ExplainArgs) -> u8 {
+pub(crate) fn explain(a: ExplainArgs) -> u8 {
     let (source, text) = match a.input.as_deref() {
         None | Some("-") => {
             if std::io::stdin().is_terminal() {
@@ -399,7 +399,7 @@ pub fn explain(a: ExplainArgs) -> u8 {
 }
 
 /// `oomkit estimate`.
-pub fn estimate(a: EstimateArgs) -> u8 {
+pub(crate) fn estimate(a: EstimateArgs) -> u8 {
     let arch = match &a.config {
         Some(path) => {
             let text = match std::fs::read_to_string(path) {

@@ -360,7 +360,7 @@ fn write_output_with(
     eprintln!(
         "oomkit: wrote {} ({})",
         path.display(),
-        oomkit_snapshot::human_bytes(written)
+        oomkit_units::human_bytes(written)
     );
     Ok(())
 }

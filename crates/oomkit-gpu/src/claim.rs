@@ -15,7 +15,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// The environment variable that moves the claim directory, for tests and for machines with a private /tmp.
-pub const CLAIMS_ENV: &str = "OOMKIT_CLAIMS_DIR";
+pub(crate) const CLAIMS_ENV: &str = "OOMKIT_CLAIMS_DIR";
 
 /// One job's hold on one GPU.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -197,7 +197,7 @@ impl Locked<'_> {
 }
 
 /// A claim on `gpu` for this process.
-pub fn claim_for(gpu: &crate::Gpu, reserved_bytes: Option<u64>) -> Claim {
+pub(crate) fn claim_for(gpu: &crate::Gpu, reserved_bytes: Option<u64>) -> Claim {
     let pid = std::process::id();
     Claim {
         gpu: crate::gpu_key(gpu),

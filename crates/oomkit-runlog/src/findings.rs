@@ -5,7 +5,7 @@
 use crate::analysis::{Leak, OomSummary};
 use crate::record::{Components, MeasureKind, Run};
 use oomkit_advice::{Cause, Finding, FindingKind};
-use oomkit_snapshot::human_bytes;
+use oomkit_units::human_bytes;
 use std::collections::BTreeMap;
 
 const MIB: u64 = 1 << 20;

@@ -557,7 +557,7 @@ fn join(ids: &[u32]) -> String {
 }
 
 /// The user's allocator settings with `expandable_segments:True` added, their other settings kept.
-pub fn with_expandable_segments(settings: Option<&str>) -> String {
+pub(crate) fn with_expandable_segments(settings: Option<&str>) -> String {
     let kept: Vec<&str> = settings
         .unwrap_or("")
         .split(',')

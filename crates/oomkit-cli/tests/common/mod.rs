@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 /// The shared fixtures folder, or `None` (with a note on stderr) where it is absent.
-pub fn fixtures() -> Option<PathBuf> {
+pub(crate) fn fixtures() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/snapshots");
     if dir.is_dir() {
         Some(dir)
@@ -16,7 +16,7 @@ pub fn fixtures() -> Option<PathBuf> {
 }
 
 /// Every snapshot file among the fixtures, sorted.
-pub fn fixture_files() -> Vec<PathBuf> {
+pub(crate) fn fixture_files() -> Vec<PathBuf> {
     let Some(dir) = fixtures() else {
         return Vec::new();
     };
@@ -35,7 +35,7 @@ pub fn fixture_files() -> Vec<PathBuf> {
 }
 
 /// The real snapshots committed with the tests (`tests/real/SOURCES.md` says where each came from).
-pub fn own_fixture_files() -> Vec<PathBuf> {
+pub(crate) fn own_fixture_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/real");
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
@@ -47,12 +47,12 @@ pub fn own_fixture_files() -> Vec<PathBuf> {
 }
 
 /// The demo snapshot bundled in the binary.
-pub fn demo_file() -> PathBuf {
+pub(crate) fn demo_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/demo_snapshot.pickle")
 }
 
 /// Runs the oomkit binary.
-pub fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
+pub(crate) fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_oomkit"));
     c.args(args).env("NO_COLOR", "1");
     if let Some(d) = cwd {
@@ -62,12 +62,12 @@ pub fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
 }
 
 /// Runs oomkit, which must succeed, and parses what it printed as JSON.
-pub fn run_json(args: &[&str]) -> serde_json::Value {
+pub(crate) fn run_json(args: &[&str]) -> serde_json::Value {
     success_json(&oomkit(args, None), &format!("{args:?}"))
 }
 
 /// Asserts that a run of oomkit (`what`) succeeded and parses what it printed as JSON.
-pub fn success_json(out: &Output, what: &str) -> serde_json::Value {
+pub(crate) fn success_json(out: &Output, what: &str) -> serde_json::Value {
     assert!(
         out.status.success(),
         "{what}: {}",
@@ -78,7 +78,7 @@ pub fn success_json(out: &Output, what: &str) -> serde_json::Value {
 
 /// Asserts that oomkit refused its input: exit code 2 and one line on
 /// stderr that holds every one of `needles`.
-pub fn assert_refused(out: &Output, needles: &[&str]) {
+pub(crate) fn assert_refused(out: &Output, needles: &[&str]) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert_eq!(err.lines().count(), 1, "one line: {err}");
@@ -88,12 +88,12 @@ pub fn assert_refused(out: &Output, needles: &[&str]) {
 }
 
 /// The Python interpreter used for independent checks.
-pub fn python() -> String {
+pub(crate) fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 /// Runs a Python script with `args`, which must succeed, and returns what it printed.
-pub fn python_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
+pub(crate) fn python_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
     let out = Command::new(python())
         .arg(script)
         .args(args)
@@ -108,7 +108,7 @@ pub fn python_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
 }
 
 /// Makes an empty scratch folder for one test, unique to this process.
-pub fn tempdir(tag: &str) -> PathBuf {
+pub(crate) fn tempdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("oomkit-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -118,7 +118,7 @@ pub fn tempdir(tag: &str) -> PathBuf {
 /// A run log as the tracker writes it: three steps of forward, backward
 /// and optimizer, an eval phase, and an OOM in step 3 when `oom_time` is
 /// given (seconds since the epoch; NaN writes no time). Peaks scale with `scale`.
-pub fn run_log_text(rank: u32, scale: u64, oom_time: Option<f64>) -> String {
+pub(crate) fn run_log_text(rank: u32, scale: u64, oom_time: Option<f64>) -> String {
     let mut text = format!(
         r#"{{"type":"start","version":1,"rank":{rank},"device":"cuda:0","capacity_bytes":1073741824}}"#
     );
