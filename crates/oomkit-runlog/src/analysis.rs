@@ -181,17 +181,15 @@ fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
     let (slope, r2) = fit(&pts);
     let (first, last) = (window[0], window[window.len() - 1]);
     let growth = last.1.saturating_sub(first.1);
-    // Growth must be a share of what the run holds. On CPU the resident set
-    // starts with Python and its libraries (700 MiB with torch), which no
-    // tensor can grow into, so the run's own level is counted from the
-    // first step's start: a tiny model's leak of 250 KiB a step is 0.9% of
-    // the RSS but a fifth of what the run added.
-    let top = window.iter().map(|w| w.1).max().unwrap_or(0);
-    let level = if cuda {
-        top
-    } else {
-        top.saturating_sub(run.steps().next().map_or(0, |m| m.start_bytes))
-    };
+    // Growth must be a share of what the run holds, above what is not the
+    // run's (findings::run_floor): a tiny CPU model's leak of 250 KiB a step
+    // is 0.9% of the RSS but a fifth of what the run added.
+    let level = window
+        .iter()
+        .map(|w| w.1)
+        .max()
+        .unwrap_or(0)
+        .saturating_sub(findings::run_floor(run, cuda));
     if slope <= 0.0
         || r2 < LEAK_MIN_R2
         || growth < LEAK_MIN_GROWTH_BYTES

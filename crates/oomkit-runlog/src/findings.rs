@@ -57,7 +57,7 @@ pub(crate) fn findings(f: &Facts<'_>) -> Vec<Finding> {
     out.extend(f.leak.map(leak));
     out.extend(duplicate_copy(f.run));
     out.extend(
-        eval_spikes(f.run, f.train_peak, run_floor(f))
+        eval_spikes(f.run, f.train_peak, run_floor(f.run, f.cuda))
             .into_iter()
             .map(eval_spike),
     );
@@ -346,11 +346,11 @@ fn grad_spike(run: &Run) -> Option<Finding> {
 /// step began (Python, torch's libraries: 700 MiB before any tensor), which
 /// no tensor grows into, so shares are taken of what lies above it; on
 /// CUDA the allocator counts only tensors, and this is 0.
-pub(crate) fn run_floor(f: &Facts<'_>) -> u64 {
-    if f.cuda {
+pub(crate) fn run_floor(run: &Run, cuda: bool) -> u64 {
+    if cuda {
         0
     } else {
-        f.run.steps().next().map_or(0, |m| m.start_bytes)
+        run.steps().next().map_or(0, |m| m.start_bytes)
     }
 }
 
