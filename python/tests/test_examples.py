@@ -49,12 +49,14 @@ def test_an_eval_that_keeps_its_outputs_is_named_even_when_rss_stays_up(tmp_path
     assert "eval_spike" in [f["kind"] for f in a["findings"]], a["findings"]
 
 
-def test_a_small_leak_on_cpu_is_named_though_it_is_under_one_percent_of_the_rss(tmp_path):
-    # The tiny model keeps about 250 KiB a step: under 1% of a 700 MiB resident set.
-    cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--steps", "30",
+def test_a_small_leak_on_cpu_is_named(tmp_path):
+    # The tiny model keeps about 250 KiB a step, on a 700 MiB resident set that
+    # glibc sometimes trims by a few MiB: 60 steps keep the line clear of that.
+    cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--steps", "60",
            "--tracker", "--log-dir", "runs", "--leak"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     [log] = (tmp_path / "runs").glob("run-*.jsonl")
     a = json.loads(subprocess.run([OOMKIT, "analyze", "--json", str(log)], capture_output=True, text=True).stdout)
     assert [f["kind"] for f in a["findings"]] == ["leak"], a["findings"]
+    assert a["leak"]["bytes_per_step"] < 1 << 20
