@@ -6,6 +6,7 @@
 use crate::{
     EXIT_INPUT, EXIT_INTERNAL, EXIT_NOTHING_FITS, EXIT_NO_GPU, EXIT_OK, EXIT_WAIT_TIMEOUT,
 };
+use oomkit_estimate::calibrate::{calibrate, Measured};
 use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer};
 use oomkit_gpu::{ClaimDir, GpuError, Wait};
 use oomkit_supervise::find_batch::FindBatchOptions;
@@ -190,9 +191,77 @@ pub(crate) struct EstimateArgs {
     /// CUDA context, workspaces and allocator slack.
     #[arg(long, value_parser = size, default_value = "1GiB", value_name = "SIZE")]
     overhead: u64,
+    /// Calibrate from measured runs: run logs (FILE, or FILE=MICRO_BATCH when
+    /// the log has no plan record) or `find-batch --json` output.
+    #[arg(long, num_args = 1.., value_name = "FILE[=B]")]
+    calibrate: Vec<String>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// The measured peaks in one `--calibrate` argument, and the capacity it names, or one line saying what is wrong.
+fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
+    let (file, batch) = match arg.rsplit_once('=') {
+        Some((f, b)) if !f.is_empty() => match b.parse::<u64>() {
+            Ok(b) if b > 0 => (f, Some(b)),
+            _ => {
+                return Err(format!(
+                    "{arg}: the micro-batch after '=' must be a whole number above 0"
+                ))
+            }
+        },
+        _ => (arg, None),
+    };
+    let bytes = std::fs::read(file).map_err(|e| format!("{file}: {e}"))?;
+    // `oomkit find-batch --json` output: one object with the trials.
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+        if let Some(trials) = v.get("trials").and_then(|t| t.as_array()) {
+            let measured: Vec<Measured> = trials
+                .iter()
+                .filter(|t| t["ok"].as_bool() == Some(true))
+                .filter_map(|t| {
+                    Some(Measured {
+                        micro_batch: t["batch"].as_u64()?,
+                        peak_bytes: t["peak_bytes"].as_u64()?,
+                        source: format!("{file} (find-batch trial)"),
+                    })
+                })
+                .collect();
+            if measured.is_empty() {
+                return Err(format!(
+                    "{file}: find-batch output with no trial that ran and measured a peak"
+                ));
+            }
+            return Ok((measured, v["capacity_bytes"].as_u64()));
+        }
+    }
+    let run = oomkit_runlog::Run::parse(&bytes).map_err(|e| format!("{file}: {e}"))?;
+    let start = run.start.clone().unwrap_or_default();
+    if !start.device.starts_with("cuda") {
+        return Err(format!(
+            "{file}: measured on '{}', not a GPU: a CPU run's resident set is no GPU budget",
+            start.device
+        ));
+    }
+    let micro_batch = batch
+        .or_else(|| run.plans.last().and_then(|p| p.micro_batch))
+        .ok_or_else(|| {
+            format!("{file}: the log records no micro-batch (no plan record); give it as {file}=B")
+        })?;
+    let peak = run
+        .steps()
+        .map(|m| m.peak_bytes)
+        .max()
+        .ok_or_else(|| format!("{file}: the log has no finished step"))?;
+    Ok((
+        vec![Measured {
+            micro_batch,
+            peak_bytes: peak,
+            source: format!("{file} (run log)"),
+        }],
+        start.capacity_bytes,
+    ))
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -420,7 +489,21 @@ pub(crate) fn estimate(a: EstimateArgs) -> u8 {
         None => Architecture::guess(a.params.unwrap_or(0)),
     };
     let params = a.params.unwrap_or_else(|| arch.params());
-    let capacity = a.gpu.or_else(|| {
+    let mut measured = Vec::new();
+    let mut measured_capacity = None;
+    for arg in &a.calibrate {
+        match measured_in(arg) {
+            Ok((m, c)) => {
+                measured.extend(m);
+                measured_capacity = measured_capacity.or(c);
+            }
+            Err(msg) => {
+                say(&msg);
+                return EXIT_INPUT;
+            }
+        }
+    }
+    let capacity = a.gpu.or(measured_capacity).or_else(|| {
         oomkit_gpu::probe()
             .ok()
             .and_then(|g| g.iter().map(|g| g.total_bytes).max())
@@ -451,10 +534,33 @@ pub(crate) fn estimate(a: EstimateArgs) -> u8 {
     };
     match oomkit_estimate::estimate(inputs) {
         Ok(e) => {
-            if a.json {
-                print_json(&e);
+            let calibration = if measured.is_empty() {
+                None
             } else {
-                let _ = write!(std::io::stdout().lock(), "{}", e.text());
+                match calibrate(measured, &e, capacity) {
+                    Ok(c) => Some(c),
+                    Err(err) => {
+                        say(&err.to_string());
+                        return EXIT_INPUT;
+                    }
+                }
+            };
+            if a.json {
+                let mut v = serde_json::to_value(&e).unwrap_or_default();
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert(
+                        "calibration".into(),
+                        serde_json::to_value(&calibration).unwrap_or_default(),
+                    );
+                }
+                print_json(&v);
+            } else {
+                let mut out = e.text();
+                if let Some(c) = &calibration {
+                    out.push('\n');
+                    out.push_str(&c.text());
+                }
+                let _ = write!(std::io::stdout().lock(), "{out}");
             }
             EXIT_OK
         }

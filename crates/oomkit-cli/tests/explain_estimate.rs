@@ -128,3 +128,192 @@ fn estimate_bad_input() {
     assert_eq!(v["capacity_bytes"], Value::Null);
     assert_eq!(v["max_batch"], Value::Null);
 }
+
+/// A run log of a few CUDA steps at one micro-batch, as the tracker and a callback write it.
+fn run_log(dir: &std::path::Path, name: &str, micro_batch: Option<u64>, peak_gib: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    let mut text = format!(
+        "{{\"type\":\"start\",\"version\":1,\"device\":\"cuda:0\",\"capacity_bytes\":{}}}\n",
+        80 * GIB
+    );
+    if let Some(b) = micro_batch {
+        text += &format!("{{\"type\":\"plan\",\"micro_batch\":{b},\"grad_accum\":1,\"source\":\"oomkit run\",\"framework\":\"transformers\"}}\n");
+    }
+    for step in 0..3 {
+        let peak = peak_gib * GIB - (2 - step) * (1 << 20);
+        text += &format!("{{\"type\":\"step\",\"step\":{step},\"start_bytes\":{},\"end_bytes\":{},\"peak_bytes\":{peak}}}\n", 9 * GIB, 9 * GIB);
+    }
+    text += "{\"type\":\"end\"}\n";
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn estimate_calibrates_from_two_short_runs() {
+    let dir = scratch("calibrate-two");
+    // 10 GiB fixed and 1 GiB per sample: 14 GiB at micro-batch 4, 18 GiB at 8.
+    let a = run_log(&dir, "b4.jsonl", Some(4), 14);
+    let b = run_log(&dir, "b8.jsonl", None, 18);
+    let b8 = format!("{b}=8");
+    let out = oomkit(
+        &[
+            "estimate",
+            "--params",
+            "3B",
+            "--seq",
+            "512",
+            "--json",
+            "--calibrate",
+            &a,
+            &b8,
+        ],
+        None,
+    );
+    let v = success_json(&out, "estimate --calibrate");
+    let c = &v["calibration"];
+    assert_eq!(c["fit"], "line");
+    const GIB: f64 = (1u64 << 30) as f64;
+    let near = |x: &Value, want: f64| (x.as_f64().unwrap() - want).abs() < 0.01 * GIB;
+    assert!(near(&c["fixed_bytes"], 10.0 * GIB), "{c}");
+    assert!(near(&c["per_sample_bytes"], GIB), "{c}");
+    // The logs say 80 GiB; less the 1 GiB overhead and 10 GiB fixed, 69 samples fit.
+    assert_eq!(c["capacity_bytes"].as_u64(), Some(80 << 30));
+    assert_eq!(c["max_batch"], 69);
+    assert!(c["formula_max_batch"].is_u64());
+    // The text shows both, side by side.
+    let text = oomkit(
+        &["estimate", "--params", "3B", "--calibrate", &a, &b8],
+        None,
+    );
+    let said = String::from_utf8_lossy(&text.stdout);
+    assert!(said.contains("Calibrated from micro-batch 4, 8"), "{said}");
+    assert!(
+        said.contains("measured") && said.contains("formulas"),
+        "{said}"
+    );
+}
+
+#[test]
+fn estimate_calibrates_from_one_run_with_the_formulas_split_and_says_so() {
+    let dir = scratch("calibrate-one");
+    let a = run_log(&dir, "b4.jsonl", Some(4), 14);
+    let v = success_json(
+        &oomkit(
+            &["estimate", "--params", "3B", "--json", "--calibrate", &a],
+            None,
+        ),
+        "estimate --calibrate one",
+    );
+    let c = &v["calibration"];
+    assert_eq!(c["fit"], "formula_split");
+    assert_eq!(c["per_sample_bytes"], v["per_sample_bytes"]);
+    let out = oomkit(&["estimate", "--params", "3B", "--calibrate", &a], None);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("measure a second micro-batch"));
+}
+
+#[test]
+fn estimate_calibration_refuses_what_it_cannot_use() {
+    let dir = scratch("calibrate-bad");
+    // No plan record and no =B: the micro-batch is unknown.
+    let a = run_log(&dir, "nobatch.jsonl", None, 14);
+    let out = oomkit(&["estimate", "--params", "3B", "--calibrate", &a], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nobatch.jsonl") && err.contains("=B"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // A CPU run's resident set is no GPU budget.
+    let cpu = dir.join("cpu.jsonl");
+    std::fs::write(
+        &cpu,
+        "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\"}\n{\"type\":\"step\",\"step\":0,\"start_bytes\":1,\"end_bytes\":1,\"peak_bytes\":2}\n",
+    )
+    .unwrap();
+    let cpu_arg = format!("{}=4", cpu.display());
+    let out = oomkit(
+        &["estimate", "--params", "3B", "--calibrate", &cpu_arg],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a GPU"));
+    // Peaks that do not grow with the batch cannot be fitted.
+    let x = run_log(&dir, "x4.jsonl", Some(4), 18);
+    let y = run_log(&dir, "x8.jsonl", Some(8), 14);
+    let out = oomkit(&["estimate", "--params", "3B", "--calibrate", &x, &y], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("do not grow"));
+}
+
+#[test]
+fn estimate_calibrates_from_find_batch_output() {
+    let dir = scratch("calibrate-findbatch");
+    const GIB: u64 = 1 << 30;
+    // What `oomkit find-batch --json` printed: two trials that ran, one that ran out.
+    let report = serde_json::json!({
+        "trials": [
+            {"batch": 2, "ok": true, "oom": false, "peak_bytes": 12 * GIB},
+            {"batch": 6, "ok": true, "oom": false, "peak_bytes": 16 * GIB},
+            {"batch": 99, "ok": false, "oom": true, "peak_bytes": null}
+        ],
+        "capacity_bytes": 40 * GIB
+    });
+    let path = dir.join("find-batch.json");
+    std::fs::write(&path, report.to_string()).unwrap();
+    let v = success_json(
+        &oomkit(
+            &[
+                "estimate",
+                "--params",
+                "3B",
+                "--json",
+                "--calibrate",
+                path.to_str().unwrap(),
+            ],
+            None,
+        ),
+        "estimate --calibrate find-batch",
+    );
+    let c = &v["calibration"];
+    assert_eq!(c["measured"].as_array().unwrap().len(), 2);
+    // 10 GiB fixed, 1 GiB per sample, 40 GiB less 1 GiB overhead: 29.
+    assert_eq!(c["max_batch"], 29);
+}
+
+/// The README's `--calibrate` example, run as written from the repository root.
+#[test]
+fn the_readme_calibration_example_runs_as_written() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let out = Command::new(env!("CARGO_BIN_EXE_oomkit"))
+        .current_dir(root)
+        .args([
+            "estimate",
+            "--params",
+            "3B",
+            "--seq",
+            "512",
+            "--gpu",
+            "80GiB",
+            "--calibrate",
+            "examples/calibrate/b4.jsonl",
+            "examples/calibrate/b8.jsonl",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    for line in said.lines().skip_while(|l| !l.starts_with("Calibrated")) {
+        assert!(readme.contains(line), "README lacks {line:?}");
+    }
+}

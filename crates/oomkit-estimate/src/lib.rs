@@ -10,6 +10,8 @@
 //! the `s^2` term; full recomputation keeps `2*s*b*h` per layer plus one
 //! layer's activations while it is recomputed.
 
+pub mod calibrate;
+
 use serde::Serialize;
 
 /// Why an estimate could not be made.

@@ -1,0 +1,198 @@
+//! An estimate calibrated from the user's own measured steps.
+//!
+//! A training step's peak grows in proportion to the micro-batch on top of a
+//! fixed part (weights, gradients, optimizer state, the CUDA context), so two
+//! measured peaks at different micro-batches pin down `fixed + per_sample x
+//! batch` for that exact model, code and GPU, which no formula can: kernels,
+//! fusion and the allocator's rounding are all in the measurement. With peaks
+//! at one micro-batch only, the formula's per-sample cost splits it.
+
+use crate::{Estimate, EstimateError};
+use serde::Serialize;
+
+/// One measured peak.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Measured {
+    /// The micro-batch it ran at.
+    pub micro_batch: u64,
+    /// Its largest step peak.
+    pub peak_bytes: u64,
+    /// Where it came from: a file, and what in it.
+    pub source: String,
+}
+
+/// How the split between fixed and per-sample memory was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fit {
+    /// A least-squares line through peaks at two or more micro-batches.
+    Line,
+    /// Peaks at one micro-batch, split by the formula's per-sample cost.
+    FormulaSplit,
+}
+
+/// The budget the measurements give, beside what the formulas alone said.
+#[derive(Clone, Debug, Serialize)]
+pub struct Calibration {
+    /// How the split was found.
+    pub fit: Fit,
+    /// Memory that does not grow with the micro-batch.
+    pub fixed_bytes: u64,
+    /// Memory each sample of the micro-batch adds.
+    pub per_sample_bytes: u64,
+    /// The largest distance of a measured peak from the fitted line (0 for a formula split).
+    pub max_error_bytes: u64,
+    /// The memory to fit in, if known.
+    pub capacity_bytes: Option<u64>,
+    /// The largest micro-batch whose calibrated peak, plus the estimate's overhead, fits; null without a capacity.
+    pub max_batch: Option<u64>,
+    /// The formulas' fixed part, for comparison.
+    pub formula_fixed_bytes: u64,
+    /// The formulas' per-sample cost, for comparison.
+    pub formula_per_sample_bytes: u64,
+    /// The formulas' largest micro-batch, for comparison.
+    pub formula_max_batch: Option<u64>,
+    /// The measurements, in the order given.
+    pub measured: Vec<Measured>,
+}
+
+/// Fits the measured peaks, using `formula` where one micro-batch is all there is.
+pub fn calibrate(
+    measured: Vec<Measured>,
+    formula: &Estimate,
+    capacity: Option<u64>,
+) -> Result<Calibration, EstimateError> {
+    if measured.is_empty() {
+        return Err(EstimateError::Invalid(
+            "nothing measured to calibrate from".into(),
+        ));
+    }
+    let mut batches: Vec<u64> = measured.iter().map(|m| m.micro_batch).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    let (fit, fixed, per_sample) = if batches.len() >= 2 {
+        let n = measured.len() as f64;
+        let xs: Vec<f64> = measured.iter().map(|m| m.micro_batch as f64).collect();
+        let ys: Vec<f64> = measured.iter().map(|m| m.peak_bytes as f64).collect();
+        let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+        let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+        let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+        let slope = sxy / sxx;
+        if slope <= 0.0 {
+            return Err(EstimateError::Invalid(format!(
+                "the measured peaks do not grow with the micro-batch ({}): measure full training steps at each",
+                describe(&measured)
+            )));
+        }
+        let fixed = (my - slope * mx).max(0.0);
+        (Fit::Line, fixed as u64, slope.round() as u64)
+    } else {
+        let per_sample = formula.per_sample_bytes;
+        let peak = measured.iter().map(|m| m.peak_bytes).max().unwrap_or(0);
+        (
+            Fit::FormulaSplit,
+            peak.saturating_sub(per_sample * batches[0]),
+            per_sample,
+        )
+    };
+    let max_error_bytes = if fit == Fit::Line {
+        measured
+            .iter()
+            .map(|m| {
+                let predicted = fixed as f64 + per_sample as f64 * m.micro_batch as f64;
+                (m.peak_bytes as f64 - predicted).abs() as u64
+            })
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    let formula_fixed = formula
+        .total_bytes
+        .saturating_sub(formula.per_sample_bytes * formula.inputs.batch);
+    Ok(Calibration {
+        fit,
+        fixed_bytes: fixed,
+        per_sample_bytes: per_sample,
+        max_error_bytes,
+        capacity_bytes: capacity,
+        // A measured peak is what PyTorch allocated: the CUDA context and the
+        // allocator's slack (the estimate's overhead) come on top of it.
+        max_batch: capacity
+            .map(|c| c.saturating_sub(fixed + formula.inputs.overhead_bytes) / per_sample.max(1)),
+        formula_fixed_bytes: formula_fixed,
+        formula_per_sample_bytes: formula.per_sample_bytes,
+        formula_max_batch: capacity
+            .map(|c| c.saturating_sub(formula_fixed) / formula.per_sample_bytes.max(1)),
+        measured,
+    })
+}
+
+fn describe(measured: &[Measured]) -> String {
+    measured
+        .iter()
+        .map(|m| {
+            format!(
+                "{} at micro-batch {}",
+                crate::gib(m.peak_bytes),
+                m.micro_batch
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Calibration {
+    /// The calibration for the terminal, beside what the formulas said.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let batches: Vec<String> = self
+            .measured
+            .iter()
+            .map(|m| m.micro_batch.to_string())
+            .collect();
+        let how = match self.fit {
+            Fit::Line => format!(
+                "a line through {} measured peaks (largest error {})",
+                self.measured.len(),
+                crate::gib(self.max_error_bytes)
+            ),
+            Fit::FormulaSplit => {
+                "one micro-batch measured: split by the formula's per-sample cost; measure a second micro-batch for a fitted split".into()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "Calibrated from micro-batch {}: {how}",
+            batches.join(", ")
+        );
+        let row = |out: &mut String, label: &str, fixed: u64, per: u64, max: Option<u64>| {
+            let _ = writeln!(
+                out,
+                "  {label:<12} fixed {:>10}   per sample {:>10}   largest micro-batch {}",
+                crate::gib(fixed),
+                crate::gib(per),
+                max.map_or("-".to_string(), |m| m.to_string())
+            );
+        };
+        row(
+            &mut out,
+            "measured",
+            self.fixed_bytes,
+            self.per_sample_bytes,
+            self.max_batch,
+        );
+        row(
+            &mut out,
+            "formulas",
+            self.formula_fixed_bytes,
+            self.formula_per_sample_bytes,
+            self.formula_max_batch,
+        );
+        if let Some(c) = self.capacity_bytes {
+            let _ = writeln!(out, "  on {}", crate::gib(c));
+        }
+        out
+    }
+}
