@@ -15,17 +15,20 @@ from typing import Any, Dict
 
 from oomkit._native import OomkitError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
-from oomkit.auto_batch import BatchSizeError, UsageError, auto_batch, oom_guard
+from oomkit._plan import Plan
+from oomkit.auto_batch import BatchSizeError, UsageError, auto_batch, current_plan, oom_guard
 from oomkit.tracker import Tracker, record_history
 
 __all__ = [
     "BatchSizeError",
     "OomkitError",
+    "Plan",
     "RunLogError",
     "Tracker",
     "UsageError",
     "analyze",
     "auto_batch",
+    "current_plan",
     "is_oom",
     "oom_guard",
     "record_history",

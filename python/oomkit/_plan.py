@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from oomkit import _elastic
+
 # The variables `oomkit run` and `oomkit find-batch` set for the command they
 # run, mirrored from crates/oomkit-supervise/src/child_env.rs (a test checks
 # that both hold the same names); the README's "Environment" lists them all.
@@ -79,6 +81,44 @@ def from_env() -> Optional[Plan]:
         effective_batch=_int(EFFECTIVE_BATCH_ENV),
         attempt=_int(ATTEMPT_ENV),
     )
+
+
+# The plan `auto_batch` is running now, for trackers started inside its function.
+_ACTIVE: Optional[Plan] = None
+
+
+def set_active(plan: Optional[Plan]) -> None:
+    """Records the plan `auto_batch` is about to run, so that trackers log it."""
+    global _ACTIVE
+    _ACTIVE = plan
+
+
+def active() -> Optional[Plan]:
+    """The plan of the `auto_batch` try running now, or None outside one."""
+    return _ACTIVE
+
+
+def current() -> Optional[Plan]:
+    """The plan this process runs: `auto_batch`'s current try, else the one torch elastic's ranks agreed on, else `oomkit run`'s."""
+    if _ACTIVE is not None:
+        return _ACTIVE
+    agreed = elastic_plan()
+    if agreed is not None and not agreed.stop:
+        return Plan(agreed.micro_batch, agreed.grad_accum, agreed.effective_batch, agreed.attempt, ELASTIC_SOURCE)
+    return from_env()
+
+
+# The `source` of a plan the ranks of a torchrun job agreed on after an OOM.
+ELASTIC_SOURCE = "torch elastic restart"
+
+
+def elastic_plan() -> "Optional[_elastic.Agreed]":
+    """The plan this torchrun job's ranks agreed on after an OOM, or None (never raises)."""
+    try:
+        ch = _elastic.channel()
+        return ch.read()[1] if ch is not None else None
+    except Exception:  # noqa: BLE001 - an unreachable store means no agreed plan
+        return None
 
 
 def auto_callback_requested() -> bool:

@@ -10,11 +10,13 @@ import logging
 import os
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
-from oomkit import _native
+from oomkit import _elastic, _native, _plan
 from oomkit._native import OomkitError
 from oomkit._oom import find_oom, is_oom
 
 _log = logging.getLogger("oomkit")
+# How much of an OOM message travels with the plan to the other ranks.
+_MESSAGE_CHARS = 1000
 T = TypeVar("T")
 
 
@@ -60,14 +62,6 @@ def _cause_note(message: str) -> str:
     return f" ({cause})" if cause else ""
 
 
-def _distributed() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_initialized()
-
-
 def _any_rank(flag: bool, group: Any) -> bool:
     """True when `flag` is true on any rank; every rank must call this the same number of times."""
     try:
@@ -89,9 +83,11 @@ def _any_rank(flag: bool, group: Any) -> bool:
 class _StepDown(Exception):
     """Raised on every rank at the same guard when any rank ran out of memory there."""
 
-    def __init__(self, here: bool) -> None:
+    def __init__(self, oom: Optional[BaseException]) -> None:
         super().__init__("a rank ran out of memory; all ranks step down")
-        self.here = here
+        # This rank's own OOM, or None when another rank ran out.
+        self.oom = oom
+        self.here = oom is not None
 
 
 @contextlib.contextmanager
@@ -112,15 +108,68 @@ def oom_guard(group: Any = None) -> Iterator[None]:
             loss.backward()
         dist.all_reduce(grad_buffer)
     """
-    failed = False
+    oom: Optional[BaseException] = None
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - only OOMs are caught
         if not is_oom(exc):
             raise
-        failed = True
-    if _any_rank(failed, group):
-        raise _StepDown(failed)
+        oom = exc
+        # The guard swallows the error, so the trackers would never see it.
+        _note_oom(exc)
+    if _any_rank(oom is not None, group):
+        raise _StepDown(oom)
+
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001 - the rank only labels messages
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _stop_text(agreed: _elastic.Agreed, min_batch_size: int) -> str:
+    """Why every rank stops: who ran out, where, and that nothing smaller is allowed."""
+    who = "a rank" if agreed.rank is None else f"rank {agreed.rank}"
+    at = agreed.failed_micro_batch if agreed.failed_micro_batch is not None else agreed.micro_batch
+    said = f": {agreed.message}" if agreed.message else ""
+    return (
+        f"{who} ran out of memory at micro-batch {at} (attempt {agreed.attempt - 1}), and no smaller "
+        f"micro-batch is allowed (min_batch_size={min_batch_size}); lower min_batch_size, or make each sample "
+        f"cheaper (activation checkpointing, a shorter sequence, sharding){said}"
+    )
+
+
+def _note_trackers(plan: _plan.Plan) -> None:
+    """Tells every open tracker the plan of the try that starts now; never raises."""
+    try:
+        from oomkit import tracker
+
+        tracker.note_plan(plan)
+    except Exception:  # noqa: BLE001 - logging the plan never stops training
+        pass
+
+
+def _note_oom(exc: BaseException) -> None:
+    """Has an open tracker record an OOM that a guard caught; never raises."""
+    try:
+        from oomkit import tracker
+
+        tracker.note_oom(exc)
+    except Exception:  # noqa: BLE001 - recording never stops training
+        pass
 
 
 def auto_batch(
@@ -131,7 +180,6 @@ def auto_batch(
     grad_accum: int = 1,
     min_batch_size: int = 1,
     max_retries: Optional[int] = None,
-    group: Any = None,
     accelerator: Any = None,
 ) -> Any:
     """Calls ``fn(micro_batch, grad_accum, *args, **kwargs)``, stepping the micro-batch down after each OOM.
@@ -140,14 +188,22 @@ def auto_batch(
     effective batch (``batch_size * grad_accum`` unless given); where no exact
     split exists it rounds up and logs it. Each step goes to the largest
     micro-batch the OOM messages' figures say could fit (the proportional bound
-    after one OOM, the fitted per-sample cost after two), else to half. Under ``torch.distributed`` every
-    rank reports whether its try ran out of memory (an all-reduce of one
-    flag), so all ranks step down together and none is left waiting in a
-    collective. The agreement happens when the function returns or raises;
-    if the function runs collectives after its memory-hungry work, wrap that
-    work in :func:`oom_guard` so the ranks agree before the collectives. After
-    the function returns, ``wrapper.plan`` holds the ``(micro_batch,
-    grad_accum)`` that worked.
+    after one OOM, the fitted per-sample cost after two), else to half.
+
+    Where it runs decides how ranks agree. In one process, the function is
+    simply called again. Under ``torch.distributed``, an OOM inside
+    :func:`oom_guard` makes every rank leave at that guard together and
+    retry in-process. An OOM anywhere else may leave the other ranks waiting
+    in a collective, so the rank exits instead: under torchrun with
+    ``--max-restarts``, it first stores the next plan in torch elastic's
+    rendezvous store (a file on one node), torch elastic restarts every rank
+    on every node, and each starts from that plan; under ``oomkit run``, the
+    supervisor reruns the command with the next plan. A plan that failed is
+    never run again, and two ranks that run out at once step down once.
+    Under ``oomkit run``, its micro-batch (``OOMKIT_MICRO_BATCH``) caps the
+    first try. After the function returns, ``wrapper.plan`` holds the
+    ``(micro_batch, grad_accum)`` that worked; :func:`current_plan` tells a
+    script, at start, which plan and attempt it runs.
 
     Example::
 
@@ -165,15 +221,63 @@ def auto_batch(
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         effective = effective_batch or batch_size * grad_accum
 
+        def first_plan() -> Tuple[int, int]:
+            micro, accum = _native.batch_plan(batch_size, effective)
+            return micro, max(accum, grad_accum)
+
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> T:
-            micro, accum = _native.batch_plan(batch_size, effective)
-            if grad_accum > accum:
-                accum = grad_accum
-            retries = 0
+            micro, accum = first_plan()
+            attempt, source = 1, "auto_batch"
             # (micro-batch, message) of each OOM so far: two give the per-sample cost.
             earlier: List[Tuple[int, str]] = []
+            env = _plan.from_env()
+            if env is not None:
+                attempt = env.attempt or 1
+                if env.micro_batch < micro:
+                    micro, accum = _native.batch_plan(env.micro_batch, effective)
+                    source = "oomkit run"
+            channel = None
+            stored = ""
+            if _elastic.under_torchrun():
+                try:
+                    channel = _elastic.channel()
+                    if channel is not None:
+                        stored, agreed = channel.read()
+                        if agreed is not None and agreed.stop:
+                            raise BatchSizeError(_stop_text(agreed, min_batch_size))
+                        if agreed is not None and agreed.effective_batch != effective:
+                            _log.warning(
+                                "oomkit.auto_batch: ignoring the plan in %s: it keeps an effective batch of %d, not %d",
+                                channel.where,
+                                agreed.effective_batch,
+                                effective,
+                            )
+                        elif agreed is not None:
+                            micro, accum, attempt = agreed.micro_batch, agreed.grad_accum, agreed.attempt
+                            source = _plan.ELASTIC_SOURCE
+                            if agreed.failed_micro_batch is not None and agreed.message:
+                                earlier.append((agreed.failed_micro_batch, agreed.message))
+                            if _rank() == 0:
+                                _log.warning(
+                                    "oomkit.auto_batch: attempt %d after %s ran out of memory at micro-batch %s: "
+                                    "every rank runs micro-batch %d x accumulation %d",
+                                    attempt,
+                                    "a rank" if agreed.rank is None else f"rank {agreed.rank}",
+                                    agreed.failed_micro_batch,
+                                    micro,
+                                    accum,
+                                )
+                except BatchSizeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - without the store, retries stay in-process
+                    _log.warning("oomkit.auto_batch: torch elastic's store cannot be read (%s); restarts will not step down", exc)
+                    channel = None
+            retries = 0
             while True:
+                plan = _plan.Plan(micro, accum, effective, attempt, source)
+                _plan.set_active(plan)
+                _note_trackers(plan)
                 failure: Optional[BaseException] = None
                 result: Any = None
                 here = False
@@ -186,14 +290,20 @@ def auto_batch(
                 except Exception as exc:  # noqa: BLE001 - only OOMs are caught, the rest re-raised below
                     if not is_oom(exc):
                         raise
+                    if _distributed():
+                        # Outside a guard the other ranks may be in a collective this
+                        # rank will never join: only restarting every rank gets out.
+                        _leave(exc, channel, stored, plan, min_batch_size, earlier)
+                        raise
                     failure, here = exc, True
-                # The traceback holds the failed try's frames and their tensors.
-                ran_out = _any_rank(failure is not None, group)
-                if not ran_out:
+                finally:
+                    _plan.set_active(None)
+                if failure is None:
                     wrapper.plan = (micro, accum)  # type: ignore[attr-defined]
                     return result
                 del result
-                failure_message = "" if failure is None or isinstance(failure, _StepDown) else str(find_oom(failure) or failure)
+                own = failure.oom if isinstance(failure, _StepDown) else failure
+                failure_message = "" if own is None else str(find_oom(own) or own)
                 # Ranks must agree on the next plan, and only the rank that ran
                 # out has the message: jump by its figures only when alone.
                 alone = not _distributed()
@@ -214,6 +324,12 @@ def auto_batch(
                 where = "this rank" if here else "another rank"
                 why = _cause_note(failure_message)
                 micro, accum = nxt
+                attempt, source = attempt + 1, "auto_batch"
+                if channel is not None:
+                    # A later restart (for any reason) must not go back to the plan that failed.
+                    with contextlib.suppress(Exception):
+                        channel.propose(stored, _elastic.Agreed(micro, accum, effective, attempt, failed_micro_batch=plan.micro_batch))
+                        stored = channel.read()[0]
                 note = "" if micro * accum == effective else f" ({micro * accum} samples per step: {effective} has no divisor near it)"
                 _log.warning(
                     "oomkit.auto_batch: out of memory on %s%s; retrying with micro-batch %d x accumulation %d%s",
@@ -230,3 +346,82 @@ def auto_batch(
     if fn is not None:
         return decorate(fn)
     return decorate
+
+
+def _leave(
+    exc: BaseException,
+    channel: Optional[_elastic.Channel],
+    stored: str,
+    plan: _plan.Plan,
+    min_batch_size: int,
+    earlier: List[Tuple[int, str]],
+) -> None:
+    """Before a rank exits on an OOM outside any guard: stores the next plan for every rank's restart, and says so."""
+    rank = _rank()
+    text = " ".join(str(find_oom(exc) or exc).split())
+    message = text[:_MESSAGE_CHARS] if text else type(exc).__name__
+    if channel is None:
+        _log.error(
+            "oomkit.auto_batch: out of memory on rank %d at micro-batch %d outside an oom_guard; the other ranks "
+            "may be waiting in a collective this rank will not join, so it exits instead of retrying. To step down "
+            "automatically, run under torchrun with --max-restarts N (every rank restarts with a smaller micro-batch) "
+            "or under `oomkit run`, or wrap the step's memory-hungry part in oomkit.oom_guard()",
+            rank,
+            plan.micro_batch,
+        )
+        return
+    effective = plan.effective_batch or plan.micro_batch * plan.grad_accum
+    try:
+        nxt = _native.back_off(plan.micro_batch, effective, min_batch_size, message, earlier)
+        attempt = (plan.attempt or 1) + 1
+        if nxt is None:
+            proposal = _elastic.Agreed(
+                plan.micro_batch, plan.grad_accum, effective, attempt, rank, plan.micro_batch, message, stop=True
+            )
+        else:
+            proposal = _elastic.Agreed(nxt[0], nxt[1], effective, attempt, rank, plan.micro_batch, message)
+        agreed = channel.propose(stored, proposal)
+    except Exception as e:  # noqa: BLE001 - the OOM is what the user must see; this only explains it
+        _log.error("oomkit.auto_batch: out of memory on rank %d; the next plan could not be stored in %s: %s", rank, channel.where, e)
+        return
+    left = _elastic.restarts_left()
+    then = (
+        "torch elastic restarts every rank"
+        if left > 0
+        else "but torchrun has no restarts left (raise --max-restarts)"
+    )
+    if agreed.stop:
+        _log.error(
+            "oomkit.auto_batch: out of memory on rank %d at micro-batch %d, the smallest allowed; every rank stops (%s)",
+            rank,
+            plan.micro_batch,
+            channel.where,
+        )
+    else:
+        _log.error(
+            "oomkit.auto_batch: out of memory on rank %d at micro-batch %d outside an oom_guard; attempt %d will run "
+            "micro-batch %d x accumulation %d on every rank (agreed in %s); %s",
+            rank,
+            plan.micro_batch,
+            agreed.attempt,
+            agreed.micro_batch,
+            agreed.grad_accum,
+            channel.where,
+            then,
+        )
+
+
+def current_plan() -> Optional[_plan.Plan]:
+    """The micro-batch, accumulation and attempt this process starts with, or None when nothing chose them.
+
+    Under torchrun after an OOM, the plan every rank agreed on; under ``oomkit
+    run``, the plan of its attempt (``OOMKIT_MICRO_BATCH``, ``OOMKIT_ATTEMPT``).
+    A script reads it at start to resume from its own checkpoint.
+
+    Example::
+
+        plan = oomkit.current_plan()
+        if plan is not None and plan.attempt and plan.attempt > 1:
+            state = torch.load("checkpoint.pt")   # resume where the failed attempt left off
+    """
+    return _plan.current()

@@ -250,6 +250,11 @@ class Tracker:
                 "components": components,
             }
         )
+        # A tracker started inside an `auto_batch` function logs that try's plan.
+        active = _plan.active()
+        if active is not None:
+            self.note("plan", **active.record(PLAIN_FRAMEWORK))
+        _LIVE.add(self)
         self._install_model_hooks(model)
         if check_duplicates:
             self.find_duplicates(when="start")
@@ -970,6 +975,26 @@ def _grad_tensors(output: Any, depth: int = 4, out: Optional[List[Any]] = None) 
         if len(found) >= _BACKWARD_MARKS:
             break
     return found
+
+
+# Open trackers, which hear each plan `auto_batch` starts a try with.
+_LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+# The `framework` of a plan record written for a plain training loop.
+PLAIN_FRAMEWORK = "pytorch"
+
+
+def note_plan(plan: _plan.Plan) -> None:
+    """Writes ``plan`` to every open tracker's log, as `auto_batch` starts a try with it."""
+    for t in list(_LIVE):
+        if not t._closed:
+            t.note("plan", **plan.record(PLAIN_FRAMEWORK))
+
+
+def note_oom(exc: BaseException) -> None:
+    """Records an OOM that ``oom_guard`` caught in the first open tracker that takes it."""
+    for t in list(_LIVE):
+        if not t._closed and t.record_oom(exc):
+            return
 
 
 # Trackers on CUDA that hear the allocator's OOM observer; the observer

@@ -515,6 +515,15 @@ fn emit(results: &[Outcome], report: &ReportArgs) {
     let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     let ranks =
         oomkit_report::rank_table(&ok.iter().map(|r| RankSource::from(*r)).collect::<Vec<_>>());
+    let logs: Vec<&oomkit_runlog::Analysis> = ok
+        .iter()
+        .filter_map(|r| match r {
+            Report::Run(rf) => Some(&rf.analysis),
+            Report::Snapshot(_) => None,
+        })
+        .collect();
+    // Only a job that stepped down has attempts worth a table.
+    let attempts = Some(oomkit_runlog::attempts(&logs)).filter(|a| a.len() > 1);
     if report.json {
         let values: Vec<serde_json::Value> = results
             .iter()
@@ -525,6 +534,10 @@ fn emit(results: &[Outcome], report: &ReportArgs) {
                         let mine: Vec<_> =
                             ranks.iter().filter(|row| row.file == rep.path()).collect();
                         m.insert("multi_rank".into(), serde_json::json!(mine));
+                    }
+                    if let (Report::Run(_), Some(a), Some(m)) = (rep, &attempts, v.as_object_mut())
+                    {
+                        m.insert("attempts".into(), serde_json::json!(a));
                     }
                     v
                 }
@@ -550,6 +563,9 @@ fn emit(results: &[Outcome], report: &ReportArgs) {
         }
         if !ranks.is_empty() {
             let _ = write!(out, "\n{}", oomkit_report::rank_text(&ranks));
+        }
+        if let Some(a) = &attempts {
+            let _ = write!(out, "\n{}", oomkit_report::attempts_text(a));
         }
     }
 }

@@ -3,11 +3,13 @@
 //! Both take the same [`FileAnalysis`]; the JSON form is a contract
 //! documented in the README, the terminal form is for people.
 
+mod attempts;
 mod diff;
 mod html;
 mod perfetto;
 mod ranks;
 
+pub use attempts::attempts_text;
 pub use diff::{diff_runs, diff_snapshots, diff_text, DeviceDelta, Diff, SiteDelta, StageDelta};
 pub use html::{html_report, HtmlInput};
 use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};

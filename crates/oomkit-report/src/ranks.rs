@@ -45,6 +45,8 @@ pub struct RankRow {
     pub rank: Option<u32>,
     /// `cuda:N` or `cpu`.
     pub device: String,
+    /// The attempt the log's last plan belongs to, for a job that stepped down; null for snapshots.
+    pub attempt: Option<u64>,
     /// Peak bytes in use (active bytes for a snapshot, the largest step peak for a run log).
     pub peak_bytes: u64,
     /// Peak bytes reserved by the allocator.
@@ -98,6 +100,7 @@ pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
                         file: fa.path.clone(),
                         rank: rank_in_name(&fa.path),
                         device: format!("cuda:{}", d.device),
+                        attempt: None,
                         peak_bytes: d.peak_active_bytes,
                         reserved_bytes: d.peak_reserved_bytes.max(d.reserved_bytes),
                         ooms: d.ooms.len(),
@@ -117,6 +120,7 @@ pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
                     file: rf.path.clone(),
                     rank: Some(a.rank),
                     device: a.device.clone(),
+                    attempt: a.plan.as_ref().and_then(|p| p.attempt),
                     peak_bytes: a.peak_bytes,
                     reserved_bytes: a.peak_reserved_bytes,
                     ooms: a.ooms.len(),
@@ -194,10 +198,18 @@ pub fn rank_text(rows: &[RankRow]) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(out, "== ranks ({} files)", rows.len());
+    // Logs of several attempts hold each rank more than once: say which attempt.
+    let attempts = rows.iter().any(|r| r.attempt.is_some());
     let _ = writeln!(
         out,
-        "  {:<5} {:<8} {:>10} {:>10} {:>5}  {:<22}  file",
-        "rank", "device", "peak", "reserved", "OOMs", "first OOM"
+        "  {:<5} {}{:<8} {:>10} {:>10} {:>5}  {:<22}  file",
+        "rank",
+        if attempts { "attempt " } else { "" },
+        "device",
+        "peak",
+        "reserved",
+        "OOMs",
+        "first OOM"
     );
     for r in rows {
         let mut flags = String::new();
@@ -207,10 +219,16 @@ pub fn rank_text(rows: &[RankRow]) -> String {
         if r.failed_first {
             flags.push_str("  <- failed first");
         }
+        let attempt = if attempts {
+            format!("{:<8}", r.attempt.map_or("?".into(), |a| a.to_string()))
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "  {:<5} {:<8} {:>10} {:>10} {:>5}  {:<22}  {}{}",
+            "  {:<5} {}{:<8} {:>10} {:>10} {:>5}  {:<22}  {}{}",
             r.rank.map_or("?".into(), |r| r.to_string()),
+            attempt,
             r.device,
             human_bytes(r.peak_bytes),
             human_bytes(r.reserved_bytes),
@@ -276,6 +294,7 @@ mod tests {
             file: "f".into(),
             rank: None,
             device: "cuda:0".into(),
+            attempt: None,
             peak_bytes: peak,
             reserved_bytes: peak,
             ooms,

@@ -120,6 +120,10 @@ pub struct Analysis {
     pub ooms: Vec<OomSummary>,
     /// The latest batch plan an integration recorded, or null.
     pub plan: Option<Plan>,
+    /// Every plan recorded, in order: one per try where the micro-batch stepped down in-process.
+    pub plans: Vec<Plan>,
+    /// True when the tracker was closed (the log has an `end` record).
+    pub closed: bool,
     /// Conclusions, most urgent first.
     pub findings: Vec<Finding>,
     /// Limits of the evidence.
@@ -395,6 +399,8 @@ pub fn analyze(run: &Run) -> Analysis {
         grad_nonfinite_checks: nonfinite_checks,
         ooms,
         plan: run.plans.last().cloned(),
+        plans: run.plans.clone(),
+        closed: run.closed,
         findings,
         warnings,
     }

@@ -8,6 +8,7 @@
 //! and findings that carry their evidence in numbers.
 
 mod analysis;
+mod attempts;
 mod error;
 mod findings;
 pub mod process;
@@ -15,6 +16,7 @@ mod record;
 mod writer;
 
 pub use analysis::{analyze, Analysis, Leak, OomSummary, StageGrowth, StageStats, Warning};
+pub use attempts::{attempts, Attempt, AttemptOutcome, FirstOom};
 pub use error::{Error, Result};
 pub use oomkit_advice::{Finding, FindingKind};
 pub use record::{

@@ -175,12 +175,14 @@ pub struct Plan {
     pub grad_accum: Option<u64>,
     /// Micro-batch x accumulation: samples per optimizer step on one process.
     pub effective_batch: Option<u64>,
-    /// `oomkit run`'s attempt number, when it chose the plan.
+    /// The attempt's number, from 1: `oomkit run`'s, or the torchrun job's after a restart.
     pub attempt: Option<u64>,
     /// Who chose it: `oomkit run`, or the framework's own arguments.
     pub source: String,
     /// The framework the plan was applied to, e.g. `transformers` or `lightning`.
     pub framework: String,
+    /// When the try with this plan started, seconds since the epoch.
+    pub time: Option<f64>,
 }
 
 /// The newest run-log format this reader knows (`version` in the `start`

@@ -97,6 +97,11 @@ const UNMANAGED_MODEL: &str = "GPUs chosen by the command";
 /// The allocator settings variable that `expandable_segments` is added to.
 const ALLOC_CONF_ENV: &str = "PYTORCH_CUDA_ALLOC_CONF";
 
+/// torch elastic's switch for a rendezvous store apart from the workers' one;
+/// torchrun's restarts hang without it on current releases (pytorch #135712,
+/// #167288), and `auto_batch` relies on them to step every rank down.
+const TORCHRUN_SEPARATE_STORE_ENV: &str = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE";
+
 /// What `oomkit run` does after an out-of-memory attempt: the smallest fix the cause allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -223,6 +228,10 @@ pub fn supervise(
         let _ = std::fs::remove_file(&oom_file);
         if opts.auto_callback {
             spec.env.push(env(child_env::AUTO_CALLBACK, 1));
+        }
+        // Only torchrun reads it; a user's own setting stands.
+        if std::env::var_os(TORCHRUN_SEPARATE_STORE_ENV).is_none() {
+            spec.env.push(env(TORCHRUN_SEPARATE_STORE_ENV, 1));
         }
         if let Some(conf) = &alloc_conf {
             spec.env.push(env(ALLOC_CONF_ENV, conf));
