@@ -35,6 +35,7 @@ WORKER = textwrap.dedent(
 
     mode, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
     min_batch = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    oom_ranks = {int(r) for r in sys.argv[5].split(",")} if len(sys.argv) > 5 else {1}
     open(os.path.join(out, "pids", str(os.getpid())), "w").close()
     start = oomkit.current_plan()
     dist.init_process_group("gloo")
@@ -52,9 +53,9 @@ WORKER = textwrap.dedent(
     def one_step(micro, step):
         if mode == "guard":
             with oomkit.oom_guard():
-                if rank == 1 and micro > limit:
+                if rank in oom_ranks and micro > limit:
                     torch.empty(1 << 62, dtype=torch.uint8)
-        elif rank == 1 and micro > limit and step == 1:
+        elif rank in oom_ranks and micro > limit and step == 1:
             # Outside any guard: the other ranks are already in the all-reduce below.
             torch.empty(1 << 62, dtype=torch.uint8)
         t = torch.full((1,), float(micro))
@@ -100,7 +101,7 @@ def _agent_cmd(script: Path, rdzv: List[str], args: List[str], restarts: int = 3
     ]
 
 
-def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: int = 1) -> Tuple[List[Tuple[int, str]], Dict[int, dict], float]:
+def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: int = 1, oom_ranks: str = "1") -> Tuple[List[Tuple[int, str]], Dict[int, dict], float]:
     """Runs the job on `nodes` agents; returns each agent's exit code and output, the ranks' results, and the wall time."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -115,7 +116,7 @@ def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: i
         port = _free_port()
         rdzv = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "oomkit-elastic-test"]
         rdzvs = [rdzv] * nodes
-    args = [mode, str(out), str(limit), str(min_batch)]
+    args = [mode, str(out), str(limit), str(min_batch), oom_ranks]
     t0 = time.monotonic()
     agents = [
         subprocess.Popen(_agent_cmd(script, r, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -197,6 +198,15 @@ def test_an_oom_outside_any_guard_restarts_every_rank_on_every_node_with_one_sma
     text = subprocess.run(["oomkit", "analyze", *logs], capture_output=True, text=True, timeout=60).stdout
     assert "== attempts (3)" in text
     assert "rank 1 ran out of memory first (step 1" in text
+
+
+def test_two_ranks_on_two_nodes_that_run_out_at_once_step_down_once(tmp_path: Path) -> None:
+    done, results, _ = _run_job(tmp_path, "outside", limit=16, oom_ranks="1,2")
+    for code, text in done:
+        assert code == 0, text[-3000:]
+    # Both ran out at 32 and proposed 16 for attempt 2: one step down, not two.
+    _all_on(results, [16, 8])
+    assert {r["start_attempt"] for r in results.values()} == {2}, results
 
 
 def test_an_oom_inside_a_guard_steps_every_rank_down_without_a_restart(tmp_path: Path) -> None:
