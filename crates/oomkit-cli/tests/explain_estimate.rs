@@ -184,9 +184,10 @@ fn estimate_calibrates_from_two_short_runs() {
     let near = |x: &Value, want: f64| (x.as_f64().unwrap() - want).abs() < 0.01 * GIB;
     assert!(near(&c["fixed_bytes"], 10.0 * GIB), "{c}");
     assert!(near(&c["per_sample_bytes"], GIB), "{c}");
-    // The logs say 80 GiB; less the 1 GiB overhead and 10 GiB fixed, 69 samples fit.
+    // The logs say 80 GiB; less the 1 GiB overhead and 10 GiB fixed, each with
+    // the allocator's 10% reserve, (80 - 1 - 11) / 1.1 = 61.8 samples fit.
     assert_eq!(c["capacity_bytes"].as_u64(), Some(80 << 30));
-    assert_eq!(c["max_batch"], 69);
+    assert_eq!(c["max_batch"], 61);
     assert!(c["formula_max_batch"].is_u64());
     // The text shows both, side by side.
     let text = oomkit(
@@ -282,8 +283,9 @@ fn estimate_calibrates_from_find_batch_output() {
     );
     let c = &v["calibration"];
     assert_eq!(c["measured"].as_array().unwrap().len(), 2);
-    // 10 GiB fixed, 1 GiB per sample, 40 GiB less 1 GiB overhead: 29.
-    assert_eq!(c["max_batch"], 29);
+    // 10 GiB fixed, 1 GiB per sample, 10% reserve on both, 40 GiB less 1 GiB
+    // overhead: (40 - 1 - 11) / 1.1 = 25.5.
+    assert_eq!(c["max_batch"], 25);
 }
 
 /// The README's `--calibrate` example, run as written from the repository root.

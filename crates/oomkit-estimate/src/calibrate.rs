@@ -44,13 +44,13 @@ pub struct Calibration {
     pub max_error_bytes: u64,
     /// The memory to fit in, if known.
     pub capacity_bytes: Option<u64>,
-    /// The largest micro-batch whose calibrated peak, plus the estimate's overhead, fits; null without a capacity.
+    /// The largest micro-batch whose calibrated peak, plus the error of the fit, the allocator's reserve and the estimate's overhead, fits; null without a capacity.
     pub max_batch: Option<u64>,
     /// The formulas' fixed part, for comparison.
     pub formula_fixed_bytes: u64,
     /// The formulas' per-sample cost, for comparison.
     pub formula_per_sample_bytes: u64,
-    /// The formulas' largest micro-batch, for comparison.
+    /// The formulas' largest micro-batch (at their high figure), for comparison.
     pub formula_max_batch: Option<u64>,
     /// The measurements, in the order given.
     pub measured: Vec<Measured>,
@@ -116,14 +116,18 @@ pub fn calibrate(
         per_sample_bytes: per_sample,
         max_error_bytes,
         capacity_bytes: capacity,
-        // A measured peak is what PyTorch allocated: the CUDA context and the
-        // allocator's slack (the estimate's overhead) come on top of it.
-        max_batch: capacity
-            .map(|c| c.saturating_sub(fixed + formula.inputs.overhead_bytes) / per_sample.max(1)),
+        // A measured peak is what PyTorch's tensors held: the CUDA context
+        // (the estimate's overhead) and the caching allocator's reserve come
+        // on top of it, and the error of the fit is taken against the run.
+        max_batch: capacity.map(|c| {
+            let reserve = 1.0 + crate::ALLOCATOR_RESERVE;
+            let fixed_high = ((fixed + max_error_bytes) as f64 * reserve) as u64;
+            c.saturating_sub(fixed_high + formula.inputs.overhead_bytes)
+                / ((per_sample as f64 * reserve).ceil() as u64).max(1)
+        }),
         formula_fixed_bytes: formula_fixed,
         formula_per_sample_bytes: formula.per_sample_bytes,
-        formula_max_batch: capacity
-            .map(|c| c.saturating_sub(formula_fixed) / formula.per_sample_bytes.max(1)),
+        formula_max_batch: formula.max_batch,
         measured,
     })
 }

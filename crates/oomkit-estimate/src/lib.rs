@@ -53,6 +53,9 @@ pub struct Architecture {
     pub llama_style: bool,
     /// Whether the model ends in a vocabulary head (a language model), not a small classifier.
     pub lm_head: bool,
+    /// Whether the layers apply dropout, whose one-byte masks are kept for
+    /// backward: false when every dropout probability in the config is 0.
+    pub dropout: bool,
     /// Vocabulary size.
     pub vocab: u64,
     /// Whether the output projection shares the embedding's weights.
@@ -115,6 +118,7 @@ impl Architecture {
             gated_mlp: false,
             llama_style: false,
             lm_head: true,
+            dropout: true,
             vocab: 50257,
             tied_embeddings: true,
             source: "guessed from the parameter count".into(),
@@ -174,6 +178,13 @@ impl Architecture {
             .and_then(|x| x.as_str())
             .unwrap_or("");
         let model_type = cfg.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
+        // Dropout keeps a mask for backward; a config whose every dropout
+        // probability is 0 keeps none. Without any such field, assume it is on.
+        let rates: Vec<f64> = DROPOUT_FIELDS
+            .iter()
+            .filter_map(|k| cfg.get(*k).and_then(|x| x.as_f64()))
+            .collect();
+        let dropout = rates.is_empty() || rates.iter().any(|&r| r > 0.0);
         let llama_style = LLAMA_STYLE.contains(&model_type);
         // Gemma's hidden_act is "gelu", but its MLP is gated like Llama's:
         // the family decides, the activation only where the family is unknown.
@@ -202,6 +213,7 @@ impl Architecture {
             gated_mlp,
             llama_style,
             lm_head: !classifier,
+            dropout,
             vocab: get(&["vocab_size", "padded_vocab_size"]).unwrap_or(32000),
             tied_embeddings: cfg
                 .get("tie_word_embeddings")
@@ -231,6 +243,20 @@ const LLAMA_STYLE: &[&str] = &[
     "internlm2",
     "stablelm",
     "granite",
+];
+
+/// The config fields that hold dropout probabilities, across families.
+const DROPOUT_FIELDS: &[&str] = &[
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_dropout",
+    "attention_probs_dropout_prob",
+    "resid_pdrop",
+    "attn_pdrop",
+    "embd_pdrop",
+    "dropout",
+    "dropout_rate",
+    "activation_dropout",
 ];
 
 /// Families with SiLU activations but a plain two-matrix MLP.
@@ -297,6 +323,8 @@ pub struct Inputs {
     pub ema: bool,
     /// LoRA rank on the attention projections; the base weights are frozen.
     pub lora_rank: Option<u64>,
+    /// QLoRA: the frozen linear weights are stored in 4 bits (bitsandbytes NF4), the rest in `dtype`.
+    pub load_in_4bit: bool,
     /// CUDA context, cuBLAS workspaces and allocator slack outside the tensors.
     pub overhead_bytes: u64,
     /// Device memory to fit in.
@@ -328,11 +356,53 @@ pub struct Estimate {
     pub capacity_bytes: Option<u64>,
     /// Activation bytes each additional sample adds.
     pub per_sample_bytes: u64,
-    /// The largest micro-batch that fits the capacity, if known; 0 when even the fixed part does not fit.
+    /// The high end of the range: activations [`ACTIVATION_SPREAD`] higher and
+    /// the caching allocator's reserve ([`ALLOCATOR_RESERVE`]) on every tensor.
+    pub high_bytes: u64,
+    /// What each sample adds at the high end.
+    pub high_per_sample_bytes: u64,
+    /// Whether it fits the capacity: judged on the high figure, never on the expected one; null without a capacity.
+    pub verdict: Option<Verdict>,
+    /// The largest micro-batch whose high figure fits the capacity, if known; 0 when even the fixed part does not fit.
     pub max_batch: Option<u64>,
     /// The inputs, as used.
     pub inputs: Inputs,
 }
+
+/// The CUDA context and kernels that `nvidia-smi` shows before any tensor:
+/// 1343 MiB measured by Hugging Face on a V100 ("Model training anatomy":
+/// `torch.ones((1, 1)).to("cuda")`), which is 1.25 GiB once rounded.
+pub const DEFAULT_OVERHEAD_BYTES: u64 = 1280 << 20;
+
+/// How an estimate compares with the capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Even the high figure fits.
+    Fits,
+    /// The expected figure fits and the high one does not: the run may run out of memory.
+    MayNotFit,
+    /// The expected figure alone exceeds the capacity.
+    DoesNotFit,
+}
+
+/// How far activations can exceed the formulas: kernels, fusion and
+/// attention implementations move them by about a quarter (a Llama-style
+/// layer measures 45 bytes per token and hidden unit where the Korthikanti
+/// formula counts 34).
+pub const ACTIVATION_SPREAD: f64 = 0.25;
+
+/// What PyTorch's caching allocator reserves above the live tensors at the
+/// peak, as a fraction of them: the median of the training-step snapshots in
+/// `../shared/fixtures/snapshots` and `crates/oomkit-cli/tests/real` (peak
+/// reserved over peak active: 1.02, 1.03, 1.09, 1.10, 1.11, 1.15, 1.16).
+/// `nvidia-smi` shows it; the tensors alone do not.
+pub const ALLOCATOR_RESERVE: f64 = 0.10;
+
+/// Bytes per parameter of a 4-bit (NF4) weight: half a byte, plus one fp32
+/// absmax constant per block of 64 (bitsandbytes' default, without double
+/// quantization: 0.5 bits per parameter; Dettmers et al. 2023, "QLoRA").
+const NF4_BYTES_PER_PARAM: f64 = 0.5 + 4.0 / 64.0;
 
 /// Bytes one Llama-style layer keeps for backward per token and hidden unit
 /// is about 45 (measured), against the 34 of the Korthikanti formula: the
@@ -359,7 +429,7 @@ fn activations_per_sample(i: &Inputs) -> u64 {
     let kv = a.kv_width;
     let scores = if i.flash_attention {
         0
-    } else if a.llama_style {
+    } else if a.llama_style || !a.dropout {
         // Scores and softmax output in 16 bits; no dropout mask.
         4 * heads * s * s
     } else {
@@ -373,7 +443,9 @@ fn activations_per_sample(i: &Inputs) -> u64 {
         let mlp = 3 * s * h + if a.gated_mlp { 6 * s * f } else { 4 * s * f };
         let attn_linear = 3 * s * h + 8 * s * d;
         let norms = 4 * s * h;
-        attn_linear + scores + mlp + norms
+        // The one-byte dropout masks after attention and after the MLP.
+        let masks = if a.dropout { 0 } else { 2 * s * h };
+        attn_linear + scores + mlp + norms - masks
     };
     let cross = 3 * s * h + 8 * s * d + scores;
     let full = a.layers * layer + a.decoder_layers * (layer + cross);
@@ -414,6 +486,16 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
             "--batch and --seq must be at least 1".into(),
         ));
     }
+    if inputs.load_in_4bit && inputs.lora_rank.is_none() {
+        return Err(EstimateError::Invalid(
+            "4-bit weights are frozen: give --lora-rank R to train adapters on them (QLoRA)".into(),
+        ));
+    }
+    if inputs.load_in_4bit && inputs.mixed_precision {
+        return Err(EstimateError::Invalid(
+            "--load-in-4bit computes in --dtype; it does not combine with --mixed-precision".into(),
+        ));
+    }
     let a = &inputs.arch;
     let p = inputs.params;
     let trainable = match inputs.lora_rank {
@@ -437,13 +519,30 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     // step, so mixed-precision AdamW is 18 bytes per parameter, not 16
     // (DeepSpeed's ZeRO paper and Hugging Face's model-memory anatomy count 18).
     let cast_copy = if inputs.mixed_precision { 2 * p } else { 0 };
-    let weights = p * store
-        + cast_copy
-        + if inputs.lora_rank.is_some() {
-            trainable * store
+    let adapters = if inputs.lora_rank.is_some() {
+        trainable * store
+    } else {
+        0
+    };
+    let weights = if inputs.load_in_4bit {
+        // bitsandbytes quantizes the linear layers only: the embeddings, the
+        // vocabulary head and the norms stay in the compute dtype. The layer
+        // being run is dequantized to the compute dtype for its matmul.
+        let heads = if a.tied_embeddings || !a.lm_head {
+            1
         } else {
-            0
+            2
         };
+        let unquantized = (a.vocab * a.hidden * heads).min(p);
+        let quantized = p - unquantized;
+        let dequantized = a.hidden * a.ffn.max(a.hidden) * inputs.dtype.bytes();
+        (quantized as f64 * NF4_BYTES_PER_PARAM) as u64
+            + unquantized * inputs.dtype.bytes()
+            + dequantized
+            + adapters
+    } else {
+        p * store + cast_copy + adapters
+    };
     let gradients = trainable * store;
     let state_per = match inputs.optimizer {
         Optimizer::AdamW => 2 * store,
@@ -461,9 +560,24 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     let activations = per_sample * inputs.batch;
     let fixed = weights + gradients + optimizer + ema + inputs.overhead_bytes;
     let total = fixed + activations;
+    // The high end: more activations, and the allocator's reserve on every tensor.
+    let reserve = 1.0 + ALLOCATOR_RESERVE;
+    let high_fixed =
+        ((fixed - inputs.overhead_bytes) as f64 * reserve) as u64 + inputs.overhead_bytes;
+    let high_per_sample = (per_sample as f64 * (1.0 + ACTIVATION_SPREAD) * reserve).ceil() as u64;
+    let high = high_fixed + high_per_sample * inputs.batch;
+    let verdict = inputs.capacity_bytes.map(|c| {
+        if high <= c {
+            Verdict::Fits
+        } else if total <= c {
+            Verdict::MayNotFit
+        } else {
+            Verdict::DoesNotFit
+        }
+    });
     let max_batch = inputs
         .capacity_bytes
-        .map(|c| c.saturating_sub(fixed) / per_sample.max(1));
+        .map(|c| c.saturating_sub(high_fixed) / high_per_sample.max(1));
     Ok(Estimate {
         params: p,
         trainable_params: trainable,
@@ -476,6 +590,9 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         total_bytes: total,
         capacity_bytes: inputs.capacity_bytes,
         per_sample_bytes: per_sample,
+        high_bytes: high,
+        high_per_sample_bytes: high_per_sample,
+        verdict,
         max_batch,
         inputs,
     })
@@ -521,6 +638,13 @@ impl Estimate {
             a.heads,
             a.vocab
         );
+        if i.load_in_4bit {
+            let _ = writeln!(
+                out,
+                "weights: linear layers in 4 bits (NF4), embeddings and head in {:?}",
+                i.dtype
+            );
+        }
         let _ = writeln!(out);
         let rows = [
             ("weights", self.weights_bytes),
@@ -534,12 +658,27 @@ impl Estimate {
             let share = 100.0 * b as f64 / self.total_bytes.max(1) as f64;
             let _ = writeln!(out, "  {label:<27} {:>12}  {share:>5.1}%", gib(b));
         }
-        let _ = writeln!(out, "  {:<27} {:>12}", "total", gib(self.total_bytes));
-        if let Some(c) = self.capacity_bytes {
-            let verdict = if self.total_bytes <= c {
-                "fits"
-            } else {
-                "does NOT fit"
+        let _ = writeln!(
+            out,
+            "  {:<27} {:>12}",
+            "total (expected)",
+            gib(self.total_bytes)
+        );
+        let _ = writeln!(
+            out,
+            "  {:<27} {:>12}  activations +{:.0}%, allocator reserve +{:.0}%",
+            "total (high)",
+            gib(self.high_bytes),
+            100.0 * ACTIVATION_SPREAD,
+            100.0 * ALLOCATOR_RESERVE
+        );
+        if let (Some(c), Some(v)) = (self.capacity_bytes, self.verdict) {
+            let verdict = match v {
+                Verdict::Fits => "fits, even at the high figure",
+                Verdict::MayNotFit => {
+                    "may NOT fit: the expected figure fits, the high one does not"
+                }
+                Verdict::DoesNotFit => "does NOT fit",
             };
             let _ = writeln!(out, "  {:<27} {:>12}  {verdict}", "capacity", gib(c));
             match self.max_batch {
@@ -549,8 +688,9 @@ impl Estimate {
                 Some(m) => {
                     let _ = writeln!(
                         out,
-                        "\nLargest micro-batch that fits: {m} (each sample adds {}).",
-                        gib(self.per_sample_bytes)
+                        "\nLargest micro-batch that fits at the high figure: {m} (each sample adds {} to {}).",
+                        gib(self.per_sample_bytes),
+                        gib(self.high_per_sample_bytes)
                     );
                 }
                 None => {}
@@ -577,6 +717,7 @@ mod tests {
             flash_attention: false,
             ema: false,
             lora_rank: None,
+            load_in_4bit: false,
             overhead_bytes: 512 << 20,
             capacity_bytes: Some(80 << 30),
         }
@@ -627,9 +768,42 @@ mod tests {
         let m = e.max_batch.expect("capacity given");
         let mut i = inputs(6_700_000_000);
         i.batch = m;
-        assert!(estimate(i.clone()).expect("e").total_bytes <= 80 << 30);
+        let at = estimate(i.clone()).expect("e");
+        assert!(at.high_bytes <= 80 << 30);
+        assert_eq!(at.verdict, Some(Verdict::Fits));
         i.batch = m + 1;
-        assert!(estimate(i).expect("e").total_bytes > 80 << 30);
+        let past = estimate(i).expect("e");
+        assert!(past.high_bytes > 80 << 30);
+        // One sample past the high figure's limit, the expected figure still fits: "may not fit".
+        assert_eq!(past.verdict, Some(Verdict::MayNotFit));
+    }
+
+    #[test]
+    fn the_high_figure_adds_the_spread_and_the_reserve() {
+        let e = estimate(inputs(1_300_000_000)).expect("estimate");
+        let tensors = (e.total_bytes - e.overhead_bytes) as f64;
+        let extra = e.activations_bytes as f64 * ACTIVATION_SPREAD;
+        let high = (tensors + extra) * (1.0 + ALLOCATOR_RESERVE) + e.overhead_bytes as f64;
+        assert!(
+            (e.high_bytes as f64 - high).abs() < 1e-6 * high,
+            "{} vs {high}",
+            e.high_bytes
+        );
+    }
+
+    #[test]
+    fn four_bit_weights_cost_about_a_quarter_of_bf16() {
+        let mut i = inputs(6_700_000_000);
+        i.lora_rank = Some(16);
+        let bf16 = estimate(i.clone()).expect("estimate");
+        i.load_in_4bit = true;
+        let q = estimate(i.clone()).expect("estimate");
+        // 4.5 bits for the linear layers, 16 for embeddings, one layer dequantized.
+        let ratio = q.weights_bytes as f64 / bf16.weights_bytes as f64;
+        assert!((0.28..0.33).contains(&ratio), "{ratio}");
+        assert_eq!(q.gradients_bytes, bf16.gradients_bytes);
+        i.lora_rank = None;
+        assert!(estimate(i).is_err(), "4-bit weights need adapters");
     }
 
     #[test]

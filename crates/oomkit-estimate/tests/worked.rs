@@ -17,6 +17,7 @@ fn base(arch: Architecture, params: u64) -> Inputs {
         flash_attention: false,
         ema: false,
         lora_rank: None,
+        load_in_4bit: false,
         overhead_bytes: 1 << 30,
         capacity_bytes: None,
     }
