@@ -24,8 +24,8 @@ import tracemalloc
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python", "tests"))
-import oomkit  # noqa: E402
-from models import TinyTransformer  # noqa: E402
+import oomkit
+from models import TinyTransformer
 
 
 def step_tiny(model, opt, x):

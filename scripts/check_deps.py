@@ -14,6 +14,11 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 # Used by a derive or attribute, so no `name::` appears.
 MACRO_ONLY = {"serde", "thiserror"}
 
@@ -36,10 +41,10 @@ def sources(crate_dir: str) -> str:
     text = []
     for sub in ("src", "tests", "examples", "benches"):
         for dirpath, _, files in os.walk(os.path.join(crate_dir, sub)):
-            text += [open(os.path.join(dirpath, f), encoding="utf-8").read() for f in files if f.endswith(".rs")]
+            text += [_read(os.path.join(dirpath, f)) for f in files if f.endswith(".rs")]
     build = os.path.join(crate_dir, "build.rs")
     if os.path.exists(build):
-        text.append(open(build, encoding="utf-8").read())
+        text.append(_read(build))
     return "\n".join(text)
 
 
@@ -52,7 +57,7 @@ def main() -> int:
         toml_path = os.path.join(path, "Cargo.toml")
         if not os.path.exists(toml_path):
             continue
-        toml = open(toml_path, encoding="utf-8").read()
+        toml = _read(toml_path)
         code = sources(path)
         for name in declared(toml, "dependencies") + declared(toml, "dev-dependencies") + declared(toml, "build-dependencies"):
             all_declared.add(name)
@@ -61,7 +66,7 @@ def main() -> int:
                 continue
             if not re.search(rf"\b{ident}::|\buse {ident}\b|extern crate {ident}\b", code):
                 problems.append(f"crates/{crate}: declares `{name}` but never uses it")
-    workspace = open(os.path.join(ROOT, "Cargo.toml"), encoding="utf-8").read()
+    workspace = _read(os.path.join(ROOT, "Cargo.toml"))
     for name in declared(workspace, "workspace.dependencies"):
         if name not in all_declared:
             problems.append(f"Cargo.toml: [workspace.dependencies] lists `{name}`, which no crate uses")

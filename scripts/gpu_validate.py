@@ -30,6 +30,7 @@ as the device tool brings back at most eight.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -39,7 +40,7 @@ import sys
 import tarfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -52,6 +53,12 @@ EXPECTED = {
 }
 
 
+def _load(path: str) -> Any:
+    """A JSON file's content."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 class Validation:
     """The run's settings, its results, and the helpers every section uses."""
 
@@ -62,13 +69,13 @@ class Validation:
         self.work = os.path.join(self.out, "work")
         os.makedirs(self.work, exist_ok=True)
         self.t0 = time.monotonic()
-        self.results: Dict[str, Any] = {"device": args.device, "quick": args.quick, "sections": {}}
+        self.results: dict[str, Any] = {"device": args.device, "quick": args.quick, "sections": {}}
         self.oomkit = shutil.which("oomkit") or ""
 
     def left(self) -> float:
         return self.args.budget - (time.monotonic() - self.t0)
 
-    def sh(self, cmd: List[str], timeout: float = 300, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:
+    def sh(self, cmd: list[str], timeout: float = 300, env: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> dict[str, Any]:
         """Runs a command; returns its exit code, seconds and output (kept in the artifacts)."""
         t = time.monotonic()
         # A plan memory of the run's own: stepping down is measured, not skipped by a remembered plan.
@@ -85,7 +92,7 @@ class Validation:
             f.write(" ".join(cmd) + f"\n# exit {rc}\n--- stdout\n{out}\n--- stderr\n{err}")
         return {"rc": rc, "seconds": time.monotonic() - t, "stdout": out, "stderr": err}
 
-    def example(self, script: str, flags: List[str], **kw: Any) -> Dict[str, Any]:
+    def example(self, script: str, flags: list[str], **kw: Any) -> dict[str, Any]:
         """Runs an example script; its RESULT line, parsed, is under "result"."""
         r = self.sh([sys.executable, os.path.join(EXAMPLES, script), "--device", self.args.device] + flags, **kw)
         r["result"] = next(
@@ -93,13 +100,13 @@ class Validation:
         )
         return r
 
-    def analyze(self, path: str) -> Dict[str, Any]:
+    def analyze(self, path: str) -> dict[str, Any]:
         r = self.sh([self.oomkit, "analyze", "--json", path])
         if r["rc"] != 0:
             return {"error": r["stderr"].strip()[-300:]}
         return json.loads(r["stdout"])
 
-    def section(self, name: str, estimate: float, fn: Callable[[], Dict[str, Any]]) -> None:
+    def section(self, name: str, estimate: float, fn: Callable[[], dict[str, Any]]) -> None:
         if self.left() < estimate:
             self.results["sections"][name] = {"status": "skipped", "why": f"{self.left():.0f} s left, needs about {estimate:.0f} s"}
             return
@@ -119,14 +126,14 @@ class Validation:
 
     # ----- sizes ---------------------------------------------------------------
 
-    def gpt_flags(self) -> List[str]:
+    def gpt_flags(self) -> list[str]:
         return ["--size", "100m", "--batch", "8"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
 
-    def cnn_flags(self) -> List[str]:
+    def cnn_flags(self) -> list[str]:
         return ["--size", "resnet", "--batch", "64"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
 
 
-def last_json_object(text: str) -> Optional[Dict[str, Any]]:
+def last_json_object(text: str) -> Optional[dict[str, Any]]:
     """The JSON object a command prints after its child's own output (which starts at a line that is just "{")."""
     at = text.rfind("\n{\n")
     if at >= 0:
@@ -142,11 +149,11 @@ def last_json_object(text: str) -> Optional[Dict[str, Any]]:
     return value if isinstance(value, dict) else None
 
 
-def kinds(analysis: Dict[str, Any]) -> List[str]:
+def kinds(analysis: dict[str, Any]) -> list[str]:
     return [f["kind"] for f in analysis.get("findings", [])]
 
 
-def planted(v: Validation) -> Dict[str, Any]:
+def planted(v: Validation) -> dict[str, Any]:
     rows = []
     steps = "12" if v.args.quick else "30"
     for script, flags in (("gpt_train.py", v.gpt_flags()), ("cnn_train.py", v.cnn_flags())):
@@ -159,7 +166,7 @@ def planted(v: Validation) -> Dict[str, Any]:
                 run_flags += ["--snapshot", f"{name}.pickle"]
             r = v.example(script, run_flags)
             res = r["result"] or {}
-            row: Dict[str, Any] = {"case": name, "bug": bug, "rc": r["rc"], "peak_bytes": res.get("peak_bytes")}
+            row: dict[str, Any] = {"case": name, "bug": bug, "rc": r["rc"], "peak_bytes": res.get("peak_bytes")}
             if res.get("log"):
                 row["log_findings"] = kinds(v.analyze(os.path.join(v.work, res["log"])))
             if res.get("snapshot"):
@@ -183,15 +190,15 @@ def planted(v: Validation) -> Dict[str, Any]:
     return {"rows": rows}
 
 
-def oom(v: Validation) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def oom(v: Validation) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     # The tracker's capture of a real OOM.
     if v.cuda:
         flags = ["--size", "100m", "--batch", "64", "--memory-fraction", "0.25", "--record-history"]
     else:
         flags = ["--size", "tiny", "--batch", "32", "--oom-above", "16", "--tracker"]
     r = v.example("gpt_train.py", flags + ["--steps", "3", "--log-dir", "logs-oom"])
-    capture: Dict[str, Any] = {"rc": r["rc"], "diagnosis_printed": "out of memory, diagnosis" in r["stderr"]}
+    capture: dict[str, Any] = {"rc": r["rc"], "diagnosis_printed": "out of memory, diagnosis" in r["stderr"]}
     res = r["result"] or {}
     if res.get("log"):
         a = v.analyze(os.path.join(v.work, res["log"]))
@@ -214,7 +221,7 @@ def oom(v: Validation) -> Dict[str, Any]:
          "--device", v.args.device, "--steps", "3", "--tracker", "--log-dir", "logs-run"] + script_flags,
         timeout=400,
     )
-    out["run"] = {"rc": run["rc"], "summary": json.load(open(summary)) if os.path.exists(summary) else None}
+    out["run"] = {"rc": run["rc"], "summary": _load(summary) if os.path.exists(summary) else None}
     # find-batch against a bisection over every micro-batch.
     fb_cmd = [v.oomkit, "find-batch", "--json", "--max", "128"]
     if not v.cuda:
@@ -244,20 +251,20 @@ def oom(v: Validation) -> Dict[str, Any]:
     return out
 
 
-def overhead(v: Validation) -> Dict[str, Any]:
+def overhead(v: Validation) -> dict[str, Any]:
     flags = v.gpt_flags() + ["--bench", "--steps", "36" if v.args.quick else "120", "--log-dir", "logs-bench"]
     r = v.example("gpt_train.py", flags, timeout=400)
     return {"rc": r["rc"], "result": r["result"]}
 
 
-def estimate(v: Validation) -> Dict[str, Any]:
+def estimate(v: Validation) -> dict[str, Any]:
     rows = []
     sizes = ["tiny"] if v.args.quick else ["tiny", "small", "100m"]
     batches = [4, 8]
     for size in sizes:
         cfg = os.path.join(v.work, f"config-{size}.json")
         v.example("gpt_train.py", ["--size", size, "--config-out", cfg])
-        seq = json.load(open(cfg))["n_positions"]
+        seq = _load(cfg)["n_positions"]
         for b in batches:
             r = v.example("gpt_train.py", ["--size", size, "--batch", str(b), "--steps", "3"])
             dtype = "bf16" if v.cuda else "fp32"
@@ -274,9 +281,9 @@ def estimate(v: Validation) -> Dict[str, Any]:
     return {"rows": rows}
 
 
-def gpus(v: Validation) -> Dict[str, Any]:
+def gpus(v: Validation) -> dict[str, Any]:
     mine = v.sh([v.oomkit, "gpus", "--json"])
-    out: Dict[str, Any] = {"oomkit_rc": mine["rc"], "oomkit_seconds": round(mine["seconds"], 3)}
+    out: dict[str, Any] = {"oomkit_rc": mine["rc"], "oomkit_seconds": round(mine["seconds"], 3)}
     if mine["rc"] == 0:
         out["oomkit"] = json.loads(mine["stdout"])
     if shutil.which("nvidia-smi"):
@@ -286,13 +293,13 @@ def gpus(v: Validation) -> Dict[str, Any]:
     return out
 
 
-def big(v: Validation) -> Dict[str, Any]:
+def big(v: Validation) -> dict[str, Any]:
     if not v.cuda:
         return {"skipped": "recording allocation history needs CUDA"}
     snap = os.path.join(v.work, "big.pickle")
     steps = "6000"
     r = v.example("gpt_train.py", ["--size", "tiny", "--batch", "8", "--steps", steps, "--snapshot", snap, "--max-entries", "2000000"], timeout=400)
-    out: Dict[str, Any] = {"record_rc": r["rc"], "file_bytes": os.path.getsize(snap) if os.path.exists(snap) else None}
+    out: dict[str, Any] = {"record_rc": r["rc"], "file_bytes": os.path.getsize(snap) if os.path.exists(snap) else None}
     if not os.path.exists(snap):
         return out
     t = v.sh([v.oomkit, "analyze", "--json", snap])
@@ -343,7 +350,7 @@ def main() -> None:
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:
         if only is None or name in only:
-            v.section(name, est if v.cuda else est / 3, lambda fn=fn: fn(v))
+            v.section(name, est if v.cuda else est / 3, functools.partial(fn, v))
     v.results["total_seconds"] = round(time.monotonic() - v.t0, 1)
     v.save()
     with open(os.path.join(v.out, "VALIDATION-draft.md"), "w", encoding="utf-8") as f:

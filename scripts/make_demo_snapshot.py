@@ -197,7 +197,7 @@ def main(out):
         acts = []
         x = a.malloc(tokens * H * BF16, stack(("forward", f"{APP}/model.py", 96), MODULE, caller, MAIN))
         acts.append(x)
-        for layer in range(LAYERS):
+        for _layer in range(LAYERS):
             blk = ("forward", f"{APP}/model.py", 102)
             for line, size in ((41, 3 * tokens * H), (44, BATCH * 16 * SEQ * SEQ), (45, BATCH * 16 * SEQ * SEQ),
                                (47, tokens * H), (58, 4 * tokens * H), (59, 4 * tokens * H), (60, tokens * H)):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
-# and pip installs maturin, pytest, mypy (its stubtest checks the stub), PyTorch (CPU use), transformers, accelerate
+# and pip installs maturin, pytest, mypy (its stubtest checks the stub), ruff, PyTorch (CPU use), transformers, accelerate
 # and lightning into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
@@ -45,7 +45,7 @@ fi
 # The Python package, built with maturin and installed as a user would.
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
 export PATH="$PWD/.venv/bin:$PATH"
-python -c "import maturin, pytest, mypy" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest mypy
+python -c "import maturin, pytest, mypy, ruff" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest mypy ruff
 python -c "import torch" 2>/dev/null || python -m pip install -q torch
 # The integration tests train tiny models with the real frameworks (built
 # from configs; nothing is downloaded). transformers needs Python 3.10+;
@@ -57,4 +57,8 @@ else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi
 python -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+# The Python side is linted and type-checked as a whole (pyproject.toml's
+# [tool.ruff] and [tool.mypy]), against the installed package and torch.
+python -m ruff check python scripts
+python -m mypy
 python -m pytest -q python/tests

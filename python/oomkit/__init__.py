@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any
 
 from oomkit._native import OomkitError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
@@ -26,6 +26,7 @@ __all__ = [
     "RunLogError",
     "Tracker",
     "UsageError",
+    "__version__",
     "analyze",
     "auto_batch",
     "current_plan",
@@ -33,13 +34,12 @@ __all__ = [
     "oom_guard",
     "record_history",
     "requested_bytes",
-    "__version__",
 ]
 
 
-def analyze(path: "str | os.PathLike[str]") -> Dict[str, Any]:
+def analyze(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Analyzes a run log and returns what ``oomkit analyze --json`` prints for it."""
     from oomkit import _native
 
-    result: Dict[str, Any] = json.loads(_native.analyze_run_json(os.fspath(path)))
+    result: dict[str, Any] = json.loads(_native.analyze_run_json(os.fspath(path)))
     return result

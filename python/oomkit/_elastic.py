@@ -20,7 +20,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 # The store key (or file) holds one JSON plan per torchrun job.
 _KEY = "oomkit/plan"
@@ -61,7 +61,7 @@ class Agreed:
         return json.dumps(asdict(self), sort_keys=True)
 
     @staticmethod
-    def decode(raw: str) -> Optional["Agreed"]:
+    def decode(raw: str) -> Optional[Agreed]:
         """Reads a stored plan; None for an empty or foreign value."""
         if not raw:
             return None
@@ -130,7 +130,7 @@ class _FileChannel:
             return desired
 
 
-def _cmdline(pid: int) -> List[str]:
+def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
@@ -155,7 +155,7 @@ def _start_time(pid: int) -> str:
         return "0"
 
 
-def _flag(argv: List[str], *names: str) -> Optional[str]:
+def _flag(argv: list[str], *names: str) -> Optional[str]:
     """The value of ``--name value`` or ``--name=value`` in ``argv``, for any spelling in ``names``."""
     for i, arg in enumerate(argv):
         for name in names:
@@ -166,11 +166,11 @@ def _flag(argv: List[str], *names: str) -> Optional[str]:
     return None
 
 
-def _is_torchrun(argv: List[str]) -> bool:
+def _is_torchrun(argv: list[str]) -> bool:
     return any(os.path.basename(a) == "torchrun" or a in ("torch.distributed.run", "torch.distributed.launch") for a in argv[:3])
 
 
-def _agent() -> Tuple[Optional[int], List[str]]:
+def _agent() -> tuple[Optional[int], list[str]]:
     """The torchrun process above this worker and its arguments, where /proc shows them."""
     pid: Optional[int] = os.getppid()
     for _ in range(_ANCESTORS):
@@ -183,7 +183,7 @@ def _agent() -> Tuple[Optional[int], List[str]]:
     return None, []
 
 
-def _endpoint(argv: List[str]) -> Optional[Tuple[str, int]]:
+def _endpoint(argv: list[str]) -> Optional[tuple[str, int]]:
     raw = os.environ.get(ENDPOINT_ENV) or _flag(argv, "--rdzv-endpoint", "--rdzv_endpoint")
     if not raw or "--standalone" in argv:
         return None
@@ -221,7 +221,7 @@ class Channel:
         self._inner = inner
         self.where: str = inner.where
 
-    def read(self) -> Tuple[str, Optional[Agreed]]:
+    def read(self) -> tuple[str, Optional[Agreed]]:
         """The stored text (for compare-and-set) and the plan it holds."""
         raw = self._inner.read()
         return raw, Agreed.decode(raw)
@@ -249,7 +249,7 @@ class Channel:
         return plan
 
 
-_CACHED: Dict[str, Optional[Channel]] = {}
+_CACHED: dict[str, Optional[Channel]] = {}
 
 
 def channel() -> Optional[Channel]:

@@ -28,7 +28,7 @@ def _is_oom_here(exc: BaseException) -> bool:
 
 def find_oom(exc: Optional[BaseException]) -> Optional[BaseException]:
     """Returns the out-of-memory error in ``exc`` or in what it was raised from (``__cause__``, ``__context__``), or None."""
-    seen = set()
+    seen: set[int] = set()
     todo = [exc]
     while todo and len(seen) < _CHAIN_DEPTH:
         e = todo.pop(0)

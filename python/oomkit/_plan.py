@@ -6,15 +6,15 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from oomkit import _elastic
 
 # The variables `oomkit run` and `oomkit find-batch` set for the command they
 # run, mirrored from crates/oomkit-supervise/src/child_env.rs (a test checks
-# that both hold the same names); the README's "Environment" lists them all.
+# that both hold the same names); docs/commands.md's "Environment" lists them all.
 #
-# Set by `oomkit run` for every attempt (README, "oomkit run").
+# Set by `oomkit run` for every attempt (docs/commands.md, "oomkit run").
 MICRO_BATCH_ENV = "OOMKIT_MICRO_BATCH"
 GRAD_ACCUM_ENV = "OOMKIT_GRAD_ACCUM"
 EFFECTIVE_BATCH_ENV = "OOMKIT_EFFECTIVE_BATCH"
@@ -46,7 +46,7 @@ class Plan:
     attempt: Optional[int] = None
     source: str = "oomkit run"
 
-    def record(self, framework: str) -> Dict[str, Any]:
+    def record(self, framework: str) -> dict[str, Any]:
         """The fields of the run log's ``plan`` record."""
         return {
             "micro_batch": self.micro_batch,
@@ -112,7 +112,7 @@ def current() -> Optional[Plan]:
 ELASTIC_SOURCE = "torch elastic restart"
 
 
-def elastic_plan() -> "Optional[_elastic.Agreed]":
+def elastic_plan() -> Optional[_elastic.Agreed]:
     """The plan this torchrun job's ranks agreed on after an OOM, or None (never raises)."""
     try:
         ch = _elastic.channel()
@@ -126,7 +126,7 @@ def auto_callback_requested() -> bool:
     return os.environ.get(AUTO_CALLBACK_ENV, "") == "1"
 
 
-def default_log_dir(framework_dir: "str | os.PathLike[str] | None") -> str:
+def default_log_dir(framework_dir: str | os.PathLike[str] | None) -> str:
     """``$OOMKIT_LOG_DIR`` when set, else ``oomkit-logs`` under the framework's output folder."""
     env = os.environ.get(LOG_DIR_ENV)
     if env:

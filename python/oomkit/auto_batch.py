@@ -8,7 +8,8 @@ import functools
 import gc
 import logging
 import os
-from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, TypeVar
 
 from oomkit import _elastic, _native, _plan
 from oomkit._native import OomkitError
@@ -111,7 +112,7 @@ def oom_guard(group: Any = None) -> Iterator[None]:
     oom: Optional[BaseException] = None
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - only OOMs are caught
+    except Exception as exc:
         if not is_oom(exc):
             raise
         oom = exc
@@ -221,7 +222,7 @@ def auto_batch(
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         effective = effective_batch or batch_size * grad_accum
 
-        def first_plan() -> Tuple[int, int]:
+        def first_plan() -> tuple[int, int]:
             micro, accum = _native.batch_plan(batch_size, effective)
             return micro, max(accum, grad_accum)
 
@@ -230,7 +231,7 @@ def auto_batch(
             micro, accum = first_plan()
             attempt, source = 1, "auto_batch"
             # (micro-batch, message) of each OOM so far: two give the per-sample cost.
-            earlier: List[Tuple[int, str]] = []
+            earlier: list[tuple[int, str]] = []
             env = _plan.from_env()
             if env is not None:
                 attempt = env.attempt or 1
@@ -287,7 +288,7 @@ def auto_batch(
                     result = f(micro, accum, *args, **kwargs)
                 except _StepDown as exc:
                     failure, here = exc, exc.here
-                except Exception as exc:  # noqa: BLE001 - only OOMs are caught, the rest re-raised below
+                except Exception as exc:
                     if not is_oom(exc):
                         raise
                     if _distributed():
@@ -354,7 +355,7 @@ def _leave(
     stored: str,
     plan: _plan.Plan,
     min_batch_size: int,
-    earlier: List[Tuple[int, str]],
+    earlier: list[tuple[int, str]],
 ) -> None:
     """Before a rank exits on an OOM outside any guard: stores the next plan for every rank's restart, and says so."""
     rank = _rank()

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any, Optional
 
 from oomkit import _native, _plan
 from oomkit._oom import find_oom, requested_bytes
@@ -29,7 +30,7 @@ def _torch() -> Any:
     return torch
 
 
-def _rank() -> Tuple[int, int]:
+def _rank() -> tuple[int, int]:
     torch = _torch()
     try:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -39,7 +40,7 @@ def _rank() -> Tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _storage_key(t: Any) -> Tuple[str, int]:
+def _storage_key(t: Any) -> tuple[str, int]:
     try:
         return (str(t.device), t.untyped_storage().data_ptr())
     except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
@@ -77,7 +78,7 @@ class _Meter:
                 self.capacity = None
             self.can_reset = _native.reset_process_peak_rss()
 
-    def sample(self) -> Tuple[int, int, int]:
+    def sample(self) -> tuple[int, int, int]:
         """Returns (peak since the last sample, in use now, reserved now), and starts a new interval.
 
         One call per boundary between stages: on CUDA one query of the
@@ -120,7 +121,7 @@ class _Meter:
 class _Open:
     """A measure in progress: stage, step or phase."""
 
-    __slots__ = ("kind", "name", "step", "start", "peak", "t0")
+    __slots__ = ("kind", "name", "peak", "start", "step", "t0")
 
     def __init__(self, kind: str, name: str, step: Optional[int], start: int) -> None:
         self.kind = kind
@@ -178,7 +179,7 @@ class Tracker:
         model: Any,
         optimizer: Any = None,
         ema: Any = None,
-        log_dir: "str | os.PathLike[str]" = "oomkit-logs",
+        log_dir: str | os.PathLike[str] = "oomkit-logs",
         *,
         grad_every: int = 50,
         record_history: bool = False,
@@ -200,14 +201,14 @@ class Tracker:
         self.console = (self.rank == 0) if console is None else bool(console)
         self._errors = 0
         self._closed = False
-        self._open: List[_Open] = []
+        self._open: list[_Open] = []
         self._step_open: Optional[_Open] = None
         self._stage: Optional[_Open] = None
-        self._phases: List[_Open] = []
+        self._phases: list[_Open] = []
         self._steps_done = 0
         self._components_after_first_step = False
-        self._model_hooks: List[Any] = []
-        self._opt_hooks: List[Any] = []
+        self._model_hooks: list[Any] = []
+        self._opt_hooks: list[Any] = []
         # An OOM seen by the CUDA allocator's observer, before its exception exists.
         self._observed_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
@@ -229,7 +230,7 @@ class Tracker:
             _watch_allocator_ooms(self)
         # Before the start record, so that a resumed optimizer's state is counted in it.
         self.set_optimizer(optimizer)
-        components: Dict[str, Any] = {}
+        components: dict[str, Any] = {}
         try:
             with torch.no_grad():
                 components = self._components()
@@ -448,16 +449,16 @@ class Tracker:
     def note(self, record_type: str, **fields: Any) -> None:
         """Writes an extra record to the run log, such as the batch plan an integration applied."""
         try:
-            rec: Dict[str, Any] = {"type": record_type, "time": time.time()}
+            rec: dict[str, Any] = {"type": record_type, "time": time.time()}
             rec.update(fields)
             self._write(rec)
         except Exception as exc:  # noqa: BLE001
             self._error(f"note {record_type}", exc)
 
-    def find_duplicates(self, when: str = "manual") -> Dict[str, Any]:
+    def find_duplicates(self, when: str = "manual") -> dict[str, Any]:
         """Finds live tensors that mirror the model's parameters but belong to nothing tracked."""
         step = self._current_step
-        result: Dict[str, Any] = {"type": "duplicates", "when": when, "step": step, "bytes": 0, "groups": []}
+        result: dict[str, Any] = {"type": "duplicates", "when": when, "step": step, "bytes": 0, "groups": []}
         try:
             torch = _torch()
             with torch.no_grad():
@@ -490,7 +491,7 @@ class Tracker:
             with contextlib.suppress(Exception):
                 _torch().cuda.memory._record_memory_history(enabled=None)
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -498,7 +499,7 @@ class Tracker:
 
     # ----- measuring --------------------------------------------------------
 
-    def _sample(self) -> Tuple[int, int]:
+    def _sample(self) -> tuple[int, int]:
         """Folds the peak since the last sample into every open measure; returns (in use, reserved) now."""
         peak, now, reserved = self._meter.sample()
         for o in self._open:
@@ -560,7 +561,7 @@ class Tracker:
         # The caching allocator rarely returns memory, so reserved bytes at the
         # end of a step are its peak; the device also holds the CUDA context.
         need = max(self._probe_peak, peak, reserved)
-        record: Dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
+        record: dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
         if self._meter.cuda:
             free, total = _torch().cuda.mem_get_info(self._meter.index)
             baseline = int(os.environ.get(_plan.BASELINE_USED_BYTES_ENV, "0") or 0)
@@ -569,10 +570,13 @@ class Tracker:
             need = max(need, reserved + outside)
         self._probe_peak = need
         record["peak_bytes"] = need
-        tmp = f"{self._probe}.tmp"
+        probe = self._probe
+        if probe is None:
+            return
+        tmp = f"{probe}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(record, f)
-        os.replace(tmp, self._probe)
+        os.replace(tmp, probe)
 
     def _hooks_mark(self) -> bool:
         """Whether stage hooks should mark a stage now: inside a step, outside any phase."""
@@ -643,11 +647,11 @@ class Tracker:
 
     # ----- accounting -------------------------------------------------------
 
-    def _params(self) -> List[Any]:
+    def _params(self) -> list[Any]:
         model = self._model_ref()
         return list(model.parameters()) if model is not None else []
 
-    def _components(self) -> Dict[str, Any]:
+    def _components(self) -> dict[str, Any]:
         model = self._model_ref()
         seen: set = set()
         params_bytes = trainable = frozen = count = 0
@@ -693,29 +697,29 @@ class Tracker:
             "by_module": by_module,
         }
 
-    def _ema_tensors(self) -> List[Any]:
+    def _ema_tensors(self) -> list[Any]:
         ema = self._ema_ref() if self._ema_ref is not None else None
         if ema is None:
             return []
         torch = _torch()
         if isinstance(ema, torch.nn.Module):
             return list(ema.parameters()) + list(ema.buffers())
-        out: List[Any] = []
+        out: list[Any] = []
         for v in vars(ema).values():
             _collect_tensors(v, out, 3)
         return out
 
-    def _ema_cost(self) -> Tuple[int, Optional[str]]:
+    def _ema_cost(self) -> tuple[int, Optional[str]]:
         tensors = self._ema_tensors()
         seen: set = set()
         total = sum(_add_unique(t, seen) for t in tensors)
         return total, (str(tensors[0].device) if tensors else None)
 
-    def _optimizer_tensors(self) -> List[Any]:
+    def _optimizer_tensors(self) -> list[Any]:
         opt = self._opt_ref() if self._opt_ref is not None else None
         if opt is None:
             return []
-        out: List[Any] = []
+        out: list[Any] = []
         states = getattr(opt, "state", None)
         if not isinstance(states, dict):  # an optimizer-like object without torch's state table
             return out
@@ -738,9 +742,9 @@ class Tracker:
             keys.add(_storage_key(t))
         return keys
 
-    def _duplicates(self, when: str) -> Dict[str, Any]:
+    def _duplicates(self, when: str) -> dict[str, Any]:
         params = self._params()
-        want: Dict[Tuple[int, ...], int] = {}
+        want: dict[tuple[int, ...], int] = {}
         for p in params:
             want[tuple(p.shape)] = want.get(tuple(p.shape), 0) + 1
         # Tiny shapes (biases of 10 classes) match stray tensors by chance,
@@ -748,7 +752,7 @@ class Tracker:
         large = {tuple(p.shape) for p in params if p.numel() >= 64}
         n_large = sum(1 for p in params if p.numel() >= 64)
         tracked = self._tracked_storages()
-        groups: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        groups: dict[tuple[str, str], dict[str, Any]] = {}
         torch = _torch()
         for obj in gc.get_objects():
             try:
@@ -797,17 +801,17 @@ class Tracker:
             torch = _torch()
             with torch.no_grad():
                 grads = [p.grad for p in self._params() if p.grad is not None]
-                rec: Dict[str, Any] = {
+                rec: dict[str, Any] = {
                     "type": "grad",
                     "step": self._current_step,
                     "params_with_grad": len(grads),
                     "grad_bytes": sum(_nbytes(g) for g in grads),
                 }
                 if grads:
-                    by_dev: Dict[Tuple[Any, Any], List[Any]] = {}
+                    by_dev: dict[tuple[Any, Any], list[Any]] = {}
                     for g in grads:
                         by_dev.setdefault((g.device, g.dtype), []).append(g)
-                    norms = []
+                    norms: list[Any] = []
                     for gs in by_dev.values():
                         norms.extend(n.float() for n in torch._foreach_norm(gs))
                     dev = grads[0].device
@@ -895,7 +899,7 @@ class Tracker:
 
     # ----- plumbing ---------------------------------------------------------
 
-    def _new_log_path(self, log_dir: "str | os.PathLike[str]") -> str:
+    def _new_log_path(self, log_dir: str | os.PathLike[str]) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = os.path.join(os.fspath(log_dir), f"run-{stamp}-rank{self.rank}")
         path = base + ".jsonl"
@@ -905,7 +909,7 @@ class Tracker:
             n += 1
         return path
 
-    def _write(self, record: Dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> None:
         if self._closed and record.get("type") != "end":
             return
         self._log.write(record)
@@ -931,7 +935,7 @@ def _is_tensor(v: Any) -> bool:
         return False
 
 
-def _collect_tensors(v: Any, out: List[Any], depth: int) -> None:
+def _collect_tensors(v: Any, out: list[Any], depth: int) -> None:
     if depth < 0:
         return
     if _is_tensor(v):
@@ -948,14 +952,14 @@ def _collect_tensors(v: Any, out: List[Any], depth: int) -> None:
 _BACKWARD_MARKS = 4
 
 
-def _grad_tensors(output: Any, depth: int = 4, out: Optional[List[Any]] = None) -> List[Any]:
+def _grad_tensors(output: Any, depth: int = 4, out: Optional[list[Any]] = None) -> list[Any]:
     """Finds up to a few tensors in a model's output through which backward may pass.
 
     Several, because the loss a framework backpropagates is not always the
     first tensor of the output (a custom loss on the logits, say); the first
     hook to fire starts the backward stage.
     """
-    found: List[Any] = [] if out is None else out
+    found: list[Any] = [] if out is None else out
     if depth < 0 or len(found) >= _BACKWARD_MARKS:
         return found
     if _is_tensor(output):
@@ -978,7 +982,7 @@ def _grad_tensors(output: Any, depth: int = 4, out: Optional[List[Any]] = None) 
 
 
 # Open trackers, which hear each plan `auto_batch` starts a try with.
-_LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Tracker] = weakref.WeakSet()
 # The `framework` of a plan record written for a plain training loop.
 PLAIN_FRAMEWORK = "pytorch"
 
@@ -999,7 +1003,7 @@ def note_oom(exc: BaseException) -> None:
 
 # Trackers on CUDA that hear the allocator's OOM observer; the observer
 # cannot be removed once attached, so one is attached per process.
-_WATCHERS: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
+_WATCHERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
 
 
@@ -1028,7 +1032,7 @@ def _forget_tracker(tracker: Tracker) -> None:
 
 
 @contextlib.contextmanager
-def record_history(path: "str | os.PathLike[str]", max_entries: int = 100_000) -> Iterator[None]:
+def record_history(path: str | os.PathLike[str], max_entries: int = 100_000) -> Iterator[None]:
     """Records CUDA allocation history inside the block and dumps a snapshot to `path` when it ends."""
     torch = _torch()
     if not torch.cuda.is_available():

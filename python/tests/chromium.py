@@ -34,7 +34,7 @@ FLAGS = [
 ]
 
 
-def find_chromium() -> "str | None":
+def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)
         if path:
@@ -71,7 +71,7 @@ class Chromium:
     def close(self) -> None:
         try:
             self.send("Browser.close", timeout=5)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the browser may be gone already; it is killed next
             pass
         try:
             self.proc.wait(timeout=5)
@@ -100,8 +100,8 @@ class Chromium:
         msg, self._buf = self._buf.split(b"\0", 1)
         return json.loads(msg)
 
-    def send(self, method: str, params: "dict[str, Any] | None" = None,
-             session: "str | None" = None, timeout: float = 60) -> dict[str, Any]:
+    def send(self, method: str, params: dict[str, Any] | None = None,
+             session: str | None = None, timeout: float = 60) -> dict[str, Any]:
         self._next_id += 1
         mid = self._next_id
         msg: dict[str, Any] = {"id": mid, "method": method, "params": params or {}}
@@ -144,7 +144,7 @@ class Page:
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable")
 
-    def send(self, method: str, params: "dict[str, Any] | None" = None, timeout: float = 60) -> dict[str, Any]:
+    def send(self, method: str, params: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
         return self.b.send(method, params, session=self.session, timeout=timeout)
 
     def open(self, path: str, timeout: float = 120) -> None:

@@ -34,8 +34,9 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
+        mask = self.get_buffer("mask")
         h = self.embed(tokens) + self.pos[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
         return self.lm_head(self.norm(h))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
 
 # How long a task has to exit after SIGTERM before it is killed, as srun's KillWait.
 KILL_WAIT_S = 2.0
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     kill_on_bad_exit = False
     ntasks = 1
     i = 0
@@ -47,7 +46,7 @@ def main(argv: List[str]) -> int:
         subprocess.Popen(command, env=dict(os.environ, SLURM_PROCID=str(n), SLURM_NTASKS=str(ntasks)))
         for n in range(ntasks)
     ]
-    codes = {}
+    codes: dict[int, int] = {}
     while len(codes) < len(tasks):
         for n, t in enumerate(tasks):
             if n not in codes and t.poll() is not None:
@@ -60,7 +59,7 @@ def main(argv: List[str]) -> int:
     return max(c if c >= 0 else 128 - c for c in codes.values())
 
 
-def _stop(tasks: List[subprocess.Popen]) -> None:
+def _stop(tasks: list[subprocess.Popen]) -> None:
     for t in tasks:
         if t.poll() is None:
             t.send_signal(signal.SIGTERM)

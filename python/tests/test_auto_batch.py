@@ -10,10 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import oomkit
 import pytest
 import torch
-
-import oomkit
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free."
 

@@ -7,9 +7,8 @@ import inspect
 import subprocess
 import sys
 
-import pytest
-
 import oomkit
+import pytest
 
 
 def test_every_exception_oomkit_exports_is_an_oomkit_error_named_under_oomkit():

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from oomkit import _elastic
 from oomkit._elastic import Agreed, Channel
 

@@ -1,4 +1,4 @@
-"""The plain PyTorch example scripts, run as the README shows them."""
+"""The plain PyTorch example scripts, run as docs/examples.md shows them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 
 
 def test_the_readme_example_names_the_stale_copy(tmp_path):
-    # README, "Examples and validation on a GPU".
+    # docs/examples.md, "Examples and validation on a GPU".
     cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--steps", "20",
            "--tracker", "--log-dir", "runs/gpt-stale", "--stale-copy"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)

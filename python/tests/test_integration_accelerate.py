@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def test_the_tracker_works_on_an_accelerate_loop_as_it_is(tmp_path):
                 opt.step()
                 opt.zero_grad()
     stages = {}
-    for r in map(json.loads, open(tracker.log_path)):
+    for r in map(json.loads, Path(tracker.log_path).read_text().splitlines()):
         if r["type"] == "stage":
             stages.setdefault(r["step"], []).append(r["name"])
     # accelerate steps the inner optimizer only at the end of each accumulation window.

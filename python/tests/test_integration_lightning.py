@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("lightning", reason="lightning is not installed for this Python (it needs Python 3.10 or newer)")
 
-import oomkit  # noqa: E402
-from runlog import logs_in_start_order, records, run_isolated, stages_by_step  # noqa: E402
-from lightning_trainer import build  # noqa: E402
+import oomkit
+from lightning_trainer import build
+from runlog import logs_in_start_order, records, run_isolated, stages_by_step
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
@@ -92,7 +92,7 @@ def test_the_plan_of_oomkit_run_is_applied_before_the_loaders_are_built(tmp_path
 
 
 def test_the_entry_point_adds_the_callback_only_under_oomkit_run(tmp_path, monkeypatch):
-    import lightning.pytorch as L  # noqa: N812
+    import lightning.pytorch as L
     from oomkit.integrations.lightning import OomkitCallback
 
     monkeypatch.delenv("OOMKIT_AUTO_CALLBACK", raising=False)
@@ -136,7 +136,7 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
 
 
 def test_the_readme_example_runs_as_written(tmp_path):
-    # README, "Lightning": the example script with oomkit's callback, then oomkit analyze on its log.
+    # docs/tracker.md, "Inside Lightning": the example script with oomkit's callback, then oomkit analyze on its log.
     p = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--root", "runs/pl", "--oomkit"],
         capture_output=True, text=True, cwd=tmp_path,

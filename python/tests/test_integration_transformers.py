@@ -15,9 +15,9 @@ transformers = pytest.importorskip(
 pytest.importorskip("accelerate", reason="accelerate is not installed for this Python")
 
 import oomkit  # noqa: E402
-from runlog import logs_in_start_order, records, run_isolated, stages_by_step  # noqa: E402
 from hf_trainer import build  # noqa: E402
 from oomkit.integrations.transformers import OomkitCallback, train  # noqa: E402
+from runlog import logs_in_start_order, records, run_isolated, stages_by_step  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
@@ -164,7 +164,7 @@ def test_train_applies_the_plan_when_the_callback_came_after_the_trainer(tmp_pat
 
 
 def test_the_readme_example_runs_as_written(tmp_path):
-    # README, "Hugging Face Trainer": the example script, then oomkit analyze on its log.
+    # docs/tracker.md, "Inside the Hugging Face Trainer": the example script, then oomkit analyze on its log.
     p = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", "runs/hf"],
         capture_output=True, text=True, cwd=tmp_path,

@@ -17,7 +17,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 
@@ -84,7 +83,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agent_cmd(script: Path, rdzv: List[str], args: List[str], restarts: int = 3) -> List[str]:
+def _agent_cmd(script: Path, rdzv: list[str], args: list[str], restarts: int = 3) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -101,7 +100,7 @@ def _agent_cmd(script: Path, rdzv: List[str], args: List[str], restarts: int = 3
     ]
 
 
-def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: int = 1, oom_ranks: str = "1") -> Tuple[List[Tuple[int, str]], Dict[int, dict], float]:
+def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: int = 1, oom_ranks: str = "1") -> tuple[list[tuple[int, str]], dict[int, dict], float]:
     """Runs the job on `nodes` agents; returns each agent's exit code and output, the ranks' results, and the wall time."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -122,7 +121,7 @@ def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: i
         subprocess.Popen(_agent_cmd(script, r, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for r in rdzvs
     ]
-    done: List[Tuple[int, str]] = []
+    done: list[tuple[int, str]] = []
     try:
         for a in agents:
             text, _ = a.communicate(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - t0)))
@@ -161,7 +160,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _all_on(results: Dict[int, dict], plan: List[int]) -> None:
+def _all_on(results: dict[int, dict], plan: list[int]) -> None:
     assert sorted(results) == [0, 1, 2, 3], results
     for r in results.values():
         assert r["plan"] == plan, results
@@ -307,29 +306,31 @@ def test_the_same_code_under_oomkit_run_and_torchrun_without_restarts(tmp_path: 
     assert "attempt 3: micro-batch 8 x accumulation 16 = 128" in p.stderr
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multinode" / "train.py"
+ROOT = Path(__file__).resolve().parents[2]
+# The page whose examples these tests run as written.
+DOC = ROOT / "docs" / "multinode.md"
+EXAMPLE = ROOT / "examples" / "multinode" / "train.py"
 
 
-def _readme_block(after: str) -> str:
-    text = README.read_text()
+def _doc_block(after: str) -> str:
+    text = DOC.read_text()
     start = text.index("```sh\n", text.index(after)) + len("```sh\n")
     return text[start : text.index("```", start)]
 
 
-def test_the_readme_one_node_example_runs_as_written(tmp_path: Path) -> None:
-    block = _readme_block("**One node: `oomkit run` around torchrun.**")
+def test_the_documented_one_node_example_runs_as_written(tmp_path: Path) -> None:
+    block = _doc_block("**One node: `oomkit run` around torchrun.**")
     assert "examples/multinode/train.py --oom-rank 1 --oom-above 8" in block
     env = dict(os.environ, OMP_NUM_THREADS="1", OOMKIT_CACHE_DIR=str(tmp_path / "cache"))
     p = subprocess.run(
-        ["bash", "-c", block], cwd=README.parent, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+        ["bash", "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "finished: every rank ran micro-batch 8 x accumulation 16 = 128 samples per step" in p.stdout + p.stderr
 
 
-def test_the_readme_multi_node_example_runs_as_written(tmp_path: Path) -> None:
-    block = _readme_block("**Any number of nodes: torchrun's own restarts.**")
+def test_the_documented_multi_node_example_runs_as_written(tmp_path: Path) -> None:
+    block = _doc_block("**Any number of nodes: torchrun's own restarts.**")
     # Run from a scratch folder, so the logs land there; only the port is
     # changed, to one that is free on this machine.
     block = block.replace("examples/multinode/train.py", f"{EXAMPLE} --log-dir logs").replace(
@@ -348,7 +349,7 @@ def test_the_readme_multi_node_example_runs_as_written(tmp_path: Path) -> None:
     assert "  3        8 x 16 = 128           0-3      finished" in text, text[-2000:]
 
 
-def test_the_slurm_example_is_the_readmes_and_is_valid_bash() -> None:
-    sbatch = README.parent / "examples" / "slurm" / "train.sbatch"
-    assert sbatch.read_text() == _readme_block("`examples/slurm/train.sbatch`:")
+def test_the_slurm_example_is_the_documented_one_and_is_valid_bash() -> None:
+    sbatch = ROOT / "examples" / "slurm" / "train.sbatch"
+    assert sbatch.read_text() == _doc_block("`examples/slurm/train.sbatch`:")
     assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0

@@ -14,10 +14,9 @@ import subprocess
 import sys
 import time
 
+import oomkit
 import pytest
 import torch
-
-import oomkit
 from chromium import Chromium, Page, find_chromium
 from models import MLP
 
@@ -207,13 +206,13 @@ def test_hostile_frame_names_stay_text(browser, tmp_path):
     }
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps(snap, protocol=4))
-    page, info = load(browser, make_report(tmp_path, "evil", str(path)), "hostile-names")
+    page, _ = load(browser, make_report(tmp_path, "evil", str(path)), "hostile-names")
     assert page.evaluate("window.pwned === undefined")
     assert evil in page.evaluate("document.querySelector('td.site').textContent")
     page.close()
 
 
-def run_log(tmp_path, monkeypatch, rank: int, steps: int, oom_at: "int | None", width: int) -> str:
+def run_log(tmp_path, monkeypatch, rank: int, steps: int, oom_at: int | None, width: int) -> str:
     monkeypatch.setenv("RANK", str(rank))
     model = MLP(width, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -222,9 +221,8 @@ def run_log(tmp_path, monkeypatch, rank: int, steps: int, oom_at: "int | None", 
     for i in range(steps):
         if i == oom_at:
             model.head.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(torch.OutOfMemoryError(msg)))
-            with pytest.raises(torch.OutOfMemoryError):
-                with tracker.step(i):
-                    model(torch.randn(8, width)).sum().backward()
+            with pytest.raises(torch.OutOfMemoryError), tracker.step(i):
+                model(torch.randn(8, width)).sum().backward()
             break
         with tracker.step(i):
             model(torch.randn(8, width)).sum().backward()
@@ -246,4 +244,37 @@ def test_run_logs_of_two_ranks_side_by_side(browser, tmp_path, monkeypatch):
     assert len(kinds(info, "oom")) == 1 and len(kinds(info, "peak")) == 2
     table = page.evaluate("document.querySelector('table').innerText")
     assert "failed first" in table
+    page.close()
+
+
+TWO_DEVICES = """
+import pickle, sys
+def trace(n, oom):
+    ev = [{'action': 'alloc', 'addr': (1 << 30) + i * (64 << 20), 'size': 64 << 20, 'time_us': 1000 + i,
+           'frames': [{'filename': 'models.py', 'line': 120, 'name': 'forward'}]} for i in range(n)]
+    if oom:
+        ev.append({'action': 'oom', 'addr': 32 << 20, 'size': 1 << 30, 'time_us': 2000,
+                   'frames': [{'filename': 'models.py', 'line': 181, 'name': 'update_nodes'}]})
+    return ev
+pickle.dump({'segments': [], 'device_traces': [trace(400, False), trace(600, True)]}, open(sys.argv[1], 'wb'), protocol=4)
+"""
+
+
+def test_the_page_opens_on_the_failure(browser, tmp_path):
+    path = str(tmp_path / "dp.pickle")
+    subprocess.run([sys.executable, "-c", TWO_DEVICES, path], check=True)
+    page, info = load(browser, make_report(tmp_path, "dp", path), "verdict-banner")
+    banner = page.evaluate("document.getElementById('verdict').textContent")
+    assert "OUT OF MEMORY on cuda:1" in banner and "models.py:181 update_nodes" in banner, banner
+    # The words come first on the page, not thousands of characters in.
+    assert page.evaluate("document.body.innerText.indexOf('OUT OF MEMORY')") < 300
+    # The failing device's timeline is drawn first, zoomed to its OOM.
+    assert [c["device"] for c in info["charts"]] == [1, 0]
+    span = page.evaluate("(() => { const u = window.oomkitReport.charts[0].plot; return [u.scales.x.min, u.scales.x.max]; })()")
+    oom_x = page.evaluate("window.oomkitReport.charts[0].zoomed")
+    assert span[0] <= oom_x <= span[1] and span[1] - span[0] < 600
+    # Every link of the banner leads to a part of the page.
+    targets = page.evaluate("[...document.querySelectorAll('#verdict a')].map(a => a.getAttribute('href').slice(1))")
+    assert len(targets) == 3
+    assert page.evaluate(f"{json.dumps(targets)}.every(id => document.getElementById(id) !== null)")
     page.close()

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import textwrap
 import weakref
-
-import pytest
-import torch
+from pathlib import Path
+from typing import ClassVar
 
 import oomkit
+import pytest
+import torch
 from models import MLP, TinyTransformer
 
 MIB = 1 << 20
@@ -131,7 +132,7 @@ def test_transformer_stages_and_components(tmp_path):
     assert stages[("phase", "eval")]["count"] == 2
     by_module = {m["name"]: m for m in a["components"]["by_module"]}
     assert set(by_module) == {"embed", "blocks", "norm", "lm_head"}
-    grads = [json.loads(l) for l in open(tracker.log_path) if '"type":"grad"' in l]
+    grads = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"grad"' in line]
     assert [g["step"] for g in grads] == [0, 2, 4]
     assert all(g["total_norm"] > 0 and g["nan_params"] == 0 for g in grads)
 
@@ -153,11 +154,10 @@ def test_oom_inside_a_step_is_recorded_diagnosed_and_reraised(tmp_path, capfd):
 
     # The allocation fails inside the model's forward, as a real one would.
     model.head.register_forward_hook(fail)
-    with pytest.raises(torch.OutOfMemoryError):
-        with tracker.step(1):
-            model(torch.randn(4, 64)).sum().backward()
+    with pytest.raises(torch.OutOfMemoryError), tracker.step(1):
+        model(torch.randn(4, 64)).sum().backward()
     tracker.close()
-    records = [json.loads(l) for l in open(tracker.log_path)]
+    records = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines()]
     types = [r["type"] for r in records]
     assert types[0] == "start" and types[-1] == "end"
     oom = next(r for r in records if r["type"] == "oom")
@@ -180,15 +180,14 @@ def test_an_oom_is_handed_to_oomkit_run_through_its_file(tmp_path, monkeypatch):
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
         "of which 1.12 GiB is free.\nSee the documentation for Memory Management"
     )
-    with pytest.raises(RuntimeError):
-        with tracker.step(0):
-            try:
-                raise torch.OutOfMemoryError(msg)
-            except torch.OutOfMemoryError as e:
-                # A framework wraps it; the tracker still hands on the OOM's own first line.
-                raise RuntimeError("training failed") from e
+    with pytest.raises(RuntimeError), tracker.step(0):
+        try:
+            raise torch.OutOfMemoryError(msg)
+        except torch.OutOfMemoryError as e:
+            # A framework wraps it; the tracker still hands on the OOM's own first line.
+            raise RuntimeError("training failed") from e
     tracker.close()
-    lines = [json.loads(l) for l in oom_file.read_text().splitlines()]
+    lines = [json.loads(line) for line in oom_file.read_text().splitlines()]
     assert lines == [{"message": msg.splitlines()[0], "step": 0, "stage": None}]
 
 
@@ -295,9 +294,8 @@ def test_ema_is_counted_and_not_a_duplicate(tmp_path):
     shadow = ShadowEMA(model)
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     for ema in (ema_module, shadow):
-        with oomkit.Tracker(model, ema=ema, log_dir=tmp_path) as tracker:
-            with tracker.step(0):
-                model(torch.randn(4, 256)).sum().backward()
+        with oomkit.Tracker(model, ema=ema, log_dir=tmp_path) as tracker, tracker.step(0):
+            model(torch.randn(4, 256)).sum().backward()
         a = oomkit.analyze(tracker.log_path)
         assert a["components"]["ema_bytes"] == param_bytes
         assert a["components"]["ema_device"] == "cpu"
@@ -377,15 +375,14 @@ def test_hooks_that_cannot_be_installed_are_logged_and_training_goes_on(tmp_path
     class NoHooks:
         """An optimizer-like object torch cannot hook."""
 
-        param_groups = []
+        param_groups: ClassVar[list] = []
 
         def step(self):
             pass
 
     model = MLP(64, 2)
-    with oomkit.Tracker(model, optimizer=NoHooks(), log_dir=tmp_path) as tracker:
-        with tracker.step(0):
-            model(torch.randn(4, 64)).sum().backward()
+    with oomkit.Tracker(model, optimizer=NoHooks(), log_dir=tmp_path) as tracker, tracker.step(0):
+        model(torch.randn(4, 64)).sum().backward()
     a = oomkit.analyze(tracker.log_path)
     assert any(w["kind"] == "tracker_errors" for w in a["warnings"]), a["warnings"]
     assert a["steps"] == 1
@@ -442,7 +439,7 @@ def test_an_oom_in_forward_is_recorded_even_when_the_caller_swallows_it(tmp_path
     # Raising it later (or again) does not record it twice.
     assert tracker.record_oom(swallowed) is True
     tracker.close()
-    ooms = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    ooms = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert len(ooms) == 1
     assert ooms[0]["stage"] == "forward" and ooms[0]["step"] == 0
     assert ooms[0]["requested_bytes"] == 1 << 62
@@ -465,7 +462,7 @@ def test_an_oom_wrapped_by_a_framework_is_found_through_its_cause(tmp_path):
     assert tracker.record_oom(outer) is True
     assert tracker.record_oom(ValueError("not memory")) is False
     tracker.close()
-    [oom] = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert oom["phase"] == "eval" and oom["requested_bytes"] == 1 << 62
     assert "DefaultCPUAllocator" in oom["message"]
     # accelerate's give-up is an OOM too, though no allocator message is chained to it.
@@ -484,5 +481,5 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
     assert tracker.record_oom(exc) is True
     tracker.close()
-    [oom] = [json.loads(l) for l in open(tracker.log_path) if '"type":"oom"' in l]
+    [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert (oom["step"], oom["stage"], oom["requested_bytes"]) == (5, "backward", 3 << 30)

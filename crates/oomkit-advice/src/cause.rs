@@ -37,6 +37,10 @@ impl std::fmt::Display for Cause {
     }
 }
 
+/// More memory than any single accelerator has (the largest hold under
+/// 300 GB), so a request above it cannot fit whatever the device.
+pub const LARGEST_DEVICE_BYTES: u64 = 1 << 40;
+
 /// What is known about memory at the failing request; `None` where the source lacks it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Figures {
@@ -72,7 +76,10 @@ pub fn decide(f: &Figures) -> Cause {
         return Cause::Capacity;
     };
     let unallocated = f.reserved_unallocated.unwrap_or(0);
-    if f.capacity.is_some_and(|c| request > c) {
+    // Where the capacity is unknown (a snapshot does not record it), a
+    // request beyond any accelerator made is still larger than the device.
+    let capacity = f.capacity.unwrap_or(LARGEST_DEVICE_BYTES);
+    if request > capacity {
         Cause::RequestExceedsCapacity
     } else if unallocated > 0 && unallocated >= request {
         Cause::Fragmentation

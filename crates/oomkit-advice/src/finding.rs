@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-/// What a finding is about; the JSON strings are the README's finding vocabulary.
+/// What a finding is about; the JSON strings are the finding vocabulary of docs/json.md and docs/tracker.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FindingKind {

@@ -9,6 +9,8 @@
 
 mod cause;
 mod finding;
+mod verdict;
 
-pub use cause::{decide, Cause, Figures};
+pub use cause::{decide, Cause, Figures, LARGEST_DEVICE_BYTES};
 pub use finding::{rank, Finding, FindingKind};
+pub use verdict::{first_fix, Failure, Place, Verdict};

@@ -312,7 +312,7 @@ fn run(cli: Cli) -> u8 {
                         &snap,
                         &options(&report),
                     );
-                    emit(&[Ok(Report::Snapshot(fa))], &report);
+                    emit(&[Ok(Report::Snapshot(Box::new(fa)))], &report);
                     EXIT_OK
                 }
                 Err(e) => {
@@ -460,7 +460,7 @@ impl Loaded {
 
 fn load(path: &Path, opts: &Options) -> Result<Report, String> {
     Ok(match load_full(path, opts)? {
-        Loaded::Snapshot(b) => Report::Snapshot(b.0),
+        Loaded::Snapshot(b) => Report::Snapshot(Box::new(b.0)),
         Loaded::Run(b) => Report::Run(Box::new(b.0)),
     })
 }
@@ -496,6 +496,31 @@ fn load_full(path: &Path, opts: &Options) -> Result<Loaded, String> {
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
     let fa = FileAnalysis::new(shown, file_bytes, &snap, opts);
     Ok(Loaded::Snapshot(Box::new((fa, snap))))
+}
+
+/// The lines that head a report of several files: which one failed first, and its verdict.
+fn job_verdict(order: &[&Report], first_known: bool) -> String {
+    let verdicts: Vec<_> = order.iter().map(|r| (r.path(), r.verdict())).collect();
+    let failed = verdicts.iter().filter(|(_, v)| v.failed).count();
+    let mut out = format!("== verdict ({} files)\n", verdicts.len());
+    match verdicts.first() {
+        Some((path, v)) if v.failed => {
+            let which = if first_known || failed == 1 {
+                "failed first"
+            } else {
+                "failed (the files do not tell which was first)"
+            };
+            let others = if failed > 1 {
+                format!("; {} of {} files recorded an OOM", failed, verdicts.len())
+            } else {
+                String::new()
+            };
+            out.push_str(&format!("{path} {which}{others}\n{}", v.text()));
+        }
+        _ => out.push_str(&format!("no OOM in any of the {} files\n", verdicts.len())),
+    }
+    out.push('\n');
+    out
 }
 
 /// Pickles start with the PROTO opcode; run logs with a JSON object.
@@ -555,7 +580,17 @@ fn emit(results: &[Outcome], report: &ReportArgs) {
             serde_json::to_string_pretty(&doc).unwrap_or_default()
         );
     } else {
-        for (i, r) in ok.iter().enumerate() {
+        // Several files: the job's verdict first, then the file that failed first.
+        let first = ranks
+            .iter()
+            .find(|r| r.failed_first)
+            .map(|r| r.file.clone());
+        let mut order: Vec<&Report> = ok.clone();
+        order.sort_by_key(|r| Some(r.path().to_string()) != first);
+        if ok.len() > 1 {
+            let _ = write!(out, "{}", job_verdict(&order, first.is_some()));
+        }
+        for (i, r) in order.iter().enumerate() {
             if i > 0 {
                 let _ = writeln!(out);
             }

@@ -288,7 +288,7 @@ fn estimate_calibrates_from_find_batch_output() {
     assert_eq!(c["max_batch"], 25);
 }
 
-/// The README's `--calibrate` example, run as written from the repository root.
+/// The `--calibrate` example of docs/commands.md, run as written from the repository root.
 #[test]
 fn the_readme_calibration_example_runs_as_written() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
@@ -314,8 +314,8 @@ fn the_readme_calibration_example_runs_as_written() {
         String::from_utf8_lossy(&out.stderr)
     );
     let said = String::from_utf8_lossy(&out.stdout);
-    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let readme = std::fs::read_to_string(format!("{root}/docs/commands.md")).unwrap();
     for line in said.lines().skip_while(|l| !l.starts_with("Calibrated")) {
-        assert!(readme.contains(line), "README lacks {line:?}");
+        assert!(readme.contains(line), "docs/commands.md lacks {line:?}");
     }
 }

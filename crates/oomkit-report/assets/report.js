@@ -311,7 +311,7 @@
 
   // ---- snapshots ----------------------------------------------------------
 
-  function timelineChart(parent, file, dev) {
+  function timelineChart(parent, file, dev, zoomToOom) {
     var x = undelta(dev.x), t = undelta(dev.t);
     var active = undelta(dev.active), reserved = undelta(dev.reserved);
     var n = x.length;
@@ -374,7 +374,14 @@
     var ctl = interaction(u, xMin, xMax);
     box.insertBefore(tools(ctl), box.firstChild);
     box.appendChild(markerButtons(buttons, ctl));
-    state.charts.push({ file: file.file, device: dev.device, kind: "timeline", points: n, plot: u });
+    var chart = { file: file.file, device: dev.device, kind: "timeline", points: n, plot: u, zoomed: null };
+    state.charts.push(chart);
+    if (zoomToOom && dev.ooms.length) {
+      // The failing device opens on its first OOM; "reset" shows the whole run.
+      var at = dev.ooms[0].x, span = Math.max(50, Math.round((xMax - xMin) / 20));
+      ctl.focus(Math.max(xMin, at - span), Math.min(xMax, at + span));
+      chart.zoomed = at;
+    }
     return u;
   }
 
@@ -411,10 +418,17 @@
 
   function renderSnapshot(root, f) {
     var a = f.analysis;
+    var v = a.verdict || {};
+    var failing = v.failed && v.place ? v.place.device : null;
     if (!f.devices.length) root.appendChild(el("p", { class: "muted", text: "No device holds any memory in this snapshot." }));
-    f.devices.forEach(function (dev, di) {
+    // The failing device first, as in the terminal report.
+    var order = f.devices.map(function (dev, di) { return di; });
+    order.sort(function (i, j) { return (("cuda:" + f.devices[j].device) === failing) - (("cuda:" + f.devices[i].device) === failing); });
+    order.forEach(function (di) {
+      var dev = f.devices[di];
       var rep = a.devices[di];
-      root.appendChild(el("h3", { text: "cuda:" + dev.device }));
+      var isFailing = ("cuda:" + dev.device) === failing;
+      root.appendChild(el("h3", { id: anchor(f.file, "cuda" + dev.device), text: "cuda:" + dev.device }));
       var head = el("div", { class: "headline" }, "Peak ", el("b", { text: bytes(rep.peak_active_bytes) }), " active");
       if (rep.top_sites_at === "snapshot") head.appendChild(document.createTextNode(" at snapshot time (no trace recorded)"));
       else if (rep.peak_event_index != null) head.appendChild(document.createTextNode(" at entry " + rep.peak_event_index + (rep.peak_offset_s != null ? " (+" + rep.peak_offset_s.toFixed(3) + " s)" : "")));
@@ -422,7 +436,7 @@
       head.appendChild(document.createTextNode(" \u00b7 " + rep.events + " trace entries \u00b7 peak reserved " + bytes(rep.peak_reserved_bytes) + " \u00b7 " + rep.ooms.length + " OOM" + (rep.ooms.length === 1 ? "" : "s")));
       root.appendChild(head);
       if (dev.events > 0) {
-        timelineChart(root, f, dev);
+        timelineChart(root, f, dev, isFailing);
       } else {
         // Without a trace there is no timeline, only the state at snapshot time.
         var text = "peak " + bytes(dev.peak.bytes) + " active at snapshot time";
@@ -446,9 +460,10 @@
       })));
 
       var oom = section(grid, "Out-of-memory events");
+      oom.id = anchor(f.file, "oom" + dev.device);
       if (!rep.ooms.length) oom.appendChild(el("div", { class: "muted", text: "No OOM in this trace." }));
-      rep.ooms.forEach(function (o) {
-        oom.appendChild(el("div", null,
+      rep.ooms.forEach(function (o, oi) {
+        oom.appendChild(el("div", oi === 0 ? { id: anchor(f.file, "site" + dev.device) } : null,
           el("b", { text: "Entry " + o.event_index + ": " + bytes(o.requested_bytes) + " requested" }),
           " from " + o.label + ". Cause: ", el("b", { text: o.cause }),
           " (" + bytes(o.live_bytes) + " live, " + bytes(o.reserved_unallocated_bytes) + " reserved but unallocated, " + bytes(o.free_bytes) + " free on the device)."));
@@ -640,6 +655,30 @@
 
   // ---- page ---------------------------------------------------------------
 
+  // A fragment id for a part of one file's report.
+  function anchor(file, part) {
+    return "f" + String(file).replace(/[^A-Za-z0-9]/g, "_") + "-" + part;
+  }
+
+  // The banner above everything: the verdict of the file that failed first
+  // (or the first file's), with links to its OOM panel and the site's stack.
+  function banner(app, data, first) {
+    var v = first.analysis.verdict;
+    if (!v) return;
+    var box = el("div", { id: "verdict", class: "verdict " + (v.failed ? "failed" : "healthy") });
+    if (data.files.length > 1) box.appendChild(el("div", { class: "muted", text: v.failed ? first.file + " failed first" : "No OOM in any of the " + data.files.length + " files" }));
+    box.appendChild(el("div", { class: "verdict-headline", text: v.headline }));
+    box.appendChild(el("div", { class: "verdict-detail", text: v.detail }));
+    if (v.failed && first.kind === "snapshot" && v.place && v.place.device) {
+      var d = v.place.device.replace("cuda:", "");
+      box.appendChild(el("div", { class: "verdict-links" },
+        el("a", { href: "#" + anchor(first.file, "cuda" + d), text: "timeline at the OOM" }), " \u00b7 ",
+        el("a", { href: "#" + anchor(first.file, "oom" + d), text: "the OOM and what held the memory" }), v.site ? " \u00b7 " : "",
+        v.site ? el("a", { href: "#" + anchor(first.file, "site" + d), text: "the site: " + v.site }) : ""));
+    }
+    app.appendChild(box);
+  }
+
   function render() {
     var data = JSON.parse(document.getElementById("oomkit-data").textContent);
     var app = document.getElementById("app");
@@ -648,8 +687,15 @@
     document.title = "oomkit: " + names.join(", ");
     app.appendChild(el("h1", { text: "oomkit memory report" }));
     app.appendChild(el("div", { class: "muted", text: data.generator + " \u00b7 " + names.length + " file" + (names.length === 1 ? "" : "s") + " \u00b7 opens offline, nothing is fetched" }));
+    // The file that failed first leads: by the rank table, else the first with an OOM.
+    var firstRow = (data.ranks || []).filter(function (r) { return r.failed_first; })[0];
+    var lead = data.files.filter(function (f) { return firstRow && f.file === firstRow.file; })[0]
+      || data.files.filter(function (f) { return f.analysis.verdict && f.analysis.verdict.failed; })[0]
+      || data.files[0];
+    if (lead) banner(app, data, lead);
     if (data.ranks && data.ranks.length) renderRanks(app, data.ranks);
-    data.files.forEach(function (f) {
+    var files = data.files.slice().sort(function (a, b) { return (b === lead) - (a === lead); });
+    files.forEach(function (f) {
       var root = el("section", { class: "file", "data-kind": f.kind });
       app.appendChild(root);
       root.appendChild(el("h2", { text: f.file + (f.kind === "run" ? " (run log)" : " (snapshot)") }));

@@ -1,7 +1,7 @@
 //! Renderers of oomkit analyses: a short terminal report and a JSON document.
 //!
 //! Both take the same [`FileAnalysis`]; the JSON form is a contract
-//! documented in the README, the terminal form is for people.
+//! documented in docs/json.md, the terminal form is for people.
 
 mod attempts;
 mod diff;
@@ -13,6 +13,7 @@ pub use attempts::attempts_text;
 pub use diff::{diff_runs, diff_snapshots, diff_text, DeviceDelta, Diff, SiteDelta, StageDelta};
 pub use html::{html_report, HtmlInput};
 use oomkit_snapshot::{analyze, human_bytes, Analysis, DeviceReport, Layout, Options, Snapshot};
+use oomkit_units::count;
 pub use perfetto::{run_trace, snapshot_trace, Trace};
 pub use ranks::{rank_table, rank_text, RankRow, RankSource, IMBALANCE_FRACTION};
 use serde_json::{json, Value};
@@ -42,7 +43,7 @@ impl FileAnalysis {
     }
 }
 
-/// Renders one file's analysis as the JSON object documented in the README.
+/// Renders one file's analysis as the JSON object documented in docs/json.md.
 pub fn json(file: &FileAnalysis) -> Value {
     let mut v = serde_json::to_value(&file.analysis).unwrap_or(Value::Null);
     if let Value::Object(m) = &mut v {
@@ -89,13 +90,13 @@ fn device_text(d: &DeviceReport, out: &mut String) {
     let _ = writeln!(out, "{}", headline(d));
     let _ = writeln!(
         out,
-        "  now: reserved {} in {} segments, active {}, allocated {}; peak reserved {}; {} trace events",
+        "  now: reserved {} in {}, active {}, allocated {}; peak reserved {}; {}",
         human_bytes(d.reserved_bytes),
-        d.segments,
+        count(d.segments, "segment", "segments"),
         human_bytes(d.active_bytes),
         human_bytes(d.allocated_bytes),
         human_bytes(d.peak_reserved_bytes),
-        d.events
+        count(d.events, "trace event", "trace events")
     );
     if d.pre_trace_active_bytes > 0 {
         let _ = writeln!(
@@ -130,10 +131,10 @@ fn device_text(d: &DeviceReport, out: &mut String) {
     let f = &d.fragmentation;
     let _ = writeln!(
         out,
-        "\n  Fragmentation: {} free inside segments ({} of reserved) in {} blocks, largest {}; {} lost to rounding",
+        "\n  Fragmentation: {} free inside segments ({} of reserved) in {}, largest {}; {} lost to rounding",
         human_bytes(f.external_bytes),
         pct(f.external_bytes, d.reserved_bytes),
-        f.free_blocks,
+        count(f.free_blocks, "block", "blocks"),
         human_bytes(f.largest_free_block_bytes),
         human_bytes(f.internal_bytes)
     );
@@ -173,8 +174,13 @@ fn device_text(d: &DeviceReport, out: &mut String) {
     if d.ooms.len() > OOMS_SHOWN {
         let _ = writeln!(
             out,
-            "\n  ... and {} more OOM entries (--json lists them all)",
-            d.ooms.len() - OOMS_SHOWN
+            "\n  ... and {} more {} (--json lists them all)",
+            d.ooms.len() - OOMS_SHOWN,
+            if d.ooms.len() - OOMS_SHOWN == 1 {
+                "OOM entry"
+            } else {
+                "OOM entries"
+            }
         );
     }
 }
@@ -207,8 +213,14 @@ pub fn text(file: &FileAnalysis) -> String {
     let _ = writeln!(out, "== {} ({})", file.path, human_bytes(file.file_bytes));
     if a.devices.is_empty() {
         let _ = writeln!(out, "no device holds any memory in this snapshot");
+    } else {
+        let _ = writeln!(out, "{}", a.verdict.text());
     }
-    for (i, d) in a.devices.iter().enumerate() {
+    // The failing device first: the verdict's detail comes before the healthy ones.
+    let failing = a.verdict.place.device.clone().filter(|_| a.verdict.failed);
+    let mut order: Vec<&DeviceReport> = a.devices.iter().collect();
+    order.sort_by_key(|d| Some(format!("cuda:{}", d.device)) != failing);
+    for (i, d) in order.into_iter().enumerate() {
         if i > 0 {
             out.push('\n');
         }
@@ -245,7 +257,7 @@ pub struct RunFile {
 /// One analyzed input: a snapshot or a run log.
 pub enum Report {
     /// A PyTorch memory snapshot.
-    Snapshot(FileAnalysis),
+    Snapshot(Box<FileAnalysis>),
     /// An oomkit run log.
     Run(Box<RunFile>),
 }
@@ -256,6 +268,14 @@ impl Report {
         match self {
             Report::Snapshot(fa) => &fa.path,
             Report::Run(rf) => &rf.path,
+        }
+    }
+
+    /// What failed, where, why and the first fix; or the peak and the most important finding.
+    pub fn verdict(&self) -> &oomkit_snapshot::Verdict {
+        match self {
+            Report::Snapshot(fa) => &fa.analysis.verdict,
+            Report::Run(rf) => &rf.analysis.verdict,
         }
     }
 
@@ -316,14 +336,15 @@ pub fn run_text(run: &RunFile) -> String {
         &a.device
     };
     let _ = writeln!(out, "== {} (run log, rank {}, {dev})", run.path, a.rank);
+    let _ = writeln!(out, "{}", a.verdict.text());
     let cap = a
         .capacity_bytes
         .map(|c| format!(" of {}", human_bytes(c)))
         .unwrap_or_default();
     let _ = writeln!(
         out,
-        "{} steps, peak {}{cap}",
-        a.steps,
+        "{}, peak {}{cap}",
+        count(a.steps, "step", "steps"),
         human_bytes(a.peak_bytes)
     );
     if let Some(p) = &a.plan {

@@ -92,6 +92,8 @@ pub struct Warning {
 /// Everything oomkit concludes from one run log.
 #[derive(Clone, Debug, Serialize)]
 pub struct Analysis {
+    /// What failed, where, why and the first fix; or the peak and the most important finding.
+    pub verdict: oomkit_advice::Verdict,
     /// Always `run`, to tell it from a snapshot's analysis.
     pub kind: &'static str,
     /// Steps recorded.
@@ -257,6 +259,59 @@ fn cause(requested: Option<u64>, allocated: u64, reserved: u64, capacity: Option
     })
 }
 
+/// What the verdict and the findings know of one OOM of a run log.
+pub(crate) fn failure(
+    o: &OomSummary,
+    device: &str,
+    rank: Option<u32>,
+    capacity: Option<u64>,
+) -> oomkit_advice::Failure {
+    oomkit_advice::Failure {
+        place: oomkit_advice::Place {
+            device: (!device.is_empty()).then(|| device.to_string()),
+            rank,
+            step: o.step,
+            stage: o.stage.clone(),
+            ..Default::default()
+        },
+        figures: oomkit_advice::Figures {
+            requested: o.requested_bytes,
+            capacity,
+            // The log does not say what the driver had free (the CUDA context
+            // and other processes hold some), so no shortfall is claimed.
+            free: None,
+            reserved_unallocated: Some(o.reserved_bytes.saturating_sub(o.allocated_bytes)),
+            ..Default::default()
+        },
+        live: Some(o.allocated_bytes),
+        site: None,
+        expandable_segments: false,
+    }
+}
+
+/// The verdict on a run log: its first OOM, or its peak and most urgent finding.
+fn verdict(
+    ooms: &[OomSummary],
+    start: &crate::record::Start,
+    capacity: Option<u64>,
+    peak: u64,
+    findings: &[oomkit_advice::Finding],
+) -> oomkit_advice::Verdict {
+    let rank = Some(start.rank);
+    if let Some(o) = ooms.first() {
+        return oomkit_advice::Verdict::failed(&failure(o, &start.device, rank, capacity), o.cause);
+    }
+    oomkit_advice::Verdict::healthy(
+        peak,
+        oomkit_advice::Place {
+            device: (!start.device.is_empty()).then(|| start.device.clone()),
+            rank,
+            ..Default::default()
+        },
+        findings,
+    )
+}
+
 /// Analyzes a run log.
 pub fn analyze(run: &Run) -> Analysis {
     let start = run.start.clone().unwrap_or_default();
@@ -365,8 +420,8 @@ pub fn analyze(run: &Run) -> Analysis {
         warnings.push(Warning {
             kind: "tracker_errors",
             message: format!(
-                "the tracker caught {} error(s) of its own, first: {}",
-                run.tracker_errors.len(),
+                "the tracker caught {} of its own, first: {}",
+                oomkit_units::count(run.tracker_errors.len() as u64, "error", "errors"),
                 run.tracker_errors[0]
             ),
         });
@@ -380,6 +435,7 @@ pub fn analyze(run: &Run) -> Analysis {
         });
     }
     Analysis {
+        verdict: verdict(&ooms, &start, capacity, step_peak, &findings),
         kind: "run",
         steps: run.steps().count() as u64,
         rank: start.rank,

@@ -85,7 +85,13 @@ fn oom(o: &OomSummary, device: &str) -> Finding {
         (None, Some(n)) => format!("in step {n}"),
         (None, None) => "outside any step".into(),
     };
-    let advice = if o.cause == Cause::Fragmentation {
+    let fitted;
+    let advice = if o.cause == Cause::RequestExceedsCapacity {
+        // No batch change helps a request larger than the device.
+        fitted =
+            oomkit_advice::first_fix(o.cause, &crate::analysis::failure(o, device, None, None));
+        fitted.as_str()
+    } else if o.cause == Cause::Fragmentation {
         "the allocator had enough reserved but unallocated memory in pieces too small: set \
          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     } else {

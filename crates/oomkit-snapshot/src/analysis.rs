@@ -42,12 +42,61 @@ pub fn analyze(snap: &Snapshot, opts: &Options) -> Analysis {
         .and_then(|s| s.get("expandable_segments"))
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
+    let findings = findings(&reports, expandable);
     Analysis {
-        findings: findings(&reports, expandable),
+        verdict: verdict(&reports, &findings, expandable),
+        findings,
         devices: reports,
         allocator_settings: snap.allocator_settings.clone(),
         warnings,
     }
+}
+
+/// The verdict: the first OOM of any device (by time where every device
+/// with one recorded it, else the first device's), or the largest peak.
+fn verdict(
+    reports: &[DeviceReport],
+    findings: &[oomkit_advice::Finding],
+    expandable: bool,
+) -> oomkit_advice::Verdict {
+    let ooms: Vec<(&DeviceReport, &OomReport)> = reports
+        .iter()
+        .filter_map(|d| d.ooms.first().map(|o| (d, o)))
+        .collect();
+    let first = if ooms.iter().all(|(_, o)| o.time_us.is_some()) {
+        ooms.iter().min_by_key(|(_, o)| o.time_us)
+    } else {
+        ooms.first()
+    };
+    if let Some((d, o)) = first {
+        let failure = oomkit_advice::Failure {
+            place: oomkit_advice::Place {
+                device: Some(format!("cuda:{}", d.device)),
+                event: Some(o.event_index),
+                stage: o.phase.clone(),
+                ..Default::default()
+            },
+            figures: oomkit_advice::Figures {
+                requested: Some(o.requested_bytes),
+                free: Some(o.free_bytes),
+                reserved_unallocated: Some(o.reserved_unallocated_bytes),
+                ..Default::default()
+            },
+            live: Some(o.live_bytes),
+            site: Some(o.label.clone()),
+            expandable_segments: expandable,
+        };
+        return oomkit_advice::Verdict::failed(&failure, o.cause);
+    }
+    let top = reports.iter().max_by_key(|d| d.peak_active_bytes);
+    oomkit_advice::Verdict::healthy(
+        top.map_or(0, |d| d.peak_active_bytes),
+        oomkit_advice::Place {
+            device: top.map(|d| format!("cuda:{}", d.device)),
+            ..Default::default()
+        },
+        findings,
+    )
 }
 
 /// Traces at least this long get their first two passes on two cores.
@@ -256,6 +305,7 @@ fn analyze_device(
             cause,
             site,
             label: label_text,
+            phase: e.time_us().and_then(|t| innermost_phase(&ranges, t)),
             top_holders: holders.get(k).cloned().unwrap_or_default(),
         });
     }
@@ -329,10 +379,11 @@ fn evidence_warnings(
             message: format!(
                 // A snapshot does not say whether recording started late or
                 // max_entries dropped the oldest entries; both look the same.
-                "cuda:{device}: the trace starts mid-run: {} blocks ({}) freed in its {} entries were allocated before its first one (recording started after them, or max_entries dropped the oldest entries)",
-                orphans.len(),
+                "cuda:{device}: the trace starts mid-run: {} ({}) freed in its {} {} allocated before its first one (recording started after them, or max_entries dropped the oldest entries)",
+                oomkit_units::count(orphans.len() as u64, "block", "blocks"),
                 human_bytes(bytes),
-                entries
+                oomkit_units::count(entries as u64, "entry", "entries"),
+                if orphans.len() == 1 { "was" } else { "were" }
             ),
             fix: format!("start recording before the model is built, with room for the whole run: {RECORD_CALL}"),
         });

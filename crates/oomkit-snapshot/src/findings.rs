@@ -56,11 +56,27 @@ pub(crate) fn findings(reports: &[DeviceReport], expandable: bool) -> Vec<Findin
 
 /// An OOM entry of the trace, with the cause decided from the replayed figures.
 fn oom(device: i64, o: &OomReport, expandable: bool) -> Finding {
-    let (kind, advice) = match (o.cause, expandable) {
-        (Cause::Fragmentation, false) => (FindingKind::OomFragmentation, "the memory was there but in pieces: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or call torch.cuda.empty_cache() before the failing phase"),
-        (Cause::Fragmentation, true) => (FindingKind::OomFragmentation, "expandable segments are already on: call torch.cuda.empty_cache() before the failing phase, or lower the peak"),
-        _ => (FindingKind::OomCapacity, "the device was full: lower the micro-batch (keep the effective batch with gradient accumulation), enable activation checkpointing, or shard the model"),
+    let kind = if o.cause == Cause::Fragmentation {
+        FindingKind::OomFragmentation
+    } else {
+        FindingKind::OomCapacity
     };
+    // The same first fix the verdict gives, fitted to the cause.
+    let advice = oomkit_advice::first_fix(
+        o.cause,
+        &oomkit_advice::Failure {
+            figures: oomkit_advice::Figures {
+                requested: Some(o.requested_bytes),
+                free: Some(o.free_bytes),
+                reserved_unallocated: Some(o.reserved_unallocated_bytes),
+                ..Default::default()
+            },
+            live: Some(o.live_bytes),
+            site: Some(o.label.clone()),
+            expandable_segments: expandable,
+            ..Default::default()
+        },
+    );
     Finding::new(
         kind,
         format!(
@@ -89,13 +105,13 @@ fn dominant_site(r: &DeviceReport) -> Option<Finding> {
         Finding::new(
             FindingKind::DominantSite,
             format!(
-                "cuda:{}: {} holds {} ({:.0}% of the {} peak) in {} allocations",
+                "cuda:{}: {} holds {} ({:.0}% of the {} peak) in {}",
                 r.device,
                 top.label,
                 human_bytes(top.bytes),
                 100.0 * top.bytes as f64 / peak as f64,
                 human_bytes(peak),
-                top.count
+                oomkit_units::count(top.count, "allocation", "allocations")
             ),
             "start there: free or shrink what this line keeps alive at the peak (activations saved for backward, cached outputs, optimizer state)",
         )
@@ -155,11 +171,11 @@ fn fragmentation(r: &DeviceReport) -> Option<Finding> {
         Finding::new(
             FindingKind::Fragmentation,
             format!(
-                "cuda:{}: {} ({:.0}% of reserved) is free inside segments in {} pieces, the largest {}, smaller than the {} blocks this program asks for: such a request needs new memory though the total is there",
+                "cuda:{}: {} ({:.0}% of reserved) is free inside segments in {}, the largest {}, smaller than the {} blocks this program asks for: such a request needs new memory though the total is there",
                 r.device,
                 human_bytes(f.external_bytes),
                 100.0 * f.external_fraction,
-                f.free_blocks,
+                oomkit_units::count(f.free_blocks, "piece", "pieces"),
                 human_bytes(f.largest_free_block_bytes),
                 human_bytes(f.largest_request_bytes)
             ),

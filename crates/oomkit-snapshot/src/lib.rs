@@ -25,7 +25,7 @@ pub use model::{
     to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
     TraceEvent,
 };
-pub use oomkit_advice::{Finding, FindingKind};
+pub use oomkit_advice::{Finding, FindingKind, Verdict};
 pub use oomkit_units::human_bytes;
 pub use report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PhaseReport, SiteBytes, Warning,

@@ -61,6 +61,8 @@ pub struct OomReport {
     pub site: Option<Frame>,
     /// A short description of that frame.
     pub label: String,
+    /// The innermost `record_function` range running then, if any.
+    pub phase: Option<String>,
     /// The largest holders of memory at that moment.
     pub top_holders: Vec<SiteBytes>,
 }
@@ -169,6 +171,8 @@ pub struct Warning {
 /// The full analysis of one snapshot.
 #[derive(Clone, Debug, Serialize)]
 pub struct Analysis {
+    /// What failed, where, why and the first fix; or the peak and the most important finding.
+    pub verdict: oomkit_advice::Verdict,
     /// One report per device.
     pub devices: Vec<DeviceReport>,
     /// The allocator settings in force, when recorded.

@@ -1,7 +1,6 @@
 //! The environment variables `oomkit run` and `oomkit find-batch` set for the
-//! command they run, in one place; the README lists
-//! them under "oomkit run" and "oomkit find-batch", and `python/oomkit/_plan.py`
-//! reads them under the same names.
+//! command they run, in one place; docs/commands.md lists them under
+//! "Environment", and `python/oomkit/_plan.py` reads them under the same names.
 
 /// The micro-batch of this attempt.
 pub const MICRO_BATCH: &str = "OOMKIT_MICRO_BATCH";

@@ -129,6 +129,8 @@ pub use oomkit_advice::Cause;
 /// A message explained: the cause, the numbers behind it, and what to change.
 #[derive(Clone, Debug, Serialize)]
 pub struct Explanation {
+    /// What failed, where, why and the first fix: the lines every report starts with.
+    pub verdict: oomkit_advice::Verdict,
     /// The message's numbers.
     #[serde(flatten)]
     pub message: OomMessage,
@@ -597,7 +599,21 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
             ));
         }
     }
+    let failure = oomkit_advice::Failure {
+        place: oomkit_advice::Place {
+            device: match m.kind {
+                OomKind::Cpu => Some("cpu".into()),
+                _ => m.device.map(|d| format!("cuda:{d}")),
+            },
+            ..Default::default()
+        },
+        figures,
+        live: m.allocated_bytes,
+        site: None,
+        expandable_segments: alloc_conf.is_some_and(expandable_segments_on),
+    };
     Explanation {
+        verdict: oomkit_advice::Verdict::failed(&failure, cause),
         other_processes_bytes: others,
         shortfall_bytes: shortfall,
         cause,
@@ -614,7 +630,8 @@ impl Explanation {
     pub fn text(&self) -> String {
         use std::fmt::Write;
         let m = &self.message;
-        let mut out = String::new();
+        let mut out = self.verdict.text();
+        out.push('\n');
         let row = |out: &mut String, label: &str, v: Option<u64>| {
             if let Some(v) = v {
                 let _ = writeln!(out, "  {label:<34} {}", human_bytes(v));

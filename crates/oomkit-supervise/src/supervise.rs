@@ -618,9 +618,9 @@ impl RunSummary {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "oomkit run: {} after {} attempt(s)",
+            "oomkit run: {} after {}",
             self.outcome,
-            self.attempts.len()
+            oomkit_units::count(self.attempts.len() as u64, "attempt", "attempts")
         );
         let _ = writeln!(
             out,

@@ -25,9 +25,14 @@ pub enum UnitError {
     TooLarge(String),
 }
 
+/// "1 block", "3 blocks": a count with its noun in the right number.
+pub fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// Formats a byte count with a binary unit, to three significant digits.
 pub fn human_bytes(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = b as f64;
     let mut i = 0;
     while v >= 1024.0 && i + 1 < units.len() {

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Dict, Optional
+import types
+from typing import Any, Optional
 
 import transformers
 from transformers import TrainerCallback
@@ -52,7 +53,7 @@ def _find_trainer() -> Any:
     Callbacks are not handed the Trainer (transformers#38181), but
     ``on_init_end`` is called from ``Trainer.__init__``, whose frame holds it.
     """
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     for _ in range(_TRAINER_FRAMES):
         if frame is None:
             return None
@@ -115,7 +116,7 @@ class OomkitCallback(TrainerCallback):
             # accelerate's batch finder starting again after an OOM.
             tracker = self.tracker
             retry = tracker is not None and not tracker.closed
-            record: Dict[str, Any]
+            record: dict[str, Any]
             if self.plan is not None and self.plan.micro_batch == micro:
                 record = self.plan.record(FRAMEWORK)
             else:
@@ -168,7 +169,7 @@ class OomkitCallback(TrainerCallback):
         if self.tracker is not None and self.tracker.current_phase == "eval":
             self.tracker.end_phase()
 
-    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         self.on_evaluate(args, state, control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
