@@ -278,3 +278,19 @@ def test_the_page_opens_on_the_failure(browser, tmp_path):
     assert len(targets) == 3
     assert page.evaluate(f"{json.dumps(targets)}.every(id => document.getElementById(id) !== null)")
     page.close()
+
+
+def test_a_long_run_log_opens_on_its_oom(browser, tmp_path):
+    lines = [{"type": "start", "version": 1, "rank": 0, "world_size": 1, "device": "cuda:0", "capacity_bytes": 80 << 30, "time": 100}]
+    for s in range(300):
+        lines.append({"type": "step", "step": s, "start_bytes": 1 << 30, "end_bytes": 1 << 30, "peak_bytes": (40 << 30) + s})
+    lines.append({"type": "oom", "time": 110, "step": 240, "stage": "backward", "requested_bytes": 4 << 30,
+                  "message": "CUDA out of memory. Tried to allocate 4.00 GiB",
+                  "memory": {"allocated_bytes": 72 << 30, "reserved_bytes": 74 << 30, "capacity_bytes": 80 << 30}})
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    page, _ = load(browser, make_report(tmp_path, "long-run", str(path)), "long-run")
+    assert "OUT OF MEMORY on rank 0 (cuda:0) in backward of step 240" in page.evaluate("document.getElementById('verdict').textContent")
+    lo, hi = page.evaluate("(() => { const u = window.oomkitReport.charts[0].plot; return [u.scales.x.min, u.scales.x.max]; })()")
+    assert lo <= 240 <= hi and hi - lo < 100
+    page.close()

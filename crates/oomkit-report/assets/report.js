@@ -13,6 +13,8 @@
     trend: "#b5179e", end: "#2a9d8f", start: "#9aa5b1",
   };
   var STAGE_COLORS = ["#2f6fdf", "#2a9d8f", "#e76f51", "#7b2cbf", "#f4a261", "#3a86ff", "#8d99ae"];
+  // Runs with more steps than this open zoomed to their first OOM.
+  var RUN_ZOOM_MIN_STEPS = 100;
   var PHASE_COLORS = ["#7aa2f7", "#9ece6a", "#e0af68", "#bb9af7", "#7dcfff", "#f7768e", "#73daca"];
 
   function el(tag, attrs) {
@@ -566,7 +568,15 @@
       var ctl = interaction(u, xMin, xMax);
       box.insertBefore(tools(ctl), box.firstChild);
       box.appendChild(markerButtons(buttons, ctl));
-      state.charts.push({ file: f.file, device: a.device, kind: "steps", points: xs.length, plot: u });
+      var chart = { file: f.file, device: a.device, kind: "steps", points: xs.length, plot: u, zoomed: null };
+      state.charts.push(chart);
+      // A long run opens on its first OOM; a short one shows it whole.
+      var firstOom = f.ooms.length ? (f.ooms[0].step != null ? f.ooms[0].step : xMax) : null;
+      if (firstOom != null && xMax - xMin > RUN_ZOOM_MIN_STEPS) {
+        var w = Math.max(10, Math.round((xMax - xMin) / 20));
+        ctl.focus(Math.max(xMin, firstOom - w), Math.min(xMax, firstOom + w));
+        chart.zoomed = firstOom;
+      }
     } else {
       root.appendChild(el("p", { class: "muted", text: "No step was recorded." }));
     }
