@@ -69,23 +69,7 @@ fn verdict(
         ooms.first()
     };
     if let Some((d, o)) = first {
-        let failure = oomkit_advice::Failure {
-            place: oomkit_advice::Place {
-                device: Some(format!("cuda:{}", d.device)),
-                event: Some(o.event_index),
-                stage: o.phase.clone(),
-                ..Default::default()
-            },
-            figures: oomkit_advice::Figures {
-                requested: Some(o.requested_bytes),
-                free: Some(o.free_bytes),
-                reserved_unallocated: Some(o.reserved_unallocated_bytes),
-                ..Default::default()
-            },
-            live: Some(o.live_bytes),
-            site: Some(o.label.clone()),
-            expandable_segments: expandable,
-        };
+        let failure = crate::findings::failure(d.device, o, expandable);
         return oomkit_advice::Verdict::failed(&failure, o.cause);
     }
     let top = reports.iter().max_by_key(|d| d.peak_active_bytes);

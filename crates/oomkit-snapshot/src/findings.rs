@@ -54,6 +54,27 @@ pub(crate) fn findings(reports: &[DeviceReport], expandable: bool) -> Vec<Findin
     out
 }
 
+/// What the verdict and the OOM finding know of one OOM entry of the trace.
+pub(crate) fn failure(device: i64, o: &OomReport, expandable: bool) -> oomkit_advice::Failure {
+    oomkit_advice::Failure {
+        place: oomkit_advice::Place {
+            device: Some(format!("cuda:{device}")),
+            event: Some(o.event_index),
+            stage: o.phase.clone(),
+            ..Default::default()
+        },
+        figures: oomkit_advice::Figures {
+            requested: Some(o.requested_bytes),
+            free: Some(o.free_bytes),
+            reserved_unallocated: Some(o.reserved_unallocated_bytes),
+            ..Default::default()
+        },
+        live: Some(o.live_bytes),
+        site: Some(o.label.clone()),
+        expandable_segments: expandable,
+    }
+}
+
 /// An OOM entry of the trace, with the cause decided from the replayed figures.
 fn oom(device: i64, o: &OomReport, expandable: bool) -> Finding {
     let kind = if o.cause == Cause::Fragmentation {
@@ -62,21 +83,7 @@ fn oom(device: i64, o: &OomReport, expandable: bool) -> Finding {
         FindingKind::OomCapacity
     };
     // The same first fix the verdict gives, fitted to the cause.
-    let advice = oomkit_advice::first_fix(
-        o.cause,
-        &oomkit_advice::Failure {
-            figures: oomkit_advice::Figures {
-                requested: Some(o.requested_bytes),
-                free: Some(o.free_bytes),
-                reserved_unallocated: Some(o.reserved_unallocated_bytes),
-                ..Default::default()
-            },
-            live: Some(o.live_bytes),
-            site: Some(o.label.clone()),
-            expandable_segments: expandable,
-            ..Default::default()
-        },
-    );
+    let advice = oomkit_advice::first_fix(o.cause, &failure(device, o, expandable));
     Finding::new(
         kind,
         format!(
