@@ -1,0 +1,48 @@
+//! Value parsers and the flags several commands share.
+
+use oomkit_gpu::Wait;
+use std::time::Duration;
+
+/// A size as people write it (`80GiB`, `512MB`).
+pub(crate) fn size(s: &str) -> Result<u64, String> {
+    oomkit_units::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// A duration as people write it (`30s`, `10m`, `2h`).
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
+    oomkit_units::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// A count as people write it (`7B`, `350M`).
+pub(crate) fn count(s: &str) -> Result<u64, String> {
+    oomkit_units::parse_count(s).map_err(|e| e.to_string())
+}
+
+/// A whole number of at least 1.
+pub(crate) fn positive(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
+}
+
+/// Options shared by the commands that take a GPU.
+#[derive(clap::Args)]
+pub(crate) struct WaitArgs {
+    /// Wait this long for a GPU to qualify (30s, 10m, 2h); 0 looks once.
+    #[arg(long, value_parser = duration, default_value = "0s", value_name = "DURATION")]
+    pub(crate) wait: Duration,
+    /// How often to look while waiting.
+    #[arg(long, value_parser = duration, default_value = "30s", value_name = "DURATION")]
+    pub(crate) poll: Duration,
+}
+
+impl WaitArgs {
+    /// The wait these flags ask for, polling no faster than ten times a second.
+    pub(crate) fn wait(&self) -> Wait {
+        Wait {
+            timeout: self.wait,
+            poll: self.poll.max(Duration::from_millis(100)),
+        }
+    }
+}

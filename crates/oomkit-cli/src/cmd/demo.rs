@@ -1,0 +1,49 @@
+//! `oomkit demo`: the bundled snapshot, analyzed, to see a report with no set-up.
+
+use super::analyze::{emit, options, ReportArgs};
+use crate::output::save_new;
+use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
+use oomkit_report::{FileAnalysis, Report};
+use oomkit_snapshot::Snapshot;
+use std::path::PathBuf;
+
+/// The snapshot that `oomkit demo` analyzes; made by scripts/make_demo_snapshot.py.
+const DEMO: &[u8] = include_bytes!("../../assets/demo_snapshot.pickle");
+const DEMO_NAME: &str = "demo_snapshot.pickle (bundled)";
+
+/// Flags of `oomkit demo`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    #[command(flatten)]
+    report: ReportArgs,
+    /// Also write the bundled snapshot to this new file (never overwrites).
+    #[arg(long, value_name = "PATH")]
+    save: Option<PathBuf>,
+}
+
+/// `oomkit demo`.
+pub(crate) fn run(a: Args) -> u8 {
+    if let Some(path) = a.save {
+        if let Err(msg) = save_new(&path, DEMO) {
+            eprintln!("oomkit: {msg}");
+            return EXIT_INPUT;
+        }
+        eprintln!("oomkit: wrote the demo snapshot to {}", path.display());
+    }
+    match Snapshot::from_bytes(DEMO) {
+        Ok(snap) => {
+            let fa = FileAnalysis::new(
+                DEMO_NAME.into(),
+                DEMO.len() as u64,
+                &snap,
+                &options(&a.report),
+            );
+            emit(&[Ok(Report::Snapshot(Box::new(fa)))], &a.report);
+            EXIT_OK
+        }
+        Err(e) => {
+            eprintln!("oomkit: internal error: the bundled snapshot is unreadable: {e}");
+            EXIT_INTERNAL
+        }
+    }
+}

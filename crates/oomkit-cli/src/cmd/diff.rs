@@ -1,0 +1,66 @@
+//! `oomkit diff`: two snapshots or two run logs compared, before and after a fix.
+
+use crate::load::load;
+use crate::{EXIT_INPUT, EXIT_OK};
+use oomkit_report::Report;
+use oomkit_snapshot::Options;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Flags of `oomkit diff`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The first file ("before").
+    a: PathBuf,
+    /// The second file ("after"), of the same kind.
+    b: PathBuf,
+    /// Print JSON: {"devices": [...]}.
+    #[arg(long)]
+    json: bool,
+    /// How many changed sites to list per device (JSON lists them all).
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    top: usize,
+    /// Only this CUDA device index.
+    #[arg(long, value_name = "D")]
+    device: Option<i64>,
+}
+
+/// `oomkit diff`.
+pub(crate) fn run(args: Args) -> u8 {
+    // Every site, so that one below a cut does not look vanished.
+    let opts = Options {
+        top: usize::MAX,
+        device: args.device,
+    };
+    let (ra, rb) = match (load(&args.a, &opts), load(&args.b, &opts)) {
+        (Ok(x), Ok(y)) => (x, y),
+        (Err(msg), _) | (_, Err(msg)) => {
+            eprintln!("oomkit: {msg}");
+            return EXIT_INPUT;
+        }
+    };
+    let diff = match (&ra, &rb) {
+        (Report::Snapshot(x), Report::Snapshot(y)) => oomkit_report::diff_snapshots(x, y),
+        (Report::Run(x), Report::Run(y)) => oomkit_report::diff_runs(x, y),
+        _ => {
+            eprintln!(
+                "oomkit: cannot compare {} with {}: one is a snapshot and the other a run log",
+                args.a.display(),
+                args.b.display()
+            );
+            return EXIT_INPUT;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let doc = serde_json::to_value(&diff).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        );
+    } else {
+        let _ = write!(out, "{}", oomkit_report::diff_text(&diff, args.top));
+    }
+    EXIT_OK
+}

@@ -1,0 +1,247 @@
+//! `oomkit estimate`: the memory budget of a training run before it runs, calibrated from measured runs.
+
+use crate::args::{count, positive, size};
+use crate::output::{print_json, say};
+use crate::{EXIT_INPUT, EXIT_OK};
+use oomkit_estimate::calibrate::{calibrate, Measured};
+use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Flags of `oomkit estimate`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Parameter count (7B, 350M, 1.3B).
+    #[arg(long, value_parser = count, value_name = "N", required_unless_present = "config")]
+    params: Option<u64>,
+    /// A Hugging Face config.json for the model's shape.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Dtype of weights and compute.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: DtypeArg,
+    /// fp32 weights, gradients and optimizer state with 16-bit autocast.
+    #[arg(long)]
+    mixed_precision: bool,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value = "adamw")]
+    optimizer: OptimizerArg,
+    /// Micro-batch size.
+    #[arg(long, value_parser = positive, default_value_t = 1, value_name = "B")]
+    batch: u64,
+    /// Sequence length in tokens.
+    #[arg(long, value_parser = positive, default_value_t = 1024, value_name = "TOKENS")]
+    seq: u64,
+    /// Full activation recomputation (gradient checkpointing).
+    #[arg(long)]
+    grad_checkpointing: bool,
+    /// Flash or memory-efficient attention.
+    #[arg(long)]
+    flash_attention: bool,
+    /// Keep an EMA copy of the weights on the GPU.
+    #[arg(long)]
+    ema: bool,
+    /// Train LoRA adapters of this rank on the attention projections.
+    #[arg(long, value_parser = positive, value_name = "R")]
+    lora_rank: Option<u64>,
+    /// QLoRA: keep the frozen linear weights in 4 bits (bitsandbytes NF4); needs --lora-rank.
+    #[arg(long)]
+    load_in_4bit: bool,
+    /// GPU memory to fit in (80GiB); default: the largest GPU here, if any.
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    gpu: Option<u64>,
+    /// The CUDA context and kernels outside the tensors (1.25 GiB, as measured on a V100).
+    #[arg(long, value_parser = size, default_value = "1.25GiB", value_name = "SIZE")]
+    overhead: u64,
+    /// Calibrate from measured runs: run logs (FILE, or FILE=MICRO_BATCH when
+    /// the log has no plan record) or `find-batch --json` output.
+    #[arg(long, num_args = 1.., value_name = "FILE[=B]")]
+    calibrate: Vec<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The measured peaks in one `--calibrate` argument, and the capacity it names, or one line saying what is wrong.
+fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
+    let (file, batch) = match arg.rsplit_once('=') {
+        Some((f, b)) if !f.is_empty() => match b.parse::<u64>() {
+            Ok(b) if b > 0 => (f, Some(b)),
+            _ => {
+                return Err(format!(
+                    "{arg}: the micro-batch after '=' must be a whole number above 0"
+                ))
+            }
+        },
+        _ => (arg, None),
+    };
+    let bytes = std::fs::read(file).map_err(|e| format!("{file}: {e}"))?;
+    // `oomkit find-batch --json` output: one object with the trials.
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+        if let Some(trials) = v.get("trials").and_then(|t| t.as_array()) {
+            let measured: Vec<Measured> = trials
+                .iter()
+                .filter(|t| t["ok"].as_bool() == Some(true))
+                .filter_map(|t| {
+                    Some(Measured {
+                        micro_batch: t["batch"].as_u64()?,
+                        peak_bytes: t["peak_bytes"].as_u64()?,
+                        source: format!("{file} (find-batch trial)"),
+                    })
+                })
+                .collect();
+            if measured.is_empty() {
+                return Err(format!(
+                    "{file}: find-batch output with no trial that ran and measured a peak"
+                ));
+            }
+            return Ok((measured, v["capacity_bytes"].as_u64()));
+        }
+    }
+    let run = oomkit_runlog::Run::parse(&bytes).map_err(|e| format!("{file}: {e}"))?;
+    let start = run.start.clone().unwrap_or_default();
+    if !start.device.starts_with("cuda") {
+        return Err(format!(
+            "{file}: measured on '{}', not a GPU: a CPU run's resident set is no GPU budget",
+            start.device
+        ));
+    }
+    let micro_batch = batch
+        .or_else(|| run.plans.last().and_then(|p| p.micro_batch))
+        .ok_or_else(|| {
+            format!("{file}: the log records no micro-batch (no plan record); give it as {file}=B")
+        })?;
+    let peak = run
+        .steps()
+        .map(|m| m.peak_bytes)
+        .max()
+        .ok_or_else(|| format!("{file}: the log has no finished step"))?;
+    Ok((
+        vec![Measured {
+            micro_batch,
+            peak_bytes: peak,
+            source: format!("{file} (run log)"),
+        }],
+        start.capacity_bytes,
+    ))
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DtypeArg {
+    Fp32,
+    Fp16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OptimizerArg {
+    Adamw,
+    Adamw8bit,
+    Sgd,
+    Adafactor,
+}
+
+/// `oomkit estimate`.
+pub(crate) fn run(a: Args) -> u8 {
+    let arch = match &a.config {
+        Some(path) => {
+            let text = match std::fs::read_to_string(path) {
+                Ok(t) => t,
+                Err(e) => {
+                    say(&format!("{}: {e}", path.display()));
+                    return EXIT_INPUT;
+                }
+            };
+            match Architecture::from_hf_config(&text) {
+                Ok(arch) => arch,
+                Err(e) => {
+                    say(&format!("{}: {e}", path.display()));
+                    return EXIT_INPUT;
+                }
+            }
+        }
+        None => Architecture::guess(a.params.unwrap_or(0)),
+    };
+    let params = a.params.unwrap_or_else(|| arch.params());
+    let mut measured = Vec::new();
+    let mut measured_capacity = None;
+    for arg in &a.calibrate {
+        match measured_in(arg) {
+            Ok((m, c)) => {
+                measured.extend(m);
+                measured_capacity = measured_capacity.or(c);
+            }
+            Err(msg) => {
+                say(&msg);
+                return EXIT_INPUT;
+            }
+        }
+    }
+    let capacity = a.gpu.or(measured_capacity).or_else(|| {
+        oomkit_gpu::probe()
+            .ok()
+            .and_then(|g| g.iter().map(|g| g.total_bytes).max())
+    });
+    let inputs = Inputs {
+        arch,
+        params,
+        dtype: match a.dtype {
+            DtypeArg::Fp32 => Dtype::Fp32,
+            DtypeArg::Fp16 => Dtype::Fp16,
+            DtypeArg::Bf16 => Dtype::Bf16,
+        },
+        mixed_precision: a.mixed_precision,
+        optimizer: match a.optimizer {
+            OptimizerArg::Adamw => Optimizer::AdamW,
+            OptimizerArg::Adamw8bit => Optimizer::AdamW8bit,
+            OptimizerArg::Sgd => Optimizer::Sgd,
+            OptimizerArg::Adafactor => Optimizer::Adafactor,
+        },
+        batch: a.batch,
+        seq: a.seq,
+        grad_checkpointing: a.grad_checkpointing,
+        flash_attention: a.flash_attention,
+        ema: a.ema,
+        lora_rank: a.lora_rank,
+        load_in_4bit: a.load_in_4bit,
+        overhead_bytes: a.overhead,
+        capacity_bytes: capacity,
+    };
+    match oomkit_estimate::estimate(inputs) {
+        Ok(e) => {
+            let calibration = if measured.is_empty() {
+                None
+            } else {
+                match calibrate(measured, &e, capacity) {
+                    Ok(c) => Some(c),
+                    Err(err) => {
+                        say(&err.to_string());
+                        return EXIT_INPUT;
+                    }
+                }
+            };
+            if a.json {
+                let mut v = serde_json::to_value(&e).unwrap_or_default();
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert(
+                        "calibration".into(),
+                        serde_json::to_value(&calibration).unwrap_or_default(),
+                    );
+                }
+                print_json(&v);
+            } else {
+                let mut out = e.text();
+                if let Some(c) = &calibration {
+                    out.push('\n');
+                    out.push_str(&c.text());
+                }
+                let _ = write!(std::io::stdout().lock(), "{out}");
+            }
+            EXIT_OK
+        }
+        Err(e) => {
+            say(&e.to_string());
+            EXIT_INPUT
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! `oomkit export --perfetto`: a snapshot or run log as a trace another viewer opens.
+
+use crate::load::looks_like_run_log;
+use crate::output::write_output_with;
+use crate::{EXIT_INPUT, EXIT_OK};
+use oomkit_snapshot::{Options, Snapshot};
+use std::path::{Path, PathBuf};
+
+/// Flags of `oomkit export`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Write Chrome trace-event JSON, which ui.perfetto.dev and chrome://tracing open.
+    #[arg(long, required = true)]
+    perfetto: bool,
+    /// The snapshot or run log.
+    file: PathBuf,
+    /// Where to write the trace; `-` for standard output.
+    #[arg(short, long, value_name = "PATH")]
+    output: PathBuf,
+    /// Most memory samples per device; more are thinned by min/max buckets (0 keeps all).
+    #[arg(long, default_value_t = 200_000, value_name = "N")]
+    max_points: usize,
+    /// Replace the output file if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+/// `oomkit export`.
+pub(crate) fn run(a: Args) -> u8 {
+    // Perfetto is the only export format, so the flag only has to be there.
+    let _ = a.perfetto;
+    match export(&a.file, a.max_points).and_then(|trace| {
+        // Written as it is encoded: a trace that keeps every entry of a
+        // large snapshot runs to hundreds of megabytes.
+        write_output_with(&a.output, a.force, &mut |w| {
+            serde_json::to_writer(&mut *w, &trace).map_err(std::io::Error::from)
+        })
+    }) {
+        Ok(()) => EXIT_OK,
+        Err(msg) => {
+            eprintln!("oomkit: {msg}");
+            EXIT_INPUT
+        }
+    }
+}
+
+/// Builds the Perfetto trace of a snapshot or run log.
+fn export(path: &Path, max_points: usize) -> Result<oomkit_report::Trace, String> {
+    let shown = path.display().to_string();
+    if looks_like_run_log(path) {
+        let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
+        return Ok(oomkit_report::run_trace(&shown, &run));
+    }
+    let snap = Snapshot::load(path, &mut |_, _| {}).map_err(|e| format!("{shown}: {e}"))?;
+    let analysis = oomkit_snapshot::analyze(&snap, &Options::default());
+    Ok(oomkit_report::snapshot_trace(
+        &shown, &snap, &analysis, max_points,
+    ))
+}
