@@ -46,3 +46,39 @@ impl WaitArgs {
         }
     }
 }
+
+/// How a command prints its result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Format {
+    /// A report for people.
+    Text,
+    /// JSON alone on standard output, the contract for scripts (docs/commands.md lists its fields).
+    Json,
+}
+
+/// `--format text|json`, with `--json` as its short form.
+#[derive(clap::Args)]
+pub(crate) struct FormatArgs {
+    /// How to print the result.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value = "text")]
+    format: Format,
+    /// Print JSON: the same as --format json.
+    #[arg(long)]
+    json: bool,
+}
+
+impl FormatArgs {
+    /// The format asked for, by either flag.
+    pub(crate) fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
+
+    /// True when the result is to be printed as JSON.
+    pub(crate) fn json(&self) -> bool {
+        self.format() == Format::Json
+    }
+}

@@ -280,3 +280,16 @@ pickle.dump({'segments': [], 'device_traces': [ev]}, open(sys.argv[1], 'wb'), pr
     assert!(text.contains("and 30 more OOM entries"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn format_json_is_json_and_json_is_its_short_form() {
+    let long = stdout(&["demo", "--format", "json"], None);
+    assert_eq!(long, stdout(&["demo", "--json"], None));
+    assert!(serde_json::from_str::<serde_json::Value>(&long).is_ok());
+    assert_eq!(
+        stdout(&["demo", "--format", "text"], None),
+        stdout(&["demo"], None)
+    );
+    let bad = oomkit(&["demo", "--format", "yaml"], None);
+    assert_eq!(bad.status.code(), Some(2));
+}

@@ -1,6 +1,7 @@
 //! `oomkit analyze`: the terminal or JSON report of snapshots and run logs,
 //! with the verdict first and, for several files, the ranks and attempts.
 
+use crate::args::FormatArgs;
 use crate::load::load;
 use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_report::{RankSource, Report};
@@ -20,9 +21,8 @@ pub(crate) struct Args {
 
 #[derive(clap::Args)]
 pub(crate) struct ReportArgs {
-    /// Print JSON: one object for one file, an array for several.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
     /// How many allocation sites to list.
     #[arg(long, default_value_t = 10, value_name = "N")]
     top: usize,
@@ -79,7 +79,7 @@ pub(crate) fn emit(results: &[Outcome], report: &ReportArgs) {
         .collect();
     // Only a job that stepped down has attempts worth a table.
     let attempts = Some(oomkit_runlog::attempts(&logs)).filter(|a| a.len() > 1);
-    if report.json {
+    if report.format.json() {
         let values: Vec<serde_json::Value> = results
             .iter()
             .map(|r| match r {

@@ -1,5 +1,6 @@
 //! `oomkit diff`: two snapshots or two run logs compared, before and after a fix.
 
+use crate::args::FormatArgs;
 use crate::load::load;
 use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_report::Report;
@@ -14,9 +15,8 @@ pub(crate) struct Args {
     a: PathBuf,
     /// The second file ("after"), of the same kind.
     b: PathBuf,
-    /// Print JSON: {"devices": [...]}.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
     /// How many changed sites to list per device (JSON lists them all).
     #[arg(long, default_value_t = 10, value_name = "N")]
     top: usize,
@@ -52,7 +52,7 @@ pub(crate) fn run(args: Args) -> u8 {
         }
     };
     let mut out = std::io::stdout().lock();
-    if args.json {
+    if args.format.json() {
         let doc = serde_json::to_value(&diff).unwrap_or_default();
         let _ = writeln!(
             out,

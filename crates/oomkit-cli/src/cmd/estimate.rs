@@ -1,5 +1,6 @@
 //! `oomkit estimate`: the memory budget of a training run before it runs, calibrated from measured runs.
 
+use crate::args::FormatArgs;
 use crate::args::{count, positive, size};
 use crate::output::{print_json, say};
 use crate::{EXIT_INPUT, EXIT_OK};
@@ -57,9 +58,8 @@ pub(crate) struct Args {
     /// the log has no plan record) or `find-batch --json` output.
     #[arg(long, num_args = 1.., value_name = "FILE[=B]")]
     calibrate: Vec<String>,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
 }
 
 /// The measured peaks in one `--calibrate` argument, and the capacity it names, or one line saying what is wrong.
@@ -220,7 +220,7 @@ pub(crate) fn run(a: Args) -> u8 {
                     }
                 }
             };
-            if a.json {
+            if a.format.json() {
                 let mut v = serde_json::to_value(&e).unwrap_or_default();
                 if let Some(obj) = v.as_object_mut() {
                     obj.insert(

@@ -1,5 +1,6 @@
 //! `oomkit explain`: why a PyTorch OOM message says memory ran out, and what to change.
 
+use crate::args::FormatArgs;
 use crate::output::{print_json, say};
 use crate::{EXIT_INPUT, EXIT_OK};
 use std::io::{IsTerminal, Read, Write};
@@ -13,9 +14,8 @@ pub(crate) struct Args {
     /// The PYTORCH_CUDA_ALLOC_CONF in force when it failed (default: this shell's).
     #[arg(long, value_name = "SETTINGS")]
     alloc_conf: Option<String>,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
 }
 
 /// `oomkit explain`.
@@ -57,7 +57,7 @@ pub(crate) fn run(a: Args) -> u8 {
     });
     match oomkit_supervise::oom::explain(&text, conf.as_deref()) {
         Some(ex) => {
-            if a.json {
+            if a.format.json() {
                 print_json(&ex);
             } else {
                 let _ = write!(std::io::stdout().lock(), "{}", ex.text());

@@ -6,11 +6,21 @@ use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_snapshot::{Options, Snapshot};
 use std::path::{Path, PathBuf};
 
+/// The trace formats `export` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TraceFormat {
+    /// Chrome trace-event JSON.
+    Perfetto,
+}
+
 /// Flags of `oomkit export`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// Write Chrome trace-event JSON, which ui.perfetto.dev and chrome://tracing open.
-    #[arg(long, required = true)]
+    /// The trace format: Chrome trace-event JSON, which ui.perfetto.dev and chrome://tracing open.
+    #[arg(long, value_enum, default_value = "perfetto", value_name = "FORMAT")]
+    format: TraceFormat,
+    /// The same as --format perfetto.
+    #[arg(long)]
     perfetto: bool,
     /// The snapshot or run log.
     file: PathBuf,
@@ -27,7 +37,8 @@ pub(crate) struct Args {
 
 /// `oomkit export`.
 pub(crate) fn run(a: Args) -> u8 {
-    // Perfetto is the only export format, so the flag only has to be there.
+    // --perfetto names the one format there is, which --format also names.
+    let TraceFormat::Perfetto = a.format;
     let _ = a.perfetto;
     match export(&a.file, a.max_points).and_then(|trace| {
         // Written as it is encoded: a trace that keeps every entry of a

@@ -1,5 +1,6 @@
 //! `oomkit find-batch`: the largest micro-batch that fits, in a few runs.
 
+use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
 use crate::exit::supervise_exit;
 use crate::output::{print_json, say};
@@ -29,9 +30,8 @@ pub(crate) struct Args {
     capacity: Option<u64>,
     #[command(flatten)]
     wait: WaitArgs,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
     /// The command, after `--`, with {batch_size} where the micro-batch goes.
     #[arg(required = true, last = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -48,11 +48,11 @@ pub(crate) fn run(a: Args) -> u8 {
         capacity: a.capacity,
         wait: a.wait.wait(),
         claims: ClaimDir::default_location(),
-        child_stdout_to_stderr: a.json,
+        child_stdout_to_stderr: a.format.json(),
     };
     match oomkit_supervise::find_batch::find_batch(&opts, &mut |m| say(m)) {
         Ok(report) => {
-            if a.json {
+            if a.format.json() {
                 print_json(&report);
             } else {
                 let _ = write!(std::io::stdout().lock(), "{}", report.text());

@@ -1,5 +1,6 @@
 //! `oomkit gpus`: the GPUs, their memory, utilization and processes.
 
+use crate::args::FormatArgs;
 use crate::exit::gpu_exit;
 use crate::output::{print_json, say};
 use crate::EXIT_OK;
@@ -8,14 +9,13 @@ use std::io::Write;
 /// Flags of `oomkit gpus`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// Print JSON: a list of GPUs.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
 }
 
 /// `oomkit gpus`.
 pub(crate) fn run(a: Args) -> u8 {
-    let json = a.json;
+    let json = a.format.json();
     match oomkit_gpu::probe() {
         Ok(gpus) => {
             if json {

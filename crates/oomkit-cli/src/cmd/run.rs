@@ -1,5 +1,6 @@
 //! `oomkit run`: a training command supervised, on the freest GPU, retried after an OOM by its cause.
 
+use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
 use crate::exit::supervise_exit;
 use crate::output::{must_be_new, print_json, say};
@@ -50,9 +51,8 @@ pub(crate) struct Args {
     /// Write the attempts as JSON to this new file.
     #[arg(long, value_name = "FILE")]
     summary_json: Option<PathBuf>,
-    /// Print the attempts as JSON on stdout when the command has finished.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    format: FormatArgs,
     /// The training command, after `--`.
     #[arg(required = true, last = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -80,7 +80,7 @@ pub(crate) fn run(a: Args) -> u8 {
         memory: oomkit_supervise::remember::PlanMemory::default_location(),
         fresh: a.fresh,
         claims: ClaimDir::default_location(),
-        child_stdout_to_stderr: a.json,
+        child_stdout_to_stderr: a.format.json(),
     };
     let summary = match oomkit_supervise::supervise(&opts, &mut |m| say(m)) {
         Ok(s) => s,
@@ -96,7 +96,7 @@ pub(crate) fn run(a: Args) -> u8 {
             say(&msg);
         }
     }
-    if a.json {
+    if a.format.json() {
         print_json(&summary);
     }
     (summary.exit_code & 0xff) as u8
