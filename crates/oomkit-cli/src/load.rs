@@ -2,7 +2,7 @@
 //! told apart by their first bytes, with a progress bar for large snapshots.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use oomkit_report::{FileAnalysis, HtmlInput, Report, RunFile};
+use oomkit_report::{FileAnalysis, Report, RunFile};
 use oomkit_snapshot::{Options, Snapshot};
 use std::io::IsTerminal;
 use std::path::Path;
@@ -10,43 +10,27 @@ use std::path::Path;
 /// Files larger than this get a progress bar when stderr is a terminal.
 const PROGRESS_MIN_BYTES: u64 = 50 << 20;
 
-/// A file read for a report: its analysis and what the charts need.
-pub(crate) enum Loaded {
-    /// A snapshot, its analysis beside it.
-    Snapshot(Box<(FileAnalysis, Snapshot)>),
-    /// A run log, its analysis beside it.
-    Run(Box<(RunFile, oomkit_runlog::Run)>),
-}
-
-impl Loaded {
-    /// What the HTML report draws from this file.
-    pub(crate) fn html_input(&self) -> HtmlInput<'_> {
-        match self {
-            Loaded::Snapshot(b) => HtmlInput::Snapshot(&b.0, &b.1),
-            Loaded::Run(b) => HtmlInput::Run(&b.0, &b.1),
-        }
-    }
+/// Whether a loaded file keeps its raw data beside its analysis.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Only the analysis: what text and JSON need; a large snapshot is freed at once.
+    Analysis,
+    /// The snapshot or the run log's records too: what the HTML page and the trace draw from.
+    Raw,
 }
 
 /// Reads and analyzes one file, or says in one line why it cannot.
-pub(crate) fn load(path: &Path, opts: &Options) -> Result<Report, String> {
-    Ok(match load_full(path, opts)? {
-        Loaded::Snapshot(b) => Report::Snapshot(Box::new(b.0)),
-        Loaded::Run(b) => Report::Run(Box::new(b.0)),
-    })
-}
-
-/// Reads and analyzes one file, keeping what the charts need.
-pub(crate) fn load_full(path: &Path, opts: &Options) -> Result<Loaded, String> {
+pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, String> {
     let shown = path.display().to_string();
     let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     if looks_like_run_log(path) {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
-        let rf = RunFile {
+        let analysis = oomkit_runlog::analyze(&run);
+        return Ok(Report::Run(Box::new(RunFile {
             path: shown,
-            analysis: oomkit_runlog::analyze(&run),
-        };
-        return Ok(Loaded::Run(Box::new((rf, run))));
+            analysis,
+            run: (keep == Keep::Raw).then_some(run),
+        })));
     }
     let bar = (file_bytes >= PROGRESS_MIN_BYTES && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::with_draw_target(Some(file_bytes), ProgressDrawTarget::stderr());
@@ -66,8 +50,11 @@ pub(crate) fn load_full(path: &Path, opts: &Options) -> Result<Loaded, String> {
         b.finish_and_clear();
     }
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
-    let fa = FileAnalysis::new(shown, file_bytes, &snap, opts);
-    Ok(Loaded::Snapshot(Box::new((fa, snap))))
+    let fa = match keep {
+        Keep::Raw => FileAnalysis::keeping(shown, file_bytes, snap, opts),
+        Keep::Analysis => FileAnalysis::new(shown, file_bytes, &snap, opts),
+    };
+    Ok(Report::Snapshot(Box::new(fa)))
 }
 
 /// Pickles start with the PROTO opcode; run logs with a JSON object.

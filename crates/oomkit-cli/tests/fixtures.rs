@@ -196,8 +196,8 @@ fn readings_agree(path: &Path) {
     let doc = oomkit_pickle::Document::parse(&bytes).unwrap();
     let generic = Snapshot::from_document(&doc).unwrap();
     let opts = Options::default();
-    let a = json(&FileAnalysis::new("f".into(), 0, &streamed, &opts));
-    let b = json(&FileAnalysis::new("f".into(), 0, &generic, &opts));
+    let a = json::snapshot(&FileAnalysis::new("f".into(), 0, &streamed, &opts));
+    let b = json::snapshot(&FileAnalysis::new("f".into(), 0, &generic, &opts));
     assert_eq!(a, b, "{}", path.display());
     let events = |s: &Snapshot| -> Vec<String> {
         s.traces

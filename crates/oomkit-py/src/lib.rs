@@ -170,6 +170,7 @@ fn analysis(path: &Path) -> PyResult<oomkit_report::RunFile> {
     Ok(oomkit_report::RunFile {
         path: path.display().to_string(),
         analysis: oomkit_runlog::analyze(&run),
+        run: None,
     })
 }
 
@@ -177,14 +178,14 @@ fn analysis(path: &Path) -> PyResult<oomkit_report::RunFile> {
 #[pyfunction]
 fn analyze_run_json(path: PathBuf) -> PyResult<String> {
     let file = analysis(&path)?;
-    serde_json::to_string(&oomkit_report::run_json(&file))
+    serde_json::to_string(&oomkit_report::json::run(&file))
         .map_err(|e| OomkitError::new_err(e.to_string()))
 }
 
 /// Analyzes a run log and returns the report `oomkit analyze` prints.
 #[pyfunction]
 fn analyze_run_text(path: PathBuf) -> PyResult<String> {
-    Ok(oomkit_report::run_text(&analysis(&path)?))
+    Ok(oomkit_report::text::run(&analysis(&path)?))
 }
 
 /// Returns this process's resident set size in bytes (0 where unknown).

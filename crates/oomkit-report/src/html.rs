@@ -2,8 +2,8 @@
 //! JSON document, embedded in a page with its script, styles and the
 //! vendored uPlot chart library, so that it opens offline.
 
-use crate::ranks::{rank_table, RankRow, RankSource};
-use crate::{run_json, FileAnalysis, RunFile};
+use crate::ranks::{rank_table, RankRow};
+use crate::{FileAnalysis, Report, RunFile};
 use oomkit_runlog::{MeasureKind, Run};
 use oomkit_snapshot::{phase_ranges, stack_label, timeline, Snapshot, StackId};
 use serde_json::{json, Map, Value};
@@ -19,25 +19,27 @@ const UPLOT_LICENSE: &str = include_str!("../assets/vendor/uplot/LICENSE");
 /// Segments drawn per device; the rest are summed in one line.
 const MAX_SEGMENTS: usize = 200;
 
-/// One input of a report, with what its views need beyond the analysis.
-pub enum HtmlInput<'a> {
-    /// A snapshot and its analysis.
-    Snapshot(&'a FileAnalysis, &'a Snapshot),
-    /// A run log and its analysis.
-    Run(&'a RunFile, &'a Run),
-}
-
 /// Renders the report page for one or more files, keeping at most
 /// `max_points` memory samples per device (0 keeps all).
-pub fn html_report(inputs: &[HtmlInput<'_>], max_points: usize) -> String {
-    let files: Vec<Value> = inputs
-        .iter()
-        .map(|input| match input {
-            HtmlInput::Snapshot(fa, snap) => snapshot_data(fa, snap, max_points),
-            HtmlInput::Run(rf, run) => run_data(rf, run),
-        })
-        .collect();
-    let ranks: Vec<RankRow> = rank_table(&inputs.iter().map(RankSource::from).collect::<Vec<_>>());
+///
+/// The page draws the timelines from the raw data, so every input must have
+/// been loaded keeping it ([`FileAnalysis::keeping`], [`RunFile::run`]);
+/// one that was not is named in the error.
+pub fn html_report(inputs: &[Report], max_points: usize) -> Result<String, String> {
+    let mut files: Vec<Value> = Vec::new();
+    for input in inputs {
+        files.push(match input {
+            Report::Snapshot(fa) => {
+                let snap = fa.snapshot.as_ref().ok_or_else(|| not_kept(&fa.path))?;
+                snapshot_data(fa, snap, max_points)
+            }
+            Report::Run(rf) => {
+                let run = rf.run.as_ref().ok_or_else(|| not_kept(&rf.path))?;
+                run_data(rf, run)
+            }
+        });
+    }
+    let ranks: Vec<RankRow> = rank_table(&inputs.iter().collect::<Vec<_>>());
     let doc = json!({
         "generator": format!("oomkit {}", env!("CARGO_PKG_VERSION")),
         "files": files,
@@ -46,13 +48,18 @@ pub fn html_report(inputs: &[HtmlInput<'_>], max_points: usize) -> String {
     let data = script_safe(&doc.to_string());
     // Each piece replaces a marker that occurs once in the template; the
     // data goes last so that nothing inside it is taken for a marker.
-    TEMPLATE
+    Ok(TEMPLATE
         .replacen("/*@UPLOT_CSS@*/", UPLOT_CSS, 1)
         .replacen("/*@APP_CSS@*/", APP_CSS, 1)
         .replacen("@UPLOT_LICENSE@", &UPLOT_LICENSE.replace("--", "- -"), 1)
         .replacen("/*@UPLOT_JS@*/", UPLOT_JS, 1)
         .replacen("/*@APP_JS@*/", APP_JS, 1)
-        .replacen("@DATA@", &data, 1)
+        .replacen("@DATA@", &data, 1))
+}
+
+/// The error for an input loaded without the raw data the page draws from.
+fn not_kept(path: &str) -> String {
+    format!("{path}: internal error: loaded without the data the page draws from")
 }
 
 /// Keeps JSON from closing the `<script>` element it sits in: every `<`
@@ -224,7 +231,7 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
     json!({
         "kind": "snapshot",
         "file": fa.path,
-        "analysis": crate::json(fa),
+        "analysis": crate::json::snapshot(fa),
         "devices": devices,
     })
 }
@@ -307,7 +314,7 @@ fn run_data(rf: &RunFile, run: &Run) -> Value {
     json!({
         "kind": "run",
         "file": rf.path,
-        "analysis": run_json(rf),
+        "analysis": crate::json::run(rf),
         "steps": steps,
         "series": series,
         "stages": stages,

@@ -237,6 +237,31 @@ pub fn snapshot_trace(
     }
 }
 
+/// The trace of one input: a snapshot's (which must have been loaded keeping
+/// it) or a run log's.
+pub fn trace(report: &crate::Report, max_points: usize) -> Result<Trace, String> {
+    match report {
+        crate::Report::Snapshot(fa) => {
+            let snap = fa.snapshot.as_ref().ok_or_else(|| {
+                format!(
+                    "{}: internal error: loaded without the snapshot the trace is drawn from",
+                    fa.path
+                )
+            })?;
+            Ok(snapshot_trace(&fa.path, snap, &fa.analysis, max_points))
+        }
+        crate::Report::Run(rf) => {
+            let run = rf.run.as_ref().ok_or_else(|| {
+                format!(
+                    "{}: internal error: loaded without the records the trace is drawn from",
+                    rf.path
+                )
+            })?;
+            Ok(run_trace(&rf.path, run))
+        }
+    }
+}
+
 /// Converts a run log to a trace: steps, stages and phases as slices, and
 /// the tracker's memory readings as counters.
 ///

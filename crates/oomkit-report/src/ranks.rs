@@ -1,40 +1,13 @@
 //! The multi-rank view: one row per rank and device, the spread of peaks
 //! between ranks, and which rank ran out of memory first.
 
-use crate::html::HtmlInput;
-use crate::{human_bytes, FileAnalysis, Report, RunFile};
+use crate::{human_bytes, Report};
 use serde::Serialize;
 
 /// Ranks whose peaks differ by more than this fraction of the smallest are flagged.
 pub const IMBALANCE_FRACTION: f64 = 0.10;
 /// Differences smaller than this are noise, whatever the fraction.
 const IMBALANCE_MIN_BYTES: u64 = 1 << 20;
-
-/// What one file contributes to the rank table.
-pub enum RankSource<'a> {
-    /// A snapshot's analysis.
-    Snapshot(&'a FileAnalysis),
-    /// A run log's analysis.
-    Run(&'a RunFile),
-}
-
-impl<'a> From<&'a HtmlInput<'a>> for RankSource<'a> {
-    fn from(input: &'a HtmlInput<'a>) -> Self {
-        match input {
-            HtmlInput::Snapshot(fa, _) => RankSource::Snapshot(fa),
-            HtmlInput::Run(rf, _) => RankSource::Run(rf),
-        }
-    }
-}
-
-impl<'a> From<&'a Report> for RankSource<'a> {
-    fn from(report: &'a Report) -> Self {
-        match report {
-            Report::Snapshot(fa) => RankSource::Snapshot(fa),
-            Report::Run(rf) => RankSource::Run(rf),
-        }
-    }
-}
 
 /// One rank's device in the table.
 #[derive(Clone, Debug, Serialize)]
@@ -86,14 +59,14 @@ fn rank_in_name(path: &str) -> Option<u32> {
 /// Builds the rank table of several files, with the imbalance and the
 /// first failure marked. Several files are taken to be the ranks of one
 /// run; a single file has no table, so this is empty for fewer than two.
-pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
+pub fn rank_table(sources: &[&Report]) -> Vec<RankRow> {
     let mut rows = Vec::new();
     if sources.len() < 2 {
         return rows;
     }
     for s in sources {
         match s {
-            RankSource::Snapshot(fa) => {
+            Report::Snapshot(fa) => {
                 for d in &fa.analysis.devices {
                     let first = d.ooms.first();
                     rows.push(RankRow {
@@ -113,7 +86,7 @@ pub fn rank_table(sources: &[RankSource<'_>]) -> Vec<RankRow> {
                     });
                 }
             }
-            RankSource::Run(rf) => {
+            Report::Run(rf) => {
                 let a = &rf.analysis;
                 let first = a.ooms.first();
                 rows.push(RankRow {

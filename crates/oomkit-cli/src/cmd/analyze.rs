@@ -2,9 +2,9 @@
 //! with the verdict first and, for several files, the ranks and attempts.
 
 use crate::args::FormatArgs;
-use crate::load::load;
+use crate::load::{load, Keep};
 use crate::{EXIT_INPUT, EXIT_OK};
-use oomkit_report::{RankSource, Report};
+use oomkit_report::Report;
 use oomkit_snapshot::Options;
 use std::io::Write;
 use std::path::PathBuf;
@@ -44,7 +44,7 @@ pub(crate) fn run(a: Args) -> u8 {
     let mut results = Vec::new();
     let mut failed = false;
     for path in &a.files {
-        match load(path, &options(&a.report)) {
+        match load(path, &options(&a.report), Keep::Analysis) {
             Ok(fa) => results.push(Ok(fa)),
             Err(msg) => {
                 eprintln!("oomkit: {msg}");
@@ -68,8 +68,7 @@ pub(crate) type Outcome = Result<Report, (String, String)>;
 pub(crate) fn emit(results: &[Outcome], report: &ReportArgs) {
     let mut out = std::io::stdout().lock();
     let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let ranks =
-        oomkit_report::rank_table(&ok.iter().map(|r| RankSource::from(*r)).collect::<Vec<_>>());
+    let ranks = oomkit_report::rank_table(&ok);
     let logs: Vec<&oomkit_runlog::Analysis> = ok
         .iter()
         .filter_map(|r| match r {

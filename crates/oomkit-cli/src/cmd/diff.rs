@@ -1,7 +1,7 @@
 //! `oomkit diff`: two snapshots or two run logs compared, before and after a fix.
 
 use crate::args::FormatArgs;
-use crate::load::load;
+use crate::load::{load, Keep};
 use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_report::Report;
 use oomkit_snapshot::Options;
@@ -32,7 +32,10 @@ pub(crate) fn run(args: Args) -> u8 {
         top: usize::MAX,
         device: args.device,
     };
-    let (ra, rb) = match (load(&args.a, &opts), load(&args.b, &opts)) {
+    let (ra, rb) = match (
+        load(&args.a, &opts, Keep::Analysis),
+        load(&args.b, &opts, Keep::Analysis),
+    ) {
         (Ok(x), Ok(y)) => (x, y),
         (Err(msg), _) | (_, Err(msg)) => {
             eprintln!("oomkit: {msg}");

@@ -1,9 +1,9 @@
 //! `oomkit export --perfetto`: a snapshot or run log as a trace another viewer opens.
 
-use crate::load::looks_like_run_log;
+use crate::load::{load, Keep};
 use crate::output::write_output_with;
 use crate::{EXIT_INPUT, EXIT_OK};
-use oomkit_snapshot::{Options, Snapshot};
+use oomkit_snapshot::Options;
 use std::path::{Path, PathBuf};
 
 /// The trace formats `export` writes.
@@ -57,14 +57,6 @@ pub(crate) fn run(a: Args) -> u8 {
 
 /// Builds the Perfetto trace of a snapshot or run log.
 fn export(path: &Path, max_points: usize) -> Result<oomkit_report::Trace, String> {
-    let shown = path.display().to_string();
-    if looks_like_run_log(path) {
-        let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
-        return Ok(oomkit_report::run_trace(&shown, &run));
-    }
-    let snap = Snapshot::load(path, &mut |_, _| {}).map_err(|e| format!("{shown}: {e}"))?;
-    let analysis = oomkit_snapshot::analyze(&snap, &Options::default());
-    Ok(oomkit_report::snapshot_trace(
-        &shown, &snap, &analysis, max_points,
-    ))
+    let report = load(path, &Options::default(), Keep::Raw)?;
+    oomkit_report::trace(&report, max_points)
 }

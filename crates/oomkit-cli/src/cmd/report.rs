@@ -1,9 +1,8 @@
 //! `oomkit report`: one self-contained HTML page of snapshots and run logs.
 
-use crate::load::{load_full, Loaded};
+use crate::load::{load, Keep};
 use crate::output::write_output;
-use crate::{EXIT_INPUT, EXIT_OK};
-use oomkit_report::HtmlInput;
+use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
 use oomkit_snapshot::Options;
 use std::path::PathBuf;
 
@@ -38,7 +37,7 @@ pub(crate) fn run(a: Args) -> u8 {
     };
     let mut loaded = Vec::new();
     for path in &a.files {
-        match load_full(path, &opts) {
+        match load(path, &opts, Keep::Raw) {
             Ok(l) => loaded.push(l),
             Err(msg) => {
                 eprintln!("oomkit: {msg}");
@@ -46,8 +45,13 @@ pub(crate) fn run(a: Args) -> u8 {
             }
         }
     }
-    let inputs: Vec<HtmlInput> = loaded.iter().map(Loaded::html_input).collect();
-    let page = oomkit_report::html_report(&inputs, a.max_points);
+    let page = match oomkit_report::html_report(&loaded, a.max_points) {
+        Ok(p) => p,
+        Err(msg) => {
+            eprintln!("oomkit: {msg}");
+            return EXIT_INTERNAL;
+        }
+    };
     match write_output(&a.output, page.as_bytes(), a.force) {
         Ok(()) => EXIT_OK,
         Err(msg) => {

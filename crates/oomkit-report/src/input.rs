@@ -1,0 +1,92 @@
+//! The one input every format renders: a snapshot or a run log, analyzed,
+//! with its raw data kept where a format draws from it.
+
+use oomkit_snapshot::{analyze, Analysis, Layout, Options, Snapshot};
+use serde_json::Value;
+
+/// The analysis of one input file, with what is needed to present it.
+pub struct FileAnalysis {
+    /// The path as the user gave it.
+    pub path: String,
+    /// Size of the file in bytes.
+    pub file_bytes: u64,
+    /// The snapshot layout that was found.
+    pub layout: Layout,
+    /// The analysis itself.
+    pub analysis: Analysis,
+    /// The snapshot, where a format draws from it (the HTML page, the trace);
+    /// `None` when only the analysis is needed, so a large one is not held.
+    pub snapshot: Option<Snapshot>,
+}
+
+impl FileAnalysis {
+    /// Analyzes a snapshot read from `path`, a file of `file_bytes` bytes.
+    pub fn new(path: String, file_bytes: u64, snap: &Snapshot, opts: &Options) -> FileAnalysis {
+        FileAnalysis {
+            path,
+            file_bytes,
+            layout: snap.layout.clone(),
+            analysis: analyze(snap, opts),
+            snapshot: None,
+        }
+    }
+
+    /// Analyzes a snapshot and keeps it, for the formats that draw from it.
+    pub fn keeping(path: String, file_bytes: u64, snap: Snapshot, opts: &Options) -> FileAnalysis {
+        let mut fa = FileAnalysis::new(path, file_bytes, &snap, opts);
+        fa.snapshot = Some(snap);
+        fa
+    }
+}
+
+/// The analysis of one run log written by the Python tracker.
+pub struct RunFile {
+    /// The path as the user gave it.
+    pub path: String,
+    /// The run log's analysis.
+    pub analysis: oomkit_runlog::Analysis,
+    /// The records, where a format draws from them (the HTML page, the trace).
+    pub run: Option<oomkit_runlog::Run>,
+}
+
+/// One analyzed input, a snapshot or a run log: what text, JSON, HTML, Perfetto, diff and the rank table all take.
+pub enum Report {
+    /// A PyTorch memory snapshot.
+    Snapshot(Box<FileAnalysis>),
+    /// An oomkit run log.
+    Run(Box<RunFile>),
+}
+
+impl Report {
+    /// Returns the path of the file, as the user gave it.
+    pub fn path(&self) -> &str {
+        match self {
+            Report::Snapshot(fa) => &fa.path,
+            Report::Run(rf) => &rf.path,
+        }
+    }
+
+    /// What failed, where, why and the first fix; or the peak and the most important finding.
+    pub fn verdict(&self) -> &oomkit_snapshot::Verdict {
+        match self {
+            Report::Snapshot(fa) => &fa.analysis.verdict,
+            Report::Run(rf) => &rf.analysis.verdict,
+        }
+    }
+
+    /// Renders the report as JSON.
+    pub fn json(&self) -> Value {
+        match self {
+            Report::Snapshot(f) => crate::json::snapshot(f),
+            Report::Run(r) => crate::json::run(r),
+        }
+    }
+
+    /// Renders the report for a terminal.
+    pub fn text(&self) -> String {
+        match self {
+            Report::Snapshot(f) => crate::text::snapshot(f),
+            Report::Run(r) => crate::text::run(r),
+        }
+    }
+}
