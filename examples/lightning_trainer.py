@@ -75,13 +75,15 @@ def make(namespace: str):
     return pl, Regressor, Data
 
 
-def build(namespace: str, root: str, *, batch: int = 8, accum: int = 1, steps: int = 4, val_every: int = 0, callbacks=(), **planted):
+def build(namespace: str, root: str, *, batch: int = 8, accum: int = 1, steps: int = 4, val_every: int = 0, callbacks=(), devices: int = 1, **planted):
     pl, Regressor, Data = make(namespace)
     torch.manual_seed(0)
     trainer = pl.Trainer(
         default_root_dir=root,
         accelerator="cpu",
-        devices=1,
+        devices=devices,
+        # Under torchrun (one process per device), DDP over gloo.
+        strategy="ddp" if devices > 1 else "auto",
         max_steps=steps,
         accumulate_grad_batches=accum,
         limit_val_batches=2 if val_every else 0,
@@ -107,6 +109,7 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=4, help="validate every N batches (0: never)")
     ap.add_argument("--oom-above", type=int, default=0, help="run out of memory above this micro-batch")
     ap.add_argument("--oomkit", action="store_true", help="add oomkit's callback")
+    ap.add_argument("--devices", type=int, default=1, help="processes of a DDP run (as torchrun's --nproc-per-node)")
     args = ap.parse_args()
     callbacks = []
     if args.oomkit:
@@ -114,7 +117,7 @@ def main() -> None:
         callbacks.append(importlib.import_module(f"oomkit.integrations.{module}").OomkitCallback())
     trainer, model, data = build(
         args.namespace, args.root, batch=args.batch, accum=args.accum, steps=args.steps,
-        val_every=args.val_every, callbacks=callbacks, oom_above=args.oom_above,
+        val_every=args.val_every, callbacks=callbacks, devices=args.devices, oom_above=args.oom_above,
     )
     trainer.fit(model, datamodule=data)
     names = [type(c).__module__ + "." + type(c).__name__ for c in trainer.callbacks]

@@ -81,6 +81,18 @@ class Agreed:
             return None
 
 
+def stop_text(agreed: Agreed, min_batch_size: int = 1) -> str:
+    """Why every rank stops: who ran out, where, and that nothing smaller is allowed."""
+    who = "a rank" if agreed.rank is None else f"rank {agreed.rank}"
+    at = agreed.failed_micro_batch if agreed.failed_micro_batch is not None else agreed.micro_batch
+    said = f": {agreed.message}" if agreed.message else ""
+    return (
+        f"{who} ran out of memory at micro-batch {at} (attempt {agreed.attempt - 1}), and no smaller "
+        f"micro-batch is allowed (min_batch_size={min_batch_size}); lower min_batch_size, or make each sample "
+        f"cheaper (activation checkpointing, a shorter sequence, sharding){said}"
+    )
+
+
 class _StoreChannel:
     """The plan in torch elastic's rendezvous store, reached as a client."""
 

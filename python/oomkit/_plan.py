@@ -121,6 +121,60 @@ def elastic_plan() -> Optional[_elastic.Agreed]:
         return None
 
 
+def handed_down() -> Optional[Plan]:
+    """The plan an integration applies at start: torch elastic's agreed one after an OOM, else `oomkit run`'s."""
+    agreed = elastic_plan()
+    if agreed is not None and not agreed.stop:
+        return Plan(agreed.micro_batch, agreed.grad_accum, agreed.effective_batch, agreed.attempt, ELASTIC_SOURCE)
+    return from_env()
+
+
+def elastic_stop() -> Optional[str]:
+    """Why this torchrun job must stop, where a rank ran out at the smallest micro-batch; else None."""
+    agreed = elastic_plan()
+    return _elastic.stop_text(agreed) if agreed is not None and agreed.stop else None
+
+
+def elastic_step_down(fields: dict[str, Any], message: str, rank: int) -> None:
+    """After an OOM under torchrun, stores the plan every rank restarts with; never raises.
+
+    For trainers whose plan an integration applied (``fields`` is the run
+    log's ``plan`` record); ``auto_batch`` does the same for its own tries.
+    """
+    try:
+        ch = _elastic.channel()
+        micro = int(fields.get("micro_batch") or 0)
+        if ch is None or micro < 1:
+            return
+        accum = int(fields.get("grad_accum") or 1)
+        effective = int(fields.get("effective_batch") or micro * accum)
+        attempt = int(fields.get("attempt") or 1)
+        stored, agreed = ch.read()
+        if agreed is not None and agreed.attempt > attempt:
+            # Another rank's failure of this attempt already moved the job on.
+            stored = ""
+            if agreed.failed_micro_batch != micro:
+                return
+        from oomkit import _native
+
+        text = " ".join(message.split())[:1000]
+        nxt = _native.back_off(micro, effective, 1, text, [])
+        if nxt is None:
+            proposal = _elastic.Agreed(micro, accum, effective, attempt + 1, rank, micro, text, stop=True)
+        else:
+            proposal = _elastic.Agreed(nxt[0], nxt[1], effective, attempt + 1, rank, micro, text)
+        agreed_now = ch.propose(stored if agreed is None or agreed.attempt == attempt else ch.read()[0], proposal)
+        then = (
+            "every rank stops: no smaller micro-batch is allowed"
+            if agreed_now.stop
+            else f"every rank restarts with micro-batch {agreed_now.micro_batch} x accumulation {agreed_now.grad_accum} "
+            f"(attempt {agreed_now.attempt}, agreed in {ch.where})"
+        )
+        sys.stderr.write(f"oomkit: out of memory on rank {rank} at micro-batch {micro}; {then}\n")
+    except Exception:  # noqa: BLE001 - the OOM is what the user must see; this only follows it
+        pass
+
+
 def auto_callback_requested() -> bool:
     """True when `oomkit run` asked frameworks with entry points to add oomkit's callback."""
     return os.environ.get(AUTO_CALLBACK_ENV, "") == "1"

@@ -142,15 +142,8 @@ def _rank() -> int:
 
 
 def _stop_text(agreed: _elastic.Agreed, min_batch_size: int) -> str:
-    """Why every rank stops: who ran out, where, and that nothing smaller is allowed."""
-    who = "a rank" if agreed.rank is None else f"rank {agreed.rank}"
-    at = agreed.failed_micro_batch if agreed.failed_micro_batch is not None else agreed.micro_batch
-    said = f": {agreed.message}" if agreed.message else ""
-    return (
-        f"{who} ran out of memory at micro-batch {at} (attempt {agreed.attempt - 1}), and no smaller "
-        f"micro-batch is allowed (min_batch_size={min_batch_size}); lower min_batch_size, or make each sample "
-        f"cheaper (activation checkpointing, a shorter sequence, sharding){said}"
-    )
+    """Why every rank stops (see :func:`oomkit._elastic.stop_text`)."""
+    return _elastic.stop_text(agreed, min_batch_size)
 
 
 def _note_trackers(plan: _plan.Plan) -> None:

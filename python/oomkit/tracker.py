@@ -209,6 +209,8 @@ class Tracker:
         self._components_after_first_step = False
         self._model_hooks: list[Any] = []
         self._opt_hooks: list[Any] = []
+        # The last plan record, where an integration or auto_batch wrote one.
+        self._plan_fields: Optional[dict[str, Any]] = None
         # An OOM seen by the CUDA allocator's observer, before its exception exists.
         self._observed_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
@@ -452,6 +454,9 @@ class Tracker:
             rec: dict[str, Any] = {"type": record_type, "time": time.time()}
             rec.update(fields)
             self._write(rec)
+            if record_type == "plan":
+                # The plan this process runs, for the step down after an OOM under torchrun.
+                self._plan_fields = dict(fields)
         except Exception as exc:  # noqa: BLE001
             self._error(f"note {record_type}", exc)
 
@@ -876,6 +881,10 @@ class Tracker:
             }
         )
         _plan.report_oom(message, step, stage or phase)
+        # Under torchrun, a trainer's plan steps down for every rank's restart
+        # (auto_batch does its own, from the exception it sees).
+        if _plan.active() is None and self._plan_fields:
+            _plan.elastic_step_down(self._plan_fields, message, self.rank)
         self.find_duplicates(when="oom")
         self._log.flush()
         report = _native.analyze_run_text(self.log_path)

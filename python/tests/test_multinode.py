@@ -353,3 +353,31 @@ def test_the_slurm_example_is_the_documented_one_and_is_valid_bash() -> None:
     sbatch = ROOT / "examples" / "slurm" / "train.sbatch"
     assert sbatch.read_text() == _doc_block("`examples/slurm/train.sbatch`:")
     assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+
+
+def test_a_lightning_ddp_run_under_torchrun_steps_down_through_restarts(tmp_path: Path) -> None:
+    """The Lightning callback applies the plan the ranks agreed on after an OOM, as auto_batch does."""
+    pytest.importorskip("lightning")
+    script = ROOT / "examples" / "lightning_trainer.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+        "--max-restarts", "3", "--monitor-interval", "0.1", str(script),
+        "--root", str(tmp_path), "--oomkit", "--devices", "2", "--batch", "16", "--accum", "1",
+        "--oom-above", "4", "--steps", "2", "--val-every", "0",
+    ]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    for k in ("OOMKIT_MICRO_BATCH", "OOMKIT_GRAD_ACCUM", "OOMKIT_EFFECTIVE_BATCH", "OOMKIT_ATTEMPT", "OOMKIT_AUTO_CALLBACK"):
+        env.pop(k, None)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, start_new_session=True)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    # 16 x 1 ran out, then 8 x 2; every rank restarted on 4 x 4, the same 16 samples per step.
+    assert "trained with micro-batch 4 x accumulation 4" in out, out[-4000:]
+    assert "torch elastic restart attempt 3: training with micro-batch 4 x accumulation 4" in out, out[-4000:]
+    # Each attempt's logs, the first with the trainer's own plan, read as one job.
+    logs = sorted(str(f) for f in (tmp_path / "oomkit-logs").glob("*.jsonl"))
+    a = subprocess.run(["oomkit", "analyze", "--json", *logs], capture_output=True, text=True, timeout=60)
+    attempts = json.loads(a.stdout)[0]["attempts"]
+    assert [(x["attempt"], x["micro_batch"], x["grad_accum"], x["outcome"]) for x in attempts] == [
+        (1, 16, 1, "ran_out"), (2, 8, 2, "ran_out"), (3, 4, 4, "finished"),
+    ]

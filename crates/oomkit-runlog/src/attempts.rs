@@ -65,13 +65,24 @@ struct Share<'a> {
     finished: bool,
 }
 
-/// Groups the logs' plans and OOMs by attempt; empty when no log recorded a numbered plan.
+/// Groups the logs' plans and OOMs by attempt; empty when no log recorded a plan.
 pub fn attempts(logs: &[&Analysis]) -> Vec<Attempt> {
     let mut by_number: BTreeMap<u64, (Attempt, Vec<Share<'_>>)> = BTreeMap::new();
     for a in logs {
-        let numbered: Vec<_> = a.plans.iter().filter(|p| p.attempt.is_some()).collect();
+        // A plan without a number (a trainer's own arguments) is the attempt
+        // after the log's last numbered one: the first, in a job's first run.
+        let mut last = 0;
+        let numbers: Vec<u64> = a
+            .plans
+            .iter()
+            .map(|p| {
+                last = p.attempt.unwrap_or(last + 1);
+                last
+            })
+            .collect();
+        let numbered: Vec<_> = a.plans.iter().collect();
         for (i, plan) in numbered.iter().enumerate() {
-            let Some(n) = plan.attempt else { continue };
+            let n = numbers[i];
             let from = plan.time;
             let until = numbered.get(i + 1).and_then(|p| p.time);
             let last = i + 1 == numbered.len();
@@ -207,6 +218,16 @@ mod tests {
         assert_eq!(a[0].outcome, AttemptOutcome::RanOut);
         assert_eq!(a[1].outcome, AttemptOutcome::Finished);
         assert_eq!(a[1].ooms, 0);
+    }
+
+    #[test]
+    fn a_trainers_own_plan_is_the_first_attempt() {
+        let mut first = log(1, &[(1, 16, 100.0)], Some(104.0), false);
+        first.plans[0].attempt = None;
+        let logs = [first, log(1, &[(2, 8, 200.0)], None, true)];
+        let a = attempts(&logs.iter().collect::<Vec<_>>());
+        assert_eq!(a.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(a[0].outcome, AttemptOutcome::RanOut);
     }
 
     #[test]

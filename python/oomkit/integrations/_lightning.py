@@ -56,7 +56,12 @@ class OomkitLightningMixin:
             self._disabled = True
             return
         if stage == "fit" and self.apply_plan and self.plan is None:
-            plan = _plan.from_env()
+            stop = _plan.elastic_stop()
+            if stop is not None:
+                from oomkit.auto_batch import BatchSizeError
+
+                raise BatchSizeError(stop)
+            plan = _plan.handed_down()
             if plan is not None:
                 self._apply(trainer, pl_module, plan)
 
@@ -69,7 +74,7 @@ class OomkitLightningMixin:
             parsing.lightning_setattr(pl_module, "batch_size", plan.micro_batch)
         except Exception:  # noqa: BLE001 - no batch_size anywhere Lightning looks
             _plan.say(
-                f"oomkit run{attempt} chose micro-batch {plan.micro_batch}, but neither the LightningModule, "
+                f"{plan.source}{attempt} chose micro-batch {plan.micro_batch}, but neither the LightningModule, "
                 "its hparams nor the datamodule has a batch_size attribute to set: give the command "
                 "{batch_size} instead"
             )
@@ -78,7 +83,7 @@ class OomkitLightningMixin:
         trainer.accumulate_grad_batches = plan.grad_accum
         self.plan = plan
         _plan.say(
-            f"oomkit run{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
+            f"{plan.source}{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
             f"{plan.grad_accum} (the script asked for {before} x {accum_before})"
         )
 

@@ -100,7 +100,12 @@ class OomkitCallback(TrainerCallback):
     # ----- the plan from `oomkit run` ----------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        plan = _plan.from_env() if self.apply_plan else None
+        stop = _plan.elastic_stop() if self.apply_plan else None
+        if stop is not None:
+            from oomkit.auto_batch import BatchSizeError
+
+            raise BatchSizeError(stop)
+        plan = _plan.handed_down() if self.apply_plan else None
         if plan is None:
             return
         with contextlib.suppress(Exception):
@@ -220,7 +225,7 @@ def apply(trainer: Any, plan: _plan.Plan, args: Any = None) -> bool:
     attempt = f" attempt {plan.attempt}" if plan.attempt else ""
     if args is None or not hasattr(trainer, "_train_batch_size"):
         _plan.say(
-            f"oomkit run{attempt} chose micro-batch {plan.micro_batch} x accumulation {plan.grad_accum}, "
+            f"{plan.source}{attempt} chose micro-batch {plan.micro_batch} x accumulation {plan.grad_accum}, "
             "but the Trainer was not found to apply it: pass per_device_train_batch_size={batch_size} "
             "and gradient_accumulation_steps={grad_accum} in the command"
         )
@@ -234,7 +239,7 @@ def apply(trainer: Any, plan: _plan.Plan, args: Any = None) -> bool:
         with contextlib.suppress(Exception):
             trainer.accelerator.gradient_accumulation_steps = plan.grad_accum
     _plan.say(
-        f"oomkit run{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
+        f"{plan.source}{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
         f"{plan.grad_accum} (the script asked for {before[0]} x {before[1]})"
     )
     return True
@@ -250,7 +255,7 @@ def train(trainer: Any, *args: Any, **kwargs: Any) -> Any:
         None,
     )
     if callback is not None and callback.apply_plan and callback.plan is None:
-        plan = _plan.from_env()
+        plan = _plan.handed_down()
         if plan is not None and apply(trainer, plan):
             callback.plan = plan
     try:
