@@ -22,7 +22,24 @@ pub(crate) enum Keep {
 /// Reads and analyzes one file, or says in one line why it cannot.
 pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, String> {
     let shown = path.display().to_string();
-    let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    let file_bytes = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => {
+            return Err(format!(
+                "{shown}: is a directory, not a snapshot or run log"
+            ))
+        }
+        Ok(m) => m.len(),
+        Err(e) => return Err(format!("{shown}: {}", io_problem(&e))),
+    };
+    let head = first_bytes(path);
+    if !oomkit_runlog::is_run_log(&head) && head.first() != Some(&PICKLE_PROTO) {
+        return Err(format!(
+            "{shown}: not a PyTorch memory snapshot or an oomkit run log: it starts with {}; \
+             record a snapshot with torch.cuda.memory._dump_snapshot(\"snap.pickle\") \
+             (README, \"Record a snapshot in PyTorch\")",
+            preview(&head)
+        ));
+    }
     if looks_like_run_log(path) {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
         let analysis = oomkit_runlog::analyze(&run);
@@ -50,11 +67,66 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
         b.finish_and_clear();
     }
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
+    if let Some(want) = opts.device {
+        let held = snap.devices();
+        if !held.contains(&want) {
+            let list: Vec<String> = held.iter().map(|d| d.to_string()).collect();
+            return Err(format!(
+                "{shown}: --device {want}: the snapshot holds {}",
+                if list.is_empty() {
+                    "no device".to_string()
+                } else {
+                    format!("device {} only", list.join(", "))
+                }
+            ));
+        }
+    }
     let fa = match keep {
         Keep::Raw => FileAnalysis::keeping(shown, file_bytes, snap, opts),
         Keep::Analysis => FileAnalysis::new(shown, file_bytes, &snap, opts),
     };
     Ok(Report::Snapshot(Box::new(fa)))
+}
+
+/// Every snapshot PyTorch writes is a pickle of protocol 2 or later, which starts with PROTO.
+const PICKLE_PROTO: u8 = 0x80;
+
+/// The first bytes of a file, empty where it cannot be read.
+fn first_bytes(path: &Path) -> Vec<u8> {
+    use std::io::Read;
+    let mut head = vec![0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .unwrap_or(0);
+    head.truncate(n);
+    head
+}
+
+/// What a file starts with, for a message: its text where it is text, else its bytes in hex.
+fn preview(head: &[u8]) -> String {
+    let shown = &head[..head.len().min(24)];
+    if shown.is_empty() {
+        return "nothing (it is empty)".into();
+    }
+    match std::str::from_utf8(shown) {
+        Ok(t) if t.chars().all(|c| !c.is_control() || c == '\n' || c == '\t') => {
+            format!("{:?}", t)
+        }
+        _ => shown
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}
+
+/// An I/O failure in the words a user needs, without the OS error number.
+fn io_problem(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file".into(),
+        std::io::ErrorKind::PermissionDenied => "permission denied".into(),
+        _ => e.to_string(),
+    }
 }
 
 /// Pickles start with the PROTO opcode; run logs with a JSON object.

@@ -63,8 +63,16 @@ fn several_files_give_a_json_array_and_device_filter_works() {
         serde_json::from_str(&stdout(&["analyze", "--json", d, d], None)).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 2);
     let v: serde_json::Value =
-        serde_json::from_str(&stdout(&["analyze", "--json", "--device", "3", d], None)).unwrap();
-    assert_eq!(v["devices"].as_array().unwrap().len(), 0);
+        serde_json::from_str(&stdout(&["analyze", "--json", "--device", "0", d], None)).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 1);
+    // A device the file does not hold is a usage error that names the ones it does.
+    let out = oomkit(&["analyze", "--device", "3", d], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--device 3: the snapshot holds device 0 only"),
+        "{err}"
+    );
 }
 
 /// Runs oomkit on a bad file and checks the contract: exit 2, one line on
@@ -100,18 +108,24 @@ fn bad_input_is_one_clear_line_and_exit_2() {
         &demo[..demo.len() / 2],
         "truncated at byte",
     );
-    bad_input(&dir, "empty.pickle", b"", "truncated at byte 0");
+    bad_input(
+        &dir,
+        "empty.pickle",
+        b"",
+        "it starts with nothing (it is empty)",
+    );
     bad_input(
         &dir,
         "garbage.pickle",
         b"\x7fELF\x02\x01\x01garbage",
-        "unknown opcode 0x7f at byte 0",
+        "not a PyTorch memory snapshot or an oomkit run log: it starts with 7f 45 4c 46",
     );
+    // A text file: what it starts with, and how snapshots are made.
     bad_input(
         &dir,
         "notes.txt.pickle",
         b"# not a pickle\n",
-        "unknown opcode 0x23 at byte 0",
+        "it starts with \"# not a pickle\\n\"; record a snapshot with torch.cuda.memory._dump_snapshot",
     );
     // pickle.dumps({'a': [1, 2]}, protocol=4)
     bad_input(
@@ -179,7 +193,13 @@ fn a_pickle_that_runs_a_shell_command_is_refused_and_runs_nothing() {
 fn missing_files_directories_and_usage_errors_exit_2() {
     let out = oomkit(&["analyze", "/nonexistent/snap.pickle"], None);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/snap.pickle"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The path once, then the problem.
+    assert_eq!(
+        err.trim(),
+        "oomkit: /nonexistent/snap.pickle: no such file",
+        "{err}"
+    );
     let dir = tempdir("dir");
     let out = oomkit(&["analyze", dir.to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(2));
@@ -210,10 +230,7 @@ fn good_files_are_still_reported_beside_a_bad_one() {
     assert_eq!(out.status.code(), Some(2));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v[0]["devices"].is_array());
-    assert!(v[1]["error"]
-        .as_str()
-        .unwrap()
-        .contains("truncated at byte 0"));
+    assert!(v[1]["error"].as_str().unwrap().contains("it is empty"));
 }
 
 #[test]
@@ -229,7 +246,16 @@ fn demo_save_never_overwrites() {
     std::fs::write(&path, b"mine").unwrap();
     let out = oomkit(&["demo", "--save", path.to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("already exists (pass --force to replace it)"));
     assert_eq!(std::fs::read(&path).unwrap(), b"mine");
+    // One rule for every file oomkit writes: --force replaces it.
+    let out = oomkit(&["demo", "--save", path.to_str().unwrap(), "--force"], None);
+    assert!(out.status.success());
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        std::fs::read(demo_file()).unwrap()
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! `oomkit demo`: the bundled snapshot, analyzed, to see a report with no set-up.
 
 use super::analyze::{emit, options, ReportArgs};
-use crate::output::save_new;
+use crate::output::write_file;
 use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
 use oomkit_report::{FileAnalysis, Report};
 use oomkit_snapshot::Snapshot;
@@ -16,15 +16,18 @@ const DEMO_NAME: &str = "demo_snapshot.pickle (bundled)";
 pub(crate) struct Args {
     #[command(flatten)]
     report: ReportArgs,
-    /// Also write the bundled snapshot to this new file (never overwrites).
+    /// Also write the bundled snapshot to this file; an existing file is kept unless --force.
     #[arg(long, value_name = "PATH")]
     save: Option<PathBuf>,
+    /// Replace the --save file if it exists, as report and export do for theirs.
+    #[arg(long, requires = "save")]
+    force: bool,
 }
 
 /// `oomkit demo`.
 pub(crate) fn run(a: Args) -> u8 {
     if let Some(path) = a.save {
-        if let Err(msg) = save_new(&path, DEMO) {
+        if let Err(msg) = write_file(&path, DEMO, a.force, "pass --force to replace it") {
             eprintln!("oomkit: {msg}");
             return EXIT_INPUT;
         }
