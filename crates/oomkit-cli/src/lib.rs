@@ -76,11 +76,18 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
             .unwrap_or_default();
         eprintln!("oomkit: internal error{at}: {msg} (please report this)");
     }));
-    let cli = match Cli::try_parse_from(args) {
+    let args: Vec<OsString> = args.into_iter().collect();
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { EXIT_INPUT } else { EXIT_OK };
+            if !e.use_stderr() {
+                return EXIT_OK;
+            }
+            // `oomkit run` passes its command's codes through, so its own
+            // usage errors take a code no training script uses for itself.
+            let is_run = args.get(1).is_some_and(|a| a == "run");
+            return if is_run { exit::RUN_FAILED } else { EXIT_INPUT };
         }
     };
     std::panic::catch_unwind(|| run(cli)).unwrap_or(EXIT_INTERNAL)

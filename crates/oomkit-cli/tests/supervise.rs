@@ -182,7 +182,7 @@ fn run_retries_with_the_same_effective_batch() {
     assert_eq!(summary["outcome"], "succeeded");
     // The summary file is never overwritten.
     let again = s.run(&["run", "--summary-json", "summary.json", "--", "true"]);
-    assert_eq!(again.status.code(), Some(2));
+    assert_eq!(again.status.code(), Some(125));
     assert!(text(&again.stderr).contains("already exists"));
 }
 
@@ -274,7 +274,7 @@ fn run_without_gpu_warns_or_fails_with_require_gpu() {
     assert_eq!(text(&out.stdout).trim(), "cvd=[unset]");
     assert!(text(&out.stderr).contains("warning"));
     let out = s.run(&["run", "--require-gpu", "--", "true"]);
-    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(out.status.code(), Some(125));
 }
 
 #[test]
@@ -447,7 +447,7 @@ fn run_waits_for_a_gpu_and_says_why() {
         "--",
         "true",
     ]);
-    assert_eq!(timeout.status.code(), Some(4));
+    assert_eq!(timeout.status.code(), Some(124));
     let err = text(&timeout.stderr);
     assert!(
         err.contains("40.0 GiB free") && err.contains("5.00 GiB"),
@@ -578,19 +578,32 @@ fn find_batch_with_stated_capacity_and_no_gpu() {
 }
 
 #[test]
-fn usage_errors_are_exit_2() {
+fn run_usage_errors_are_125_and_the_commands_codes_pass_through() {
     let s = Sandbox::new("usage");
     s.gpus(&[(80, 80)]);
     let out = s.run(&["run", "--", "echo", "{batch_size}"]);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(125));
     assert!(text(&out.stderr).contains("--batch-size"));
     assert_eq!(
         s.run(&["run", "--wait", "soon", "--", "true"])
             .status
             .code(),
-        Some(2)
+        Some(125)
     );
-    assert_eq!(s.run(&["run"]).status.code(), Some(2));
+    assert_eq!(s.run(&["run"]).status.code(), Some(125));
+    // The command's own codes pass through, 1 to 5 included: oomkit's are 124 to 127.
+    for code in 1..=5 {
+        let out = s.run(&[
+            "run",
+            "--gpus",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            &format!("exit {code}"),
+        ]);
+        assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
+    }
     let _ = Path::new(".");
 }
 

@@ -2,9 +2,7 @@
 
 use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
-use crate::exit::supervise_exit;
 use crate::output::{must_be_new, print_json, say};
-use crate::EXIT_INPUT;
 use oomkit_gpu::ClaimDir;
 use oomkit_supervise::RunOptions;
 use std::ffi::OsString;
@@ -62,7 +60,7 @@ pub(crate) struct Args {
 pub(crate) fn run(a: Args) -> u8 {
     if let Err(msg) = must_be_new(&a.summary_json) {
         say(&msg);
-        return EXIT_INPUT;
+        return crate::exit::RUN_FAILED;
     }
     let opts = RunOptions {
         command: a.command,
@@ -86,7 +84,7 @@ pub(crate) fn run(a: Args) -> u8 {
         Ok(s) => s,
         Err(e) => {
             say(&e.to_string());
-            return supervise_exit(&e);
+            return crate::exit::run_exit(&e);
         }
     };
     eprint!("{}", summary.text());
