@@ -19,6 +19,7 @@ pub(crate) struct Args {
     report: ReportArgs,
 }
 
+/// The flags `analyze` and `demo` share: the format, how many sites, which device.
 #[derive(clap::Args)]
 pub(crate) struct ReportArgs {
     #[command(flatten)]
