@@ -32,6 +32,8 @@ _ANCESTORS = 4
 # Compare-and-set rounds before giving up on agreeing (each loses only to
 # another rank's write for the same failure).
 _CAS_ROUNDS = 8
+# How much of an OOM message travels with the plan to the other ranks.
+MESSAGE_CHARS = 1000
 # torchrun's own environment: set for every worker of every round.
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -259,6 +261,34 @@ class Channel:
                 return there
             expected = got
         return plan
+
+
+def step_down(
+    ch: Channel,
+    failed: str,
+    plan: tuple[int, int, int, int],
+    rank: int,
+    message: str,
+    min_batch_size: int = 1,
+    earlier: tuple[tuple[int, str], ...] = (),
+) -> Agreed:
+    """Proposes the plan after an OOM under ``plan`` (micro-batch, accumulation, effective batch, attempt); returns what holds now.
+
+    ``failed`` is the stored text of the plan that ran out ("" before any
+    agreed one). The next micro-batch is the one `oomkit run` and
+    ``auto_batch`` step to (``back_off``, fitted from the OOM's figures); at
+    ``min_batch_size`` the proposal is that every rank stops.
+    """
+    from oomkit import _native
+
+    micro, accum, effective, attempt = plan
+    text = " ".join(message.split())[:MESSAGE_CHARS]
+    nxt = _native.back_off(micro, effective, min_batch_size, text, list(earlier))
+    if nxt is None:
+        proposal = Agreed(micro, accum, effective, attempt + 1, rank, micro, text, stop=True)
+    else:
+        proposal = Agreed(nxt[0], nxt[1], effective, attempt + 1, rank, micro, text)
+    return ch.propose(failed, proposal)
 
 
 _CACHED: dict[str, Optional[Channel]] = {}

@@ -100,12 +100,7 @@ def active() -> Optional[Plan]:
 
 def current() -> Optional[Plan]:
     """The plan this process runs: `auto_batch`'s current try, else the one torch elastic's ranks agreed on, else `oomkit run`'s."""
-    if _ACTIVE is not None:
-        return _ACTIVE
-    agreed = elastic_plan()
-    if agreed is not None and not agreed.stop:
-        return Plan(agreed.micro_batch, agreed.grad_accum, agreed.effective_batch, agreed.attempt, ELASTIC_SOURCE)
-    return from_env()
+    return _ACTIVE if _ACTIVE is not None else handed_down()
 
 
 # The `source` of a plan the ranks of a torchrun job agreed on after an OOM.
@@ -150,20 +145,14 @@ def elastic_step_down(fields: dict[str, Any], message: str, rank: int) -> None:
         effective = int(fields.get("effective_batch") or micro * accum)
         attempt = int(fields.get("attempt") or 1)
         stored, agreed = ch.read()
-        if agreed is not None and agreed.attempt > attempt:
-            # Another rank's failure of this attempt already moved the job on.
-            stored = ""
-            if agreed.failed_micro_batch != micro:
-                return
-        from oomkit import _native
-
-        text = " ".join(message.split())[:1000]
-        nxt = _native.back_off(micro, effective, 1, text, [])
-        if nxt is None:
-            proposal = _elastic.Agreed(micro, accum, effective, attempt + 1, rank, micro, text, stop=True)
-        else:
-            proposal = _elastic.Agreed(nxt[0], nxt[1], effective, attempt + 1, rank, micro, text)
-        agreed_now = ch.propose(stored if agreed is None or agreed.attempt == attempt else ch.read()[0], proposal)
+        if agreed is not None and agreed.attempt > attempt and agreed.failed_micro_batch != micro:
+            # A failure of another plan moved the job on already.
+            return
+        # The stored text of the plan that ran out; "" where another rank's
+        # proposal for the same failure is there already, so that the
+        # compare-and-set keeps the smaller of the two instead of replacing it.
+        failed = stored if agreed is None or agreed.attempt == attempt else ""
+        agreed_now = _elastic.step_down(ch, failed, (micro, accum, effective, attempt), rank, message)
         then = (
             "every rank stops: no smaller micro-batch is allowed"
             if agreed_now.stop

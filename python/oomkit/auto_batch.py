@@ -16,8 +16,6 @@ from oomkit._native import OomkitError
 from oomkit._oom import find_oom, is_oom
 
 _log = logging.getLogger("oomkit")
-# How much of an OOM message travels with the plan to the other ranks.
-_MESSAGE_CHARS = 1000
 T = TypeVar("T")
 
 
@@ -141,11 +139,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def _stop_text(agreed: _elastic.Agreed, min_batch_size: int) -> str:
-    """Why every rank stops (see :func:`oomkit._elastic.stop_text`)."""
-    return _elastic.stop_text(agreed, min_batch_size)
-
-
 def _note_trackers(plan: _plan.Plan) -> None:
     """Tells every open tracker the plan of the try that starts now; never raises."""
     try:
@@ -239,7 +232,7 @@ def auto_batch(
                     if channel is not None:
                         stored, agreed = channel.read()
                         if agreed is not None and agreed.stop:
-                            raise BatchSizeError(_stop_text(agreed, min_batch_size))
+                            raise BatchSizeError(_elastic.stop_text(agreed, min_batch_size))
                         if agreed is not None and agreed.effective_batch != effective:
                             _log.warning(
                                 "oomkit.auto_batch: ignoring the plan in %s: it keeps an effective batch of %d, not %d",
@@ -352,8 +345,7 @@ def _leave(
 ) -> None:
     """Before a rank exits on an OOM outside any guard: stores the next plan for every rank's restart, and says so."""
     rank = _rank()
-    text = " ".join(str(find_oom(exc) or exc).split())
-    message = text[:_MESSAGE_CHARS] if text else type(exc).__name__
+    message = str(find_oom(exc) or exc).strip() or type(exc).__name__
     if channel is None:
         _log.error(
             "oomkit.auto_batch: out of memory on rank %d at micro-batch %d outside an oom_guard; the other ranks "
@@ -366,15 +358,15 @@ def _leave(
         return
     effective = plan.effective_batch or plan.micro_batch * plan.grad_accum
     try:
-        nxt = _native.back_off(plan.micro_batch, effective, min_batch_size, message, earlier)
-        attempt = (plan.attempt or 1) + 1
-        if nxt is None:
-            proposal = _elastic.Agreed(
-                plan.micro_batch, plan.grad_accum, effective, attempt, rank, plan.micro_batch, message, stop=True
-            )
-        else:
-            proposal = _elastic.Agreed(nxt[0], nxt[1], effective, attempt, rank, plan.micro_batch, message)
-        agreed = channel.propose(stored, proposal)
+        agreed = _elastic.step_down(
+            channel,
+            stored,
+            (plan.micro_batch, plan.grad_accum, effective, plan.attempt or 1),
+            rank,
+            message,
+            min_batch_size,
+            tuple(earlier),
+        )
     except Exception as e:  # noqa: BLE001 - the OOM is what the user must see; this only explains it
         _log.error("oomkit.auto_batch: out of memory on rank %d; the next plan could not be stored in %s: %s", rank, channel.where, e)
         return

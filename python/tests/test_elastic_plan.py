@@ -73,3 +73,28 @@ def test_a_proposal_from_a_plan_that_is_already_past_keeps_the_newer_plan(tmp_pa
 def test_outside_torchrun_there_is_no_channel(monkeypatch) -> None:
     monkeypatch.delenv(_elastic.RUN_ID_ENV, raising=False)
     assert _elastic.channel() is None
+
+
+def test_two_ranks_of_a_trainer_that_run_out_at_once_keep_the_smaller_plan(tmp_path: Path, monkeypatch) -> None:
+    """The integrations' step down: a second rank's proposal for the same failure never replaces a smaller one."""
+    from oomkit import _native, _plan
+
+    ch = _file_channel(tmp_path)
+    monkeypatch.setattr(_elastic, "channel", lambda: ch)
+    fields = {"micro_batch": 32, "grad_accum": 4, "effective_batch": 128, "attempt": 1}
+    # A message with the allocator's figures allows a bigger jump than plain halving.
+    far = ("CUDA out of memory. Tried to allocate 70.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
+           "of which 1.00 GiB is free. Of the allocated memory 10.00 GiB is allocated by PyTorch, "
+           "and 100.00 MiB is reserved by PyTorch but unallocated.")
+    near = "CUDA out of memory. Tried to allocate 2.00 MiB"
+    fitted, halved = _native.back_off(32, 128, 1, far, []), _native.back_off(32, 128, 1, near, [])
+    assert fitted is not None and halved is not None
+    small = fitted[0]
+    assert small < halved[0]
+    # Either order: the smaller proposal stands, once.
+    for first, second in ((far, near), (near, far)):
+        (tmp_path / "plan.json").unlink(missing_ok=True)
+        _plan.elastic_step_down(fields, first, 1)
+        _plan.elastic_step_down(fields, second, 2)
+        _, now = ch.read()
+        assert now is not None and (now.attempt, now.micro_batch) == (2, small)
