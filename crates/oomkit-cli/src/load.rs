@@ -32,7 +32,8 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
         Err(e) => return Err(format!("{shown}: {}", io_problem(&e))),
     };
     let head = first_bytes(path);
-    if !oomkit_runlog::is_run_log(&head) && head.first() != Some(&PICKLE_PROTO) {
+    let run_log = oomkit_runlog::is_run_log(&head);
+    if !run_log && head.first() != Some(&PICKLE_PROTO) {
         return Err(format!(
             "{shown}: not a PyTorch memory snapshot or an oomkit run log: it starts with {}; \
              record a snapshot with torch.cuda.memory._dump_snapshot(\"snap.pickle\") \
@@ -40,7 +41,7 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
             preview(&head)
         ));
     }
-    if looks_like_run_log(path) {
+    if run_log {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
         let analysis = oomkit_runlog::analyze(&run);
         return Ok(Report::Run(Box::new(RunFile {
@@ -127,14 +128,4 @@ fn io_problem(e: &std::io::Error) -> String {
         std::io::ErrorKind::PermissionDenied => "permission denied".into(),
         _ => e.to_string(),
     }
-}
-
-/// Pickles start with the PROTO opcode; run logs with a JSON object.
-pub(crate) fn looks_like_run_log(path: &Path) -> bool {
-    use std::io::Read;
-    let mut head = [0u8; 64];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| f.read(&mut head))
-        .unwrap_or(0);
-    oomkit_runlog::is_run_log(&head[..n])
 }

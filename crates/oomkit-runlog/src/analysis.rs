@@ -609,4 +609,20 @@ mod tests {
         let e = Run::parse(b"hello\n").unwrap_err().to_string();
         assert!(e.starts_with("not an oomkit run log"), "{e}");
     }
+
+    #[test]
+    fn the_oom_finding_and_the_verdict_give_the_same_first_fix() {
+        // A request larger than the 1 GiB device: no batch change helps, and both say so with the device's size.
+        let mut text = log(&[100, 100]);
+        text.push_str("{\"type\":\"oom\",\"step\":1,\"stage\":\"forward\",\"requested_bytes\":4611686018427387904,\"message\":\"CUDA out of memory\",\"memory\":{\"allocated_bytes\":100,\"reserved_bytes\":200,\"capacity_bytes\":1073741824}}\n");
+        let a = analyze(&Run::parse(text.as_bytes()).unwrap());
+        let fix = a.verdict.fix.clone().expect("a fix");
+        assert!(fix.contains("on a 1.00 GiB device"), "{fix}");
+        let finding = a
+            .findings
+            .iter()
+            .find(|f| f.kind == FindingKind::Oom)
+            .expect("oom finding");
+        assert_eq!(finding.advice, fix);
+    }
 }

@@ -53,7 +53,11 @@ pub(crate) struct Facts<'r> {
 
 /// Every finding for the run, ranked.
 pub(crate) fn findings(f: &Facts<'_>) -> Vec<Finding> {
-    let mut out: Vec<Finding> = f.ooms.iter().map(|o| oom(o, f.device)).collect();
+    let mut out: Vec<Finding> = f
+        .ooms
+        .iter()
+        .map(|o| oom(o, f.device, f.capacity))
+        .collect();
     out.extend(f.leak.map(leak));
     out.extend(duplicate_copy(f.run));
     out.extend(
@@ -74,7 +78,7 @@ pub(crate) fn findings(f: &Facts<'_>) -> Vec<Finding> {
 }
 
 /// An OOM record, with advice for the stage it happened in.
-fn oom(o: &OomSummary, device: &str) -> Finding {
+fn oom(o: &OomSummary, device: &str, capacity: Option<u64>) -> Finding {
     let asked = o
         .requested_bytes
         .map(|r| format!("asking for {}", human_bytes(r)))
@@ -88,8 +92,10 @@ fn oom(o: &OomSummary, device: &str) -> Finding {
     let fitted;
     let advice = if o.cause == Cause::RequestExceedsCapacity {
         // No batch change helps a request larger than the device.
-        fitted =
-            oomkit_advice::first_fix(o.cause, &crate::analysis::failure(o, device, None, None));
+        fitted = oomkit_advice::first_fix(
+            o.cause,
+            &crate::analysis::failure(o, device, None, capacity),
+        );
         fitted.as_str()
     } else if o.cause == Cause::Fragmentation {
         "the allocator had enough reserved but unallocated memory in pieces too small: set \
