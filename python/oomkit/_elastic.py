@@ -152,21 +152,24 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _parent(pid: int) -> Optional[int]:
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name, empty where unreadable."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
             # The command name may hold spaces and parentheses: fields start after the last ")".
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(pid: int) -> Optional[int]:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
 def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "0"
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else "0"
 
 
 def _flag(argv: list[str], *names: str) -> Optional[str]:
