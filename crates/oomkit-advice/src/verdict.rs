@@ -149,11 +149,6 @@ impl Verdict {
             finding: top.map(|f| f.kind),
         }
     }
-
-    /// The verdict as the lines a terminal report starts with.
-    pub fn text(&self) -> String {
-        format!("{}\n  {}\n", self.headline, self.detail)
-    }
 }
 
 /// The cause in words, with the figures that decided it.

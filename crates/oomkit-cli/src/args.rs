@@ -52,7 +52,20 @@ impl WaitArgs {
 pub(crate) enum Format {
     /// A report for people.
     Text,
-    /// JSON alone on standard output, the contract for scripts (docs/commands.md lists its fields).
+    /// JSON alone on standard output, the contract for scripts (docs/json.md lists its fields).
+    Json,
+    /// The self-contained HTML page `oomkit report` writes, on standard output.
+    Html,
+    /// The Perfetto trace `oomkit export` writes, on standard output (one file).
+    Perfetto,
+}
+
+/// The formats every command offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Plain {
+    /// A report for people.
+    Text,
+    /// JSON alone on standard output, the contract for scripts (docs/json.md lists its fields).
     Json,
 }
 
@@ -61,7 +74,7 @@ pub(crate) enum Format {
 pub(crate) struct FormatArgs {
     /// How to print the result.
     #[arg(long, value_enum, value_name = "FORMAT", default_value = "text")]
-    format: Format,
+    format: Plain,
     /// Print JSON: the same as --format json.
     #[arg(long)]
     json: bool,
@@ -70,15 +83,36 @@ pub(crate) struct FormatArgs {
 impl FormatArgs {
     /// The format asked for, by either flag.
     pub(crate) fn format(&self) -> Format {
-        if self.json {
-            Format::Json
-        } else {
-            self.format
+        match (self.json, self.format) {
+            (true, _) | (false, Plain::Json) => Format::Json,
+            (false, Plain::Text) => Format::Text,
         }
     }
 
     /// True when the result is to be printed as JSON.
     pub(crate) fn json(&self) -> bool {
         self.format() == Format::Json
+    }
+}
+
+/// `--format text|json|html|perfetto` for the commands that render files, with `--json` as a short form.
+#[derive(clap::Args)]
+pub(crate) struct FileFormatArgs {
+    /// How to print the result.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value = "text")]
+    format: Format,
+    /// Print JSON: the same as --format json.
+    #[arg(long)]
+    json: bool,
+}
+
+impl FileFormatArgs {
+    /// The format asked for, by either flag.
+    pub(crate) fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! told apart by their first bytes, with a progress bar for large snapshots.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use oomkit_report::{FileAnalysis, Report, RunFile};
+use oomkit_compare::{FileAnalysis, Report, RunFile};
 use oomkit_snapshot::{Options, Snapshot};
 use std::io::IsTerminal;
 use std::path::Path;

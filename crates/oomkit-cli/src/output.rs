@@ -1,6 +1,8 @@
 //! Everything oomkit writes: JSON and messages on the standard streams, and
 //! files written whole or not at all, never over one that exists unless asked.
 
+use crate::args::Format;
+use oomkit_report::Render;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -8,6 +10,18 @@ use std::path::{Path, PathBuf};
 pub(crate) fn print_json(value: &impl serde::Serialize) {
     let text = serde_json::to_string_pretty(value).unwrap_or_else(|_| "null".into());
     let _ = writeln!(std::io::stdout().lock(), "{text}");
+}
+
+/// Prints a command's result on standard output as text or JSON, the two
+/// formats every command offers; the formats that render files are
+/// written by the commands that offer them.
+pub(crate) fn print(format: Format, result: &dyn Render) {
+    match format {
+        Format::Json => print_json(&result.json()),
+        Format::Text | Format::Html | Format::Perfetto => {
+            let _ = write!(std::io::stdout().lock(), "{}", result.text());
+        }
+    }
 }
 
 /// One line on standard error, prefixed with `oomkit:`.

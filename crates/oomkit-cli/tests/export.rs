@@ -206,3 +206,28 @@ fn export_never_overwrites_and_reports_bad_input_in_one_line() {
         "no temporary file is left"
     );
 }
+
+#[test]
+fn analyze_writes_the_trace_and_the_page_that_export_and_report_write() {
+    let demo = demo_file();
+    let demo = demo.to_str().unwrap();
+    // One seam: `analyze --format perfetto` is `export`, `--format html` is `report`.
+    let via_analyze = oomkit(&["analyze", "--format", "perfetto", demo], None);
+    let via_export = oomkit(&["export", "--perfetto", demo, "-o", "-"], None);
+    assert!(via_analyze.status.success(), "{via_analyze:?}");
+    assert_eq!(via_analyze.stdout, via_export.stdout);
+    valid_trace(&serde_json::from_slice(&via_analyze.stdout).unwrap());
+
+    let page = oomkit(&["analyze", "--format", "html", "--top", "20", demo], None);
+    let report = oomkit(&["report", demo, "-o", "-"], None);
+    assert!(page.status.success(), "{page:?}");
+    assert!(page.stdout.starts_with(b"<!DOCTYPE html>"));
+    assert_eq!(page.stdout, report.stdout);
+
+    // A trace is one file's timeline.
+    let two = oomkit(&["analyze", "--format", "perfetto", demo, demo], None);
+    assert_refused(&two, &["--format perfetto", "one file", "oomkit export"]);
+    // The other commands print text or JSON only.
+    let gpus = oomkit(&["gpus", "--format", "html"], None);
+    assert_eq!(gpus.status.code(), Some(2), "{gpus:?}");
+}

@@ -189,7 +189,8 @@ fn a_file_large_enough_for_the_pager_matches_cpython() {
 /// Checks that the streaming and the generic readings of `path` give the
 /// same analysis and the same events.
 fn readings_agree(path: &Path) {
-    use oomkit_report::{json, FileAnalysis};
+    use oomkit_compare::FileAnalysis;
+    use oomkit_report::json;
     use oomkit_snapshot::{Options, Snapshot};
     let bytes = std::fs::read(path).unwrap();
     let streamed = Snapshot::load(path, &mut |_, _| {}).unwrap();

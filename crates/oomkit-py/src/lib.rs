@@ -165,9 +165,9 @@ impl RunLog {
     }
 }
 
-fn analysis(path: &Path) -> PyResult<oomkit_report::RunFile> {
+fn analysis(path: &Path) -> PyResult<oomkit_compare::RunFile> {
     let run = oomkit_runlog::Run::read(path).map_err(runlog_err)?;
-    Ok(oomkit_report::RunFile {
+    Ok(oomkit_compare::RunFile {
         path: path.display().to_string(),
         analysis: oomkit_runlog::analyze(&run),
         run: None,

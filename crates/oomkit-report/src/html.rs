@@ -2,8 +2,7 @@
 //! JSON document, embedded in a page with its script, styles and the
 //! vendored uPlot chart library, so that it opens offline.
 
-use crate::ranks::{rank_table, RankRow};
-use crate::{FileAnalysis, Report, RunFile};
+use oomkit_compare::{rank_table, FileAnalysis, RankRow, Report, RunFile};
 use oomkit_runlog::{MeasureKind, Run};
 use oomkit_snapshot::{phase_ranges, stack_label, timeline, Snapshot, StackId};
 use serde_json::{json, Map, Value};
@@ -16,6 +15,11 @@ const UPLOT_JS: &str = include_str!("../assets/vendor/uplot/uPlot.iife.min.js");
 const UPLOT_CSS: &str = include_str!("../assets/vendor/uplot/uPlot.min.css");
 const UPLOT_LICENSE: &str = include_str!("../assets/vendor/uplot/LICENSE");
 
+/// Memory samples per device a page keeps by default: enough for the
+/// timeline at full screen width many times over, few enough that a page of
+/// a million-event snapshot opens in a browser in a second.
+pub const PAGE_MAX_POINTS: usize = 50_000;
+
 /// Segments drawn per device; the rest are summed in one line.
 const MAX_SEGMENTS: usize = 200;
 
@@ -25,21 +29,15 @@ const MAX_SEGMENTS: usize = 200;
 /// The page draws the timelines from the raw data, so every input must have
 /// been loaded keeping it ([`FileAnalysis::keeping`], [`RunFile::run`]);
 /// one that was not is named in the error.
-pub fn html_report(inputs: &[Report], max_points: usize) -> Result<String, String> {
+pub fn html_report(inputs: &[&Report], max_points: usize) -> Result<String, String> {
     let mut files: Vec<Value> = Vec::new();
     for input in inputs {
         files.push(match input {
-            Report::Snapshot(fa) => {
-                let snap = fa.snapshot.as_ref().ok_or_else(|| not_kept(&fa.path))?;
-                snapshot_data(fa, snap, max_points)
-            }
-            Report::Run(rf) => {
-                let run = rf.run.as_ref().ok_or_else(|| not_kept(&rf.path))?;
-                run_data(rf, run)
-            }
+            Report::Snapshot(fa) => snapshot_data(fa, fa.kept()?, max_points),
+            Report::Run(rf) => run_data(rf, rf.kept()?),
         });
     }
-    let ranks: Vec<RankRow> = rank_table(&inputs.iter().collect::<Vec<_>>());
+    let ranks: Vec<RankRow> = rank_table(inputs);
     let doc = json!({
         "generator": format!("oomkit {}", env!("CARGO_PKG_VERSION")),
         "files": files,
@@ -55,11 +53,6 @@ pub fn html_report(inputs: &[Report], max_points: usize) -> Result<String, Strin
         .replacen("/*@UPLOT_JS@*/", UPLOT_JS, 1)
         .replacen("/*@APP_JS@*/", APP_JS, 1)
         .replacen("@DATA@", &data, 1))
-}
-
-/// The error for an input loaded without the raw data the page draws from.
-fn not_kept(path: &str) -> String {
-    format!("{path}: internal error: loaded without the data the page draws from")
 }
 
 /// Keeps JSON from closing the `<script>` element it sits in: every `<`

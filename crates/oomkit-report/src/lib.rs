@@ -1,22 +1,124 @@
-//! The formats oomkit renders its analyses in, over one input type
-//! ([`Report`]: a snapshot or a run log): text for people ([`text`]), JSON
-//! for scripts ([`json`], the contract in docs/json.md), the self-contained
-//! HTML page ([`html_report`]) and Perfetto's trace ([`trace`]); and the
-//! comparisons across files they show: `diff` and the rank and attempt tables.
+//! The formats oomkit writes, one module each: text for people ([`text`]),
+//! JSON for scripts ([`json`], the contracts in docs/json.md), the
+//! self-contained HTML page ([`html_report`]) and Perfetto's trace
+//! ([`trace`]). They render the analyses below them: the one input type
+//! ([`oomkit_compare::Report`]: a snapshot or a run log) and what is worked
+//! out across files, and every other command's result. [`Render`] is the
+//! seam every command prints through.
 
-mod attempts;
-mod diff;
 mod html;
-mod input;
 pub mod json;
 mod perfetto;
-mod ranks;
 pub mod text;
 
-pub use attempts::attempts_text;
-pub use diff::{diff_runs, diff_snapshots, diff_text, DeviceDelta, Diff, SiteDelta, StageDelta};
-pub use html::html_report;
-pub use input::{FileAnalysis, Report, RunFile};
-use oomkit_snapshot::human_bytes;
-pub use perfetto::{run_trace, snapshot_trace, trace, Trace};
-pub use ranks::{rank_table, rank_text, RankRow, IMBALANCE_FRACTION};
+pub use html::{html_report, PAGE_MAX_POINTS};
+pub use perfetto::{run_trace, snapshot_trace, trace, Trace, TRACE_MAX_POINTS};
+
+use oomkit_compare::{Diff, Job};
+use oomkit_estimate::calibrate::Calibration;
+use oomkit_estimate::Estimate;
+use oomkit_gpu::Gpu;
+use oomkit_supervise::find_batch::FindBatchReport;
+use oomkit_supervise::oom::Explanation;
+use oomkit_supervise::RunSummary;
+use serde_json::Value;
+
+/// A result a command prints, in the two formats every command offers.
+pub trait Render {
+    /// The report for people, as the terminal shows it.
+    fn text(&self) -> String;
+    /// The JSON document for scripts, as docs/json.md describes it.
+    fn json(&self) -> Value;
+}
+
+/// Serialises a result whose JSON is its serde form.
+fn serde_json_of(v: &impl serde::Serialize) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+impl Render for Job {
+    fn text(&self) -> String {
+        text::job(self)
+    }
+    fn json(&self) -> Value {
+        json::job(self)
+    }
+}
+
+/// A comparison, listing at most `top` changed sites per device in text (JSON lists them all).
+pub struct Compared<'a> {
+    /// The comparison.
+    pub diff: &'a Diff,
+    /// How many changed sites the text lists per device.
+    pub top: usize,
+}
+
+impl Render for Compared<'_> {
+    fn text(&self) -> String {
+        text::diff(self.diff, self.top)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(self.diff)
+    }
+}
+
+/// A memory budget and, where peaks were measured, its calibration.
+pub struct Budget<'a> {
+    /// What the formulas say.
+    pub estimate: &'a Estimate,
+    /// What the measured peaks say, beside it.
+    pub calibration: Option<&'a Calibration>,
+}
+
+impl Render for Budget<'_> {
+    fn text(&self) -> String {
+        let mut out = text::estimate(self.estimate);
+        if let Some(c) = self.calibration {
+            out.push('\n');
+            out.push_str(&text::calibration(c));
+        }
+        out
+    }
+    fn json(&self) -> Value {
+        json::estimate(self.estimate, self.calibration)
+    }
+}
+
+/// The GPUs `oomkit gpus` lists.
+pub struct Gpus<'a>(pub &'a [Gpu]);
+
+impl Render for Gpus<'_> {
+    fn text(&self) -> String {
+        text::gpus(self.0)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(&self.0)
+    }
+}
+
+impl Render for Explanation {
+    fn text(&self) -> String {
+        text::explanation(self)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(self)
+    }
+}
+
+impl Render for RunSummary {
+    fn text(&self) -> String {
+        text::run_summary(self)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(self)
+    }
+}
+
+impl Render for FindBatchReport {
+    fn text(&self) -> String {
+        text::find_batch(self)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(self)
+    }
+}

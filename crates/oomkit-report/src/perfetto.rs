@@ -4,12 +4,18 @@
 //! instant events (`"ph": "i"`), and phases or tracker stages in complete
 //! events (`"ph": "X"`). Timestamps are microseconds from the first entry.
 
+use oomkit_compare::Report;
 use oomkit_runlog::{MeasureKind, Run};
-use oomkit_snapshot::{human_bytes, phase_ranges, timeline, Analysis, PhaseRange, Snapshot};
+use oomkit_snapshot::{phase_ranges, timeline, Analysis, PhaseRange, Snapshot};
+use oomkit_units::human_bytes;
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Serialize, Serializer};
 use serde_json::{json, Value};
 use std::collections::HashMap;
+
+/// Memory samples per device a trace keeps by default: Perfetto zooms in
+/// further than a page, and still loads a trace of this size in seconds.
+pub const TRACE_MAX_POINTS: usize = 200_000;
 
 /// Thread of the memory counters in each process.
 const TID_MEMORY: u64 = 0;
@@ -239,27 +245,11 @@ pub fn snapshot_trace(
 
 /// The trace of one input: a snapshot's (which must have been loaded keeping
 /// it) or a run log's.
-pub fn trace(report: &crate::Report, max_points: usize) -> Result<Trace, String> {
-    match report {
-        crate::Report::Snapshot(fa) => {
-            let snap = fa.snapshot.as_ref().ok_or_else(|| {
-                format!(
-                    "{}: internal error: loaded without the snapshot the trace is drawn from",
-                    fa.path
-                )
-            })?;
-            Ok(snapshot_trace(&fa.path, snap, &fa.analysis, max_points))
-        }
-        crate::Report::Run(rf) => {
-            let run = rf.run.as_ref().ok_or_else(|| {
-                format!(
-                    "{}: internal error: loaded without the records the trace is drawn from",
-                    rf.path
-                )
-            })?;
-            Ok(run_trace(&rf.path, run))
-        }
-    }
+pub fn trace(report: &Report, max_points: usize) -> Result<Trace, String> {
+    Ok(match report {
+        Report::Snapshot(fa) => snapshot_trace(&fa.path, fa.kept()?, &fa.analysis, max_points),
+        Report::Run(rf) => run_trace(&rf.path, rf.kept()?),
+    })
 }
 
 /// Converts a run log to a trace: steps, stages and phases as slices, and

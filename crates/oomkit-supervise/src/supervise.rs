@@ -551,13 +551,6 @@ fn take_gpus(
     Ok((a.gpus.iter().map(|g| g.index).collect(), model, a.held))
 }
 
-/// A vocabulary value as its JSON string.
-fn snake<T: Serialize>(v: &T) -> Option<String> {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|x| x.as_str().map(String::from))
-}
-
 fn join(ids: &[u32]) -> String {
     ids.iter()
         .map(|g| g.to_string())
@@ -608,54 +601,5 @@ fn next_time(opts: &RunOptions, plan: Option<&BatchPlan>, alloc_conf: Option<&st
             "next time, start as this run ended: {}",
             parts.join(" and ")
         )
-    }
-}
-
-impl RunSummary {
-    /// The attempts as a table for the terminal.
-    pub fn text(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "oomkit run: {} after {}",
-            self.outcome,
-            oomkit_units::count(self.attempts.len() as u64, "attempt", "attempts")
-        );
-        let _ = writeln!(
-            out,
-            "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<24} {:<19} {:>8}",
-            "#", "micro-batch", "accum", "effective", "device", "exit", "OOM", "then", "time"
-        );
-        for a in &self.attempts {
-            let dash = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
-            let device = match (a.device, a.gpus.is_empty()) {
-                ("cuda", false) => format!("cuda:{}", join(&a.gpus)),
-                (d, _) => d.to_string(),
-            };
-            let word = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-            let oom = match (a.oom, a.cause) {
-                (false, _) => "no".to_string(),
-                (true, None) => "yes".to_string(),
-                (true, Some(c)) => word(snake(&c)),
-            };
-            let _ = writeln!(
-                out,
-                "  {:<3} {:>11} {:>6} {:>9} {:<10} {:>5} {:<24} {:<19} {:>7.1}s",
-                a.attempt,
-                dash(a.batch_size),
-                dash(a.grad_accum),
-                dash(a.effective_batch),
-                device,
-                a.exit_code,
-                oom,
-                word(a.action.and_then(|x| snake(&x))),
-                a.seconds
-            );
-        }
-        for n in &self.notes {
-            let _ = writeln!(out, "  note: {n}");
-        }
-        out
     }
 }

@@ -1,13 +1,14 @@
-//! `oomkit analyze`: the terminal or JSON report of snapshots and run logs,
-//! with the verdict first and, for several files, the ranks and attempts.
+//! `oomkit analyze`: the report of snapshots and run logs, with the verdict
+//! first and, for several files, the ranks and attempts; as text, JSON, the
+//! HTML page or a Perfetto trace.
 
-use crate::args::FormatArgs;
+use crate::args::{FileFormatArgs, Format};
 use crate::load::{load, Keep};
-use crate::{EXIT_INPUT, EXIT_OK};
-use oomkit_report::Report;
+use crate::output::{print, say, write_output, write_output_with};
+use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
+use oomkit_compare::{Job, Unreadable};
 use oomkit_snapshot::Options;
-use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Flags of `oomkit analyze`.
 #[derive(clap::Args)]
@@ -23,7 +24,7 @@ pub(crate) struct Args {
 #[derive(clap::Args)]
 pub(crate) struct ReportArgs {
     #[command(flatten)]
-    format: FormatArgs,
+    pub(crate) format: FileFormatArgs,
     /// How many allocation sites to list.
     #[arg(long, default_value_t = 10, value_name = "N")]
     top: usize,
@@ -42,120 +43,65 @@ pub(crate) fn options(r: &ReportArgs) -> Options {
 
 /// `oomkit analyze`.
 pub(crate) fn run(a: Args) -> u8 {
-    let mut results = Vec::new();
+    let format = a.report.format.format();
+    if format == Format::Perfetto && a.files.len() > 1 {
+        say("--format perfetto: a trace is one file's timeline; give one file, or run `oomkit export FILE -o TRACE.json` for each");
+        return EXIT_INPUT;
+    }
+    // The page and the trace draw from the raw data; the other formats need only the analysis.
+    let keep = match format {
+        Format::Html | Format::Perfetto => Keep::Raw,
+        Format::Text | Format::Json => Keep::Analysis,
+    };
+    let mut files = Vec::new();
     let mut failed = false;
     for path in &a.files {
-        match load(path, &options(&a.report), Keep::Analysis) {
-            Ok(fa) => results.push(Ok(fa)),
+        match load(path, &options(&a.report), keep) {
+            Ok(report) => files.push(Ok(report)),
             Err(msg) => {
-                eprintln!("oomkit: {msg}");
+                say(&msg);
                 failed = true;
-                results.push(Err((path.display().to_string(), msg)));
+                files.push(Err(Unreadable {
+                    file: path.display().to_string(),
+                    error: msg,
+                }));
             }
         }
     }
-    emit(&results, &a.report);
+    let code = emit(&Job::new(files), &a.report);
     if failed {
         EXIT_INPUT
     } else {
-        EXIT_OK
+        code
     }
 }
 
-/// A file analyzed, or its path and what was wrong with it.
-pub(crate) type Outcome = Result<Report, (String, String)>;
-
-/// Prints the reports: JSON alone, or the verdict, each file, the ranks and the attempts.
-pub(crate) fn emit(results: &[Outcome], report: &ReportArgs) {
-    let mut out = std::io::stdout().lock();
-    let ok: Vec<&Report> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let ranks = oomkit_report::rank_table(&ok);
-    let logs: Vec<&oomkit_runlog::Analysis> = ok
-        .iter()
-        .filter_map(|r| match r {
-            Report::Run(rf) => Some(&rf.analysis),
-            Report::Snapshot(_) => None,
-        })
-        .collect();
-    // Only a job that stepped down has attempts worth a table.
-    let attempts = Some(oomkit_runlog::attempts(&logs)).filter(|a| a.len() > 1);
-    if report.format.json() {
-        let values: Vec<serde_json::Value> = results
-            .iter()
-            .map(|r| match r {
-                Ok(rep) => {
-                    let mut v = rep.json();
-                    if let (false, Some(m)) = (ranks.is_empty(), v.as_object_mut()) {
-                        let mine: Vec<_> =
-                            ranks.iter().filter(|row| row.file == rep.path()).collect();
-                        m.insert("multi_rank".into(), serde_json::json!(mine));
-                    }
-                    if let (Report::Run(_), Some(a), Some(m)) = (rep, &attempts, v.as_object_mut())
-                    {
-                        m.insert("attempts".into(), serde_json::json!(a));
-                    }
-                    v
-                }
-                Err((file, error)) => serde_json::json!({"file": file, "error": error}),
-            })
-            .collect();
-        let doc = if values.len() == 1 {
-            values.into_iter().next().unwrap_or_default()
-        } else {
-            serde_json::Value::Array(values)
-        };
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
-    } else {
-        // Several files: the job's verdict first, then the file that failed first.
-        let first = ranks
-            .iter()
-            .find(|r| r.failed_first)
-            .map(|r| r.file.clone());
-        let mut order: Vec<&Report> = ok.clone();
-        order.sort_by_key(|r| Some(r.path().to_string()) != first);
-        if ok.len() > 1 {
-            let _ = write!(out, "{}", job_verdict(&order, first.is_some()));
+/// Prints the files of one command line in the format asked for, returning
+/// the exit code for what printing them took.
+pub(crate) fn emit(job: &Job, report: &ReportArgs) -> u8 {
+    let stdout = Path::new("-");
+    let written = match report.format.format() {
+        format @ (Format::Text | Format::Json) => {
+            print(format, job);
+            Ok(())
         }
-        for (i, r) in order.iter().enumerate() {
-            if i > 0 {
-                let _ = writeln!(out);
-            }
-            let _ = write!(out, "{}", r.text());
-        }
-        if !ranks.is_empty() {
-            let _ = write!(out, "\n{}", oomkit_report::rank_text(&ranks));
-        }
-        if let Some(a) = &attempts {
-            let _ = write!(out, "\n{}", oomkit_report::attempts_text(a));
+        Format::Html => oomkit_report::html_report(&job.read(), oomkit_report::PAGE_MAX_POINTS)
+            .and_then(|page| write_output(stdout, page.as_bytes(), false)),
+        Format::Perfetto => match job.read().first() {
+            Some(r) => oomkit_report::trace(r, oomkit_report::TRACE_MAX_POINTS).and_then(|t| {
+                write_output_with(stdout, false, &mut |w| {
+                    serde_json::to_writer(&mut *w, &t).map_err(std::io::Error::from)
+                })
+            }),
+            // The one file given could not be read; that was said already.
+            None => Ok(()),
+        },
+    };
+    match written {
+        Ok(()) => EXIT_OK,
+        Err(msg) => {
+            say(&msg);
+            EXIT_INTERNAL
         }
     }
-}
-
-/// The lines that head a report of several files: which one failed first, and its verdict.
-fn job_verdict(order: &[&Report], first_known: bool) -> String {
-    let verdicts: Vec<_> = order.iter().map(|r| (r.path(), r.verdict())).collect();
-    let failed = verdicts.iter().filter(|(_, v)| v.failed).count();
-    let mut out = format!("== verdict ({} files)\n", verdicts.len());
-    match verdicts.first() {
-        Some((path, v)) if v.failed => {
-            let which = if first_known || failed == 1 {
-                "failed first"
-            } else {
-                "failed (the files do not tell which was first)"
-            };
-            let others = if failed > 1 {
-                format!("; {} of {} files recorded an OOM", failed, verdicts.len())
-            } else {
-                String::new()
-            };
-            out.push_str(&format!("{path} {which}{others}\n{}", v.text()));
-        }
-        _ => out.push_str(&format!("no OOM in any of the {} files\n", verdicts.len())),
-    }
-    out.push('\n');
-    out
 }

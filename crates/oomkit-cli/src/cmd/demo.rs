@@ -1,9 +1,10 @@
 //! `oomkit demo`: the bundled snapshot, analyzed, to see a report with no set-up.
 
 use super::analyze::{emit, options, ReportArgs};
+use crate::args::Format;
 use crate::output::write_file;
-use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
-use oomkit_report::{FileAnalysis, Report};
+use crate::{EXIT_INPUT, EXIT_INTERNAL};
+use oomkit_compare::{FileAnalysis, Job, Report};
 use oomkit_snapshot::Snapshot;
 use std::path::PathBuf;
 
@@ -35,14 +36,15 @@ pub(crate) fn run(a: Args) -> u8 {
     }
     match Snapshot::from_bytes(DEMO) {
         Ok(snap) => {
-            let fa = FileAnalysis::new(
-                DEMO_NAME.into(),
-                DEMO.len() as u64,
-                &snap,
-                &options(&a.report),
-            );
-            emit(&[Ok(Report::Snapshot(Box::new(fa)))], &a.report);
-            EXIT_OK
+            let (name, size, opts) = (DEMO_NAME.into(), DEMO.len() as u64, options(&a.report));
+            let fa = match a.report.format.format() {
+                Format::Html | Format::Perfetto => FileAnalysis::keeping(name, size, snap, &opts),
+                Format::Text | Format::Json => FileAnalysis::new(name, size, &snap, &opts),
+            };
+            emit(
+                &Job::new(vec![Ok(Report::Snapshot(Box::new(fa)))]),
+                &a.report,
+            )
         }
         Err(e) => {
             eprintln!("oomkit: internal error: the bundled snapshot is unreadable: {e}");

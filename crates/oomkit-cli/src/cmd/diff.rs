@@ -2,10 +2,10 @@
 
 use crate::args::FormatArgs;
 use crate::load::{load, Keep};
+use crate::output::print;
 use crate::{EXIT_INPUT, EXIT_OK};
-use oomkit_report::Report;
+use oomkit_compare::Report;
 use oomkit_snapshot::Options;
-use std::io::Write;
 use std::path::PathBuf;
 
 /// Flags of `oomkit diff`.
@@ -43,8 +43,8 @@ pub(crate) fn run(args: Args) -> u8 {
         }
     };
     let diff = match (&ra, &rb) {
-        (Report::Snapshot(x), Report::Snapshot(y)) => oomkit_report::diff_snapshots(x, y),
-        (Report::Run(x), Report::Run(y)) => oomkit_report::diff_runs(x, y),
+        (Report::Snapshot(x), Report::Snapshot(y)) => oomkit_compare::diff_snapshots(x, y),
+        (Report::Run(x), Report::Run(y)) => oomkit_compare::diff_runs(x, y),
         _ => {
             eprintln!(
                 "oomkit: cannot compare {} with {}: one is a snapshot and the other a run log",
@@ -54,16 +54,12 @@ pub(crate) fn run(args: Args) -> u8 {
             return EXIT_INPUT;
         }
     };
-    let mut out = std::io::stdout().lock();
-    if args.format.json() {
-        let doc = serde_json::to_value(&diff).unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
-    } else {
-        let _ = write!(out, "{}", oomkit_report::diff_text(&diff, args.top));
-    }
+    print(
+        args.format.format(),
+        &oomkit_report::Compared {
+            diff: &diff,
+            top: args.top,
+        },
+    );
     EXIT_OK
 }

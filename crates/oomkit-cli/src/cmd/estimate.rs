@@ -2,11 +2,10 @@
 
 use crate::args::FormatArgs;
 use crate::args::{count, positive, size};
-use crate::output::{print_json, say};
+use crate::output::{print, say};
 use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_estimate::calibrate::{calibrate, Measured};
 use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer};
-use std::io::Write;
 use std::path::PathBuf;
 
 /// Flags of `oomkit estimate`.
@@ -220,23 +219,13 @@ pub(crate) fn run(a: Args) -> u8 {
                     }
                 }
             };
-            if a.format.json() {
-                let mut v = serde_json::to_value(&e).unwrap_or_default();
-                if let Some(obj) = v.as_object_mut() {
-                    obj.insert(
-                        "calibration".into(),
-                        serde_json::to_value(&calibration).unwrap_or_default(),
-                    );
-                }
-                print_json(&v);
-            } else {
-                let mut out = e.text();
-                if let Some(c) = &calibration {
-                    out.push('\n');
-                    out.push_str(&c.text());
-                }
-                let _ = write!(std::io::stdout().lock(), "{out}");
-            }
+            print(
+                a.format.format(),
+                &oomkit_report::Budget {
+                    estimate: &e,
+                    calibration: calibration.as_ref(),
+                },
+            );
             EXIT_OK
         }
         Err(e) => {

@@ -1,9 +1,9 @@
 //! `oomkit explain`: why a PyTorch OOM message says memory ran out, and what to change.
 
 use crate::args::FormatArgs;
-use crate::output::{print_json, say};
+use crate::output::{print, say};
 use crate::{EXIT_INPUT, EXIT_OK};
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Read};
 
 /// Flags of `oomkit explain`.
 #[derive(clap::Args)]
@@ -57,11 +57,7 @@ pub(crate) fn run(a: Args) -> u8 {
     });
     match oomkit_supervise::oom::explain(&text, conf.as_deref()) {
         Some(ex) => {
-            if a.format.json() {
-                print_json(&ex);
-            } else {
-                let _ = write!(std::io::stdout().lock(), "{}", ex.text());
-            }
+            print(a.format.format(), &ex);
             EXIT_OK
         }
         None => {

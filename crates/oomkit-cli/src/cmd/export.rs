@@ -28,7 +28,7 @@ pub(crate) struct Args {
     #[arg(short, long, value_name = "PATH")]
     output: PathBuf,
     /// Most memory samples per device; more are thinned by min/max buckets (0 keeps all).
-    #[arg(long, default_value_t = 200_000, value_name = "N")]
+    #[arg(long, default_value_t = oomkit_report::TRACE_MAX_POINTS, value_name = "N")]
     max_points: usize,
     /// Replace the output file if it exists.
     #[arg(long)]

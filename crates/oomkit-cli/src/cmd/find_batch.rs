@@ -3,12 +3,11 @@
 use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
 use crate::exit::supervise_exit;
-use crate::output::{print_json, say};
+use crate::output::{print, say};
 use crate::{EXIT_NOTHING_FITS, EXIT_OK};
 use oomkit_gpu::ClaimDir;
 use oomkit_supervise::find_batch::FindBatchOptions;
 use std::ffi::OsString;
-use std::io::Write;
 
 /// Flags of `oomkit find-batch`.
 #[derive(clap::Args)]
@@ -52,11 +51,7 @@ pub(crate) fn run(a: Args) -> u8 {
     };
     match oomkit_supervise::find_batch::find_batch(&opts, &mut |m| say(m)) {
         Ok(report) => {
-            if a.format.json() {
-                print_json(&report);
-            } else {
-                let _ = write!(std::io::stdout().lock(), "{}", report.text());
-            }
+            print(a.format.format(), &report);
             if report.recommended_batch.is_some() {
                 EXIT_OK
             } else {

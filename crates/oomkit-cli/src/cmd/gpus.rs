@@ -2,9 +2,8 @@
 
 use crate::args::FormatArgs;
 use crate::exit::gpu_exit;
-use crate::output::{print_json, say};
+use crate::output::{print, say};
 use crate::EXIT_OK;
-use std::io::Write;
 
 /// Flags of `oomkit gpus`.
 #[derive(clap::Args)]
@@ -15,14 +14,9 @@ pub(crate) struct Args {
 
 /// `oomkit gpus`.
 pub(crate) fn run(a: Args) -> u8 {
-    let json = a.format.json();
     match oomkit_gpu::probe() {
         Ok(gpus) => {
-            if json {
-                print_json(&gpus);
-            } else {
-                let _ = write!(std::io::stdout().lock(), "{}", oomkit_gpu::table(&gpus));
-            }
+            print(a.format.format(), &oomkit_report::Gpus(&gpus));
             EXIT_OK
         }
         Err(e) => {

@@ -16,7 +16,7 @@ pub(crate) struct Args {
     #[arg(short, long, value_name = "PATH")]
     output: PathBuf,
     /// Most memory samples per device in the page; more are thinned by min/max buckets (0 keeps all).
-    #[arg(long, default_value_t = 50_000, value_name = "N")]
+    #[arg(long, default_value_t = oomkit_report::PAGE_MAX_POINTS, value_name = "N")]
     max_points: usize,
     /// How many allocation sites to list.
     #[arg(long, default_value_t = 20, value_name = "N")]
@@ -45,7 +45,7 @@ pub(crate) fn run(a: Args) -> u8 {
             }
         }
     }
-    let page = match oomkit_report::html_report(&loaded, a.max_points) {
+    let page = match oomkit_report::html_report(&loaded.iter().collect::<Vec<_>>(), a.max_points) {
         Ok(p) => p,
         Err(msg) => {
             eprintln!("oomkit: {msg}");

@@ -1,9 +1,10 @@
 //! `oomkit run`: a training command supervised, on the freest GPU, retried after an OOM by its cause.
 
-use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
-use crate::output::{must_be_new, print_json, say};
+use crate::args::{Format, FormatArgs};
+use crate::output::{must_be_new, print, say};
 use oomkit_gpu::ClaimDir;
+use oomkit_report::Render;
 use oomkit_supervise::RunOptions;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -87,6 +88,7 @@ pub(crate) fn run(a: Args) -> u8 {
             return crate::exit::run_exit(&e);
         }
     };
+    // The table goes to standard error, beside the training command's own output.
     eprint!("{}", summary.text());
     if let Some(path) = &a.summary_json {
         let body = serde_json::to_string_pretty(&summary).unwrap_or_default();
@@ -95,7 +97,7 @@ pub(crate) fn run(a: Args) -> u8 {
         }
     }
     if a.format.json() {
-        print_json(&summary);
+        print(Format::Json, &summary);
     }
     (summary.exit_code & 0xff) as u8
 }

@@ -1,8 +1,8 @@
 //! The terminal format: the verdict first, then each device or run, for people.
 
-use crate::{FileAnalysis, RunFile};
-use oomkit_snapshot::{human_bytes, DeviceReport};
-use oomkit_units::count;
+use oomkit_compare::{FileAnalysis, RunFile};
+use oomkit_snapshot::DeviceReport;
+use oomkit_units::{count, human_bytes};
 use serde_json::Value;
 use std::fmt::Write;
 
@@ -163,7 +163,7 @@ pub fn snapshot(file: &FileAnalysis) -> String {
     if a.devices.is_empty() {
         let _ = writeln!(out, "no device holds any memory in this snapshot");
     } else {
-        let _ = writeln!(out, "{}", a.verdict.text());
+        let _ = writeln!(out, "{}", super::verdict(&a.verdict));
     }
     // The failing device first: the verdict's detail comes before the healthy ones.
     let failing = a.verdict.place.device.clone().filter(|_| a.verdict.failed);
@@ -226,7 +226,7 @@ pub fn run(run: &RunFile) -> String {
         &a.device
     };
     let _ = writeln!(out, "== {} (run log, rank {}, {dev})", run.path, a.rank);
-    let _ = writeln!(out, "{}", a.verdict.text());
+    let _ = writeln!(out, "{}", super::verdict(&a.verdict));
     let cap = a
         .capacity_bytes
         .map(|c| format!(" of {}", human_bytes(c)))

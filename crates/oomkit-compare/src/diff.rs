@@ -1,12 +1,11 @@
 //! Two runs compared, before and after a change: the peak per device, the
 //! sites that grew, shrank, appeared or vanished, and each stage's peak.
 
-use crate::{human_bytes, FileAnalysis, RunFile};
+use crate::{FileAnalysis, RunFile};
 use oomkit_runlog::MeasureKind;
 use oomkit_snapshot::{DeviceReport, SiteBytes};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write;
 
 /// Bytes held by one site in each run.
 #[derive(Clone, Debug, Serialize)]
@@ -220,103 +219,6 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
     }
 }
 
-fn signed(d: i64) -> String {
-    let s = human_bytes(d.unsigned_abs());
-    match d.signum() {
-        1 => format!("+{s}"),
-        -1 => format!("-{s}"),
-        _ => "±0 B".into(),
-    }
-}
-
-fn relative(a: u64, d: i64) -> String {
-    if a == 0 {
-        return String::new();
-    }
-    format!(" ({:+.0}%)", 100.0 * d as f64 / a as f64)
-}
-
-/// Renders a comparison for a terminal, listing at most `top` sites per device.
-pub fn diff_text(diff: &Diff, top: usize) -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "== A: {}\n== B: {}", diff.file_a, diff.file_b);
-    for d in &diff.devices {
-        let _ = write!(
-            out,
-            "\n{}: peak {} -> {}, {}{}; reserved {} -> {}; OOMs {} -> {}",
-            d.device,
-            human_bytes(d.peak_active_bytes_a),
-            human_bytes(d.peak_active_bytes_b),
-            signed(d.peak_active_bytes_delta),
-            relative(d.peak_active_bytes_a, d.peak_active_bytes_delta),
-            human_bytes(d.peak_reserved_bytes_a),
-            human_bytes(d.peak_reserved_bytes_b),
-            d.ooms_a,
-            d.ooms_b
-        );
-        match d.only_in {
-            Some(which) => {
-                let _ = writeln!(out, " (only in {})", which.to_uppercase());
-            }
-            None => out.push('\n'),
-        }
-        let changed: Vec<&SiteDelta> = d.sites.iter().filter(|s| s.delta_bytes != 0).collect();
-        if !d.sites.is_empty() {
-            if changed.is_empty() {
-                let _ = writeln!(out, "  the same sites hold the same bytes at both peaks");
-            } else {
-                let _ = writeln!(
-                    out,
-                    "  {:<9} {:>11} {:>21}  site (live at the peak)",
-                    "change", "delta", "A -> B"
-                );
-            }
-            for s in changed.iter().take(top) {
-                let _ = writeln!(
-                    out,
-                    "  {:<9} {:>11} {:>21}  {}",
-                    s.change,
-                    signed(s.delta_bytes),
-                    format!("{} -> {}", human_bytes(s.bytes_a), human_bytes(s.bytes_b)),
-                    s.site
-                );
-            }
-            if changed.len() > top {
-                let _ = writeln!(
-                    out,
-                    "  ... {} more changed sites (--top)",
-                    changed.len() - top
-                );
-            }
-        }
-        if !d.stages.is_empty() {
-            let _ = writeln!(
-                out,
-                "  {:<6} {:<12} {:>11} {:>11} {:>11}",
-                "kind", "stage", "max peak A", "max peak B", "delta"
-            );
-            for s in &d.stages {
-                let show = |v: Option<u64>| v.map_or("-".into(), human_bytes);
-                let kind = match s.kind {
-                    MeasureKind::Stage => "stage",
-                    MeasureKind::Step => "step",
-                    MeasureKind::Phase => "phase",
-                };
-                let _ = writeln!(
-                    out,
-                    "  {:<6} {:<12} {:>11} {:>11} {:>11}",
-                    kind,
-                    s.name,
-                    show(s.max_peak_bytes_a),
-                    show(s.max_peak_bytes_b),
-                    signed(s.delta_bytes)
-                );
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,14 +264,5 @@ mod tests {
             (grew[0].change, grew[0].bytes_a, grew[0].bytes_b),
             ("grew", 1, 3)
         );
-    }
-
-    #[test]
-    fn signed_sizes_read_plainly() {
-        assert_eq!(signed(1 << 20), "+1.00 MiB");
-        assert_eq!(signed(-(3 << 30)), "-3.00 GiB");
-        assert_eq!(signed(0), "±0 B");
-        assert_eq!(relative(200, -50), " (-25%)");
-        assert_eq!(relative(0, 5), "");
     }
 }

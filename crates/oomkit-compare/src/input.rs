@@ -2,7 +2,6 @@
 //! with its raw data kept where a format draws from it.
 
 use oomkit_snapshot::{analyze, Analysis, Layout, Options, Snapshot};
-use serde_json::Value;
 
 /// The analysis of one input file, with what is needed to present it.
 pub struct FileAnalysis {
@@ -37,6 +36,25 @@ impl FileAnalysis {
         fa.snapshot = Some(snap);
         fa
     }
+
+    /// The snapshot kept for a format that draws from it; an internal error
+    /// naming the file when it was loaded without it.
+    pub fn kept(&self) -> Result<&Snapshot, String> {
+        self.snapshot.as_ref().ok_or_else(|| not_kept(&self.path))
+    }
+}
+
+impl RunFile {
+    /// The records kept for a format that draws from them; an internal error
+    /// naming the file when it was loaded without them.
+    pub fn kept(&self) -> Result<&oomkit_runlog::Run, String> {
+        self.run.as_ref().ok_or_else(|| not_kept(&self.path))
+    }
+}
+
+/// The error for a file loaded without the raw data a format draws from.
+fn not_kept(path: &str) -> String {
+    format!("{path}: internal error: loaded without the raw data this format draws from")
 }
 
 /// The analysis of one run log written by the Python tracker.
@@ -71,22 +89,6 @@ impl Report {
         match self {
             Report::Snapshot(fa) => &fa.analysis.verdict,
             Report::Run(rf) => &rf.analysis.verdict,
-        }
-    }
-
-    /// Renders the report as JSON.
-    pub fn json(&self) -> Value {
-        match self {
-            Report::Snapshot(f) => crate::json::snapshot(f),
-            Report::Run(r) => crate::json::run(r),
-        }
-    }
-
-    /// Renders the report for a terminal.
-    pub fn text(&self) -> String {
-        match self {
-            Report::Snapshot(f) => crate::text::snapshot(f),
-            Report::Run(r) => crate::text::run(r),
         }
     }
 }

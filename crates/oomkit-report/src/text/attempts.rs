@@ -4,7 +4,7 @@ use oomkit_runlog::{Attempt, AttemptOutcome};
 use std::fmt::Write;
 
 /// Renders the attempts of a job for a terminal; empty for fewer than two attempts.
-pub fn attempts_text(attempts: &[Attempt]) -> String {
+pub fn attempts(attempts: &[Attempt]) -> String {
     let mut out = String::new();
     if attempts.len() < 2 {
         return out;

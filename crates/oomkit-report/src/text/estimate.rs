@@ -1,0 +1,155 @@
+//! The terminal form of a memory budget: the terms, the range, the verdict
+//! and, when measured peaks were given, the calibration beside the formulas.
+
+use oomkit_estimate::calibrate::{Calibration, Fit};
+use oomkit_estimate::{Estimate, Verdict, ACTIVATION_SPREAD, ALLOCATOR_RESERVE};
+use std::fmt::Write;
+
+/// Formats bytes in GiB with two decimals, the unit people plan GPU memory in.
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// The budget as a table for the terminal.
+pub fn estimate(e: &Estimate) -> String {
+    let i = &e.inputs;
+    let a = &i.arch;
+    let mut out = String::new();
+    let prec = if i.mixed_precision {
+        "mixed precision (fp32 weights, 16-bit autocast)".to_string()
+    } else {
+        format!("{:?}", i.dtype).to_lowercase()
+    };
+    let _ = writeln!(
+        out,
+        "{:.2}B parameters ({:.2}B trainable), {prec}, {:?}, micro-batch {} x {} tokens",
+        e.params as f64 / 1e9,
+        e.trainable_params as f64 / 1e9,
+        i.optimizer,
+        i.batch,
+        i.seq
+    );
+    let _ = writeln!(
+        out,
+        "shape ({}): hidden {}, {} layers{}, {} heads, vocab {}",
+        a.source,
+        a.hidden,
+        a.layers,
+        if a.decoder_layers > 0 {
+            format!(" + {} decoder layers", a.decoder_layers)
+        } else {
+            String::new()
+        },
+        a.heads,
+        a.vocab
+    );
+    if i.load_in_4bit {
+        let _ = writeln!(
+            out,
+            "weights: linear layers in 4 bits (NF4), embeddings and head in {:?}",
+            i.dtype
+        );
+    }
+    let _ = writeln!(out);
+    let rows = [
+        ("weights", e.weights_bytes),
+        ("gradients", e.gradients_bytes),
+        ("optimizer state", e.optimizer_bytes),
+        ("EMA", e.ema_bytes),
+        ("activations", e.activations_bytes),
+        ("CUDA context and overhead", e.overhead_bytes),
+    ];
+    for (label, b) in rows {
+        let share = 100.0 * b as f64 / e.total_bytes.max(1) as f64;
+        let _ = writeln!(out, "  {label:<27} {:>12}  {share:>5.1}%", gib(b));
+    }
+    let _ = writeln!(
+        out,
+        "  {:<27} {:>12}",
+        "total (expected)",
+        gib(e.total_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "  {:<27} {:>12}  activations +{:.0}%, allocator reserve +{:.0}%",
+        "total (high)",
+        gib(e.high_bytes),
+        100.0 * ACTIVATION_SPREAD,
+        100.0 * ALLOCATOR_RESERVE
+    );
+    if let (Some(c), Some(v)) = (e.capacity_bytes, e.verdict) {
+        let verdict = match v {
+            Verdict::Fits => "fits, even at the high figure",
+            Verdict::MayNotFit => "may NOT fit: the expected figure fits, the high one does not",
+            Verdict::DoesNotFit => "does NOT fit",
+        };
+        let _ = writeln!(out, "  {:<27} {:>12}  {verdict}", "capacity", gib(c));
+        match e.max_batch {
+            Some(0) => {
+                let _ = writeln!(out, "\nThe fixed part alone ({}) exceeds the capacity: shard the model or its optimizer state, or train LoRA adapters.", gib(e.total_bytes - e.activations_bytes));
+            }
+            Some(m) => {
+                let _ = writeln!(
+                    out,
+                    "\nLargest micro-batch that fits at the high figure: {m} (each sample adds {} to {}).",
+                    gib(e.per_sample_bytes),
+                    gib(e.high_per_sample_bytes)
+                );
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+/// The calibration for the terminal, beside what the formulas said.
+pub fn calibration(c: &Calibration) -> String {
+    let mut out = String::new();
+    let batches: Vec<String> = c
+        .measured
+        .iter()
+        .map(|m| m.micro_batch.to_string())
+        .collect();
+    let how = match c.fit {
+        Fit::Line => format!(
+            "a line through {} measured peaks (largest error {})",
+            c.measured.len(),
+            gib(c.max_error_bytes)
+        ),
+        Fit::FormulaSplit => {
+            "one micro-batch measured: split by the formula's per-sample cost; measure a second micro-batch for a fitted split".into()
+        }
+    };
+    let _ = writeln!(
+        out,
+        "Calibrated from micro-batch {}: {how}",
+        batches.join(", ")
+    );
+    let row = |out: &mut String, label: &str, fixed: u64, per: u64, max: Option<u64>| {
+        let _ = writeln!(
+            out,
+            "  {label:<12} fixed {:>10}   per sample {:>10}   largest micro-batch {}",
+            gib(fixed),
+            gib(per),
+            max.map_or("-".to_string(), |m| m.to_string())
+        );
+    };
+    row(
+        &mut out,
+        "measured",
+        c.fixed_bytes,
+        c.per_sample_bytes,
+        c.max_batch,
+    );
+    row(
+        &mut out,
+        "formulas",
+        c.formula_fixed_bytes,
+        c.formula_per_sample_bytes,
+        c.formula_max_batch,
+    );
+    if let Some(c) = c.capacity_bytes {
+        let _ = writeln!(out, "  on {}", gib(c));
+    }
+    out
+}
