@@ -26,7 +26,6 @@ pub use model::{
     TraceEvent,
 };
 pub use oomkit_advice::{Finding, FindingKind, Verdict};
-pub use oomkit_units::human_bytes;
 pub use report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PhaseReport, SiteBytes, Warning,
 };
