@@ -26,6 +26,7 @@ mod error;
 mod pager;
 mod parse;
 mod repr;
+pub use repr::REPR_MAX_VALUES;
 mod source;
 mod value;
 

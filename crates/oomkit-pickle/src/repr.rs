@@ -3,21 +3,41 @@
 use crate::value::{Document, Kind, Slot, Value};
 use std::fmt::Write;
 
+/// Values [`Document::repr`] renders at most. A few kilobytes of pickle can
+/// hold containers that share each other many times over, whose text grows
+/// exponentially with depth; past this many values the rest print `...`.
+/// Every document the tests compare with CPython is far smaller.
+pub const REPR_MAX_VALUES: usize = 1_000_000;
+
 impl Document<'_> {
     /// Renders a value in a canonical form that a few lines of Python can
     /// reproduce from `pickle.loads`, so the two readers can be compared.
     ///
     /// Strings and bytes print as hex, floats as their IEEE bits, integers
     /// in decimal, dicts in Python's order (first insertion, last value),
-    /// sets sorted. Walks deeper than `max_depth`, and cycles, print `...`.
+    /// sets sorted. Walks deeper than `max_depth`, cycles, and values past
+    /// the first [`REPR_MAX_VALUES`] print `...`.
     pub fn repr(&self, slot: Slot, max_depth: usize) -> String {
         let mut out = String::new();
         let mut path = Vec::new();
-        self.repr_into(slot, max_depth, &mut path, &mut out);
+        let mut left = REPR_MAX_VALUES;
+        self.repr_into(slot, max_depth, &mut path, &mut left, &mut out);
         out
     }
 
-    fn repr_into(&self, slot: Slot, depth: usize, path: &mut Vec<Slot>, out: &mut String) {
+    fn repr_into(
+        &self,
+        slot: Slot,
+        depth: usize,
+        path: &mut Vec<Slot>,
+        left: &mut usize,
+        out: &mut String,
+    ) {
+        if *left == 0 {
+            out.push_str("...");
+            return;
+        }
+        *left -= 1;
         match self.value(slot) {
             Value::None => out.push_str("None"),
             Value::Bool(b) => out.push_str(if b { "True" } else { "False" }),
@@ -38,9 +58,9 @@ impl Document<'_> {
                 }
                 path.push(slot);
                 let items = self.items(slot).unwrap_or(&[]);
-                let child = |s: Slot, path: &mut Vec<Slot>| {
+                let mut child = |s: Slot, path: &mut Vec<Slot>| {
                     let mut o = String::new();
-                    self.repr_into(s, depth - 1, path, &mut o);
+                    self.repr_into(s, depth - 1, path, left, &mut o);
                     o
                 };
                 match kind {

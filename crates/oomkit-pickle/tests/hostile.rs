@@ -154,6 +154,47 @@ fn nesting_is_bounded() {
     assert_eq!(text, format!("{}...{}", "[".repeat(50), "]".repeat(50)));
 }
 
+/// A pickle of `levels` nested lists, each holding the one below `fanout`
+/// times through the memo: a few hundred bytes whose text has
+/// `fanout^levels` leaves.
+pub(crate) fn shared_lists(levels: u8, fanout: usize) -> Vec<u8> {
+    let mut p = b"\x80\x02]q\x000".to_vec();
+    for i in 1..=levels {
+        p.extend([b']', b'q', i, b'(']);
+        for _ in 0..fanout {
+            p.extend([b'h', i - 1]);
+        }
+        p.push(b'e');
+        if i < levels {
+            p.push(b'0');
+        }
+    }
+    p.push(b'.');
+    p
+}
+
+#[test]
+fn text_of_shared_containers_is_bounded() {
+    // 10^12 leaves in about 300 bytes: the walk stops after REPR_MAX_VALUES values.
+    let bytes = shared_lists(12, 10);
+    assert!(bytes.len() < 400);
+    let doc = Document::parse(&bytes).unwrap();
+    let text = doc.repr(doc.root(), 64);
+    assert!(text.starts_with("[[[[") && text.contains("..."));
+    assert!(
+        text.len() < 4 * oomkit_pickle::REPR_MAX_VALUES,
+        "{}",
+        text.len()
+    );
+    // Below the budget the text is whole.
+    let bytes = shared_lists(3, 2);
+    let small = Document::parse(&bytes).unwrap();
+    assert_eq!(
+        small.repr(small.root(), 64),
+        "[[[[],[]],[[],[]]],[[[],[]],[[],[]]]]"
+    );
+}
+
 #[test]
 fn memory_is_bounded() {
     // 1 MB of DUP on an empty list: each byte asks for a stack cell.

@@ -23,7 +23,7 @@ pub use analysis::analyze;
 pub use error::{Error, Result};
 pub use model::{
     to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
-    TraceEvent,
+    TraceEvent, TO_JSON_MAX_VALUES,
 };
 pub use oomkit_advice::{Finding, FindingKind, Verdict};
 pub use report::{
