@@ -53,6 +53,10 @@ enum Command {
     /// Export a snapshot or run log for another viewer (Perfetto, chrome://tracing).
     Export(cmd::export::Args),
     /// Compare two snapshots or two run logs, such as before and after a fix.
+    ///
+    /// With --json: {"kind", "file_a", "file_b", "devices": [...]}, each device
+    /// with its peaks in A and B, the sites that changed (snapshots) or each
+    /// stage's peak (run logs); docs/commands.md lists every field.
     Diff(cmd::diff::Args),
     /// Write a self-contained HTML report (charts, tables, findings) that opens offline.
     Report(cmd::report::Args),

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 /// Flags of `oomkit analyze`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// Snapshot files or run logs (the format is detected); several files give one report each.
+    /// Snapshot files or run logs (the format is detected); several files give one report each (an array in JSON) and are compared as the ranks of one job.
     #[arg(required = true)]
     files: Vec<PathBuf>,
     #[command(flatten)]

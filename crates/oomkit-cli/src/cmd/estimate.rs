@@ -10,11 +10,12 @@ use std::path::PathBuf;
 
 /// Flags of `oomkit estimate`.
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("model").required(true).multiple(true).args(["params", "config"])))]
 pub(crate) struct Args {
-    /// Parameter count (7B, 350M, 1.3B).
-    #[arg(long, value_parser = count, value_name = "N", required_unless_present = "config")]
+    /// Parameter count (7B, 350M, 1.3B); or give --config.
+    #[arg(long, value_parser = count, value_name = "N")]
     params: Option<u64>,
-    /// A Hugging Face config.json for the model's shape.
+    /// A Hugging Face config.json for the model's shape (and its parameter count); or give --params.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Dtype of weights and compute.

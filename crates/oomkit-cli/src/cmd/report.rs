@@ -12,7 +12,7 @@ pub(crate) struct Args {
     /// Snapshots or run logs; several files (one per rank) are also compared side by side.
     #[arg(required = true)]
     files: Vec<PathBuf>,
-    /// Where to write the page.
+    /// Where to write the page; `-` for standard output.
     #[arg(short, long, value_name = "PATH")]
     output: PathBuf,
     /// Most memory samples per device in the page; more are thinned by min/max buckets (0 keeps all).
