@@ -146,6 +146,26 @@ def fixture_files() -> list[str]:
 
 @pytest.mark.skipif(not fixture_files(), reason="../shared/fixtures/snapshots is absent")
 @pytest.mark.parametrize("name", fixture_files() or ["none"])
+def _human_bytes(n: int) -> str:
+    """oomkit's terminal units (crates/oomkit-units human_bytes): Python's formatting rounds exact ties to even, as Rust's does."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    v, i = float(n), 0
+    while v >= 1024 and i < len(units) - 1:
+        v /= 1024
+        i += 1
+    if i == 0:
+        return f"{n} B"
+    return f"{v:.0f} {units[i]}" if v >= 100 else f"{v:.1f} {units[i]}" if v >= 10 else f"{v:.2f} {units[i]}"
+
+
+def test_the_page_writes_sizes_as_the_terminal_does(browser, tmp_path):
+    page, _ = load(browser, make_report(tmp_path, "demo", demo_snapshot(tmp_path)), "demo")
+    ties = [int(134.5 * 2**20), int(12.25 * 2**30), int(0.125 * 2**40) * 8, 1536, int(99.5 * 2**10)]
+    values = ties + [0, 1, 1023, 1024, 10**9, 141_033_471, 141_033_473, 2**50 + 12345]
+    shown = page.evaluate(f"{json.dumps(values)}.map(n => window.oomkitReport.bytes(n))")
+    assert shown == [_human_bytes(n) for n in values]
+
+
 def test_every_real_snapshot_gives_a_working_report(browser, tmp_path, name):
     path = os.path.join(FIXTURES, name)
     stem = "fixture-" + os.path.splitext(name)[0]

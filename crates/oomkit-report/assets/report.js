@@ -45,13 +45,22 @@
     var units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     var i = 0;
     while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
-    var s = i === 0 ? String(Math.round(v)) : v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2);
+    var s = i === 0 ? String(Math.round(v)) : v >= 100 ? fixed(v, 0) : v >= 10 ? fixed(v, 1) : fixed(v, 2);
     return (neg ? "-" : "") + s + " " + units[i];
+  }
+  state.bytes = bytes;
+
+  // toFixed rounds an exact tie away from zero; the terminal report (Rust's
+  // formatting) rounds it to even, so 134.5 MiB reads 134 MiB in both.
+  function fixed(v, d) {
+    var m = Math.pow(10, d), x = v * m, f = Math.floor(x);
+    if (x - f === 0.5 && f % 2 === 0 && (f + 0.5) / m === v) return (f / m).toFixed(d);
+    return v.toFixed(d);
   }
 
   function signedBytes(n) { return (n > 0 ? "+" : "") + bytes(n); }
 
-  function pct(part, whole) { return whole > 0 ? (100 * part / whole).toFixed(0) + "%" : "-"; }
+  function pct(part, whole) { return whole > 0 ? fixed(100 * part / whole, 0) + "%" : "-"; }
 
   function seconds(us) {
     var s = us / 1e6;
