@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
-from oomkit.integrations.transformers import OomkitCallback  # noqa: E402
+from oomkit.integrations.transformers import OomkitCallback, train
 from planted import FailInBackward, huge  # noqa: E402
 
 VOCAB = 128
@@ -88,13 +88,12 @@ def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_
         eval_steps=eval_steps or None,
         dataloader_num_workers=0,
     )
-    return Trainer(
-        model=model,
-        args=args,
-        train_dataset=Tokens(),
-        eval_dataset=Tokens(8) if eval_steps else None,
-        callbacks=[callback if callback is not None else OomkitCallback()],
-    )
+    data, eval_data = Tokens(), Tokens(8) if eval_steps else None
+    if callback is not None:
+        return Trainer(model=model, args=args, train_dataset=data, eval_dataset=eval_data, callbacks=[callback])
+    # As docs/tracker.md shows it.
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=eval_data, callbacks=[OomkitCallback()])
+    return trainer
 
 
 def main() -> None:
@@ -109,7 +108,7 @@ def main() -> None:
     trainer = build(
         args.out, batch=args.batch, accum=args.accum, steps=args.steps, eval_steps=args.eval_steps, oom_above=args.oom_above
     )
-    trainer.train()
+    train(trainer)       # trainer.train() works too: an OOM that ends the script is still recorded
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OomkitCallback))
     print(f"log: {cb.tracker.log_path}")
     print(f"trained with micro-batch {trainer._train_batch_size} x accumulation {trainer.args.gradient_accumulation_steps}")

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Make the README's screenshots of `oomkit report` in headless Chromium.
+"""Make the screenshots of `oomkit report` that docs/commands.md shows, in headless Chromium.
 
-    python3 scripts/screenshots.py [OOMKIT]   # OOMKIT: the binary (default: target/release/oomkit)
+    python3 scripts/screenshots.py [--oomkit BINARY] [--out DIR]
 
 It reports on the bundled demo snapshot, and on two ranks' run logs
 recorded here by oomkit.Tracker on CPU (rank 1 runs out of memory), and
-writes docs/img/report-demo.png and docs/img/report-ranks.png.
+writes report-demo.png and report-ranks.png into DIR: target/screenshots
+unless told otherwise, so that the committed images are replaced only on
+purpose (`--out docs/img`). BINARY defaults to target/release/oomkit.
 """
+import argparse
 import base64
 import os
 import subprocess
@@ -17,8 +20,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
 from chromium import Chromium, Page, find_chromium  # noqa: E402
 
-oomkit = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "release", "oomkit")
-out_dir = os.path.join(ROOT, "docs", "img")
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--oomkit", default=os.path.join(ROOT, "target", "release", "oomkit"), help="the oomkit binary")
+ap.add_argument("--out", default=os.path.join(ROOT, "target", "screenshots"),
+                help="where the images go (docs/img replaces the committed ones)")
+args = ap.parse_args()
+oomkit = args.oomkit
+out_dir = os.path.abspath(args.out)
 os.makedirs(out_dir, exist_ok=True)
 work = tempfile.mkdtemp()
 
@@ -79,7 +87,7 @@ try:
         data = page.send("Page.captureScreenshot", {"format": "png"})["data"]
         with open(os.path.join(out_dir, name + ".png"), "wb") as f:
             f.write(base64.b64decode(data))
-        print(f"wrote docs/img/{name}.png")
+        print(f"wrote {os.path.join(out_dir, name + '.png')}")
         page.close()
 finally:
     browser.close()

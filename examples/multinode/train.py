@@ -64,4 +64,8 @@ samples = train()
 if rank == 0:
     micro, accum = train.plan
     print(f"finished: every rank ran micro-batch {micro} x accumulation {accum} = {samples} samples per step", flush=True)
+# Every rank's gloo work done before any rank tears its group down: a rank
+# that exits while another still talks to it can abort at exit ("terminate
+# called without an active exception").
+dist.barrier()
 dist.destroy_process_group()

@@ -11,19 +11,6 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", 
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 
 
-def test_the_readme_example_names_the_stale_copy(tmp_path):
-    # docs/examples.md, "Examples and validation on a GPU".
-    cmd = [sys.executable, os.path.join(EXAMPLES, "gpt_train.py"), "--device", "cpu", "--steps", "20",
-           "--tracker", "--log-dir", "runs/gpt-stale", "--stale-copy"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
-    result = json.loads(p.stdout.strip().splitlines()[-1][len("RESULT "):])
-    assert (result["status"], result["steps_done"], result["bugs"]) == ("ok", 20, ["stale_copy"])
-    [log] = (tmp_path / "runs/gpt-stale").glob("run-*.jsonl")
-    out = subprocess.run([OOMKIT, "analyze", str(log)], capture_output=True, text=True)
-    assert out.returncode == 0 and "[duplicate_copy]" in out.stdout and "mirror the model's parameters" in out.stdout
-
-
 def test_a_clean_cnn_run_has_no_finding_and_a_planted_oom_fails_the_run(tmp_path):
     base = [sys.executable, os.path.join(EXAMPLES, "cnn_train.py"), "--device", "cpu", "--steps", "6", "--tracker"]
     p = subprocess.run(base + ["--log-dir", "clean"], capture_output=True, text=True, cwd=tmp_path)
@@ -60,3 +47,22 @@ def test_a_small_leak_on_cpu_is_named(tmp_path):
     a = json.loads(subprocess.run([OOMKIT, "analyze", "--json", str(log)], capture_output=True, text=True).stdout)
     assert [f["kind"] for f in a["findings"]] == ["leak"], a["findings"]
     assert a["leak"]["bytes_per_step"] < 1 << 20
+
+
+def test_record_snapshot_refuses_plainly_without_a_gpu(tmp_path):
+    # README, "Record a snapshot in PyTorch": on a GPU it writes snap.pickle for `oomkit analyze`;
+    # without one it says why in one line and exits 1.
+    import torch
+
+    p = subprocess.run([sys.executable, os.path.join(EXAMPLES, "record_snapshot.py")], capture_output=True, text=True, cwd=tmp_path)
+    if torch.cuda.is_available():
+        assert p.returncode == 0, p.stderr[-2000:]
+        out = subprocess.run([OOMKIT, "analyze", "snap.pickle"], capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode == 0 and "no OOM; peak" in out.stdout, out.stdout + out.stderr
+    else:
+        assert p.returncode == 1
+        assert p.stderr.strip().splitlines() == [
+            "record_snapshot.py: no CUDA device here, and PyTorch records snapshots of CUDA memory only; "
+            "`oomkit demo --save snap.pickle` writes one to try oomkit on"
+        ]
+        assert not (tmp_path / "snap.pickle").exists()

@@ -135,8 +135,8 @@ def test_oomkit_run_steps_a_lightning_run_down_with_no_code(tmp_path, namespace)
     assert last["steps"] == 2 and not last["ooms"]
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
-    # docs/tracker.md, "Inside Lightning": the example script with oomkit's callback, then oomkit analyze on its log.
+def test_the_example_script_with_the_callback_reads_accumulation_and_validation(tmp_path):
+    # examples/lightning_trainer.py --oomkit, then oomkit analyze on its log (docs/tracker.md runs the quickstart).
     p = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "lightning_trainer.py"), "--root", "runs/pl", "--oomkit"],
         capture_output=True, text=True, cwd=tmp_path,

@@ -161,20 +161,3 @@ def test_train_applies_the_plan_when_the_callback_came_after_the_trainer(tmp_pat
     assert trainer._train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 2
     [plan] = records(cb.log_path, "plan")
     assert (plan["micro_batch"], plan["grad_accum"], plan["source"]) == (4, 2, "oomkit run")
-
-
-def test_the_readme_example_runs_as_written(tmp_path):
-    # docs/tracker.md, "Inside the Hugging Face Trainer": the example script, then oomkit analyze on its log.
-    p = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "hf_trainer.py"), "--out", "runs/hf"],
-        capture_output=True, text=True, cwd=tmp_path,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    [log] = (tmp_path / "runs/hf/oomkit-logs").glob("run-*.jsonl")
-    out = subprocess.run([OOMKIT, "analyze", str(log.relative_to(tmp_path))], capture_output=True, text=True, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "6 steps" in text and "[eval]" in text
-    assert "plan: micro-batch 8 x accumulation 2 = 16 samples per optimizer step, from training arguments in transformers" in text
-    counts = {s["name"]: s["count"] for s in oomkit.analyze(log)["stages"]}
-    assert (counts["forward"], counts["backward"], counts["optimizer"], counts["eval"]) == (12, 12, 6, 2)
