@@ -144,8 +144,6 @@ def fixture_files() -> list[str]:
     return sorted(f for f in os.listdir(FIXTURES) if f.endswith((".pickle", ".pkl")))
 
 
-@pytest.mark.skipif(not fixture_files(), reason="../shared/fixtures/snapshots is absent")
-@pytest.mark.parametrize("name", fixture_files() or ["none"])
 def _human_bytes(n: int) -> str:
     """oomkit's terminal units (crates/oomkit-units human_bytes): Python's formatting rounds exact ties to even, as Rust's does."""
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
@@ -166,6 +164,8 @@ def test_the_page_writes_sizes_as_the_terminal_does(browser, tmp_path):
     assert shown == [_human_bytes(n) for n in values]
 
 
+@pytest.mark.skipif(not fixture_files(), reason="../shared/fixtures/snapshots is absent")
+@pytest.mark.parametrize("name", fixture_files() or ["none"])
 def test_every_real_snapshot_gives_a_working_report(browser, tmp_path, name):
     path = os.path.join(FIXTURES, name)
     stem = "fixture-" + os.path.splitext(name)[0]
@@ -181,6 +181,45 @@ def test_every_real_snapshot_gives_a_working_report(browser, tmp_path, name):
     for dev, ink in zip(traced, info["ink"]):
         if dev["peak_active_bytes"] > 0:
             assert ink > 0.002, f"cuda:{dev['device']}: the chart canvas is blank"
+    page.close()
+
+
+# For each timeline: the role bands' labels, and the points where the top
+# band (every role stacked) differs from the active bytes.
+ROLE_BANDS = """
+window.oomkitReport.charts.filter(c => c.kind === 'timeline').map(c => {
+  const labels = c.plot.series.map(s => s.label);
+  const active = c.plot.data[labels.indexOf('active')];
+  const top = c.plot.data[1];
+  let off = 0;
+  for (let i = 0; i < active.length; i++) if (Math.abs(top[i] - active[i]) > 0.5) off++;
+  return {labels: labels, off: off, peakTop: Math.max(...top)};
+})
+"""
+
+
+def check_role_bands(page, dev: dict) -> list[str]:
+    """The chart stacks the roles the analysis found, and they add up to the active bytes at every point."""
+    (chart,) = page.evaluate(ROLE_BANDS)
+    roles = [k.replace("_", " ") for k, v in dev["roles"]["peak"].items() if v > 0]
+    assert set(roles) <= set(chart["labels"]), chart["labels"]
+    assert chart["off"] == 0, f"{chart['off']} points where the roles do not add up to active"
+    assert chart["peakTop"] == dev["peak_active_bytes"]
+    return chart["labels"]
+
+
+def test_the_timeline_is_stacked_by_role(browser, tmp_path):
+    snap = demo_snapshot(tmp_path)
+    page, _ = load(browser, make_report(tmp_path, "roles", snap), "roles")
+    dev = analysis(snap)["devices"][0]
+    labels = check_role_bands(page, dev)
+    assert labels[-2:] == ["active", "reserved"]
+    text = page.evaluate("document.body.innerText")
+    assert "Live at the peak, by role" in text
+    # The tooltip of an allocation names its role.
+    page.evaluate("(() => { const c = window.oomkitReport.charts[0]; c.plot.setCursor({left: c.plot.over.clientWidth * 0.9, top: 50}); })()")
+    tip = page.evaluate("document.querySelector('.tip').innerText")
+    assert "role: " in tip or "before the first entry" in tip, tip
     page.close()
 
 
@@ -202,6 +241,8 @@ def test_million_event_report_is_small_and_loads(browser, tmp_path):
     (peak,) = kinds(info, "peak")
     assert peak["x"] == dev["peak_event_index"] + 1
     assert len(kinds(info, "oom")) == len(dev["ooms"]) > 0
+    # A thinned timeline carries each role's changes: the bands still add up.
+    check_role_bands(page, dev)
     print(f"\n1M-event report: {size / 2**20:.2f} MiB, ready in {info['seconds']:.2f} s")
     page.close()
 

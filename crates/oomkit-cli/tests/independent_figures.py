@@ -4,7 +4,9 @@ of oomkit's Rust code, for the fixture tests to compare against.
 Definitions (README, "How the figures are computed"):
 - reserved/active bytes: sums of the segments' total_size / active_size;
 - the trace replay starts from the bytes live before the first entry
-  (active blocks at the end minus allocs plus completed frees in the trace)
+  (active blocks at the end minus allocs plus completed frees in the trace,
+  the blocks the trace allocated and never freed counted at the size it
+  recorded rather than their rounded block size)
   and adds each alloc, subtracts each free_completed; the peak is the first
   maximum, and its index is null if nothing in the trace exceeds the start.
 
@@ -31,7 +33,18 @@ for dev in sorted(devices):
     freed = sum(e["size"] for e in trace if e["action"] == "free_completed")
     seg_in = sum(e["size"] for e in trace if e["action"] in ("segment_alloc", "segment_map"))
     seg_out = sum(e["size"] for e in trace if e["action"] in ("segment_free", "segment_unmap"))
-    start = max(active_blocks - (alloc - freed), 0)
+    # Blocks the trace allocated and never freed count at the size it
+    # recorded (the bytes asked for), not at their rounded block size.
+    still_open = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            still_open[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            still_open.pop(e["addr"], None)
+    rounding = sum(max(b["size"] - still_open[b["address"]], 0)
+                   for s in segs for b in s["blocks"]
+                   if b["state"] != "inactive" and b["address"] in still_open)
+    start = max(active_blocks - rounding - (alloc - freed), 0)
     res = max(reserved - (seg_in - seg_out), 0)
     cur, peak, peak_index, res_peak = start, start, None, res
     ooms = []

@@ -16,6 +16,18 @@
   // Runs with more steps than this open zoomed to their first OOM.
   var RUN_ZOOM_MIN_STEPS = 100;
   var PHASE_COLORS = ["#7aa2f7", "#9ece6a", "#e0af68", "#bb9af7", "#7dcfff", "#f7768e", "#73daca"];
+  // One color per role, as the chart stacks them and the tables name them.
+  var ROLE_COLORS = {
+    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868",
+    "activations": "#c44e52", "temporaries": "#8172b3", "inputs": "#937860",
+    "other": "#da8bc3", "unknown": "#b8bec8",
+  };
+  // The JSON keys of the roles, in the order reports list them, with their words.
+  var ROLE_KEYS = [
+    ["parameters", "parameters"], ["gradients", "gradients"], ["optimizer_state", "optimizer state"],
+    ["activations", "activations"], ["temporaries", "temporaries"], ["inputs", "inputs"],
+    ["other", "other"], ["unknown", "unknown"],
+  ];
 
   function el(tag, attrs) {
     var node = document.createElement(tag);
@@ -72,6 +84,21 @@
     var out = new Float64Array(arr.length);
     var acc = 0;
     for (var i = 0; i < arr.length; i++) { acc += arr[i]; out[i] = acc; }
+    return out;
+  }
+
+  // Decodes a series written as its changes: pairs of (points since the
+  // last change, change in value) over n points.
+  function unchange(pairs, n) {
+    var out = new Float64Array(n);
+    var at = -1, acc = 0;
+    for (var k = 0; k + 1 < pairs.length; k += 2) {
+      var next = at + pairs[k];
+      for (var i = Math.max(at, 0); i < next && i < n; i++) out[i] = acc;
+      at = next;
+      acc += pairs[k + 1];
+    }
+    for (var j = Math.max(at, 0); j < n; j++) out[j] = acc;
     return out;
   }
 
@@ -326,6 +353,19 @@
     var x = undelta(dev.x), t = undelta(dev.t);
     var active = undelta(dev.active), reserved = undelta(dev.reserved);
     var n = x.length;
+    // The active bytes stacked by role, as PyTorch's memory profiler draws
+    // its categories: band j is drawn from the sum of the roles before it.
+    var roleVals = dev.by_role ? dev.by_role.map(function (c) { return unchange(c, n); })
+      : (dev.role_start || []).map(function (v0, j) {
+        // Every entry kept: each point moves its entry's role by the change in active bytes.
+        var out = new Float64Array(n);
+        for (var i = 0; i < n; i++) out[i] = i === 0 ? v0 : out[i - 1] + (dev.role[i] === j ? active[i] - active[i - 1] : 0);
+        return out;
+      });
+    var stacked = [];
+    roleVals.forEach(function (vals, j) {
+      stacked.push(vals.map(function (v, i) { return v + (j ? stacked[j - 1][i] : 0); }));
+    });
     var phaseColor = {};
     var phases = dev.phases.map(function (p) {
       if (!(p.name in phaseColor)) phaseColor[p.name] = PHASE_COLORS[Object.keys(phaseColor).length % PHASE_COLORS.length];
@@ -363,7 +403,13 @@
       var head = ev < 0 ? "before the first entry" : "entry " + ev + ": " + action + " " + bytes(dev.size[i]);
       lines.push(el("div", null, el("b", { text: head })));
       if (dev.site[i] >= 0) lines.push(el("div", { class: "site", text: dev.sites[dev.site[i]] }));
+      if (dev.role && dev.role[i] >= 0) lines.push(el("div", { text: "role: " + dev.roles[dev.role[i]] }));
       lines.push(el("div", { text: "active " + bytes(active[i]) + " \u00b7 reserved " + bytes(reserved[i]) }));
+      var parts = roleVals.map(function (vals, j) { return [vals[i], dev.roles[j]]; })
+        .filter(function (p) { return p[0] > 0; })
+        .sort(function (a, b) { return b[0] - a[0]; })
+        .map(function (p) { return p[1] + " " + bytes(p[0]); });
+      if (parts.length) lines.push(el("div", { class: "muted", text: parts.join(" \u00b7 ") }));
       if (dev.times) lines.push(el("div", { class: "muted", text: "+" + seconds(t[i]) + " from the first entry" }));
       return lines;
     }
@@ -373,15 +419,23 @@
       cursor: { drag: { x: true, y: false }, points: { size: 6 } },
       scales: { x: { time: false }, y: { range: function (u, lo, hi) { return [0, Math.max(hi, 1) * 1.08]; } } },
       legend: { show: true, live: false },
-      series: [
-        { label: "trace entry" },
-        { label: "active", stroke: COLORS.active, fill: "rgba(47,111,223,0.14)", width: 1.25, value: function (u, v) { return bytes(v); } },
-        { label: "reserved", stroke: COLORS.reserved, width: 1.25, value: function (u, v) { return bytes(v); } },
-      ],
+      series: [{ label: "trace entry" }].concat(
+        // The top band first, so that each lower band is drawn over it.
+        stacked.map(function (_, k) {
+          var j = stacked.length - 1 - k, name = dev.roles[j];
+          return {
+            label: name, stroke: ROLE_COLORS[name], fill: ROLE_COLORS[name] + "b0", width: 0.75,
+            value: function (u, v, si, i) { return i == null ? "-" : bytes(roleVals[j][i]); },
+          };
+        }),
+        [
+          { label: "active", stroke: COLORS.active, fill: stacked.length ? undefined : "rgba(47,111,223,0.14)", width: 1.25, value: function (u, v) { return bytes(v); } },
+          { label: "reserved", stroke: COLORS.reserved, width: 1.25, value: function (u, v) { return bytes(v); } },
+        ]),
       axes: [{ grid: { stroke: "#eef1f5" }, label: dev.decimated ? "trace entry (thinned: min/max per bucket)" : "trace entry", labelSize: 18 }, bytesAxis()],
       plugins: [markerPlugin({ phases: phases, lines: lines }), tooltipPlugin(describe)],
     };
-    var u = new uPlot(opts, [x, active, reserved], box);
+    var u = new uPlot(opts, [x].concat(stacked.slice().reverse(), [active, reserved]), box);
     var ctl = interaction(u, xMin, xMax);
     box.insertBefore(tools(ctl), box.firstChild);
     box.appendChild(markerButtons(buttons, ctl));
@@ -394,6 +448,25 @@
       chart.zoomed = at;
     }
     return u;
+  }
+
+  // The bytes of each role at one moment, with how they were told.
+  function roleTable(parent, roles, evidence, unknownReason) {
+    var total = ROLE_KEYS.reduce(function (s, k) { return s + roles[k[0]]; }, 0);
+    var rows = ROLE_KEYS.filter(function (k) { return roles[k[0]] > 0; }).map(function (k) {
+      var e = evidence[k[0]];
+      var told = k[0] === "unknown" ? (unknownReason || "").replace(/_/g, " ")
+        : ["frames", "lifetimes", "sizes"].filter(function (w) { return e[w] > 0; })
+          .map(function (w) { return w + (e[w] < roles[k[0]] ? " " + pct(e[w], roles[k[0]]) : ""); }).join(", ");
+      return [k[1], roles[k[0]], roles[k[0]], told];
+    });
+    if (!rows.length) return;
+    parent.appendChild(table([
+      { name: "role", cls: "role" },
+      { name: "bytes", num: true, bar: true, fmt: bytes },
+      { name: "share", num: true, fmt: function (v) { return pct(v, total); } },
+      { name: "told by" },
+    ], rows));
   }
 
   function segmentsPanel(parent, dev, rep) {
@@ -470,6 +543,9 @@
         return [s.bytes, s.bytes, s.count, s.label, stack];
       })));
 
+      roleTable(section(grid, rep.top_sites_at === "snapshot" ? "Live at snapshot time, by role" : "Live at the peak, by role"),
+        rep.roles.peak, rep.roles_evidence.peak, rep.roles_unknown_reason.peak);
+
       var oom = section(grid, "Out-of-memory events");
       oom.id = anchor(f.file, "oom" + dev.device);
       if (!rep.ooms.length) oom.appendChild(el("div", { class: "muted", text: "No OOM in this trace." }));
@@ -478,6 +554,7 @@
           el("b", { text: "Entry " + o.event_index + ": " + bytes(o.requested_bytes) + " requested" }),
           " from " + o.label + ". Cause: ", el("b", { text: o.cause }),
           " (" + bytes(o.live_bytes) + " live, " + bytes(o.reserved_unallocated_bytes) + " reserved but unallocated, " + bytes(o.free_bytes) + " free on the device)."));
+        if (o.roles) roleTable(oom, o.roles, o.roles_evidence, o.roles_unknown_reason);
         if (o.top_holders.length) {
           oom.appendChild(table([
             { name: "held then", num: true, bar: true, fmt: bytes },

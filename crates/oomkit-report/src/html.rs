@@ -4,7 +4,9 @@
 
 use oomkit_compare::{rank_table, FileAnalysis, RankRow, Report, RunFile};
 use oomkit_runlog::{MeasureKind, Run};
-use oomkit_snapshot::{phase_ranges, stack_label, timeline, Snapshot, StackId};
+use oomkit_snapshot::{
+    phase_ranges, role_timeline, stack_label, timeline, Role, Snapshot, StackId,
+};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 
@@ -75,6 +77,23 @@ fn deltas(values: impl IntoIterator<Item = i64>) -> Vec<i64> {
         .collect()
 }
 
+/// Writes a series that rarely changes as its changes only: pairs of
+/// (points since the last change, change in value), flattened. A role's
+/// bytes change at few of a trace's entries, so this is a fraction of
+/// [`deltas`]'s size.
+fn changes(values: impl IntoIterator<Item = i64>) -> Vec<i64> {
+    let (mut prev, mut last) = (0i64, -1i64);
+    let mut out = Vec::new();
+    for (i, v) in values.into_iter().enumerate() {
+        if v != prev {
+            out.push(i as i64 - last);
+            out.push(v.wrapping_sub(prev));
+            (prev, last) = (v, i as i64);
+        }
+    }
+    out
+}
+
 /// Interns strings into a table, returning each one's index.
 #[derive(Default)]
 struct Table {
@@ -102,6 +121,39 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
             let events = snap.events(d.device);
             let t0 = events.first().and_then(|e| e.time_us());
             let tl = timeline(snap, d, max_points);
+            let at: Vec<Option<u64>> = tl.points.iter().map(|p| p.after_event).collect();
+            let (by_role, entry_role) = role_timeline(snap, d.device, &at);
+            // Only the roles that hold memory at some point get a band.
+            let shown_roles: Vec<Role> = Role::ALL
+                .into_iter()
+                .filter(|&r| by_role.iter().any(|b| *b.get(r) > 0))
+                .collect();
+            // With every entry kept, each point changes the bytes of its
+            // entry's role only, by the change in active bytes: the page
+            // rebuilds the bands from the roles at the start. A thinned
+            // timeline skips entries, so it carries each band's changes.
+            let role_series: Value = if tl.decimated {
+                json!(shown_roles
+                    .iter()
+                    .map(|&r| changes(by_role.iter().map(|b| *b.get(r) as i64)))
+                    .collect::<Vec<_>>())
+            } else {
+                Value::Null
+            };
+            let role_start: Vec<u64> = shown_roles
+                .iter()
+                .map(|&r| by_role.first().map_or(0, |b| *b.get(r)))
+                .collect();
+            let role_of_point: Vec<i64> = tl
+                .points
+                .iter()
+                .map(|p| {
+                    p.after_event
+                        .and_then(|i| entry_role.get(i as usize).copied().flatten())
+                        .and_then(|r| shown_roles.iter().position(|&s| s == r))
+                        .map_or(-1, |k| k as i64)
+                })
+                .collect();
             let mut sites = Table::default();
             let mut site_of: HashMap<StackId, usize> = HashMap::new();
             let mut actions = Table::default();
@@ -209,6 +261,10 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
                 "site": site,
                 "actions": actions.names,
                 "sites": sites.names,
+                "roles": shown_roles.iter().map(|r| r.words()).collect::<Vec<_>>(),
+                "by_role": role_series,
+                "role_start": role_start,
+                "role": role_of_point,
                 "peak": {
                     "x": d.peak_event_index.map_or(0, |i| i + 1),
                     "bytes": d.peak_active_bytes,
@@ -333,6 +389,24 @@ mod tests {
                 acc
             })
             .collect();
+        assert_eq!(back, v);
+    }
+
+    #[test]
+    fn changes_round_trip() {
+        let v = [0i64, 0, 5, 5, 5, 2, 2, 1 << 40];
+        let c = changes(v);
+        assert_eq!(c[..4], [3, 5, 3, -3]);
+        // Decoded as the page decodes it.
+        let mut back = vec![0i64; v.len()];
+        let (mut at, mut acc) = (-1i64, 0i64);
+        for pair in c.chunks(2) {
+            at += pair[0];
+            acc += pair[1];
+            for b in &mut back[at as usize..] {
+                *b = acc;
+            }
+        }
         assert_eq!(back, v);
     }
 

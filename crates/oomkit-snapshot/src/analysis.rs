@@ -7,9 +7,12 @@ use crate::replay::{
     exact_totals, live_at, relative_totals, scan_trace, windows, Totals, TraceScan, WindowStats,
 };
 use crate::report::{
-    Analysis, DeviceReport, Fragmentation, OomReport, Options, PhaseReport, SiteBytes, Warning,
+    Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
+    Warning,
 };
+use crate::roles::{kinds, DeviceRoles, Kinds, Moment, Ranges, UnknownReason, UNKNOWN_WARN_SHARE};
 use crate::sites::{group, label, site_key, Live};
+use oomkit_advice::{Role, RoleBytes};
 use oomkit_units::human_bytes;
 use std::collections::BTreeMap;
 
@@ -32,9 +35,10 @@ pub fn analyze(snap: &Snapshot, opts: &Options) -> Analysis {
             fix: format!("call {RECORD_CALL}"),
         });
     }
+    let kinds = kinds(&snap.stacks);
     let reports: Vec<DeviceReport> = devices
         .iter()
-        .map(|&d| analyze_device(snap, d, opts, &mut warnings))
+        .map(|&d| analyze_device(snap, d, opts, &kinds, &mut warnings))
         .collect();
     let expandable = snap
         .allocator_settings
@@ -90,6 +94,7 @@ fn analyze_device(
     snap: &Snapshot,
     device: i64,
     opts: &Options,
+    kinds: &Kinds,
     warnings: &mut Vec<Warning>,
 ) -> DeviceReport {
     let stacks = &snap.stacks;
@@ -128,19 +133,7 @@ fn analyze_device(
     }
 
     // Blocks active at the end, from the blocks themselves (the replay's ground truth).
-    let final_blocks: Vec<(u64, Live)> = segs
-        .iter()
-        .flat_map(|s| &s.blocks)
-        .filter(|b| b.state.is_active())
-        .map(|b| {
-            let live = Live {
-                size: b.size,
-                stack: b.stack,
-                before_recording: false,
-            };
-            (b.address, live)
-        })
-        .collect();
+    let final_blocks = final_blocks(snap, device);
     let final_active: u64 = final_blocks.iter().map(|(_, l)| l.size).sum();
 
     // The two first passes are independent, since the totals pass counts
@@ -161,7 +154,18 @@ fn analyze_device(
     } else {
         (scan_trace(events), relative_totals(events, &windows))
     };
-    let mut base_active = final_active as i128 - scan.net_active;
+    // The trace records the bytes asked for, the blocks their rounded size:
+    // the blocks it allocated that are still alive count at their requested
+    // size in the replay, so that the live set at any entry adds up to the
+    // totals there.
+    let rounding: u64 = final_blocks
+        .iter()
+        .filter_map(|(addr, l)| {
+            let a = *scan.open.get(addr)?;
+            Some(l.size.saturating_sub(events[a as usize].size))
+        })
+        .sum();
+    let mut base_active = final_active as i128 - rounding as i128 - scan.net_active;
     let mut base_reserved = reserved as i128 - scan.net_reserved;
     if !events.is_empty() && (base_active < 0 || base_reserved < 0) {
         warnings.push(Warning {
@@ -194,16 +198,11 @@ fn analyze_device(
         .unwrap_or_else(|| exact_totals(events, &windows, base_active, base_reserved));
 
     // Pass 2: the live set at the peak and at every OOM.
-    let before: Vec<Live> = final_blocks
-        .iter()
-        .filter(|(addr, _)| !scan.open.contains_key(addr))
-        .map(|(_, l)| Live {
-            before_recording: true,
-            ..*l
-        })
-        .collect();
+    let (roles, before, end) = device_roles(kinds, events, &scan, &final_blocks, &ranges, &windows);
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
+    let mut oom_roles: Vec<Moment> = Vec::new();
+    let mut peak_roles = None;
     // Each OOM's holders cost a pass over the live set, so a trace that
     // records an OOM at every step would take quadratic time, and a finding
     // per OOM would bury the rest.
@@ -228,19 +227,31 @@ fn analyze_device(
     if peak_idx.is_none() && !events.is_empty() {
         // The peak is the start: what predates the trace.
         let orphans = scan.orphans.iter().map(|(_, l)| *l);
-        top_sites = group(stacks, orphans.chain(before.iter().copied()), opts.top);
+        top_sites = group(
+            stacks,
+            orphans.clone().chain(before.iter().copied()),
+            opts.top,
+        );
+        peak_roles = Some(roles.at(orphans.chain(before.iter().copied())));
     }
     live_at(events, &scan, &before, &targets, |i, live| {
+        let live: Vec<Live> = live.collect();
+        let oom = Some(i) != peak_idx
+            || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
+        if oom {
+            holders.push(group(stacks, live.iter().copied(), oom_holders_top));
+            oom_roles.push(roles.at(live.iter().copied()));
+        }
         if Some(i) == peak_idx {
-            let live: Vec<Live> = live.collect();
-            if events[i].action == Action::Oom && holders.len() < OOMS_DETAILED {
-                holders.push(group(stacks, live.iter().copied(), oom_holders_top));
-            }
-            top_sites = group(stacks, live.into_iter(), opts.top);
-        } else {
-            holders.push(group(stacks, live, oom_holders_top));
+            top_sites = group(stacks, live.iter().copied(), opts.top);
+            peak_roles = Some(roles.at(live.into_iter()));
         }
     });
+    let mut end_roles = roles.at(end.iter().copied());
+    // A file whose segments count more active bytes than their blocks list
+    // (edited, or written mid-update) has bytes no block accounts for.
+    end_roles.add_unlisted(active.saturating_sub(final_active));
+    let peak_roles = peak_roles.unwrap_or_else(|| roles.at(end.iter().copied()));
     let top_sites_at = if events.is_empty() {
         // No trace: the live set now is all there is.
         // The replay started from final_active, so that is already the peak.
@@ -273,8 +284,10 @@ fn analyze_device(
             stacks,
             &Live {
                 size: e.size,
+                requested: e.size,
                 stack: e.stack,
                 before_recording: false,
+                at: Live::UNTRACED,
             },
         );
         let (site, label_text) = label(stacks, &key);
@@ -291,9 +304,25 @@ fn analyze_device(
             label: label_text,
             phase: e.time_us().and_then(|t| innermost_phase(&ranges, t)),
             top_holders: holders.get(k).cloned().unwrap_or_default(),
+            roles: oom_roles
+                .get(k)
+                .map(|m| m.roles.bytes)
+                .unwrap_or(RoleBytes {
+                    unknown: live_bytes,
+                    ..Default::default()
+                }),
+            roles_evidence: oom_roles
+                .get(k)
+                .map(|m| m.roles.evidence)
+                .unwrap_or_default(),
+            roles_unknown_reason: match oom_roles.get(k) {
+                Some(m) => m.main_reason(),
+                None => Some(UnknownReason::NotExamined),
+            },
         });
     }
 
+    warnings.extend(unknown_warning(device, &peak_roles));
     warnings.extend(evidence_warnings(
         snap,
         device,
@@ -334,7 +363,208 @@ fn analyze_device(
         top_sites,
         ooms,
         phases,
+        roles: PeakAndEnd {
+            peak: peak_roles.roles.bytes,
+            end: end_roles.roles.bytes,
+        },
+        roles_evidence: PeakAndEnd {
+            peak: peak_roles.roles.evidence,
+            end: end_roles.roles.evidence,
+        },
+        roles_unknown_reason: PeakAndEnd {
+            peak: peak_roles.main_reason(),
+            end: end_roles.main_reason(),
+        },
     }
+}
+
+/// The blocks active at snapshot time on a device, by address.
+fn final_blocks(snap: &Snapshot, device: i64) -> Vec<(u64, Live)> {
+    snap.segments
+        .iter()
+        .filter(|s| s.device == device)
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state.is_active())
+        .map(|b| {
+            let live = Live {
+                size: b.size,
+                // Files before torch 2.1 record no requested size.
+                requested: if b.requested_size > 0 {
+                    b.requested_size
+                } else {
+                    b.size
+                },
+                stack: b.stack,
+                before_recording: false,
+                at: Live::UNTRACED,
+            };
+            (b.address, live)
+        })
+        .collect()
+}
+
+/// Decides the roles of a device's blocks; returns them with the blocks
+/// from before the trace still alive at its end, and every block alive at
+/// the end with the entry that allocated it.
+fn device_roles<'k>(
+    kinds: &'k Kinds,
+    events: &[crate::model::TraceEvent],
+    scan: &TraceScan,
+    final_blocks: &[(u64, Live)],
+    ranges: &[(String, i64, i64)],
+    windows: &[crate::replay::Window],
+) -> (DeviceRoles<'k>, Vec<Live>, Vec<Live>) {
+    let before: Vec<Live> = final_blocks
+        .iter()
+        .filter(|(addr, _)| !scan.open.contains_key(addr))
+        .map(|(_, l)| Live {
+            before_recording: true,
+            ..*l
+        })
+        .collect();
+    let end: Vec<Live> = final_blocks
+        .iter()
+        .map(|(addr, l)| Live {
+            at: scan.open.get(addr).copied().unwrap_or(Live::UNTRACED),
+            ..*l
+        })
+        .collect();
+    let named = |keep: fn(&str) -> bool| -> Vec<_> {
+        ranges
+            .iter()
+            .zip(windows)
+            .filter(|((name, _, _), _)| keep(name))
+            .map(|(_, w)| *w)
+            .collect()
+    };
+    let optimizer_steps = named(|n| n.starts_with(OPTIMIZER_STEP_RANGE));
+    let evals = named(is_eval_range);
+    let has_optimizer = ranges
+        .iter()
+        .any(|(name, _, _)| name.starts_with(OPTIMIZER_RANGE));
+    let roles = DeviceRoles::new(
+        kinds,
+        events,
+        scan,
+        &Ranges {
+            optimizer_steps: &optimizer_steps,
+            evals: &evals,
+            has_optimizer,
+        },
+        &before,
+        &end,
+    );
+    (roles, before, end)
+}
+
+/// The live bytes by role after each chosen entry of a device's trace
+/// (`None`: before the first), for a chart stacked by role; each adds up to
+/// the replayed active bytes there. Also returns, per entry, the role it
+/// adds to (an allocation) or takes from (a completed free).
+///
+/// Each block keeps one role for its whole life, the one the analysis gives
+/// it; frameless allocations made during the trace, which the analysis
+/// matches by size moment by moment, are drawn as unknown.
+pub fn role_timeline(
+    snap: &Snapshot,
+    device: i64,
+    at: &[Option<u64>],
+) -> (Vec<RoleBytes>, Vec<Option<Role>>) {
+    let events = snap.events(device);
+    let kinds = kinds(&snap.stacks);
+    let scan = scan_trace(events);
+    let ranges = ranges(snap, device);
+    let windows = windows(&ranges, events);
+    let final_blocks = final_blocks(snap, device);
+    let (roles, before, _) = device_roles(&kinds, events, &scan, &final_blocks, &ranges, &windows);
+    let mut now = RoleBytes::default();
+    let orphans = scan.orphans.len();
+    let mut orphan_role = vec![Role::Unknown; orphans];
+    let start = scan
+        .orphans
+        .iter()
+        .map(|(_, l)| *l)
+        .chain(before.iter().copied());
+    roles.each(start, |k, l, told| {
+        let r = told.map_or(Role::Unknown, |(r, _)| r);
+        *now.get_mut(r) += l.size;
+        if k < orphans {
+            orphan_role[k] = r;
+        }
+    });
+    let mut per_entry = vec![None; events.len()];
+    let mut series = Vec::with_capacity(at.len());
+    let mut wanted = at.iter().peekable();
+    while wanted.next_if(|w| w.is_none()).is_some() {
+        series.push(now);
+    }
+    let mut next_orphan = 0;
+    for (i, e) in events.iter().enumerate() {
+        // Only completed frees lower the totals, as in the replay.
+        let role = match e.action {
+            Action::Alloc => Some(roles.traced_role(i)),
+            Action::FreeCompleted => match scan.link[i].checked_sub(1) {
+                Some(a) => Some(roles.traced_role(a as usize)),
+                None => {
+                    let r = orphan_role.get(next_orphan).copied();
+                    next_orphan += 1;
+                    r
+                }
+            },
+            _ => None,
+        };
+        if let Some(r) = role {
+            let b = now.get_mut(r);
+            *b = if e.action == Action::Alloc {
+                *b + e.size
+            } else {
+                b.saturating_sub(e.size)
+            };
+        }
+        per_entry[i] = role;
+        while wanted.next_if(|w| **w == Some(i as u64)).is_some() {
+            series.push(now);
+        }
+    }
+    (series, per_entry)
+}
+
+/// The name PyTorch's optimizers give their step's `record_function` range.
+const OPTIMIZER_STEP_RANGE: &str = "Optimizer.step";
+/// The start of every range PyTorch's optimizers record (`step`, `zero_grad`).
+const OPTIMIZER_RANGE: &str = "Optimizer.";
+
+/// Whether a range's name says it evaluates (no backward follows its forward).
+fn is_eval_range(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    ["eval", "valid", "test", "predict", "generat", "inference"]
+        .iter()
+        .any(|w| n.contains(w))
+}
+
+/// Says why much of the peak has no role, and how to record a file that tells.
+fn unknown_warning(device: i64, peak: &Moment) -> Option<Warning> {
+    let total = peak.roles.bytes.total();
+    let unknown = peak.roles.bytes.unknown;
+    if total == 0 || (unknown as f64) < UNKNOWN_WARN_SHARE * total as f64 {
+        return None;
+    }
+    let why = peak.main_reason()?;
+    let fix = match why {
+        crate::roles::UnknownReason::NoEvidence => format!("record with stacks from before the model is built, so that parameters and optimizer state have frames: {RECORD_CALL}"),
+        _ => "record a whole training step (forward, backward and optimizer step) with stacks: torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=\"all\")".into(),
+    };
+    Some(Warning {
+        kind: "roles_unknown",
+        device: Some(device),
+        message: format!(
+            "cuda:{device}: {} of the peak ({:.0}%) has no role: most of it because {}",
+            human_bytes(unknown),
+            100.0 * unknown as f64 / total as f64,
+            why.words()
+        ),
+        fix,
+    })
 }
 
 /// What the trace cannot show and how to record one that can: blocks from

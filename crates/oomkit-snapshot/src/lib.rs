@@ -15,20 +15,23 @@ mod hash;
 mod model;
 mod replay;
 mod report;
+mod roles;
 mod sites;
 mod stacks;
 mod timeline;
 
-pub use analysis::analyze;
+pub use analysis::{analyze, role_timeline};
 pub use error::{Error, Result};
 pub use model::{
     to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
     TraceEvent, TO_JSON_MAX_VALUES,
 };
-pub use oomkit_advice::{Finding, FindingKind, Verdict};
+pub use oomkit_advice::{Finding, FindingKind, Role, RoleBytes, RoleEvidence, Verdict};
 pub use report::{
-    Analysis, DeviceReport, Fragmentation, OomReport, Options, PhaseReport, SiteBytes, Warning,
+    Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
+    Warning,
 };
+pub use roles::UnknownReason;
 pub use sites::stack_label;
 pub use stacks::{classify, Frame, FrameClass, FrameId, Site, StackId, Stacks};
 pub use timeline::{phase_ranges, timeline, PhaseRange, Point, Timeline};

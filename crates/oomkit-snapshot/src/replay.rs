@@ -83,8 +83,10 @@ pub(crate) fn scan_trace(events: &[TraceEvent]) -> TraceScan {
                         i,
                         Live {
                             size: e.size,
+                            requested: e.size,
                             stack: StackId::EMPTY,
                             before_recording: true,
+                            at: Live::FREED_UNTRACED,
                         },
                     )),
                 }
@@ -141,8 +143,10 @@ pub(crate) fn live_at(
                         let a = &events[w * 64 + b];
                         Live {
                             size: a.size,
+                            requested: a.size,
                             stack: a.stack,
                             before_recording: false,
+                            at: (w * 64 + b) as u32,
                         }
                     })
                 })
@@ -659,8 +663,10 @@ mod tests {
             .map(|a| {
                 let live = Live {
                     size: 4096 * a,
+                    requested: 4096 * a,
                     stack: StackId(a as u32 % 5),
                     before_recording: true,
+                    at: Live::UNTRACED,
                 };
                 (a, live)
             })
@@ -688,8 +694,10 @@ mod tests {
                 Action::Alloc => {
                     let l = Live {
                         size: e.size,
+                        requested: e.size,
                         stack: e.stack,
                         before_recording: false,
+                        at: i as u32,
                     };
                     live.insert(e.addr, l);
                 }

@@ -1,7 +1,8 @@
 //! What an analysis of a snapshot reports: the types behind `analyze --json`.
 
+use crate::roles::UnknownReason;
 use crate::stacks::Frame;
-use oomkit_advice::Finding;
+use oomkit_advice::{Finding, RoleBytes, RoleEvidence};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -65,6 +66,21 @@ pub struct OomReport {
     pub phase: Option<String>,
     /// The largest holders of memory at that moment.
     pub top_holders: Vec<SiteBytes>,
+    /// The bytes live at that moment by role; they add up to `live_bytes`.
+    pub roles: RoleBytes,
+    /// For each role, how many of its bytes frames, lifetimes and sizes told.
+    pub roles_evidence: RoleEvidence,
+    /// Why most of the `unknown` bytes have no role; null when none are unknown.
+    pub roles_unknown_reason: Option<UnknownReason>,
+}
+
+/// One value at the peak and one at snapshot time.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PeakAndEnd<T> {
+    /// At the peak (at snapshot time where there is no trace).
+    pub peak: T,
+    /// At snapshot time.
+    pub end: T,
 }
 
 /// Peak memory within one named `record_function` range.
@@ -153,6 +169,13 @@ pub struct DeviceReport {
     pub ooms: Vec<OomReport>,
     /// Peaks within annotated phases.
     pub phases: Vec<PhaseReport>,
+    /// The bytes live at the peak and at snapshot time by role; they add up
+    /// to `peak_active_bytes` and `active_bytes`.
+    pub roles: PeakAndEnd<RoleBytes>,
+    /// For each role, how many of its bytes frames, lifetimes and sizes told.
+    pub roles_evidence: PeakAndEnd<RoleEvidence>,
+    /// Why most of the `unknown` bytes have no role; null when none are unknown.
+    pub roles_unknown_reason: PeakAndEnd<Option<UnknownReason>>,
 }
 
 /// A limit of the evidence, with how to get better evidence.

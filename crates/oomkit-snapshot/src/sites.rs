@@ -18,8 +18,20 @@ pub(crate) enum SiteKey {
 #[derive(Clone, Copy)]
 pub(crate) struct Live {
     pub(crate) size: u64,
+    /// The bytes the program asked for, which the trace's entries record
+    /// and a gradient's size is matched on (the block's size is rounded).
+    pub(crate) requested: u64,
     pub(crate) stack: StackId,
     pub(crate) before_recording: bool,
+    /// The trace entry that allocated it, or [`Live::UNTRACED`] or [`Live::FREED_UNTRACED`].
+    pub(crate) at: u32,
+}
+
+impl Live {
+    /// `at` of a block the trace did not allocate (or whose entry is not known here).
+    pub(crate) const UNTRACED: u32 = u32::MAX;
+    /// `at` of a block the trace freed but did not allocate: it predates the trace.
+    pub(crate) const FREED_UNTRACED: u32 = u32::MAX - 1;
 }
 
 pub(crate) fn site_key(stacks: &Stacks, live: &Live) -> SiteKey {
@@ -56,8 +68,10 @@ pub(crate) fn label(stacks: &Stacks, key: &SiteKey) -> (Option<Frame>, String) {
 pub fn stack_label(stacks: &Stacks, stack: StackId) -> String {
     let live = Live {
         size: 0,
+        requested: 0,
         stack,
         before_recording: false,
+        at: Live::UNTRACED,
     };
     label(stacks, &site_key(stacks, &live)).1
 }

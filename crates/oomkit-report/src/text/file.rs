@@ -54,6 +54,20 @@ fn device_text(d: &DeviceReport, out: &mut String) {
             human_bytes(d.pre_trace_active_bytes)
         );
     }
+    let roles = super::roles::role_lines(
+        &d.roles.peak,
+        &d.roles_evidence.peak,
+        d.roles_unknown_reason.peak,
+        "    ",
+    );
+    if !roles.is_empty() {
+        let at = if d.top_sites_at == "peak" {
+            "at the peak"
+        } else {
+            "at snapshot time"
+        };
+        let _ = write!(out, "\n  By role {at}\n{roles}");
+    }
     if !d.top_sites.is_empty() {
         let at = if d.top_sites_at == "peak" {
             "at the peak"
@@ -116,6 +130,18 @@ fn device_text(d: &DeviceReport, out: &mut String) {
             human_bytes(o.reserved_unallocated_bytes),
             human_bytes(o.free_bytes)
         );
+        let roles = super::roles::role_lines(
+            &o.roles,
+            &o.roles_evidence,
+            o.roles_unknown_reason,
+            "      ",
+        );
+        if !roles.is_empty() {
+            let _ = write!(out, "    by role:\n{roles}");
+        }
+        if !o.top_holders.is_empty() {
+            let _ = writeln!(out, "    largest holders:");
+        }
         for h in &o.top_holders {
             let _ = writeln!(out, "    {:>10}  {}", human_bytes(h.bytes), h.label);
         }

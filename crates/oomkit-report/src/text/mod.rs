@@ -8,6 +8,7 @@ mod explain;
 mod file;
 mod gpus;
 mod ranks;
+mod roles;
 mod supervise;
 
 pub use attempts::attempts;

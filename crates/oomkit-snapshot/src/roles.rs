@@ -1,0 +1,1062 @@
+//! The role of every live block (parameters, gradients, optimizer state,
+//! activations, temporaries, inputs, other or unknown), told by the frames
+//! that allocated it, by its lifetime against forward and backward, or, for
+//! blocks allocated before recording, by matching their sizes with the
+//! gradients'.
+
+use crate::hash::FastState;
+use crate::model::{Action, TraceEvent};
+use crate::replay::{TraceScan, Window};
+use crate::sites::Live;
+use crate::stacks::{Frame, StackId, Stacks};
+use oomkit_advice::{Evidence, Role, RolesAt};
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// The most state tensors the size match gives a parameter: Adam's two moments.
+pub(crate) const MAX_STATES_PER_PARAM: u32 = 2;
+
+/// Above this share of a moment's bytes in `unknown`, the analysis warns and says why.
+pub(crate) const UNKNOWN_WARN_SHARE: f64 = 0.25;
+
+/// What the frames of a stack say its allocation was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `AccumulateGrad`: a gradient.
+    Gradient,
+    /// cuBLAS workspaces, NCCL and c10d (DDP's buckets), CUDA graphs.
+    Library,
+    /// An optimizer's code: its step or its state's initialisation.
+    Optimizer,
+    /// Autograd's engine or a backward node, or `loss.backward()` itself.
+    Backward,
+    /// The data loader or a trainer moving the batch to the device.
+    Input,
+    /// Building, moving or loading the model: `Module._apply`, `load_state_dict`, `nn` constructors.
+    Parameter,
+    /// Any other Python frame or operator: forward, loss, metrics.
+    Forward,
+    /// No frame that says anything: stacks were off, or only the allocator's own frames.
+    Bare,
+}
+
+/// The kind of every stack of a snapshot.
+pub(crate) struct Kinds {
+    /// By [`StackId`].
+    of: Vec<Kind>,
+    /// The file has Python stacks and no native frame at all (recorded
+    /// with `stacks="python"`, or on Windows): a traced allocation without
+    /// frames then came from a thread that runs no Python, which during
+    /// training is autograd's engine running backward.
+    empty_is_backward: bool,
+}
+
+/// Finds the kind of every stack of a snapshot.
+pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
+    let (mut python, mut native) = (false, false);
+    let of = (0..stacks.len())
+        .map(|i| {
+            let frames: Vec<&Frame> = stacks
+                .stack(StackId(i as u32))
+                .iter()
+                .map(|&f| stacks.frame(f))
+                .collect();
+            python |= frames.iter().any(|f| is_python(f));
+            native |= frames.iter().any(|f| !is_python(f));
+            kind_of(&frames)
+        })
+        .collect();
+    Kinds {
+        of,
+        empty_is_backward: python && !native,
+    }
+}
+
+/// Decides a stack's kind; the order matters: an optimizer step run from a
+/// backward hook is the optimizer's, a recomputation under activation
+/// checkpointing is backward work.
+fn kind_of(frames: &[&Frame]) -> Kind {
+    let any = |p: fn(&Frame) -> bool| frames.iter().any(|f| p(f));
+    if any(|f| f.name.contains("AccumulateGrad")) {
+        Kind::Gradient
+    } else if any(is_library_buffer) {
+        Kind::Library
+    } else if any(|f| is_python(f) && is_optimizer_path(&f.filename)) {
+        Kind::Optimizer
+    } else if any(is_backward) {
+        Kind::Backward
+    } else if any(is_input) {
+        Kind::Input
+    } else if any(is_parameter) {
+        Kind::Parameter
+    } else if any(|f| is_python(f) || f.name.contains("at::_ops::")) {
+        Kind::Forward
+    } else {
+        Kind::Bare
+    }
+}
+
+fn is_python(f: &Frame) -> bool {
+    f.filename.ends_with(".py")
+}
+
+fn path(f: &Frame) -> String {
+    f.filename.replace('\\', "/")
+}
+
+fn is_library_buffer(f: &Frame) -> bool {
+    const NATIVE: [&str; 7] = [
+        "getNewWorkspace",
+        "BlasLtWorkspace",
+        "getCurrentCUDABlasHandle",
+        "c10d::",
+        "ProcessGroupNCCL",
+        "ncclComm",
+        "CUDAGraph",
+    ];
+    !is_python(f) && NATIVE.iter().any(|n| f.name.contains(n))
+}
+
+/// A file of an optimizer: `torch/optim/`, `bitsandbytes/optim/`, a
+/// project's own `optimizer.py`, DeepSpeed's `fused_adam.py`.
+fn is_optimizer_path(filename: &str) -> bool {
+    filename
+        .replace('\\', "/")
+        .to_ascii_lowercase()
+        .split('/')
+        .any(|seg| {
+            let stem = seg.strip_suffix(".py").unwrap_or(seg);
+            (stem.starts_with("optim") && !stem.starts_with("optimum"))
+                || stem.ends_with("_optim")
+                || stem.ends_with("optimizer")
+                || stem.ends_with("optimizers")
+                || stem.contains("adam")
+        })
+}
+
+fn is_backward(f: &Frame) -> bool {
+    if is_python(f) {
+        return matches!(
+            f.name.as_str(),
+            "backward" | "_make_grads" | "_engine_run_backward"
+        );
+    }
+    let n = &f.name;
+    n.contains("torch::autograd::Engine::")
+        || (n.contains("torch::autograd::")
+            && n.contains("Backward")
+            && !n.contains("VariableType"))
+}
+
+fn is_input(f: &Frame) -> bool {
+    const CALLS: [&str; 6] = [
+        "_prepare_input",
+        "_prepare_inputs",
+        "send_to_device",
+        "move_data_to_device",
+        "transfer_batch_to_device",
+        "pin_memory",
+    ];
+    is_python(f) && (path(f).contains("/torch/utils/data/") || CALLS.contains(&f.name.as_str()))
+}
+
+fn is_parameter(f: &Frame) -> bool {
+    const CALLS: [&str; 7] = [
+        "_apply",
+        "load_state_dict",
+        "_load_from_state_dict",
+        "to_empty",
+        "reset_parameters",
+        "_load_state_dict_into_meta_model",
+        "set_module_tensor_to_device",
+    ];
+    if !is_python(f) {
+        return false;
+    }
+    let p = path(f);
+    CALLS.contains(&f.name.as_str())
+        || (p.contains("/torch/nn/modules/") && f.name == "__init__")
+        || p.ends_with("/torch/nn/init.py")
+        || p.ends_with("/torch/nn/parameter.py")
+}
+
+/// Why bytes stayed `unknown`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownReason {
+    /// No frames, and no gradient of their size to match them with.
+    NoEvidence,
+    /// Made in forward and still held after the backward that followed.
+    HeldPastBackward,
+    /// Made in forward in a trace without backward, and never freed.
+    NoBackward,
+    /// Made in backward, with no trace to tell when it was freed.
+    Backward,
+    /// Alive through a forward-only trace like parameters, but as many per
+    /// size as parameters with two optimizer states each.
+    ParamsOrState,
+    /// Made in an evaluation range and still held after it.
+    HeldAfterEval,
+    /// An OOM entry past those whose live set the analysis replays.
+    NotExamined,
+}
+
+impl UnknownReason {
+    const ALL: [UnknownReason; 7] = [
+        UnknownReason::NoEvidence,
+        UnknownReason::HeldPastBackward,
+        UnknownReason::NoBackward,
+        UnknownReason::Backward,
+        UnknownReason::ParamsOrState,
+        UnknownReason::HeldAfterEval,
+        UnknownReason::NotExamined,
+    ];
+
+    /// The reason in a few words, for a table.
+    pub fn brief(self) -> &'static str {
+        match self {
+            UnknownReason::NoEvidence => "no frames, and no gradient of their size",
+            UnknownReason::HeldPastBackward => "made in forward, held past backward",
+            UnknownReason::NoBackward => "made in forward, no backward recorded",
+            UnknownReason::Backward => "made in backward, no trace to say when freed",
+            UnknownReason::ParamsOrState => "parameters or optimizer state: sizes fit both",
+            UnknownReason::HeldAfterEval => "made in evaluation, held after it",
+            UnknownReason::NotExamined => "not examined: past the OOM entries replayed",
+        }
+    }
+
+    /// The reason in words.
+    pub fn words(self) -> &'static str {
+        match self {
+            UnknownReason::NoEvidence => "they have no frames (allocated before recording started, or recorded with stacks off) and no gradient of their size to match them with",
+            UnknownReason::HeldPastBackward => "they were made in forward and are still held after the backward that followed (returned outputs, metrics, or a retained graph)",
+            UnknownReason::NoBackward => "they were made in forward in a trace without backward or optimizer and never freed (outputs, caches, or activations whose backward was not recorded)",
+            UnknownReason::Backward => "they were made in backward and the snapshot has no trace to tell whether they outlived it",
+            UnknownReason::NotExamined => "the OOM entry comes after those whose live set is replayed (the first 32 per device)",
+            UnknownReason::HeldAfterEval => "they were made in an evaluation range and are still held after it (outputs or metrics kept on the device)",
+            UnknownReason::ParamsOrState => "they were allocated before recording and outlive a forward-only trace, as parameters do, but come three of each size, as parameters with Adam's two states do",
+        }
+    }
+}
+
+/// What one block is, before the blocks matched by size are counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Told {
+    Known(Role, Evidence),
+    /// Left to the size match; `survives` when it is never freed.
+    BySize {
+        survives: bool,
+    },
+    Unknown(UnknownReason),
+}
+
+/// Packs a traced allocation's [`Told`] into one byte, so that a trace of
+/// millions of entries keeps one byte each.
+fn pack(t: Told) -> u8 {
+    match t {
+        Told::Known(r, e) => (r as u8) << 2 | (e as u8),
+        Told::BySize { survives } => 0x80 | survives as u8,
+        Told::Unknown(w) => 0x40 | w as u8,
+    }
+}
+
+fn unpack(b: u8) -> Told {
+    if b & 0x80 != 0 {
+        Told::BySize {
+            survives: b & 1 == 1,
+        }
+    } else if b & 0x40 != 0 {
+        Told::Unknown(UnknownReason::ALL[(b & 0x7) as usize])
+    } else {
+        let e = [Evidence::Frames, Evidence::Lifetimes, Evidence::Sizes][(b & 0x3) as usize];
+        Told::Known(Role::ALL[(b >> 2) as usize], e)
+    }
+}
+
+/// The roles of one device's allocations, ready to count at any moment.
+pub(crate) struct DeviceRoles<'a> {
+    kinds: &'a [Kind],
+    events: usize,
+    /// Per trace entry: the packed [`Told`] of each allocation.
+    told: Vec<u8>,
+    /// How many gradients of each size were alive at once, at most.
+    grads: HashMap<u64, u32, FastState>,
+    /// Optimizer state tensors per parameter, as the sizes show (0 to [`MAX_STATES_PER_PARAM`]).
+    states_per_param: u32,
+    /// Whether anything shows an optimizer: its frames or its `Optimizer.step` range.
+    optimizer_seen: bool,
+    /// Whether anything shows training: backward frames or gradients.
+    training: bool,
+    /// A trace of forward work alone, without gradients or an optimizer
+    /// step: what was allocated before it and outlives it is the model.
+    forward_only: bool,
+    /// Whether the blocks that outlive a forward-only trace come in threes
+    /// per size, which parameters with Adam's state would do too.
+    state_like: bool,
+}
+
+/// What the `record_function` ranges of a device say about its trace.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Ranges<'w> {
+    /// The entries of the `Optimizer.step` ranges.
+    pub(crate) optimizer_steps: &'w [Window],
+    /// The entries of ranges named for evaluation.
+    pub(crate) evals: &'w [Window],
+    /// Whether any optimizer range (`zero_grad` too) was recorded.
+    pub(crate) has_optimizer: bool,
+}
+
+/// One moment's roles, with the reasons for what stayed unknown.
+pub(crate) struct Moment {
+    pub(crate) roles: RolesAt,
+    /// Bytes left unknown, by reason.
+    pub(crate) unknown: [(UnknownReason, u64); UnknownReason::ALL.len()],
+}
+
+impl Moment {
+    /// Counts bytes that no block accounts for as unknown.
+    pub(crate) fn add_unlisted(&mut self, bytes: u64) {
+        self.roles.add(Role::Unknown, bytes, None);
+        self.unknown[UnknownReason::NoEvidence as usize].1 += bytes;
+    }
+
+    /// The reason for most of the unknown bytes, if any are.
+    pub(crate) fn main_reason(&self) -> Option<UnknownReason> {
+        self.unknown
+            .iter()
+            .filter(|(_, b)| *b > 0)
+            .max_by_key(|(_, b)| *b)
+            .map(|(w, _)| *w)
+    }
+}
+
+/// Whether the sorted `marks` hold an entry after `a` and before `end`.
+fn between(marks: &[u32], a: u32, end: u32) -> bool {
+    let i = marks.partition_point(|&m| m <= a);
+    marks.get(i).is_some_and(|&m| m < end)
+}
+
+/// Sizes holding less than this share of the blocks' bytes do not count
+/// when telling parameters with Adam's state from parameters alone.
+const THREES_MIN_SHARE: f64 = 0.01;
+
+/// Whether every size that holds a real share of these blocks' bytes has a
+/// count divisible by three (at least two such sizes): parameters with two
+/// state tensors each look like that, parameters alone rarely do (one
+/// embedding, or two with an untied head, break the pattern).
+fn in_threes<'l>(blocks: impl Iterator<Item = &'l Live>) -> bool {
+    let mut by_size: HashMap<u64, (u64, u64), FastState> = HashMap::default();
+    for l in blocks {
+        let e = by_size.entry(l.requested).or_default();
+        e.0 += 1;
+        e.1 += l.size;
+    }
+    let total: u64 = by_size.values().map(|e| e.1).sum();
+    let large: Vec<u64> = by_size
+        .values()
+        .filter(|e| e.1 as f64 >= THREES_MIN_SHARE * total as f64)
+        .map(|e| e.0)
+        .collect();
+    large.len() >= 2 && large.iter().all(|n| n % 3 == 0)
+}
+
+/// The last backward allocation of the backward pass that made allocation
+/// `a`: the pass runs until the next allocation of other work.
+fn pass_end(backward: &[u32], others: &[u32], a: u32) -> u32 {
+    let next_other = others
+        .get(others.partition_point(|&m| m <= a))
+        .copied()
+        .unwrap_or(NEVER);
+    let i = backward.partition_point(|&m| m < next_other);
+    backward.get(i.wrapping_sub(1)).copied().unwrap_or(a).max(a)
+}
+
+/// `free` of an allocation that is never freed.
+const NEVER: u32 = u32::MAX;
+
+impl<'a> DeviceRoles<'a> {
+    /// Decides every allocation of a trace. `before` are the blocks alive
+    /// before the trace and still alive at its end; `end` every block alive
+    /// at snapshot time.
+    pub(crate) fn new(
+        all_kinds: &'a Kinds,
+        events: &[TraceEvent],
+        scan: &TraceScan,
+        ranges: &Ranges<'_>,
+        before: &[Live],
+        end: &[Live],
+    ) -> Self {
+        let Ranges {
+            optimizer_steps: optimizer_windows,
+            evals: eval_windows,
+            has_optimizer,
+        } = *ranges;
+        // When each allocation ends.
+        let mut free = vec![NEVER; events.len()];
+        for (i, &l) in scan.link.iter().enumerate() {
+            if let Some(a) = l.checked_sub(1) {
+                free[a as usize] = i as u32;
+            }
+        }
+        let kinds = &all_kinds.of[..];
+        let kind = |i: usize| match events[i].stack {
+            StackId::EMPTY if all_kinds.empty_is_backward => Kind::Backward,
+            s => kinds[s.0 as usize],
+        };
+        let allocs = || {
+            events
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.action == Action::Alloc)
+                .map(|(i, _)| i)
+        };
+        let marks = |want: &[Kind]| -> Vec<u32> {
+            allocs()
+                .filter(|&i| want.contains(&kind(i)))
+                .map(|i| i as u32)
+                .collect()
+        };
+        let backward = marks(&[Kind::Backward, Kind::Gradient]);
+        let not_backward = marks(&[Kind::Forward, Kind::Input, Kind::Optimizer]);
+        let model = marks(&[Kind::Forward, Kind::Input, Kind::Backward, Kind::Gradient]);
+        let within = |w: &[Window], i: usize| w.iter().any(|&(s, e)| s <= i && i < e);
+        let in_optimizer = |i: usize| within(optimizer_windows, i);
+        let ooms: Vec<u32> = events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.action == Action::Oom)
+            .map(|(i, _)| i as u32)
+            .collect();
+        let outlives_step = |a: u32, f: u32| f == NEVER || between(&model, a, f);
+        // A run with an optimizer trains, so its forward keeps activations.
+        let trains =
+            !backward.is_empty() || has_optimizer || allocs().any(|i| kind(i) == Kind::Optimizer);
+
+        let mut told = vec![0u8; events.len()];
+        for i in allocs() {
+            let (a, f) = (i as u32, free[i]);
+            let t = match kind(i) {
+                Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
+                Kind::Library => Told::Known(Role::Other, Evidence::Frames),
+                Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
+                Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
+                Kind::Optimizer if outlives_step(a, f) => {
+                    Told::Known(Role::OptimizerState, Evidence::Frames)
+                }
+                Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+                // A backward result that outlives its backward pass was
+                // taken over as a gradient (an embedding's, or every one
+                // under torch.compile, whose backward hands its outputs over).
+                Kind::Backward if f == NEVER || f > pass_end(&backward, &not_backward, a) => {
+                    Told::Known(Role::Gradients, Evidence::Lifetimes)
+                }
+                Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+                Kind::Forward if f == NEVER => {
+                    if within(eval_windows, i) {
+                        Told::Unknown(UnknownReason::HeldAfterEval)
+                    } else if between(&backward, a, NEVER) {
+                        Told::Unknown(UnknownReason::HeldPastBackward)
+                    } else if trains {
+                        // The forward in progress when the snapshot was taken.
+                        Told::Known(Role::Activations, Evidence::Lifetimes)
+                    } else {
+                        Told::Unknown(UnknownReason::NoBackward)
+                    }
+                }
+                // Kept for a backward, or for one an OOM cancelled: the
+                // step's tensors are freed only as the error unwinds.
+                Kind::Forward
+                    if between(&backward, a, f)
+                        || (trains && !within(eval_windows, i) && between(&ooms, a, f)) =>
+                {
+                    Told::Known(Role::Activations, Evidence::Lifetimes)
+                }
+                Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+                Kind::Bare if in_optimizer(i) && outlives_step(a, f) => {
+                    Told::Known(Role::OptimizerState, Evidence::Lifetimes)
+                }
+                Kind::Bare if in_optimizer(i) => {
+                    Told::Known(Role::Temporaries, Evidence::Lifetimes)
+                }
+                Kind::Bare => Told::BySize {
+                    survives: f == NEVER,
+                },
+            };
+            told[i] = pack(t);
+        }
+        let optimizer_seen = !optimizer_windows.is_empty()
+            || allocs().any(|i| kind(i) == Kind::Optimizer)
+            || end
+                .iter()
+                .any(|l| kinds[l.stack.0 as usize] == Kind::Optimizer);
+        let mut roles = DeviceRoles {
+            kinds,
+            events: events.len(),
+            told,
+            grads: HashMap::default(),
+            states_per_param: 0,
+            optimizer_seen,
+            training: trains,
+            forward_only: false,
+            state_like: false,
+        };
+        roles.training |= end.iter().chain(before).any(|l| {
+            matches!(
+                kinds[l.stack.0 as usize],
+                Kind::Gradient | Kind::Backward | Kind::Optimizer
+            )
+        });
+
+        // The most gradients of each size alive at once: the blocks from
+        // before the trace, then the trace's own as they come and go.
+        let is_grad = |t: Told| matches!(t, Told::Known(Role::Gradients, _));
+        let mut live: HashMap<u64, u32, FastState> = HashMap::default();
+        for l in before {
+            if is_grad(roles.untraced(l)) {
+                *live.entry(l.requested).or_default() += 1;
+            }
+        }
+        let mut most = live.clone();
+        for (i, e) in events.iter().enumerate() {
+            if let Some(a) = scan.link[i].checked_sub(1) {
+                if is_grad(unpack(roles.told[a as usize])) {
+                    if let Some(n) = live.get_mut(&events[a as usize].size) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+            }
+            if e.action == Action::Alloc && is_grad(unpack(roles.told[i])) {
+                let n = live.entry(e.size).or_default();
+                *n += 1;
+                let m = most.entry(e.size).or_default();
+                *m = (*m).max(*n);
+            }
+        }
+        // Without a trace the blocks alive now are all there is.
+        if events.is_empty() {
+            most.clear();
+            for l in end {
+                if is_grad(roles.told(l)) {
+                    *most.entry(l.requested).or_default() += 1;
+                }
+            }
+        }
+        roles.grads = most;
+        roles.states_per_param = roles.states_from(end);
+        roles.forward_only = roles.grads.is_empty()
+            && backward.is_empty()
+            && !roles.optimizer_seen
+            && allocs().any(|i| kind(i) == Kind::Forward);
+        roles.state_like = roles.forward_only
+            && in_threes(
+                end.iter()
+                    .filter(|l| matches!(roles.told(l), Told::BySize { survives: true })),
+            );
+        roles
+    }
+
+    /// The role of the trace's allocation at entry `i`, as a chart draws it:
+    /// one matched by size counts as unknown.
+    pub(crate) fn traced_role(&self, i: usize) -> Role {
+        match unpack(self.told[i]) {
+            Told::Known(r, _) => r,
+            _ => Role::Unknown,
+        }
+    }
+
+    /// What a block's own evidence says, before the size match.
+    fn told(&self, l: &Live) -> Told {
+        if (l.at as usize) < self.events {
+            unpack(self.told[l.at as usize])
+        } else {
+            self.untraced(l)
+        }
+    }
+
+    /// A block the trace did not allocate: its frames alone (from the
+    /// segments' blocks), or the size match.
+    fn untraced(&self, l: &Live) -> Told {
+        match self.kinds[l.stack.0 as usize] {
+            Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
+            Kind::Library => Told::Known(Role::Other, Evidence::Frames),
+            Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
+            Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
+            // Alive outside any step it could be a temporary of.
+            Kind::Optimizer => Told::Known(Role::OptimizerState, Evidence::Frames),
+            Kind::Backward => Told::Unknown(UnknownReason::Backward),
+            Kind::Forward if self.training => Told::Known(Role::Activations, Evidence::Frames),
+            Kind::Forward => Told::Unknown(UnknownReason::NoBackward),
+            Kind::Bare => Told::BySize {
+                survives: l.at != Live::FREED_UNTRACED,
+            },
+        }
+    }
+
+    /// How many state tensors per parameter the blocks alive at the end
+    /// show: for each gradient size, the blocks beyond the parameters'
+    /// (matched by size) and the optimizer's own (told by frames), per
+    /// gradient; the value that covers the most bytes wins.
+    fn states_from(&self, end: &[Live]) -> u32 {
+        let mut by_size: HashMap<u64, (u32, u32, u32), FastState> = HashMap::default();
+        for l in end {
+            let t = self.told(l);
+            let slot = by_size.entry(l.requested).or_default();
+            match t {
+                Told::Known(Role::OptimizerState, _) => slot.0 += 1,
+                Told::Known(Role::Parameters, _) => slot.1 += 1,
+                Told::BySize { .. } => slot.2 += 1,
+                _ => {}
+            }
+        }
+        let mut weight = [0u128; MAX_STATES_PER_PARAM as usize + 1];
+        for (requested, (state, params, sized)) in by_size {
+            let Some(&g) = self.grads.get(&requested).filter(|&&g| g > 0) else {
+                continue;
+            };
+            let as_params = sized.min(g.saturating_sub(params));
+            let extra = state + sized - as_params;
+            let k = (extra / g).min(MAX_STATES_PER_PARAM);
+            weight[k as usize] += requested as u128 * g as u128;
+        }
+        (0..=MAX_STATES_PER_PARAM)
+            .max_by_key(|&k| (weight[k as usize], std::cmp::Reverse(k)))
+            .unwrap_or(0)
+    }
+
+    /// Counts the roles of the blocks live at one moment.
+    pub(crate) fn at(&self, live: impl Iterator<Item = Live>) -> Moment {
+        let mut m = Moment {
+            roles: RolesAt::default(),
+            unknown: UnknownReason::ALL.map(|w| (w, 0)),
+        };
+        self.each(live, |_, l, told| match told {
+            Ok((r, e)) => m.roles.add(r, l.size, Some(e)),
+            Err(w) => {
+                m.roles.add(Role::Unknown, l.size, None);
+                m.unknown[w as usize].1 += l.size;
+            }
+        });
+        m
+    }
+
+    /// Calls `visit` with each block live at one moment (its position in
+    /// `live`, the block, and its role with the evidence or why it has
+    /// none). The blocks left to the size match come last.
+    ///
+    /// Of the frameless blocks of one size, the parameters are taken from
+    /// those that outlive the trace, and the optimizer state then from the
+    /// rest, those the trace frees last first: so a block keeps its role
+    /// at every moment it is alive, and a timeline drawn from the roles at
+    /// its start agrees with the roles counted at any later moment.
+    pub(crate) fn each(
+        &self,
+        live: impl Iterator<Item = Live>,
+        mut visit: impl FnMut(usize, &Live, Result<(Role, Evidence), UnknownReason>),
+    ) {
+        // Per requested size: the blocks left to the size match and the
+        // parameters already told by frames.
+        #[derive(Default)]
+        struct Pool {
+            survives: Vec<(usize, Live)>,
+            freed: Vec<(usize, Live)>,
+            framed_params: u32,
+        }
+        let mut pool: HashMap<u64, Pool, FastState> = HashMap::default();
+        for (k, l) in live.enumerate() {
+            match self.told(&l) {
+                Told::Known(r, e) => {
+                    visit(k, &l, Ok((r, e)));
+                    if r == Role::Parameters {
+                        pool.entry(l.requested).or_default().framed_params += 1;
+                    }
+                }
+                Told::BySize { survives: true } => {
+                    pool.entry(l.requested).or_default().survives.push((k, l))
+                }
+                Told::BySize { survives: false } => {
+                    pool.entry(l.requested).or_default().freed.push((k, l))
+                }
+                Told::Unknown(w) => visit(k, &l, Err(w)),
+            }
+        }
+        let mut pool: Vec<_> = pool.into_iter().collect();
+        // The same moment visits in the same order whatever the hash order.
+        pool.sort_unstable_by_key(|&(requested, _)| requested);
+        for (requested, p) in pool {
+            let g = self.grads.get(&requested).copied().unwrap_or(0) as usize;
+            if self.forward_only {
+                // No gradient to match: the model is what outlives forward.
+                for (k, l) in &p.survives {
+                    let told = if self.state_like {
+                        Err(UnknownReason::ParamsOrState)
+                    } else {
+                        Ok((Role::Parameters, Evidence::Lifetimes))
+                    };
+                    visit(*k, l, told);
+                }
+                for (k, l) in &p.freed {
+                    visit(*k, l, Err(UnknownReason::NoEvidence));
+                }
+                continue;
+            }
+            // A parameter outlives the trace; one per gradient of its size.
+            let params = p
+                .survives
+                .len()
+                .min(g.saturating_sub(p.framed_params as usize));
+            let state = if self.optimizer_seen {
+                self.states_per_param as usize * g
+            } else {
+                0
+            };
+            for (k, l) in &p.survives[..params] {
+                visit(*k, l, Ok((Role::Parameters, Evidence::Sizes)));
+            }
+            // Live sets list the blocks the trace frees in the order it
+            // frees them: the last freed is the longest kept.
+            let rest = p.survives[params..].iter().chain(p.freed.iter().rev());
+            for (n, (k, l)) in rest.enumerate() {
+                let told = if n < state {
+                    Ok((Role::OptimizerState, Evidence::Sizes))
+                } else {
+                    Err(UnknownReason::NoEvidence)
+                };
+                visit(*k, l, told);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(filename: &str, name: &str) -> Frame {
+        Frame {
+            filename: filename.into(),
+            line: 1,
+            name: name.into(),
+        }
+    }
+
+    fn kind(frames: &[(&str, &str)]) -> Kind {
+        let f: Vec<Frame> = frames.iter().map(|(p, n)| frame(p, n)).collect();
+        kind_of(&f.iter().collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn frames_name_the_kind() {
+        let engine = ("??", "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)");
+        assert_eq!(
+            kind(&[
+                (
+                    "accumulate_grad.cpp",
+                    "torch::autograd::AccumulateGrad::apply(std::vector<at::Tensor>&&)"
+                ),
+                engine
+            ]),
+            Kind::Gradient
+        );
+        assert_eq!(
+            kind(&[("Functions.cpp", "torch::autograd::generated::MulBackward0_apply_functional(std::vector<at::Tensor>)"), engine]),
+            Kind::Backward
+        );
+        // A forward op dispatches through VariableType, which is not backward work.
+        assert_eq!(
+            kind(&[
+                ("VariableType_0.cpp", "torch::autograd::VariableType::(anonymous namespace)::mul_Tensor(c10::DispatchKeySet)"),
+                ("/home/me/model.py", "forward"),
+            ]),
+            Kind::Forward
+        );
+        assert_eq!(
+            kind(&[
+                ("/home/me/cs336_basics/optimizer.py", "step"),
+                (
+                    "/venv/lib/python3.12/site-packages/torch/optim/optimizer.py",
+                    "wrapper"
+                ),
+            ]),
+            Kind::Optimizer
+        );
+        assert_eq!(
+            kind(&[
+                ("/venv/site-packages/torch/nn/modules/module.py", "_apply"),
+                ("/home/me/train.py", "main"),
+            ]),
+            Kind::Parameter
+        );
+        assert_eq!(
+            kind(&[(
+                "/venv/site-packages/torch/utils/data/_utils/pin_memory.py",
+                "pin_memory"
+            ),]),
+            Kind::Input
+        );
+        assert_eq!(
+            kind(&[
+                ("??", "at::cuda::getCurrentCUDABlasHandle()"),
+                ("/home/me/model.py", "forward")
+            ]),
+            Kind::Library
+        );
+        assert_eq!(kind(&[("CUDACachingAllocator.cpp", "malloc")]), Kind::Bare);
+        assert_eq!(kind(&[]), Kind::Bare);
+        // HF optimum is not an optimizer.
+        assert!(!is_optimizer_path(
+            "/venv/site-packages/optimum/exporters/onnx.py"
+        ));
+        assert!(is_optimizer_path(
+            "/venv/site-packages/deepspeed/ops/adam/fused_adam.py"
+        ));
+    }
+
+    /// A snapshot in miniature: stacks by kind, a trace, and the blocks
+    /// from before it (address, block size, requested size), all alive at
+    /// the end.
+    struct Mini {
+        stacks: Stacks,
+        events: Vec<TraceEvent>,
+        before: Vec<(u64, u64, u64)>,
+    }
+
+    const FORWARD: &[(&str, &str)] = &[("/home/me/model.py", "forward")];
+    const BACKWARD: &[(&str, &str)] = &[
+        ("Functions.cpp", "torch::autograd::generated::MulBackward0_apply_functional(std::vector<at::Tensor>)"),
+        ("??", "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)"),
+    ];
+    const GRAD: &[(&str, &str)] = &[
+        ("accumulate_grad.cpp", "torch::autograd::AccumulateGrad::apply(std::vector<at::Tensor>&&)"),
+        ("??", "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)"),
+    ];
+    const OPTIM: &[(&str, &str)] = &[(
+        "/venv/site-packages/torch/optim/adamw.py",
+        "_multi_tensor_adamw",
+    )];
+
+    impl Mini {
+        fn new() -> Self {
+            Mini {
+                stacks: Stacks::default(),
+                events: Vec::new(),
+                before: Vec::new(),
+            }
+        }
+
+        fn push(&mut self, action: Action, addr: u64, size: u64, frames: &[(&str, &str)]) -> usize {
+            let ids: Vec<_> = frames
+                .iter()
+                .map(|(p, n)| self.stacks.intern_frame(frame(p, n)))
+                .collect();
+            let mut e = TraceEvent::BLANK;
+            e.action = action;
+            e.addr = addr;
+            e.size = size;
+            e.stack = self.stacks.intern_stack(ids);
+            self.events.push(e);
+            self.events.len() - 1
+        }
+
+        fn alloc(&mut self, addr: u64, size: u64, frames: &[(&str, &str)]) -> usize {
+            self.push(Action::Alloc, addr, size, frames)
+        }
+
+        fn free(&mut self, addr: u64, size: u64) -> usize {
+            self.push(Action::FreeCompleted, addr, size, &[])
+        }
+
+        /// The roles after entry `i` (`None`: at the end), in MiB-free bytes.
+        fn roles(&self, i: Option<usize>) -> Moment {
+            let kinds = kinds(&self.stacks);
+            let scan = crate::replay::scan_trace(&self.events);
+            let before: Vec<Live> = self
+                .before
+                .iter()
+                .map(|&(_, size, requested)| Live {
+                    size,
+                    requested,
+                    stack: StackId::EMPTY,
+                    before_recording: true,
+                    at: Live::UNTRACED,
+                })
+                .collect();
+            let mut end = before.clone();
+            for &a in scan.open.values() {
+                let e = &self.events[a as usize];
+                end.push(Live {
+                    size: e.size,
+                    requested: e.size,
+                    stack: e.stack,
+                    before_recording: false,
+                    at: a,
+                });
+            }
+            let roles = DeviceRoles::new(
+                &kinds,
+                &self.events,
+                &scan,
+                &Ranges::default(),
+                &before,
+                &end,
+            );
+            match i {
+                None => roles.at(end.into_iter()),
+                Some(i) => {
+                    let mut out = None;
+                    crate::replay::live_at(&self.events, &scan, &before, &[i], |_, live| {
+                        out = Some(roles.at(live))
+                    });
+                    out.unwrap()
+                }
+            }
+        }
+    }
+
+    /// A training step recorded after the model and two Adam states per
+    /// parameter were made: forward, backward, an optimizer step.
+    fn training_step() -> (Mini, usize) {
+        let mut m = Mini::new();
+        // Parameters of 1000 and 2000 bytes (blocks rounded up), each with
+        // two state tensors, all from before recording.
+        for (k, (size, req)) in [(1024, 1000), (2048, 2000)].into_iter().enumerate() {
+            for copy in 0..3 {
+                m.before.push((1000 + 10 * k as u64 + copy, size, req));
+            }
+        }
+        m.alloc(10, 500, FORWARD); // activation: freed in backward
+        m.alloc(11, 300, FORWARD); // temporary: freed before backward
+        m.free(11, 300);
+        m.alloc(12, 400, BACKWARD); // backward temporary
+        m.free(12, 400);
+        m.free(10, 500);
+        let peak = m.alloc(13, 1000, GRAD); // a gradient by its frames
+        m.alloc(14, 2000, BACKWARD); // a gradient taken over from a backward node
+        m.alloc(15, 100, OPTIM); // the optimizer's temporary
+        m.free(15, 100);
+        (m, peak)
+    }
+
+    #[test]
+    fn a_training_step_tells_every_role() {
+        let (m, _) = training_step();
+        let end = m.roles(None).roles;
+        assert_eq!(end.bytes.gradients, 3000);
+        assert_eq!(end.evidence.gradients.frames, 1000);
+        assert_eq!(end.evidence.gradients.lifetimes, 2000);
+        // One block of each size is the parameter; two per gradient are state.
+        assert_eq!(end.bytes.parameters, 1024 + 2048);
+        assert_eq!(end.evidence.parameters.sizes, 1024 + 2048);
+        // The optimizer ran (its temporary shows it), so two per gradient are its state.
+        assert_eq!(end.bytes.optimizer_state, 2 * (1024 + 2048));
+        assert_eq!(end.evidence.optimizer_state.sizes, 2 * (1024 + 2048));
+        assert_eq!(end.bytes.unknown, 0);
+        assert_eq!(end.bytes.total(), 3000 + 3 * (1024 + 2048));
+
+        // Just after the activation's backward began: the forward tensor
+        // alive then is an activation; the backward's own was a temporary.
+        let (m, _) = training_step();
+        let at = m.roles(Some(3)).roles;
+        assert_eq!(at.bytes.activations, 500);
+        assert_eq!(at.bytes.temporaries, 400);
+        let at = m.roles(Some(1)).roles;
+        assert_eq!((at.bytes.activations, at.bytes.temporaries), (500, 300));
+        assert_eq!(at.bytes.total(), 500 + 300 + 3 * (1024 + 2048));
+    }
+
+    #[test]
+    fn without_an_optimizer_the_extra_copies_stay_unknown() {
+        let mut m = Mini::new();
+        for (k, (size, req)) in [(1024, 1000), (2048, 2000)].into_iter().enumerate() {
+            for copy in 0..3 {
+                m.before.push((1000 + 10 * k as u64 + copy, size, req));
+            }
+        }
+        m.alloc(10, 500, FORWARD);
+        m.alloc(13, 1000, GRAD);
+        m.alloc(14, 2000, GRAD);
+        let end = m.roles(None);
+        assert_eq!(end.roles.bytes.parameters, 1024 + 2048);
+        assert_eq!(end.roles.bytes.optimizer_state, 0);
+        assert_eq!(end.roles.bytes.unknown, 2 * (1024 + 2048) + 500);
+    }
+
+    #[test]
+    fn optimizer_state_from_sizes_stops_at_two_per_parameter() {
+        let (mut m, _) = training_step();
+        // A third extra copy of the 2000-byte parameter: not Adam's.
+        m.before.push((2000, 2048, 2000));
+        // The optimizer's state made in the trace, kept: it owns state now.
+        m.alloc(16, 1000, OPTIM);
+        let end = m.roles(None);
+        let r = &end.roles;
+        assert_eq!(r.bytes.optimizer_state, 1000 + 2 * 1024 + 2 * 2048);
+        assert_eq!(r.evidence.optimizer_state.frames, 1000);
+        assert_eq!(r.evidence.optimizer_state.sizes, 2 * 1024 + 2 * 2048);
+        assert_eq!(r.bytes.unknown, 2048);
+        assert_eq!(end.main_reason(), Some(UnknownReason::NoEvidence));
+    }
+
+    #[test]
+    fn a_forward_only_trace_tells_parameters_by_their_lifetimes() {
+        let mut m = Mini::new();
+        m.before.push((1000, 4096, 4000));
+        m.before.push((1001, 8192, 8000));
+        m.alloc(10, 100, FORWARD);
+        m.free(10, 100);
+        m.alloc(11, 200, FORWARD); // an output, still held
+        let end = m.roles(None);
+        assert_eq!(end.roles.bytes.parameters, 4096 + 8192);
+        assert_eq!(end.roles.evidence.parameters.lifetimes, 4096 + 8192);
+        assert_eq!(
+            end.roles.bytes.gradients + end.roles.bytes.optimizer_state,
+            0
+        );
+        assert_eq!(end.roles.bytes.unknown, 200);
+        assert_eq!(end.main_reason(), Some(UnknownReason::NoBackward));
+        let at = m.roles(Some(0)).roles;
+        assert_eq!(at.bytes.temporaries, 100);
+
+        // Three of every size: parameters with Adam's state look the same.
+        let mut m = Mini::new();
+        for k in 0..3 {
+            m.before.push((1000 + k, 4096, 4000));
+            m.before.push((2000 + k, 8192, 8000));
+        }
+        m.alloc(10, 100, FORWARD);
+        let end = m.roles(None);
+        assert_eq!(end.roles.bytes.parameters, 0);
+        assert_eq!(end.main_reason(), Some(UnknownReason::ParamsOrState));
+    }
+
+    #[test]
+    fn python_only_stacks_put_frameless_allocations_in_backward() {
+        let mut m = Mini::new();
+        m.before.push((1000, 1024, 1000));
+        m.alloc(10, 500, FORWARD);
+        m.alloc(12, 400, &[]); // backward temporary, on autograd's thread
+        m.free(12, 400);
+        m.free(10, 500);
+        m.alloc(13, 1000, &[]); // the gradient
+        let end = m.roles(None).roles;
+        assert_eq!(end.bytes.gradients, 1000);
+        assert_eq!(end.bytes.parameters, 1024);
+        let at = m.roles(Some(1)).roles;
+        assert_eq!((at.bytes.activations, at.bytes.temporaries), (500, 400));
+    }
+
+    #[test]
+    fn packing_keeps_every_told() {
+        for r in Role::ALL {
+            for e in [Evidence::Frames, Evidence::Lifetimes, Evidence::Sizes] {
+                assert_eq!(unpack(pack(Told::Known(r, e))), Told::Known(r, e));
+            }
+        }
+        for w in UnknownReason::ALL {
+            assert_eq!(unpack(pack(Told::Unknown(w))), Told::Unknown(w));
+        }
+        for survives in [true, false] {
+            let t = Told::BySize { survives };
+            assert_eq!(unpack(pack(t)), t);
+        }
+    }
+}
