@@ -1,6 +1,7 @@
 //! Findings: a conclusion, its evidence in numbers, and what to change,
 //! with one vocabulary of kinds and one ranking for snapshots and run logs.
 
+use crate::role::Role;
 use serde::Serialize;
 
 /// What a finding is about; the JSON strings are the finding vocabulary of docs/json.md and docs/tracker.md.
@@ -27,6 +28,8 @@ pub enum FindingKind {
     GradSpike,
     /// One source line holds a large share of the peak.
     DominantSite,
+    /// One role (parameters, gradients, optimizer state, activations, ...) holds a large share of the peak.
+    DominantRole,
     /// Activations hold at least half the peak.
     ActivationsDominate,
     /// Optimizer state is large against the device or the parameters.
@@ -45,7 +48,7 @@ pub enum FindingKind {
 
 impl FindingKind {
     /// Every kind, most urgent first: the ranking.
-    pub const BY_URGENCY: [FindingKind; 17] = [
+    pub const BY_URGENCY: [FindingKind; 18] = [
         FindingKind::Oom,
         FindingKind::OomCapacity,
         FindingKind::OomFragmentation,
@@ -56,6 +59,7 @@ impl FindingKind {
         FindingKind::GradNonfinite,
         FindingKind::GradSpike,
         FindingKind::DominantSite,
+        FindingKind::DominantRole,
         FindingKind::ActivationsDominate,
         FindingKind::OptimizerStateLarge,
         FindingKind::GradsHeldBetweenSteps,
@@ -78,6 +82,7 @@ impl FindingKind {
             FindingKind::GradNonfinite => "grad_nonfinite",
             FindingKind::GradSpike => "grad_spike",
             FindingKind::DominantSite => "dominant_site",
+            FindingKind::DominantRole => "dominant_role",
             FindingKind::ActivationsDominate => "activations_dominate",
             FindingKind::OptimizerStateLarge => "optimizer_state_large",
             FindingKind::GradsHeldBetweenSteps => "grads_held_between_steps",
@@ -131,6 +136,9 @@ pub struct Finding {
     /// The step it concerns, where one does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
+    /// The role of the memory it is about, where one is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
 }
 
 impl Finding {
@@ -144,7 +152,14 @@ impl Finding {
             bytes: None,
             bytes_per_step: None,
             step: None,
+            role: None,
         }
+    }
+
+    /// The same finding, about memory of `role`.
+    pub fn about_role(mut self, role: Role) -> Finding {
+        self.role = Some(role);
+        self
     }
 
     /// The same finding, about `device`.

@@ -4,6 +4,7 @@
 
 use crate::cause::{Cause, Figures};
 use crate::finding::{Finding, FindingKind};
+use crate::role::Role;
 use oomkit_units::human_bytes;
 use serde::Serialize;
 
@@ -73,6 +74,9 @@ pub struct Verdict {
     pub peak_bytes: Option<u64>,
     /// The most important finding of a healthy run, if any.
     pub finding: Option<FindingKind>,
+    /// The role holding the most memory at the failure (or at the peak of
+    /// a healthy run), where the source tells roles.
+    pub role: Option<Role>,
 }
 
 /// What is known about one OOM, from any source.
@@ -88,6 +92,8 @@ pub struct Failure {
     pub site: Option<String>,
     /// Whether expandable segments were already on.
     pub expandable_segments: bool,
+    /// The role holding the most of what was live then, with its bytes.
+    pub largest_role: Option<(Role, u64)>,
 }
 
 impl Verdict {
@@ -121,6 +127,7 @@ impl Verdict {
             fix: Some(fix),
             peak_bytes: None,
             finding: None,
+            role: f.largest_role.map(|(r, _)| r),
         }
     }
 
@@ -147,6 +154,7 @@ impl Verdict {
             fix: None,
             peak_bytes: Some(peak),
             finding: top.map(|f| f.kind),
+            role: None,
         }
     }
 }
@@ -160,6 +168,13 @@ fn cause_words(cause: Cause, f: &Failure) -> String {
             let mut figures = Vec::new();
             if let Some(live) = f.live {
                 figures.push(format!("{} held by tensors", human_bytes(live)));
+                if let Some((role, bytes)) = f.largest_role.filter(|_| live > 0) {
+                    figures.push(format!(
+                        "{:.0}% of it {}",
+                        100.0 * bytes as f64 / live as f64,
+                        role.words()
+                    ));
+                }
             }
             if let Some(free) = g.free {
                 figures.push(format!("{} free on the device", human_bytes(free)));
@@ -266,7 +281,24 @@ mod tests {
             live: Some(78 * GIB),
             site: Some("models.py:181 update_nodes".into()),
             expandable_segments: false,
+            largest_role: None,
         }
+    }
+
+    #[test]
+    fn a_failure_names_the_share_of_its_largest_role() {
+        let f = Failure {
+            largest_role: Some((Role::Activations, 39 * GIB)),
+            ..failure(2 * GIB)
+        };
+        let v = Verdict::failed(&f, Cause::Capacity);
+        assert!(
+            v.detail
+                .contains("78.0 GiB held by tensors, 50% of it activations"),
+            "{}",
+            v.detail
+        );
+        assert_eq!(v.role, Some(Role::Activations));
     }
 
     #[test]

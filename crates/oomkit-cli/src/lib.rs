@@ -52,11 +52,13 @@ enum Command {
     Estimate(cmd::estimate::Args),
     /// Export a snapshot or run log for another viewer (Perfetto, chrome://tracing).
     Export(cmd::export::Args),
-    /// Compare two snapshots or two run logs, such as before and after a fix.
+    /// Compare two snapshots, two run logs, or one of each, such as before and after a fix.
     ///
     /// With --json: {"kind", "file_a", "file_b", "devices": [...]}, each device
-    /// with its peaks in A and B, the sites that changed (snapshots) or each
-    /// stage's peak (run logs); docs/commands.md lists every field.
+    /// with its peaks in A and B, each role's bytes at the peaks, and the
+    /// sites that changed (snapshots) or each stage's peak (run logs); a
+    /// snapshot and a run log compare by role; docs/commands.md lists every
+    /// field.
     Diff(cmd::diff::Args),
     /// Write a self-contained HTML report (charts, tables, findings) that opens offline.
     Report(cmd::report::Args),

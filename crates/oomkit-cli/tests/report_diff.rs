@@ -330,7 +330,7 @@ fn diff_between_two_snapshots_follows_the_contract() {
 }
 
 #[test]
-fn diff_of_run_logs_compares_stage_peaks_and_refuses_mixed_kinds() {
+fn diff_of_run_logs_compares_stage_peaks() {
     let dir = tempdir("diff-run");
     let (a, b) = (dir.join("before.jsonl"), dir.join("after.jsonl"));
     std::fs::write(&a, run_log_text(0, 2, Some(1.0))).unwrap();
@@ -357,10 +357,66 @@ fn diff_of_run_logs_compares_stage_peaks_and_refuses_mixed_kinds() {
     assert_eq!(stage("backward")["delta_bytes"], -700);
     assert_eq!(stage("eval")["kind"], "phase");
     assert_eq!(stage("eval")["max_peak_bytes_a"], 1600);
+}
 
+#[test]
+fn diff_compares_a_snapshot_with_a_run_log_role_by_role() {
     let demo = demo_file();
-    let r = oomkit(&["diff", a.to_str().unwrap(), demo.to_str().unwrap()], None);
-    assert_refused(&r, &["one is a snapshot and the other a run log"]);
+    let log = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/ranks/run-20261125-053127-rank1.jsonl");
+    let (s, l) = (demo.to_str().unwrap(), log.to_str().unwrap());
+    let snap = run_json(&["analyze", "--json", s]);
+    let run = run_json(&["analyze", "--json", l]);
+    for (a, b, snap_is_a) in [(s, l, true), (l, s, false)] {
+        let d = run_json(&["diff", "--json", a, b]);
+        assert_eq!(d["kind"], "mixed");
+        let dev = &d["devices"][0];
+        // The run log is on the CPU: it goes against the snapshot's largest peak.
+        assert_eq!(dev["device"], "cuda:0 / cpu");
+        let (snap_side, run_side) = if snap_is_a { ("a", "b") } else { ("b", "a") };
+        let roles = dev["roles"].as_array().unwrap();
+        let side = |which: &str, role: &str| {
+            roles
+                .iter()
+                .find(|r| r["role"] == role)
+                .map_or(0, |r| r[format!("bytes_{which}")].as_u64().unwrap())
+        };
+        let peak = &snap["devices"][0]["roles"]["peak"];
+        for role in ["parameters", "optimizer_state", "activations", "unknown"] {
+            assert_eq!(
+                side(snap_side, role),
+                peak[role].as_u64().unwrap(),
+                "{role}"
+            );
+        }
+        // The run log's roles: its components, and the rest of its peak unknown.
+        let c = &run["components"];
+        assert_eq!(
+            side(run_side, "parameters"),
+            c["params_bytes"].as_u64().unwrap() + c["buffers_bytes"].as_u64().unwrap()
+        );
+        assert_eq!(
+            side(run_side, "gradients"),
+            c["grads_bytes"].as_u64().unwrap()
+        );
+        let total: u64 = roles
+            .iter()
+            .map(|r| r[format!("bytes_{run_side}")].as_u64().unwrap())
+            .sum();
+        assert_eq!(total, run["peak_bytes"].as_u64().unwrap());
+        for r in roles {
+            let (x, y) = (
+                r["bytes_a"].as_i64().unwrap(),
+                r["bytes_b"].as_i64().unwrap(),
+            );
+            assert_eq!(r["delta_bytes"].as_i64().unwrap(), y - x);
+        }
+    }
+    let text = String::from_utf8(oomkit(&["diff", s, l], None).stdout).unwrap();
+    assert!(
+        text.contains("role") && text.contains("optimizer state"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -277,3 +277,68 @@ fn the_terminal_report_lists_roles_at_the_peak_and_at_the_oom() {
     let oom = text.split("OOM at event").nth(1).expect("an OOM");
     assert!(oom.contains("by role:"), "{text}");
 }
+
+fn finding<'a>(a: &'a Value, kind: &str) -> Option<&'a Value> {
+    a["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == kind)
+}
+
+#[test]
+fn the_advice_fits_the_largest_role_with_the_estimates_numbers() {
+    let Some(dir) = fixtures() else { return };
+    // A 2.7B training step: AdamW's state is half the peak. An 8-bit
+    // optimizer keeps 2 of AdamW's 8 bytes per parameter; sharding over 8
+    // GPUs keeps an eighth.
+    let a = analyze(&dir.join("lm_ctx128_full_train_step.pickle"));
+    let f = finding(&a, "dominant_role").expect("a dominant role");
+    assert_eq!(f["role"], "optimizer_state");
+    let state = bytes(device(&a, 0), "peak", "optimizer_state");
+    assert_eq!(f["bytes"].as_u64().unwrap(), state);
+    let advice = f["advice"].as_str().unwrap();
+    let eight_bit = oomkit_units::human_bytes(state - state * 2 / 8);
+    let sharded = oomkit_units::human_bytes(state - state / 8);
+    assert!(advice.contains(&format!("8-bit optimizer (bitsandbytes AdamW8bit, 2 bytes per parameter) saves about {eight_bit}")), "{advice}");
+    assert!(
+        advice.contains(&format!("over 8 GPUs (ZeRO-1/FSDP) saves about {sharded}")),
+        "{advice}"
+    );
+    assert_eq!(a["verdict"]["role"], "optimizer_state");
+
+    // Inference: the weights dominate, and nothing is said of an optimizer or a batch.
+    let a = analyze(&dir.join("lm_medium_ctx128_inference.pickle"));
+    let f = finding(&a, "dominant_role").expect("a dominant role");
+    assert_eq!(f["role"], "parameters");
+    let advice = f["advice"].as_str().unwrap();
+    assert!(
+        !advice.contains("optimizer") && !advice.contains("micro-batch"),
+        "{advice}"
+    );
+}
+
+#[test]
+fn the_failure_names_the_role_that_filled_the_device() {
+    let a = analyze(&demo_file());
+    let v = &a["verdict"];
+    assert_eq!(v["role"], "activations");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("63% of it activations"),
+        "{v}"
+    );
+    let f = finding(&a, "dominant_role").expect("a dominant role");
+    assert_eq!(f["role"], "activations");
+    let oom = &a["devices"][0]["ooms"][0];
+    let act = oom["roles"]["activations"].as_u64().unwrap();
+    assert!(
+        f["advice"].as_str().unwrap().contains(&format!(
+            "saves about {}",
+            oomkit_units::human_bytes(act / 2)
+        )),
+        "{f}"
+    );
+}

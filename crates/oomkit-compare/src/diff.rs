@@ -1,7 +1,8 @@
 //! Two runs compared, before and after a change: the peak per device, the
 //! sites that grew, shrank, appeared or vanished, and each stage's peak.
 
-use crate::{FileAnalysis, RunFile};
+use crate::{FileAnalysis, Report, RunFile};
+use oomkit_advice::{Role, RoleBytes};
 use oomkit_runlog::MeasureKind;
 use oomkit_snapshot::{DeviceReport, SiteBytes};
 use serde::Serialize;
@@ -37,6 +38,19 @@ pub struct StageDelta {
     pub delta_bytes: i64,
 }
 
+/// Bytes of one role at each run's peak.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoleDelta {
+    /// The role.
+    pub role: Role,
+    /// Its bytes at A's peak.
+    pub bytes_a: u64,
+    /// Its bytes at B's peak.
+    pub bytes_b: u64,
+    /// `bytes_b - bytes_a`.
+    pub delta_bytes: i64,
+}
+
 /// One device in both runs.
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceDelta {
@@ -62,12 +76,16 @@ pub struct DeviceDelta {
     pub sites: Vec<SiteDelta>,
     /// For run logs: each stage's peak.
     pub stages: Vec<StageDelta>,
+    /// Each role either run holds at its peak, in the order reports list
+    /// roles; empty when neither file tells roles (a run log without a
+    /// component count).
+    pub roles: Vec<RoleDelta>,
 }
 
 /// A comparison of two runs.
 #[derive(Clone, Debug, Serialize)]
 pub struct Diff {
-    /// `snapshot` or `run`.
+    /// `snapshot`, `run`, or `mixed` (a snapshot and a run log, compared by role).
     pub kind: &'static str,
     /// The first file, "before".
     pub file_a: String,
@@ -79,6 +97,24 @@ pub struct Diff {
 
 fn delta(a: u64, b: u64) -> i64 {
     b as i64 - a as i64
+}
+
+fn role_deltas(a: Option<&RoleBytes>, b: Option<&RoleBytes>) -> Vec<RoleDelta> {
+    if a.is_none() && b.is_none() {
+        return Vec::new();
+    }
+    let zero = RoleBytes::default();
+    let (a, b) = (a.unwrap_or(&zero), b.unwrap_or(&zero));
+    Role::ALL
+        .into_iter()
+        .filter(|&r| *a.get(r) > 0 || *b.get(r) > 0)
+        .map(|r| RoleDelta {
+            role: r,
+            bytes_a: *a.get(r),
+            bytes_b: *b.get(r),
+            delta_bytes: delta(*a.get(r), *b.get(r)),
+        })
+        .collect()
 }
 
 fn site_deltas(a: &[SiteBytes], b: &[SiteBytes]) -> Vec<SiteDelta> {
@@ -153,6 +189,7 @@ pub fn diff_snapshots(a: &FileAnalysis, b: &FileAnalysis) -> Diff {
                     db.map_or(&[][..], |d| &d.top_sites[..]),
                 ),
                 stages: Vec::new(),
+                roles: role_deltas(da.map(|d| &d.roles.peak), db.map(|d| &d.roles.peak)),
             }
         })
         .collect();
@@ -215,8 +252,68 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
             only_in: None,
             sites: Vec::new(),
             stages,
+            roles: role_deltas(ra.roles_at_peak().as_ref(), rb.roles_at_peak().as_ref()),
         }],
     }
+}
+
+/// Compares a snapshot with a run log (in either order) role by role: the
+/// run log's device against the snapshot's device of the same name, or
+/// else its largest peak. `None` unless one file is each.
+pub fn diff_mixed(a: &Report, b: &Report) -> Option<Diff> {
+    let (snap, run, snap_first) = match (a, b) {
+        (Report::Snapshot(s), Report::Run(r)) => (s, r, true),
+        (Report::Run(r), Report::Snapshot(s)) => (s, r, false),
+        _ => return None,
+    };
+    let ra = &run.analysis;
+    let devices = &snap.analysis.devices;
+    let d = devices
+        .iter()
+        .find(|d| format!("cuda:{}", d.device) == ra.device)
+        .or_else(|| devices.iter().max_by_key(|d| d.peak_active_bytes));
+    let name = match d {
+        Some(d) if format!("cuda:{}", d.device) == ra.device => ra.device.clone(),
+        Some(d) => format!("cuda:{} / {}", d.device, ra.device),
+        None => ra.device.clone(),
+    };
+    let snap_side = (
+        d.map_or(0, |d| d.peak_active_bytes),
+        d.map_or(0, |d| d.peak_reserved_bytes.max(d.reserved_bytes)),
+        d.map_or(0, |d| d.ooms.len()),
+        d.map(|d| d.roles.peak),
+    );
+    let run_side = (
+        ra.peak_bytes,
+        ra.peak_reserved_bytes,
+        ra.ooms.len(),
+        ra.roles_at_peak(),
+    );
+    let (x, y) = if snap_first {
+        (snap_side, run_side)
+    } else {
+        (run_side, snap_side)
+    };
+    let (pa, pb) = (a.path().to_string(), b.path().to_string());
+    Some(Diff {
+        kind: "mixed",
+        file_a: pa,
+        file_b: pb,
+        devices: vec![DeviceDelta {
+            device: name,
+            peak_active_bytes_a: x.0,
+            peak_active_bytes_b: y.0,
+            peak_active_bytes_delta: delta(x.0, y.0),
+            peak_reserved_bytes_a: x.1,
+            peak_reserved_bytes_b: y.1,
+            ooms_a: x.2,
+            ooms_b: y.2,
+            only_in: None,
+            sites: Vec::new(),
+            stages: Vec::new(),
+            roles: role_deltas(x.3.as_ref(), y.3.as_ref()),
+        }],
+    })
 }
 
 #[cfg(test)]

@@ -8,7 +8,9 @@ mod input;
 mod job;
 mod ranks;
 
-pub use diff::{diff_runs, diff_snapshots, DeviceDelta, Diff, SiteDelta, StageDelta};
+pub use diff::{
+    diff_mixed, diff_runs, diff_snapshots, DeviceDelta, Diff, RoleDelta, SiteDelta, StageDelta,
+};
 pub use input::{FileAnalysis, Report, RunFile};
 pub use job::{Job, Unreadable};
 pub use ranks::{rank_table, RankRow, IMBALANCE_FRACTION};

@@ -298,6 +298,21 @@ pub enum Optimizer {
     Adafactor,
 }
 
+impl Optimizer {
+    /// Bytes of state per trainable parameter whose weights are stored in
+    /// `store` bytes each; 0 for Adafactor, whose factored state depends on
+    /// the matrix shapes (see [`estimate`]).
+    pub fn state_bytes_per_param(self, store: u64) -> u64 {
+        match self {
+            Optimizer::AdamW => 2 * store,
+            // Two one-byte moments, whatever the weights' dtype.
+            Optimizer::AdamW8bit => 2,
+            Optimizer::Sgd => store,
+            Optimizer::Adafactor => 0,
+        }
+    }
+}
+
 /// Everything an estimate depends on.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Inputs {
@@ -544,13 +559,7 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         p * store + cast_copy + adapters
     };
     let gradients = trainable * store;
-    let state_per = match inputs.optimizer {
-        Optimizer::AdamW => 2 * store,
-        Optimizer::AdamW8bit => 2,
-        Optimizer::Sgd => store,
-        Optimizer::Adafactor => 0,
-    };
-    let mut optimizer = trainable * state_per;
+    let mut optimizer = trainable * inputs.optimizer.state_bytes_per_param(store);
     if inputs.optimizer == Optimizer::Adafactor {
         // A row and a column of fp32 statistics per h x k matrix: about 2/h of the parameters.
         optimizer = trainable * 2 * 4 / a.hidden.max(1);

@@ -286,6 +286,8 @@ pub(crate) fn failure(
         live: Some(o.allocated_bytes),
         site: None,
         expandable_segments: false,
+        // The tracker does not split an OOM's live bytes by role.
+        largest_role: None,
     }
 }
 

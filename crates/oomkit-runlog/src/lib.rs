@@ -13,6 +13,7 @@ mod error;
 mod findings;
 pub mod process;
 mod record;
+mod roles;
 mod writer;
 
 pub use analysis::{analyze, Analysis, Leak, OomSummary, StageGrowth, StageStats, Warning};

@@ -77,14 +77,16 @@ fn verdict(
         return oomkit_advice::Verdict::failed(&failure, o.cause);
     }
     let top = reports.iter().max_by_key(|d| d.peak_active_bytes);
-    oomkit_advice::Verdict::healthy(
+    let mut v = oomkit_advice::Verdict::healthy(
         top.map_or(0, |d| d.peak_active_bytes),
         oomkit_advice::Place {
             device: top.map(|d| format!("cuda:{}", d.device)),
             ..Default::default()
         },
         findings,
-    )
+    );
+    v.role = top.and_then(|d| crate::findings::largest_role(&d.roles.peak).map(|(r, _)| r));
+    v
 }
 
 /// Traces at least this long get their first two passes on two cores.

@@ -3,7 +3,8 @@
 //! rests on carried into the finding's message and bytes.
 
 use crate::report::{DeviceReport, OomReport, PhaseReport};
-use oomkit_advice::{Cause, Finding, FindingKind};
+use oomkit_advice::{Cause, Finding, FindingKind, Role, RoleBytes};
+use oomkit_estimate::Optimizer;
 use oomkit_units::human_bytes;
 
 /// Most OOM entries of a trace that get their holders of memory and a
@@ -22,6 +23,16 @@ const RETAINED_MIN_SHARE: f64 = 0.05;
 const FRAGMENTED_MIN_FRACTION: f64 = 0.2;
 /// ... and from this many bytes, below which no setting would change what fits.
 const FRAGMENTED_MIN_BYTES: u64 = 256 << 20;
+/// One role holding this share of what was live is the one to fix first:
+/// below a third, two or three roles share the memory and no single change
+/// of one of them decides whether the run fits.
+const DOMINANT_ROLE_SHARE: f64 = 0.3;
+/// GPUs the sharding advice counts with when the snapshot holds one device:
+/// a single node's worth.
+const SHARD_EXAMPLE_GPUS: u64 = 8;
+/// Bytes per element of the fp32 tensors the size match finds (gradients
+/// and Adam's moments take the parameters' size).
+const FP32_BYTES: u64 = 4;
 /// Memory freed but held for other streams is reported from this much:
 /// side streams normally hold a few buffers for a moment.
 const PENDING_MIN_BYTES: u64 = 64 << 20;
@@ -42,6 +53,7 @@ pub(crate) fn findings(reports: &[DeviceReport], expandable: bool) -> Vec<Findin
                 .map(|o| oom(r.device, o, expandable)),
         );
         out.extend(dominant_site(r));
+        out.extend(dominant_role(r, reports.len() as u64));
         out.extend(r.phases.iter().filter_map(|p| phase_retains_memory(r, p)));
         if !expandable {
             // Advice to enable what is already on would be noise.
@@ -72,6 +84,7 @@ pub(crate) fn failure(device: i64, o: &OomReport, expandable: bool) -> oomkit_ad
         live: Some(o.live_bytes),
         site: Some(o.label.clone()),
         expandable_segments: expandable,
+        largest_role: largest_role(&o.roles),
     }
 }
 
@@ -124,6 +137,102 @@ fn dominant_site(r: &DeviceReport) -> Option<Finding> {
         )
         .on_device(r.device)
         .with_bytes(top.bytes),
+    )
+}
+
+/// The role holding the most bytes, unless only unknown bytes are live.
+pub(crate) fn largest_role(roles: &RoleBytes) -> Option<(Role, u64)> {
+    roles
+        .largest()
+        .filter(|&r| r != Role::Unknown)
+        .map(|r| (r, *roles.get(r)))
+}
+
+/// One role holding a large share of what was live at the first OOM (or at
+/// the peak without one), with the fix that shrinks it and by how much, from
+/// the formulas `oomkit estimate` uses.
+fn dominant_role(r: &DeviceReport, devices: u64) -> Option<Finding> {
+    let (at, roles, live) = match r.ooms.first() {
+        Some(o) => ("the OOM", &o.roles, o.live_bytes),
+        None => ("the peak", &r.roles.peak, r.peak_active_bytes),
+    };
+    let (role, bytes) = largest_role(roles)?;
+    if live == 0 || (bytes as f64) < DOMINANT_ROLE_SHARE * live as f64 {
+        return None;
+    }
+    let b = human_bytes;
+    let gpus = if devices > 1 {
+        devices
+    } else {
+        SHARD_EXAMPLE_GPUS
+    };
+    let sharded = |x: u64| x - x / gpus;
+    // What the device can hold, as far as an OOM tells: what this process
+    // reserved plus what the driver still had free.
+    let capacity = r.ooms.first().map(|o| o.reserved_bytes + o.free_bytes);
+    let weights_fill_device = capacity.is_some_and(|c| roles.parameters >= c);
+    let advice = match role {
+        Role::Parameters => format!(
+            "if they are fp32, bf16 weights halve them (saves about {}); sharding them over {gpus} GPUs (FSDP) saves about {}",
+            b(bytes / 2),
+            b(sharded(bytes))
+        ),
+        Role::Gradients => format!(
+            "an optimizer step fused into backward (Tensor.register_post_accumulate_grad_hook) frees each gradient once applied (saves most of {}); if they are fp32, bf16 gradients save about {}; sharding them over {gpus} GPUs (ZeRO-2/FSDP) saves about {}",
+            b(bytes),
+            b(bytes / 2),
+            b(sharded(bytes))
+        ),
+        Role::OptimizerState => {
+            let adam = Optimizer::AdamW.state_bytes_per_param(FP32_BYTES);
+            let eight_bit = Optimizer::AdamW8bit.state_bytes_per_param(FP32_BYTES);
+            let per_grad = if roles.gradients > 0 {
+                format!(
+                    ", {:.1}x the gradients",
+                    bytes as f64 / roles.gradients as f64
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "({} per parameter for AdamW in fp32{per_grad}): an 8-bit optimizer (bitsandbytes AdamW8bit, {eight_bit} bytes per parameter) saves about {}; sharding it over {gpus} GPUs (ZeRO-1/FSDP) saves about {}",
+                oomkit_units::count(adam, "byte", "bytes"),
+                b(bytes - bytes * eight_bit / adam),
+                b(sharded(bytes))
+            )
+        }
+        Role::Activations if weights_fill_device => format!(
+            "but the parameters alone ({}) fill the device: no micro-batch fits until they are sharded (FSDP) or quantized",
+            b(roles.parameters)
+        ),
+        Role::Activations => format!(
+            "halving the micro-batch (with twice the gradient accumulation: `oomkit run` does both) saves about {}; activation checkpointing keeps only each checkpointed block's input, about 1/N of them for N blocks",
+            b(bytes / 2)
+        ),
+        Role::Temporaries => format!(
+            "they live within one stage: a chunked or fused loss (the logits' softmax is often the largest) and fused kernels (scaled_dot_product_attention) avoid most of them; the largest site at the peak is {}",
+            r.top_sites.first().map_or("unknown", |s| s.label.as_str())
+        ),
+        Role::Inputs => "keep the data loader's batches on the CPU (pin_memory, non_blocking copies) and move only the micro-batch being computed".into(),
+        Role::Other => "library buffers: NCCL's (NCCL_BUFFSIZE), cuBLAS workspaces (CUBLAS_WORKSPACE_CONFIG) and CUDA graph pools".into(),
+        Role::Unknown => return None,
+    };
+    Some(
+        Finding::new(
+            FindingKind::DominantRole,
+            format!(
+                "cuda:{}: at {at}, {} ({:.0}% of the {} live) is {}",
+                r.device,
+                b(bytes),
+                100.0 * bytes as f64 / live as f64,
+                b(live),
+                role.words()
+            ),
+            advice,
+        )
+        .on_device(r.device)
+        .with_bytes(bytes)
+        .about_role(role),
     )
 }
 

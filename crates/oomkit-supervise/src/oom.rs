@@ -611,6 +611,8 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         live: m.allocated_bytes,
         site: None,
         expandable_segments: alloc_conf.is_some_and(expandable_segments_on),
+        // A message does not say what the memory was for.
+        largest_role: None,
     };
     Explanation {
         verdict: oomkit_advice::Verdict::failed(&failure, cause),

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 pub(crate) struct Args {
     /// The first file ("before").
     a: PathBuf,
-    /// The second file ("after"), of the same kind.
+    /// The second file ("after"): of the same kind, or a snapshot against a run log (compared by role).
     b: PathBuf,
     #[command(flatten)]
     format: FormatArgs,
@@ -45,14 +45,11 @@ pub(crate) fn run(args: Args) -> u8 {
     let diff = match (&ra, &rb) {
         (Report::Snapshot(x), Report::Snapshot(y)) => oomkit_compare::diff_snapshots(x, y),
         (Report::Run(x), Report::Run(y)) => oomkit_compare::diff_runs(x, y),
-        _ => {
-            eprintln!(
-                "oomkit: cannot compare {} with {}: one is a snapshot and the other a run log",
-                args.a.display(),
-                args.b.display()
-            );
-            return EXIT_INPUT;
-        }
+        // A snapshot and a run log share only their roles.
+        _ => match oomkit_compare::diff_mixed(&ra, &rb) {
+            Some(d) => d,
+            None => unreachable!("two files are two snapshots, two run logs, or one of each"),
+        },
     };
     print(
         args.format.format(),

@@ -1,5 +1,5 @@
 //! The terminal form of a comparison: each device's peak before and after,
-//! the sites that changed and each stage's peak.
+//! each role's bytes at the peaks, the sites that changed and each stage's peak.
 
 use oomkit_compare::{Diff, SiteDelta};
 use oomkit_runlog::MeasureKind;
@@ -45,6 +45,23 @@ pub fn diff(diff: &Diff, top: usize) -> String {
                 let _ = writeln!(out, " (only in {})", which.to_uppercase());
             }
             None => out.push('\n'),
+        }
+        if !d.roles.is_empty() {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>11} {:>11} {:>11}",
+                "role", "at peak A", "at peak B", "delta"
+            );
+            for r in &d.roles {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>11} {:>11} {:>11}",
+                    r.role.words(),
+                    human_bytes(r.bytes_a),
+                    human_bytes(r.bytes_b),
+                    signed(r.delta_bytes)
+                );
+            }
         }
         let changed: Vec<&SiteDelta> = d.sites.iter().filter(|s| s.delta_bytes != 0).collect();
         if !d.sites.is_empty() {
