@@ -6,6 +6,9 @@ balanced orders, and reports the median wall time and the largest peak
 resident set size (from wait4), then the ratios.
 
     python3 scripts/bench_analyze.py bench-data/big.pickle --oomkit target/release/oomkit
+
+With --baseline OTHER_OOMKIT it also times another build of oomkit side by
+side (before and after a change); --oomkit-only leaves the Python tools out.
 """
 import argparse
 import importlib.util
@@ -20,6 +23,8 @@ ap.add_argument("file")
 ap.add_argument("--oomkit", default="target/release/oomkit")
 ap.add_argument("--runs", type=int, default=8)
 ap.add_argument("--pause", type=float, default=2.0, help="idle seconds before each round")
+ap.add_argument("--baseline", help="another oomkit binary to time beside --oomkit (before a change)")
+ap.add_argument("--oomkit-only", action="store_true", help="time only the oomkit builds")
 args = ap.parse_args()
 
 py = sys.executable
@@ -28,9 +33,18 @@ tools = [
     ("oomkit analyze --json", [args.oomkit, "analyze", "--json", args.file]),
     ("pickle.load", [py, "-c", f"import pickle; pickle.load(open({args.file!r}, 'rb'))"]),
 ]
+if args.baseline:
+    tools[2:2] = [
+        ("baseline analyze", [args.baseline, "analyze", args.file]),
+        ("baseline analyze --json", [args.baseline, "analyze", "--json", args.file]),
+    ]
+if args.oomkit_only:
+    tools = [t for t in tools if "analyze" in t[0]]
 # Never import torch here: a child's peak RSS on Linux starts from its
 # parent's high-water mark, so a heavy parent would inflate every figure.
-if importlib.util.find_spec("torch") is not None:
+if args.oomkit_only:
+    pass
+elif importlib.util.find_spec("torch") is not None:
     tools.append(("torch.cuda._memory_viz stats", [py, "-m", "torch.cuda._memory_viz", "stats", args.file]))
 else:
     print("torch is not installed: skipping torch.cuda._memory_viz", file=sys.stderr)
@@ -91,4 +105,4 @@ base_wall, base_rss = results["oomkit analyze"]
 print(f"| tool | wall (median of {args.runs}) | peak RSS | RSS / file | time vs oomkit |")
 print("|---|---|---|---|---|")
 for name, (wall, rss) in results.items():
-    print(f"| {name} | {wall:.3f} s | {rss / 2**20:.0f} MiB | {rss / size:.2f} | {wall / base_wall:.1f}x |")
+    print(f"| {name} | {wall:.3f} s | {rss / 2**20:.0f} MiB | {rss / size:.2f} | {wall / base_wall:.2f}x |")

@@ -200,11 +200,12 @@ fn analyze_device(
         .unwrap_or_else(|| exact_totals(events, &windows, base_active, base_reserved));
 
     // Pass 2: the live set at the peak and at every OOM.
-    let (roles, before, end) = device_roles(kinds, events, &scan, &final_blocks, &ranges, &windows);
+    let (before, end) = before_and_end(&final_blocks, &scan);
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
-    let mut oom_roles: Vec<Moment> = Vec::new();
-    let mut peak_roles = None;
+    // The live sets whose roles are counted once the roles are decided.
+    let mut oom_sets: Vec<Vec<Live>> = Vec::new();
+    let mut peak_live: Option<Vec<Live>> = None;
     // Each OOM's holders cost a pass over the live set, so a trace that
     // records an OOM at every step would take quadratic time, and a finding
     // per OOM would bury the rest.
@@ -229,26 +230,52 @@ fn analyze_device(
     if peak_idx.is_none() && !events.is_empty() {
         // The peak is the start: what predates the trace.
         let orphans = scan.orphans.iter().map(|(_, l)| *l);
-        top_sites = group(
-            stacks,
-            orphans.clone().chain(before.iter().copied()),
-            opts.top,
-        );
-        peak_roles = Some(roles.at(orphans.chain(before.iter().copied())));
+        let live: Vec<Live> = orphans.chain(before.iter().copied()).collect();
+        top_sites = group(stacks, live.iter().copied(), opts.top);
+        peak_live = Some(live);
     }
-    live_at(events, &scan, &before, &targets, |i, live| {
-        let live: Vec<Live> = live.collect();
-        let oom = Some(i) != peak_idx
-            || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
-        if oom {
-            holders.push(group(stacks, live.iter().copied(), oom_holders_top));
-            oom_roles.push(roles.at(live.iter().copied()));
-        }
-        if Some(i) == peak_idx {
-            top_sites = group(stacks, live.iter().copied(), opts.top);
-            peak_roles = Some(roles.at(live.into_iter()));
-        }
-    });
+    let decide = || {
+        let r = Ranges::of(&ranges, &windows);
+        DeviceRoles::new(kinds, events, &scan, &r.borrowed(), &before, &end)
+    };
+    let pass2 = |top_sites: &mut Vec<SiteBytes>,
+                 holders: &mut Vec<Vec<SiteBytes>>,
+                 oom_sets: &mut Vec<Vec<Live>>,
+                 peak_live: &mut Option<Vec<Live>>| {
+        live_at(events, &scan, &before, &targets, |i, live| {
+            let live: Vec<Live> = live.collect();
+            let oom = Some(i) != peak_idx
+                || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
+            if oom {
+                holders.push(group(stacks, live.iter().copied(), oom_holders_top));
+                oom_sets.push(live.clone());
+            }
+            if Some(i) == peak_idx {
+                *top_sites = group(stacks, live.iter().copied(), opts.top);
+                *peak_live = Some(live);
+            }
+        })
+    };
+    // Deciding the roles reads the whole trace again; on a long one it
+    // runs on the second core while the live sets are rebuilt.
+    let roles = if events.len() >= PARALLEL_MIN_EVENTS {
+        std::thread::scope(|sc| {
+            let roles = sc.spawn(decide);
+            pass2(&mut top_sites, &mut holders, &mut oom_sets, &mut peak_live);
+            // A panic in the roles thread is a bug; rethrowing it keeps it one.
+            roles
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    } else {
+        pass2(&mut top_sites, &mut holders, &mut oom_sets, &mut peak_live);
+        decide()
+    };
+    let oom_roles: Vec<Moment> = oom_sets
+        .into_iter()
+        .map(|l| roles.at(l.into_iter()))
+        .collect();
+    let peak_roles = peak_live.map(|l| roles.at(l.into_iter()));
     let mut end_roles = roles.at(end.iter().copied());
     // A file whose segments count more active bytes than their blocks list
     // (edited, or written mid-update) has bytes no block accounts for.
@@ -405,17 +432,9 @@ fn final_blocks(snap: &Snapshot, device: i64) -> Vec<(u64, Live)> {
         .collect()
 }
 
-/// Decides the roles of a device's blocks; returns them with the blocks
-/// from before the trace still alive at its end, and every block alive at
-/// the end with the entry that allocated it.
-fn device_roles<'k>(
-    kinds: &'k Kinds,
-    events: &[crate::model::TraceEvent],
-    scan: &TraceScan,
-    final_blocks: &[(u64, Live)],
-    ranges: &[(String, i64, i64)],
-    windows: &[crate::replay::Window],
-) -> (DeviceRoles<'k>, Vec<Live>, Vec<Live>) {
+/// The blocks from before the trace still alive at its end, and every
+/// block alive at the end with the entry that allocated it.
+fn before_and_end(final_blocks: &[(u64, Live)], scan: &TraceScan) -> (Vec<Live>, Vec<Live>) {
     let before: Vec<Live> = final_blocks
         .iter()
         .filter(|(addr, _)| !scan.open.contains_key(addr))
@@ -431,32 +450,45 @@ fn device_roles<'k>(
             ..*l
         })
         .collect();
-    let named = |keep: fn(&str) -> bool| -> Vec<_> {
-        ranges
-            .iter()
-            .zip(windows)
-            .filter(|((name, _, _), _)| keep(name))
-            .map(|(_, w)| *w)
-            .collect()
-    };
-    let optimizer_steps = named(|n| n.starts_with(OPTIMIZER_STEP_RANGE));
-    let evals = named(is_eval_range);
-    let has_optimizer = ranges
-        .iter()
-        .any(|(name, _, _)| name.starts_with(OPTIMIZER_RANGE));
-    let roles = DeviceRoles::new(
-        kinds,
-        events,
-        scan,
-        &Ranges {
-            optimizer_steps: &optimizer_steps,
-            evals: &evals,
-            has_optimizer,
-        },
-        &before,
-        &end,
-    );
-    (roles, before, end)
+    (before, end)
+}
+
+/// What the `record_function` ranges say about a trace, owned.
+struct OwnedRanges {
+    optimizer_steps: Vec<crate::replay::Window>,
+    evals: Vec<crate::replay::Window>,
+    has_optimizer: bool,
+}
+
+impl Ranges<'_> {
+    /// Finds the optimizer steps and evaluation ranges among a device's ranges.
+    fn of(ranges: &[(String, i64, i64)], windows: &[crate::replay::Window]) -> OwnedRanges {
+        let named = |keep: fn(&str) -> bool| -> Vec<_> {
+            ranges
+                .iter()
+                .zip(windows)
+                .filter(|((name, _, _), _)| keep(name))
+                .map(|(_, w)| *w)
+                .collect()
+        };
+        OwnedRanges {
+            optimizer_steps: named(|n| n.starts_with(OPTIMIZER_STEP_RANGE)),
+            evals: named(is_eval_range),
+            has_optimizer: ranges
+                .iter()
+                .any(|(name, _, _)| name.starts_with(OPTIMIZER_RANGE)),
+        }
+    }
+}
+
+impl OwnedRanges {
+    fn borrowed(&self) -> Ranges<'_> {
+        Ranges {
+            optimizer_steps: &self.optimizer_steps,
+            evals: &self.evals,
+            has_optimizer: self.has_optimizer,
+        }
+    }
 }
 
 /// The live bytes by role after each chosen entry of a device's trace
@@ -478,7 +510,9 @@ pub fn role_timeline(
     let ranges = ranges(snap, device);
     let windows = windows(&ranges, events);
     let final_blocks = final_blocks(snap, device);
-    let (roles, before, _) = device_roles(&kinds, events, &scan, &final_blocks, &ranges, &windows);
+    let (before, end) = before_and_end(&final_blocks, &scan);
+    let owned = Ranges::of(&ranges, &windows);
+    let roles = DeviceRoles::new(&kinds, events, &scan, &owned.borrowed(), &before, &end);
     let mut now = RoleBytes::default();
     let orphans = scan.orphans.len();
     let mut orphan_role = vec![Role::Unknown; orphans];

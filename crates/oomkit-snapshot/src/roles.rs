@@ -8,7 +8,7 @@ use crate::hash::FastState;
 use crate::model::{Action, TraceEvent};
 use crate::replay::{TraceScan, Window};
 use crate::sites::Live;
-use crate::stacks::{Frame, StackId, Stacks};
+use crate::stacks::{Frame, FrameId, StackId, Stacks};
 use oomkit_advice::{Evidence, Role, RolesAt};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -51,19 +51,22 @@ pub(crate) struct Kinds {
     empty_is_backward: bool,
 }
 
-/// Finds the kind of every stack of a snapshot.
+/// Finds the kind of every stack of a snapshot. Each distinct frame is
+/// looked at once (a file has hundreds of frames in thousands of stacks).
 pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
+    let flags: Vec<u16> = (0..stacks.frame_count())
+        .map(|f| frame_flags(stacks.frame(f as FrameId)))
+        .collect();
     let (mut python, mut native) = (false, false);
     let of = (0..stacks.len())
         .map(|i| {
-            let frames: Vec<&Frame> = stacks
+            let all = stacks
                 .stack(StackId(i as u32))
                 .iter()
-                .map(|&f| stacks.frame(f))
-                .collect();
-            python |= frames.iter().any(|f| is_python(f));
-            native |= frames.iter().any(|f| !is_python(f));
-            kind_of(&frames)
+                .fold(0u16, |acc, &f| acc | flags[f as usize]);
+            python |= all & PYTHON != 0;
+            native |= all & NATIVE != 0;
+            kind_of(all)
         })
         .collect();
     Kinds {
@@ -72,24 +75,61 @@ pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
     }
 }
 
-/// Decides a stack's kind; the order matters: an optimizer step run from a
-/// backward hook is the optimizer's, a recomputation under activation
-/// checkpointing is backward work.
-fn kind_of(frames: &[&Frame]) -> Kind {
-    let any = |p: fn(&Frame) -> bool| frames.iter().any(|f| p(f));
-    if any(|f| f.name.contains("AccumulateGrad")) {
+// What one frame says, as bits: its language and the kinds it names.
+const PYTHON: u16 = 1;
+const NATIVE: u16 = 1 << 1;
+const GRADIENT: u16 = 1 << 2;
+const LIBRARY: u16 = 1 << 3;
+const OPTIMIZER: u16 = 1 << 4;
+const BACKWARD: u16 = 1 << 5;
+const INPUT: u16 = 1 << 6;
+const PARAMETER: u16 = 1 << 7;
+/// A native frame naming an operator (`at::_ops::mm`): forward work where
+/// nothing else claims the stack.
+const OPERATOR: u16 = 1 << 8;
+
+fn frame_flags(f: &Frame) -> u16 {
+    let mut b = if is_python(f) { PYTHON } else { NATIVE };
+    let set = |b: &mut u16, bit: u16, on: bool| {
+        if on {
+            *b |= bit
+        }
+    };
+    set(&mut b, GRADIENT, f.name.contains("AccumulateGrad"));
+    set(&mut b, LIBRARY, is_library_buffer(f));
+    set(
+        &mut b,
+        OPTIMIZER,
+        is_python(f) && is_optimizer_path(&f.filename),
+    );
+    set(&mut b, BACKWARD, is_backward(f));
+    set(&mut b, INPUT, is_input(f));
+    set(&mut b, PARAMETER, is_parameter(f));
+    set(
+        &mut b,
+        OPERATOR,
+        !is_python(f) && f.name.contains("at::_ops::"),
+    );
+    b
+}
+
+/// Decides a stack's kind from its frames' bits; the order matters: an
+/// optimizer step run from a backward hook is the optimizer's, a
+/// recomputation under activation checkpointing is backward work.
+fn kind_of(all: u16) -> Kind {
+    if all & GRADIENT != 0 {
         Kind::Gradient
-    } else if any(is_library_buffer) {
+    } else if all & LIBRARY != 0 {
         Kind::Library
-    } else if any(|f| is_python(f) && is_optimizer_path(&f.filename)) {
+    } else if all & OPTIMIZER != 0 {
         Kind::Optimizer
-    } else if any(is_backward) {
+    } else if all & BACKWARD != 0 {
         Kind::Backward
-    } else if any(is_input) {
+    } else if all & INPUT != 0 {
         Kind::Input
-    } else if any(is_parameter) {
+    } else if all & PARAMETER != 0 {
         Kind::Parameter
-    } else if any(|f| is_python(f) || f.name.contains("at::_ops::")) {
+    } else if all & (PYTHON | OPERATOR) != 0 {
         Kind::Forward
     } else {
         Kind::Bare
@@ -330,12 +370,6 @@ impl Moment {
     }
 }
 
-/// Whether the sorted `marks` hold an entry after `a` and before `end`.
-fn between(marks: &[u32], a: u32, end: u32) -> bool {
-    let i = marks.partition_point(|&m| m <= a);
-    marks.get(i).is_some_and(|&m| m < end)
-}
-
 /// Sizes holding less than this share of the blocks' bytes do not count
 /// when telling parameters with Adam's state from parameters alone.
 const THREES_MIN_SHARE: f64 = 0.01;
@@ -360,15 +394,35 @@ fn in_threes<'l>(blocks: impl Iterator<Item = &'l Live>) -> bool {
     large.len() >= 2 && large.iter().all(|n| n % 3 == 0)
 }
 
-/// The last backward allocation of the backward pass that made allocation
-/// `a`: the pass runs until the next allocation of other work.
-fn pass_end(backward: &[u32], others: &[u32], a: u32) -> u32 {
-    let next_other = others
-        .get(others.partition_point(|&m| m <= a))
-        .copied()
-        .unwrap_or(NEVER);
-    let i = backward.partition_point(|&m| m < next_other);
-    backward.get(i.wrapping_sub(1)).copied().unwrap_or(a).max(a)
+/// Walks sorted marks for allocations taken in trace order: the first mark
+/// after an entry moves only forward, so each query costs no search.
+struct Cursor<'m> {
+    marks: &'m [u32],
+    next: usize,
+}
+
+impl<'m> Cursor<'m> {
+    fn new(marks: &'m [u32]) -> Self {
+        Cursor { marks, next: 0 }
+    }
+
+    /// The first mark after entry `a` ([`NEVER`] for none); `a` must not
+    /// decrease from one call to the next.
+    fn after(&mut self, a: u32) -> u32 {
+        while self.marks.get(self.next).is_some_and(|&m| m <= a) {
+            self.next += 1;
+        }
+        self.marks.get(self.next).copied().unwrap_or(NEVER)
+    }
+
+    /// The last mark before entry `b` (none: [`NEVER`]); `b` must not
+    /// decrease from one call to the next either.
+    fn before(&mut self, b: u32) -> u32 {
+        while self.marks.get(self.next).is_some_and(|&m| m < b) {
+            self.next += 1;
+        }
+        self.next.checked_sub(1).map_or(NEVER, |i| self.marks[i])
+    }
 }
 
 /// `free` of an allocation that is never freed.
@@ -391,11 +445,12 @@ impl<'a> DeviceRoles<'a> {
             evals: eval_windows,
             has_optimizer,
         } = *ranges;
-        // When each allocation ends.
-        let mut free = vec![NEVER; events.len()];
+        // One more than the entry that ends each allocation, 0 for none: a
+        // table of zeros starts as untouched pages, not megabytes to fill.
+        let mut ends = vec![0u32; events.len()];
         for (i, &l) in scan.link.iter().enumerate() {
             if let Some(a) = l.checked_sub(1) {
-                free[a as usize] = i as u32;
+                ends[a as usize] = i as u32 + 1;
             }
         }
         let kinds = &all_kinds.of[..];
@@ -403,22 +458,39 @@ impl<'a> DeviceRoles<'a> {
             StackId::EMPTY if all_kinds.empty_is_backward => Kind::Backward,
             s => kinds[s.0 as usize],
         };
+        // One pass: every allocation with its kind, and the entries that
+        // mark backward work, other work, and the model's work.
+        // Reserved for every allocation, they touch only the pages they fill.
+        let marks = || Vec::with_capacity(scan.allocs as usize);
+        let (mut backward, mut not_backward, mut model) = (marks(), marks(), marks());
+        // The allocations are walked twice rather than listed: on a long
+        // trace a list would be megabytes of fresh pages, which cost more
+        // than the walk.
         let allocs = || {
             events
                 .iter()
                 .enumerate()
                 .filter(|(_, e)| e.action == Action::Alloc)
-                .map(|(i, _)| i)
+                .map(|(i, _)| (i as u32, kind(i)))
         };
-        let marks = |want: &[Kind]| -> Vec<u32> {
-            allocs()
-                .filter(|&i| want.contains(&kind(i)))
-                .map(|i| i as u32)
-                .collect()
-        };
-        let backward = marks(&[Kind::Backward, Kind::Gradient]);
-        let not_backward = marks(&[Kind::Forward, Kind::Input, Kind::Optimizer]);
-        let model = marks(&[Kind::Forward, Kind::Input, Kind::Backward, Kind::Gradient]);
+        let (mut optimizer_work, mut forward_work) = (false, false);
+        for (i, k) in allocs() {
+            optimizer_work |= k == Kind::Optimizer;
+            forward_work |= k == Kind::Forward;
+            match k {
+                Kind::Backward | Kind::Gradient => {
+                    backward.push(i);
+                    model.push(i);
+                }
+                Kind::Forward | Kind::Input => {
+                    not_backward.push(i);
+                    model.push(i);
+                }
+                Kind::Optimizer => not_backward.push(i),
+                _ => {}
+            }
+        }
+
         let within = |w: &[Window], i: usize| w.iter().any(|&(s, e)| s <= i && i < e);
         let in_optimizer = |i: usize| within(optimizer_windows, i);
         let ooms: Vec<u32> = events
@@ -427,34 +499,49 @@ impl<'a> DeviceRoles<'a> {
             .filter(|(_, e)| e.action == Action::Oom)
             .map(|(i, _)| i as u32)
             .collect();
-        let outlives_step = |a: u32, f: u32| f == NEVER || between(&model, a, f);
+        // Cursors over the marks, for the allocations in trace order.
+        let mut next_model = Cursor::new(&model);
+        let mut next_backward = Cursor::new(&backward);
+        let mut next_other = Cursor::new(&not_backward);
+        let mut pass_last = Cursor::new(&backward);
+        let mut next_oom = Cursor::new(&ooms);
         // A run with an optimizer trains, so its forward keeps activations.
-        let trains =
-            !backward.is_empty() || has_optimizer || allocs().any(|i| kind(i) == Kind::Optimizer);
+        let trains = !backward.is_empty() || has_optimizer || optimizer_work;
 
         let mut told = vec![0u8; events.len()];
-        for i in allocs() {
-            let (a, f) = (i as u32, free[i]);
-            let t = match kind(i) {
+        // The gradients the trace allocates: (entry, end, size).
+        let mut grad_allocs: Vec<(u32, u32, u64)> = Vec::new();
+        for (a, k) in allocs() {
+            let i = a as usize;
+            let f = ends[i].checked_sub(1).unwrap_or(NEVER);
+            // Whether forward or backward work ran again before it ended,
+            // whether a backward allocated while it lived, and the last
+            // backward allocation of the pass it belongs to (the pass runs
+            // until other work allocates).
+            let outlives_step = f == NEVER || next_model.after(a) < f;
+            let backward_after = next_backward.after(a);
+            let pass_end = pass_last.before(next_other.after(a)).max(a);
+            let oom_after = next_oom.after(a);
+            let t = match k {
                 Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
                 Kind::Library => Told::Known(Role::Other, Evidence::Frames),
                 Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
                 Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
-                Kind::Optimizer if outlives_step(a, f) => {
+                Kind::Optimizer if outlives_step => {
                     Told::Known(Role::OptimizerState, Evidence::Frames)
                 }
                 Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
                 // A backward result that outlives its backward pass was
                 // taken over as a gradient (an embedding's, or every one
                 // under torch.compile, whose backward hands its outputs over).
-                Kind::Backward if f == NEVER || f > pass_end(&backward, &not_backward, a) => {
+                Kind::Backward if f == NEVER || (pass_end != NEVER && f > pass_end) => {
                     Told::Known(Role::Gradients, Evidence::Lifetimes)
                 }
                 Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
                 Kind::Forward if f == NEVER => {
                     if within(eval_windows, i) {
                         Told::Unknown(UnknownReason::HeldAfterEval)
-                    } else if between(&backward, a, NEVER) {
+                    } else if backward_after != NEVER {
                         Told::Unknown(UnknownReason::HeldPastBackward)
                     } else if trains {
                         // The forward in progress when the snapshot was taken.
@@ -466,13 +553,13 @@ impl<'a> DeviceRoles<'a> {
                 // Kept for a backward, or for one an OOM cancelled: the
                 // step's tensors are freed only as the error unwinds.
                 Kind::Forward
-                    if between(&backward, a, f)
-                        || (trains && !within(eval_windows, i) && between(&ooms, a, f)) =>
+                    if backward_after < f
+                        || (trains && !within(eval_windows, i) && oom_after < f) =>
                 {
                     Told::Known(Role::Activations, Evidence::Lifetimes)
                 }
                 Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-                Kind::Bare if in_optimizer(i) && outlives_step(a, f) => {
+                Kind::Bare if in_optimizer(i) && outlives_step => {
                     Told::Known(Role::OptimizerState, Evidence::Lifetimes)
                 }
                 Kind::Bare if in_optimizer(i) => {
@@ -482,10 +569,13 @@ impl<'a> DeviceRoles<'a> {
                     survives: f == NEVER,
                 },
             };
+            if let Told::Known(Role::Gradients, _) = t {
+                grad_allocs.push((a, f, events[i].size));
+            }
             told[i] = pack(t);
         }
         let optimizer_seen = !optimizer_windows.is_empty()
-            || allocs().any(|i| kind(i) == Kind::Optimizer)
+            || optimizer_work
             || end
                 .iter()
                 .any(|l| kinds[l.stack.0 as usize] == Kind::Optimizer);
@@ -517,19 +607,24 @@ impl<'a> DeviceRoles<'a> {
             }
         }
         let mut most = live.clone();
-        for (i, e) in events.iter().enumerate() {
-            if let Some(a) = scan.link[i].checked_sub(1) {
-                if is_grad(unpack(roles.told[a as usize])) {
-                    if let Some(n) = live.get_mut(&events[a as usize].size) {
-                        *n = n.saturating_sub(1);
-                    }
-                }
-            }
-            if e.action == Action::Alloc && is_grad(unpack(roles.told[i])) {
-                let n = live.entry(e.size).or_default();
+        // Their starts and ends in trace order; an end sorts before a start
+        // at the same entry (an allocation over a held address ends the old one).
+        let mut changes: Vec<(u32, bool, u64)> = grad_allocs
+            .iter()
+            .flat_map(|&(a, f, size)| {
+                let end = (f != NEVER).then_some((f, false, size));
+                std::iter::once((a, true, size)).chain(end)
+            })
+            .collect();
+        changes.sort_unstable_by_key(|&(i, start, _)| (i, start));
+        for (_, start, size) in changes {
+            let n = live.entry(size).or_default();
+            if start {
                 *n += 1;
-                let m = most.entry(e.size).or_default();
+                let m = most.entry(size).or_default();
                 *m = (*m).max(*n);
+            } else {
+                *n = n.saturating_sub(1);
             }
         }
         // Without a trace the blocks alive now are all there is.
@@ -543,10 +638,8 @@ impl<'a> DeviceRoles<'a> {
         }
         roles.grads = most;
         roles.states_per_param = roles.states_from(end);
-        roles.forward_only = roles.grads.is_empty()
-            && backward.is_empty()
-            && !roles.optimizer_seen
-            && allocs().any(|i| kind(i) == Kind::Forward);
+        roles.forward_only =
+            roles.grads.is_empty() && backward.is_empty() && !roles.optimizer_seen && forward_work;
         roles.state_like = roles.forward_only
             && in_threes(
                 end.iter()
@@ -740,8 +833,11 @@ mod tests {
     }
 
     fn kind(frames: &[(&str, &str)]) -> Kind {
-        let f: Vec<Frame> = frames.iter().map(|(p, n)| frame(p, n)).collect();
-        kind_of(&f.iter().collect::<Vec<_>>())
+        kind_of(
+            frames
+                .iter()
+                .fold(0, |acc, (p, n)| acc | frame_flags(&frame(p, n))),
+        )
     }
 
     #[test]

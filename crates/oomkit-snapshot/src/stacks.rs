@@ -187,6 +187,11 @@ impl Stacks {
         &self.stacks[id.0 as usize]
     }
 
+    /// Returns the number of distinct frames; their ids are `0..frame_count()`.
+    pub fn frame_count(&self) -> usize {
+        self.frames.len()
+    }
+
     /// Returns the number of distinct stacks, the empty one included.
     pub fn len(&self) -> usize {
         self.stacks.len()
