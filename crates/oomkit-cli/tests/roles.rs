@@ -342,3 +342,69 @@ fn the_failure_names_the_role_that_filled_the_device() {
         "{f}"
     );
 }
+
+#[test]
+fn the_estimate_is_compared_with_a_snapshot_term_by_term() {
+    // The demo, as a measurement at micro-batch 8: its roles at the peak
+    // are the measured terms.
+    let demo = demo_file();
+    let arg = format!("{}=8", demo.display());
+    let e = run_json(&[
+        "estimate",
+        "--params",
+        "350M",
+        "--json",
+        "--calibrate",
+        &arg,
+    ]);
+    let terms = &e["calibration"]["terms"][0];
+    assert_eq!(terms["micro_batch"], 8);
+    let peak = &analyze(&demo)["devices"][0]["roles"]["peak"];
+    for t in terms["roles"].as_array().unwrap() {
+        let role = t["role"].as_str().unwrap();
+        assert_eq!(t["measured_bytes"], peak[role], "{role}");
+    }
+    assert_eq!(e["calibration"]["measured"][0]["roles"], *peak);
+    // Without the micro-batch a snapshot is refused in one line.
+    let out = oomkit(
+        &[
+            "estimate",
+            "--params",
+            "350M",
+            "--calibrate",
+            demo.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_refused(&out, &["does not record its micro-batch", "=B"]);
+
+    // The CS336 medium model in fp32 with AdamW: the formulas' weights,
+    // gradients and state against the training step's, within 10%.
+    let Some(dir) = fixtures() else { return };
+    let params = cs336_params(10_000, 1024, 4096, 24).to_string();
+    let arg = format!(
+        "{}=4",
+        dir.join("lm_medium_ctx128_training.pickle").display()
+    );
+    let e = run_json(&[
+        "estimate",
+        "--params",
+        &params,
+        "--dtype",
+        "fp32",
+        "--seq",
+        "128",
+        "--json",
+        "--calibrate",
+        &arg,
+    ]);
+    let roles = e["calibration"]["terms"][0]["roles"].as_array().unwrap();
+    for role in ["parameters", "gradients", "optimizer_state"] {
+        let t = roles.iter().find(|t| t["role"] == role).unwrap();
+        near(
+            &format!("estimate's {role}"),
+            t["measured_bytes"].as_u64().unwrap(),
+            t["estimated_bytes"].as_u64().unwrap(),
+        );
+    }
+}

@@ -8,6 +8,7 @@
 //! at one micro-batch only, the formula's per-sample cost splits it.
 
 use crate::{Estimate, EstimateError};
+use oomkit_advice::{Role, RoleBytes};
 use serde::Serialize;
 
 /// One measured peak.
@@ -19,6 +20,31 @@ pub struct Measured {
     pub peak_bytes: u64,
     /// Where it came from: a file, and what in it.
     pub source: String,
+    /// The peak by role, where the measurement tells roles (a snapshot).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub roles: Option<RoleBytes>,
+}
+
+/// One role of the estimate beside what a snapshot measured.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Term {
+    /// The role.
+    pub role: Role,
+    /// What the formulas give it at the measured micro-batch.
+    pub estimated_bytes: u64,
+    /// What the snapshot held in it at its peak.
+    pub measured_bytes: u64,
+}
+
+/// A snapshot's peak compared with the estimate term by term.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Terms {
+    /// The measurement's source.
+    pub source: String,
+    /// Its micro-batch.
+    pub micro_batch: u64,
+    /// Each role either side holds, in the order reports list roles.
+    pub roles: Vec<Term>,
 }
 
 /// How the split between fixed and per-sample memory was found.
@@ -54,6 +80,9 @@ pub struct Calibration {
     pub formula_max_batch: Option<u64>,
     /// The measurements, in the order given.
     pub measured: Vec<Measured>,
+    /// For each measurement that tells roles (a snapshot), the estimate's
+    /// terms beside the measured ones.
+    pub terms: Vec<Terms>,
 }
 
 /// Fits the measured peaks, using `formula` where one micro-batch is all there is.
@@ -125,6 +154,26 @@ pub fn calibrate(
             c.saturating_sub(fixed_high + formula.inputs.overhead_bytes)
                 / ((per_sample as f64 * reserve).ceil() as u64).max(1)
         }),
+        terms: measured
+            .iter()
+            .filter_map(|m| {
+                let got = m.roles.as_ref()?;
+                let want = formula.roles(m.micro_batch);
+                Some(Terms {
+                    source: m.source.clone(),
+                    micro_batch: m.micro_batch,
+                    roles: Role::ALL
+                        .into_iter()
+                        .filter(|&r| *want.get(r) > 0 || *got.get(r) > 0)
+                        .map(|r| Term {
+                            role: r,
+                            estimated_bytes: *want.get(r),
+                            measured_bytes: *got.get(r),
+                        })
+                        .collect(),
+                })
+            })
+            .collect(),
         formula_fixed_bytes: formula_fixed,
         formula_per_sample_bytes: formula.per_sample_bytes,
         formula_max_batch: formula.max_batch,

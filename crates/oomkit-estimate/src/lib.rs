@@ -384,6 +384,22 @@ pub struct Estimate {
     pub inputs: Inputs,
 }
 
+impl Estimate {
+    /// The estimate's tensors at `micro_batch` in the roles a snapshot's
+    /// blocks are told by: weights as parameters, the EMA copy as other,
+    /// and the activations (the CUDA context is no tensor, so it has none).
+    pub fn roles(&self, micro_batch: u64) -> oomkit_advice::RoleBytes {
+        oomkit_advice::RoleBytes {
+            parameters: self.weights_bytes,
+            gradients: self.gradients_bytes,
+            optimizer_state: self.optimizer_bytes,
+            activations: self.per_sample_bytes * micro_batch,
+            other: self.ema_bytes,
+            ..Default::default()
+        }
+    }
+}
+
 /// The CUDA context and kernels that `nvidia-smi` shows before any tensor:
 /// 1343 MiB measured by Hugging Face on a V100 ("Model training anatomy":
 /// `torch.ones((1, 1)).to("cuda")`), which is 1.25 GiB once rounded.

@@ -55,12 +55,16 @@ pub(crate) struct Args {
     #[arg(long, value_parser = size, default_value = "1.25GiB", value_name = "SIZE")]
     overhead: u64,
     /// Calibrate from measured runs: run logs (FILE, or FILE=MICRO_BATCH when
-    /// the log has no plan record) or `find-batch --json` output.
+    /// the log has no plan record), `find-batch --json` output, or snapshots
+    /// (FILE=MICRO_BATCH), which are also compared with the estimate role by role.
     #[arg(long, num_args = 1.., value_name = "FILE[=B]")]
     calibrate: Vec<String>,
     #[command(flatten)]
     format: FormatArgs,
 }
+
+/// The first byte of a pickle of protocol 2 or later: a snapshot.
+const PICKLE_PROTO: u8 = 0x80;
 
 /// The measured peaks in one `--calibrate` argument, and the capacity it names, or one line saying what is wrong.
 fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
@@ -87,6 +91,7 @@ fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
                         micro_batch: t["batch"].as_u64()?,
                         peak_bytes: t["peak_bytes"].as_u64()?,
                         source: format!("{file} (find-batch trial)"),
+                        roles: None,
                     })
                 })
                 .collect();
@@ -97,6 +102,30 @@ fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
             }
             return Ok((measured, v["capacity_bytes"].as_u64()));
         }
+    }
+    // A snapshot (a pickle): its peak, and that peak by role, for the
+    // estimate's terms one by one.
+    if bytes.first() == Some(&PICKLE_PROTO) {
+        let snap =
+            oomkit_snapshot::Snapshot::from_bytes(&bytes).map_err(|e| format!("{file}: {e}"))?;
+        let analysis = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
+        let top = analysis
+            .devices
+            .iter()
+            .max_by_key(|d| d.peak_active_bytes)
+            .ok_or_else(|| format!("{file}: the snapshot holds no device's memory"))?;
+        let micro_batch = batch.ok_or_else(|| {
+            format!("{file}: a snapshot does not record its micro-batch; give it as {file}=B")
+        })?;
+        return Ok((
+            vec![Measured {
+                micro_batch,
+                peak_bytes: top.peak_active_bytes,
+                source: format!("{file} (snapshot, cuda:{})", top.device),
+                roles: Some(top.roles.peak),
+            }],
+            None,
+        ));
     }
     let run = oomkit_runlog::Run::parse(&bytes).map_err(|e| format!("{file}: {e}"))?;
     let start = run.start.clone().unwrap_or_default();
@@ -121,6 +150,7 @@ fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
             micro_batch,
             peak_bytes: peak,
             source: format!("{file} (run log)"),
+            roles: None,
         }],
         start.capacity_bytes,
     ))

@@ -151,5 +151,26 @@ pub fn calibration(c: &Calibration) -> String {
     if let Some(c) = c.capacity_bytes {
         let _ = writeln!(out, "  on {}", gib(c));
     }
+    for t in &c.terms {
+        let _ = writeln!(
+            out,
+            "  by role at micro-batch {}, {}:",
+            t.micro_batch, t.source
+        );
+        let _ = writeln!(
+            out,
+            "    {:<16} {:>10} {:>10}",
+            "role", "estimated", "measured"
+        );
+        for r in &t.roles {
+            let _ = writeln!(
+                out,
+                "    {:<16} {:>10} {:>10}",
+                r.role.words(),
+                gib(r.estimated_bytes),
+                gib(r.measured_bytes)
+            );
+        }
+    }
     out
 }
