@@ -135,6 +135,18 @@ impl RoleBytes {
     }
 }
 
+impl RoleBytes {
+    /// Each role with bytes in `self` or `other`, paired with its bytes in
+    /// both, in the order reports list roles: the rows of a comparison.
+    pub fn beside(&self, other: &RoleBytes) -> Vec<(Role, u64, u64)> {
+        Role::ALL
+            .into_iter()
+            .map(|r| (r, *self.get(r), *other.get(r)))
+            .filter(|&(_, a, b)| a > 0 || b > 0)
+            .collect()
+    }
+}
+
 /// Bytes of one role by the evidence that told them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Told {

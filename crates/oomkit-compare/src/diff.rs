@@ -105,14 +105,13 @@ fn role_deltas(a: Option<&RoleBytes>, b: Option<&RoleBytes>) -> Vec<RoleDelta> {
     }
     let zero = RoleBytes::default();
     let (a, b) = (a.unwrap_or(&zero), b.unwrap_or(&zero));
-    Role::ALL
+    a.beside(b)
         .into_iter()
-        .filter(|&r| *a.get(r) > 0 || *b.get(r) > 0)
-        .map(|r| RoleDelta {
-            role: r,
-            bytes_a: *a.get(r),
-            bytes_b: *b.get(r),
-            delta_bytes: delta(*a.get(r), *b.get(r)),
+        .map(|(role, x, y)| RoleDelta {
+            role,
+            bytes_a: x,
+            bytes_b: y,
+            delta_bytes: delta(x, y),
         })
         .collect()
 }

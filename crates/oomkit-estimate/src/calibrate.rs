@@ -162,13 +162,13 @@ pub fn calibrate(
                 Some(Terms {
                     source: m.source.clone(),
                     micro_batch: m.micro_batch,
-                    roles: Role::ALL
+                    roles: want
+                        .beside(got)
                         .into_iter()
-                        .filter(|&r| *want.get(r) > 0 || *got.get(r) > 0)
-                        .map(|r| Term {
-                            role: r,
-                            estimated_bytes: *want.get(r),
-                            measured_bytes: *got.get(r),
+                        .map(|(role, estimated_bytes, measured_bytes)| Term {
+                            role,
+                            estimated_bytes,
+                            measured_bytes,
                         })
                         .collect(),
                 })
