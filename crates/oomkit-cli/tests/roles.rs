@@ -408,3 +408,40 @@ fn the_estimate_is_compared_with_a_snapshot_term_by_term() {
         );
     }
 }
+
+#[test]
+fn cs336_large_step_found_by_the_team() {
+    // notHanmin/assignment2-systems (tests/real/SOURCES.md), "large": d_model
+    // 1280, d_ff 5120, 36 layers, vocabulary 10000: 969,411,840 parameters,
+    // AdamW with two fp32 states each. The trace runs from zero_grad, which
+    // frees the previous step's gradients (allocated before recording: told
+    // by the free's frames), to the step; the state was made by an earlier
+    // step (told by its blocks' frames); the weights by sizes.
+    let params = cs336_params(10_000, 1280, 5120, 36);
+    assert_eq!(params, 969_411_840);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/real/cs336_lm_large_step_nothanmin.pickle");
+    let a = check_invariants(&path);
+    let d = device(&a, 0);
+    for m in ["peak", "end"] {
+        near(
+            &format!("{m} parameters"),
+            bytes(d, m, "parameters"),
+            4 * params,
+        );
+        near(
+            &format!("{m} gradients"),
+            bytes(d, m, "gradients"),
+            4 * params,
+        );
+        near(
+            &format!("{m} optimizer state"),
+            bytes(d, m, "optimizer_state"),
+            8 * params,
+        );
+    }
+    assert_eq!(
+        d["roles_evidence"]["peak"]["gradients"]["frames"],
+        d["roles"]["peak"]["gradients"]
+    );
+}

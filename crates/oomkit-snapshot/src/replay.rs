@@ -86,7 +86,7 @@ pub(crate) fn scan_trace(events: &[TraceEvent]) -> TraceScan {
                             requested: e.size,
                             stack: StackId::EMPTY,
                             before_recording: true,
-                            at: Live::FREED_UNTRACED,
+                            at: Live::freed_by(i),
                         },
                     )),
                 }

@@ -49,6 +49,20 @@ pub(crate) struct Kinds {
     /// frames then came from a thread that runs no Python, which during
     /// training is autograd's engine running backward.
     empty_is_backward: bool,
+    /// What freeing a block from a stack says it was, by [`StackId`]:
+    /// the free's own frames.
+    freed_by: Vec<FreedBy>,
+}
+
+/// What the code that freed a block says it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FreedBy {
+    /// Nothing in particular.
+    Other,
+    /// `Optimizer.zero_grad`: a gradient.
+    ZeroGrad,
+    /// The optimizer's step: its state, replaced by new tensors.
+    Optimizer,
 }
 
 /// Finds the kind of every stack of a snapshot. Each distinct frame is
@@ -58,6 +72,7 @@ pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
         .map(|f| frame_flags(stacks.frame(f as FrameId)))
         .collect();
     let (mut python, mut native) = (false, false);
+    let mut freed_by = Vec::with_capacity(stacks.len());
     let of = (0..stacks.len())
         .map(|i| {
             let all = stacks
@@ -66,12 +81,20 @@ pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
                 .fold(0u16, |acc, &f| acc | flags[f as usize]);
             python |= all & PYTHON != 0;
             native |= all & NATIVE != 0;
+            freed_by.push(if all & ZERO_GRAD != 0 {
+                FreedBy::ZeroGrad
+            } else if all & OPTIMIZER != 0 {
+                FreedBy::Optimizer
+            } else {
+                FreedBy::Other
+            });
             kind_of(all)
         })
         .collect();
     Kinds {
         of,
         empty_is_backward: python && !native,
+        freed_by,
     }
 }
 
@@ -87,6 +110,8 @@ const PARAMETER: u16 = 1 << 7;
 /// A native frame naming an operator (`at::_ops::mm`): forward work where
 /// nothing else claims the stack.
 const OPERATOR: u16 = 1 << 8;
+/// `Optimizer.zero_grad` (or a model's): what frees there is a gradient.
+const ZERO_GRAD: u16 = 1 << 9;
 
 fn frame_flags(f: &Frame) -> u16 {
     let mut b = if is_python(f) { PYTHON } else { NATIVE };
@@ -110,6 +135,7 @@ fn frame_flags(f: &Frame) -> u16 {
         OPERATOR,
         !is_python(f) && f.name.contains("at::_ops::"),
     );
+    set(&mut b, ZERO_GRAD, is_python(f) && f.name == "zero_grad");
     b
 }
 
@@ -316,7 +342,8 @@ fn unpack(b: u8) -> Told {
 /// The roles of one device's allocations, ready to count at any moment.
 pub(crate) struct DeviceRoles<'a> {
     kinds: &'a [Kind],
-    events: usize,
+    freed_by: &'a [FreedBy],
+    events: &'a [TraceEvent],
     /// Per trace entry: the packed [`Told`] of each allocation.
     told: Vec<u8>,
     /// How many gradients of each size were alive at once, at most.
@@ -434,7 +461,7 @@ impl<'a> DeviceRoles<'a> {
     /// at snapshot time.
     pub(crate) fn new(
         all_kinds: &'a Kinds,
-        events: &[TraceEvent],
+        events: &'a [TraceEvent],
         scan: &TraceScan,
         ranges: &Ranges<'_>,
         before: &[Live],
@@ -581,7 +608,8 @@ impl<'a> DeviceRoles<'a> {
                 .any(|l| kinds[l.stack.0 as usize] == Kind::Optimizer);
         let mut roles = DeviceRoles {
             kinds,
-            events: events.len(),
+            freed_by: &all_kinds.freed_by,
+            events,
             told,
             grads: HashMap::default(),
             states_per_param: 0,
@@ -606,14 +634,23 @@ impl<'a> DeviceRoles<'a> {
                 *live.entry(l.requested).or_default() += 1;
             }
         }
+        for &(freed, l) in &scan.orphans {
+            if is_grad(roles.untraced(&l)) {
+                *live.entry(l.requested).or_default() += 1;
+                grad_allocs.push((NEVER, freed as u32, l.requested));
+            }
+        }
         let mut most = live.clone();
         // Their starts and ends in trace order; an end sorts before a start
         // at the same entry (an allocation over a held address ends the old one).
         let mut changes: Vec<(u32, bool, u64)> = grad_allocs
             .iter()
             .flat_map(|&(a, f, size)| {
+                // A gradient from before the trace (a == NEVER) is counted
+                // alive from the start; only its end is a change.
+                let start = (a != NEVER).then_some((a, true, size));
                 let end = (f != NEVER).then_some((f, false, size));
-                std::iter::once((a, true, size)).chain(end)
+                start.into_iter().chain(end)
             })
             .collect();
         changes.sort_unstable_by_key(|&(i, start, _)| (i, start));
@@ -659,7 +696,7 @@ impl<'a> DeviceRoles<'a> {
 
     /// What a block's own evidence says, before the size match.
     fn told(&self, l: &Live) -> Told {
-        if (l.at as usize) < self.events {
+        if (l.at as usize) < self.events.len() {
             unpack(self.told[l.at as usize])
         } else {
             self.untraced(l)
@@ -669,6 +706,17 @@ impl<'a> DeviceRoles<'a> {
     /// A block the trace did not allocate: its frames alone (from the
     /// segments' blocks), or the size match.
     fn untraced(&self, l: &Live) -> Told {
+        // A block from before the trace that the trace frees: the code that
+        // freed it says what it was.
+        let freed_by = l
+            .freeing_entry()
+            .and_then(|f| self.events.get(f))
+            .map_or(FreedBy::Other, |e| self.freed_by[e.stack.0 as usize]);
+        match freed_by {
+            FreedBy::ZeroGrad => return Told::Known(Role::Gradients, Evidence::Frames),
+            FreedBy::Optimizer => return Told::Known(Role::OptimizerState, Evidence::Frames),
+            FreedBy::Other => {}
+        }
         match self.kinds[l.stack.0 as usize] {
             Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
             Kind::Library => Told::Known(Role::Other, Evidence::Frames),
@@ -680,7 +728,7 @@ impl<'a> DeviceRoles<'a> {
             Kind::Forward if self.training => Told::Known(Role::Activations, Evidence::Frames),
             Kind::Forward => Told::Unknown(UnknownReason::NoBackward),
             Kind::Bare => Told::BySize {
-                survives: l.at != Live::FREED_UNTRACED,
+                survives: l.freeing_entry().is_none(),
             },
         }
     }
@@ -753,14 +801,19 @@ impl<'a> DeviceRoles<'a> {
             survives: Vec<(usize, Live)>,
             freed: Vec<(usize, Live)>,
             framed_params: u32,
+            framed_state: u32,
         }
         let mut pool: HashMap<u64, Pool, FastState> = HashMap::default();
         for (k, l) in live.enumerate() {
             match self.told(&l) {
                 Told::Known(r, e) => {
                     visit(k, &l, Ok((r, e)));
-                    if r == Role::Parameters {
-                        pool.entry(l.requested).or_default().framed_params += 1;
+                    match r {
+                        Role::Parameters => pool.entry(l.requested).or_default().framed_params += 1,
+                        Role::OptimizerState => {
+                            pool.entry(l.requested).or_default().framed_state += 1
+                        }
+                        _ => {}
                     }
                 }
                 Told::BySize { survives: true } => {
@@ -797,8 +850,9 @@ impl<'a> DeviceRoles<'a> {
                 .survives
                 .len()
                 .min(g.saturating_sub(p.framed_params as usize));
+            // Up to k states per gradient, less those other evidence told.
             let state = if self.optimizer_seen {
-                self.states_per_param as usize * g
+                (self.states_per_param as usize * g).saturating_sub(p.framed_state as usize)
             } else {
                 0
             };
@@ -1077,18 +1131,19 @@ mod tests {
     }
 
     #[test]
-    fn optimizer_state_from_sizes_stops_at_two_per_parameter() {
+    fn optimizer_state_from_sizes_stops_at_two_per_parameter_with_those_told_by_frames() {
         let (mut m, _) = training_step();
         // A third extra copy of the 2000-byte parameter: not Adam's.
         m.before.push((2000, 2048, 2000));
-        // The optimizer's state made in the trace, kept: it owns state now.
+        // One state tensor of the 1000-byte parameter made in the trace and
+        // kept: told by its frames, it leaves one of that size to the sizes.
         m.alloc(16, 1000, OPTIM);
         let end = m.roles(None);
         let r = &end.roles;
-        assert_eq!(r.bytes.optimizer_state, 1000 + 2 * 1024 + 2 * 2048);
+        assert_eq!(r.bytes.optimizer_state, 1000 + 1024 + 2 * 2048);
         assert_eq!(r.evidence.optimizer_state.frames, 1000);
-        assert_eq!(r.evidence.optimizer_state.sizes, 2 * 1024 + 2 * 2048);
-        assert_eq!(r.bytes.unknown, 2048);
+        assert_eq!(r.evidence.optimizer_state.sizes, 1024 + 2 * 2048);
+        assert_eq!(r.bytes.unknown, 1024 + 2048);
         assert_eq!(end.main_reason(), Some(UnknownReason::NoEvidence));
     }
 
@@ -1138,6 +1193,29 @@ mod tests {
         assert_eq!(end.bytes.parameters, 1024);
         let at = m.roles(Some(1)).roles;
         assert_eq!((at.bytes.activations, at.bytes.temporaries), (500, 400));
+    }
+
+    #[test]
+    fn the_code_that_freed_a_block_from_before_the_trace_says_what_it_was() {
+        let mut m = Mini::new();
+        // A parameter, its gradient and an old state tensor, all from before recording.
+        m.before.push((1000, 1024, 1000));
+        m.alloc(10, 500, FORWARD);
+        let peak = m.alloc(11, 1000, GRAD);
+        // The old gradient, freed by zero_grad; the old state, replaced by the step.
+        m.push(
+            Action::FreeCompleted,
+            2000,
+            1000,
+            &[("/venv/site-packages/torch/optim/optimizer.py", "zero_grad")],
+        );
+        m.push(Action::FreeCompleted, 3000, 1000, OPTIM);
+        let at = m.roles(Some(peak)).roles;
+        assert_eq!(at.bytes.gradients, 1000 + 1000);
+        assert_eq!(at.evidence.gradients.frames, 2000);
+        assert_eq!(at.bytes.optimizer_state, 1000);
+        assert_eq!(at.evidence.optimizer_state.frames, 1000);
+        assert_eq!(at.bytes.parameters, 1024);
     }
 
     #[test]

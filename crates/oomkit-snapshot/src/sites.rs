@@ -23,15 +23,30 @@ pub(crate) struct Live {
     pub(crate) requested: u64,
     pub(crate) stack: StackId,
     pub(crate) before_recording: bool,
-    /// The trace entry that allocated it, or [`Live::UNTRACED`] or [`Live::FREED_UNTRACED`].
+    /// The trace entry that allocated it, or [`Live::UNTRACED`], or for a
+    /// block the trace freed but did not allocate, [`Live::freed_by`] the
+    /// entry that freed it.
     pub(crate) at: u32,
 }
 
 impl Live {
     /// `at` of a block the trace did not allocate (or whose entry is not known here).
     pub(crate) const UNTRACED: u32 = u32::MAX;
-    /// `at` of a block the trace freed but did not allocate: it predates the trace.
-    pub(crate) const FREED_UNTRACED: u32 = u32::MAX - 1;
+    /// Set in `at` for a block the trace freed but did not allocate, with
+    /// the freeing entry below it: the parser numbers entries in 32 bits,
+    /// and a trace of 2^31 entries (64 GiB of events) is not read whole.
+    const FREED: u32 = 1 << 31;
+
+    /// `at` of a block that predates the trace and was freed at `entry`.
+    pub(crate) fn freed_by(entry: usize) -> u32 {
+        Live::FREED | entry as u32
+    }
+
+    /// The entry that freed a block the trace did not allocate, if it did.
+    pub(crate) fn freeing_entry(&self) -> Option<usize> {
+        (self.at != Live::UNTRACED && self.at & Live::FREED != 0)
+            .then_some((self.at & !Live::FREED) as usize)
+    }
 }
 
 pub(crate) fn site_key(stacks: &Stacks, live: &Live) -> SiteKey {
