@@ -421,35 +421,21 @@ fn in_threes<'l>(blocks: impl Iterator<Item = &'l Live>) -> bool {
     large.len() >= 2 && large.iter().all(|n| n % 3 == 0)
 }
 
-/// Walks sorted marks for allocations taken in trace order: the first mark
-/// after an entry moves only forward, so each query costs no search.
-struct Cursor<'m> {
-    marks: &'m [u32],
-    next: usize,
-}
-
-impl<'m> Cursor<'m> {
-    fn new(marks: &'m [u32]) -> Self {
-        Cursor { marks, next: 0 }
-    }
-
-    /// The first mark after entry `a` ([`NEVER`] for none); `a` must not
-    /// decrease from one call to the next.
-    fn after(&mut self, a: u32) -> u32 {
-        while self.marks.get(self.next).is_some_and(|&m| m <= a) {
-            self.next += 1;
-        }
-        self.marks.get(self.next).copied().unwrap_or(NEVER)
-    }
-
-    /// The last mark before entry `b` (none: [`NEVER`]); `b` must not
-    /// decrease from one call to the next either.
-    fn before(&mut self, b: u32) -> u32 {
-        while self.marks.get(self.next).is_some_and(|&m| m < b) {
-            self.next += 1;
-        }
-        self.next.checked_sub(1).map_or(NEVER, |i| self.marks[i])
-    }
+/// The latest entries of each kind of work before the current one, as the
+/// single pass over a trace goes: a mark after an allocation's start means
+/// that work came while it lived.
+#[derive(Clone, Copy, Default)]
+struct Marks {
+    /// Forward or backward work (an allocation of it).
+    model: Option<u32>,
+    /// Backward work.
+    backward: Option<u32>,
+    /// Work other than backward: forward, inputs, the optimizer.
+    other: Option<u32>,
+    /// An OOM entry.
+    oom: Option<u32>,
+    /// For a backward allocation being decided: whether it outlived its pass.
+    outlives_pass: bool,
 }
 
 /// `free` of an allocation that is never freed.
@@ -472,84 +458,34 @@ impl<'a> DeviceRoles<'a> {
             evals: eval_windows,
             has_optimizer,
         } = *ranges;
-        // One more than the entry that ends each allocation, 0 for none: a
-        // table of zeros starts as untouched pages, not megabytes to fill.
-        let mut ends = vec![0u32; events.len()];
-        for (i, &l) in scan.link.iter().enumerate() {
-            if let Some(a) = l.checked_sub(1) {
-                ends[a as usize] = i as u32 + 1;
-            }
-        }
         let kinds = &all_kinds.of[..];
         let kind = |i: usize| match events[i].stack {
             StackId::EMPTY if all_kinds.empty_is_backward => Kind::Backward,
             s => kinds[s.0 as usize],
         };
-        // One pass: every allocation with its kind, and the entries that
-        // mark backward work, other work, and the model's work.
-        // Reserved for every allocation, they touch only the pages they fill.
-        let marks = || Vec::with_capacity(scan.allocs as usize);
-        let (mut backward, mut not_backward, mut model) = (marks(), marks(), marks());
-        // The allocations are walked twice rather than listed: on a long
-        // trace a list would be megabytes of fresh pages, which cost more
-        // than the walk.
-        let allocs = || {
-            events
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| e.action == Action::Alloc)
-                .map(|(i, _)| (i as u32, kind(i)))
-        };
-        let (mut optimizer_work, mut forward_work) = (false, false);
-        for (i, k) in allocs() {
-            optimizer_work |= k == Kind::Optimizer;
-            forward_work |= k == Kind::Forward;
-            match k {
-                Kind::Backward | Kind::Gradient => {
-                    backward.push(i);
-                    model.push(i);
-                }
-                Kind::Forward | Kind::Input => {
-                    not_backward.push(i);
-                    model.push(i);
-                }
-                Kind::Optimizer => not_backward.push(i),
-                _ => {}
-            }
-        }
-
         let within = |w: &[Window], i: usize| w.iter().any(|&(s, e)| s <= i && i < e);
-        let in_optimizer = |i: usize| within(optimizer_windows, i);
-        let ooms: Vec<u32> = events
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.action == Action::Oom)
-            .map(|(i, _)| i as u32)
-            .collect();
-        // Cursors over the marks, for the allocations in trace order.
-        let mut next_model = Cursor::new(&model);
-        let mut next_backward = Cursor::new(&backward);
-        let mut next_other = Cursor::new(&not_backward);
-        let mut pass_last = Cursor::new(&backward);
-        let mut next_oom = Cursor::new(&ooms);
-        // A run with an optimizer trains, so its forward keeps activations.
-        let trains = !backward.is_empty() || has_optimizer || optimizer_work;
+        // A run with an optimizer or a backward trains, so its forward
+        // keeps activations: known from the file's stacks and ranges before
+        // the pass, and from the trace's own backward as it goes.
+        let trains_by_stacks = has_optimizer
+            || kinds
+                .iter()
+                .any(|k| matches!(k, Kind::Backward | Kind::Gradient | Kind::Optimizer));
 
+        // Each allocation is decided when it ends, from what happened
+        // between its start and its end, which the latest marks below tell
+        // (a mark after the start means one in between): one pass, and no
+        // table of ends or of marks, which on a long trace would be
+        // megabytes of fresh pages.
         let mut told = vec![0u8; events.len()];
         // The gradients the trace allocates: (entry, end, size).
         let mut grad_allocs: Vec<(u32, u32, u64)> = Vec::new();
-        for (a, k) in allocs() {
+        let mut decide = |told: &mut Vec<u8>, a: u32, f: u32, marks: &Marks| {
             let i = a as usize;
-            let f = ends[i].checked_sub(1).unwrap_or(NEVER);
-            // Whether forward or backward work ran again before it ended,
-            // whether a backward allocated while it lived, and the last
-            // backward allocation of the pass it belongs to (the pass runs
-            // until other work allocates).
-            let outlives_step = f == NEVER || next_model.after(a) < f;
-            let backward_after = next_backward.after(a);
-            let pass_end = pass_last.before(next_other.after(a)).max(a);
-            let oom_after = next_oom.after(a);
-            let t = match k {
+            let trains = trains_by_stacks || marks.backward.is_some();
+            let after = |m: Option<u32>| m.is_some_and(|m| m > a);
+            let outlives_step = f == NEVER || after(marks.model);
+            let t = match kind(i) {
                 Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
                 Kind::Library => Told::Known(Role::Other, Evidence::Frames),
                 Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
@@ -560,15 +496,16 @@ impl<'a> DeviceRoles<'a> {
                 Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
                 // A backward result that outlives its backward pass was
                 // taken over as a gradient (an embedding's, or every one
-                // under torch.compile, whose backward hands its outputs over).
-                Kind::Backward if f == NEVER || (pass_end != NEVER && f > pass_end) => {
+                // under torch.compile, whose backward hands its outputs
+                // over); `Marks::outlives_pass` says whether it did.
+                Kind::Backward if f == NEVER || marks.outlives_pass => {
                     Told::Known(Role::Gradients, Evidence::Lifetimes)
                 }
                 Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
                 Kind::Forward if f == NEVER => {
                     if within(eval_windows, i) {
                         Told::Unknown(UnknownReason::HeldAfterEval)
-                    } else if backward_after != NEVER {
+                    } else if after(marks.backward) {
                         Told::Unknown(UnknownReason::HeldPastBackward)
                     } else if trains {
                         // The forward in progress when the snapshot was taken.
@@ -580,16 +517,16 @@ impl<'a> DeviceRoles<'a> {
                 // Kept for a backward, or for one an OOM cancelled: the
                 // step's tensors are freed only as the error unwinds.
                 Kind::Forward
-                    if backward_after < f
-                        || (trains && !within(eval_windows, i) && oom_after < f) =>
+                    if after(marks.backward)
+                        || (trains && !within(eval_windows, i) && after(marks.oom)) =>
                 {
                     Told::Known(Role::Activations, Evidence::Lifetimes)
                 }
                 Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-                Kind::Bare if in_optimizer(i) && outlives_step => {
+                Kind::Bare if within(optimizer_windows, i) && outlives_step => {
                     Told::Known(Role::OptimizerState, Evidence::Lifetimes)
                 }
-                Kind::Bare if in_optimizer(i) => {
+                Kind::Bare if within(optimizer_windows, i) => {
                     Told::Known(Role::Temporaries, Evidence::Lifetimes)
                 }
                 Kind::Bare => Told::BySize {
@@ -600,7 +537,84 @@ impl<'a> DeviceRoles<'a> {
                 grad_allocs.push((a, f, events[i].size));
             }
             told[i] = pack(t);
+        };
+        let mut marks = Marks::default();
+        let (mut optimizer_work, mut forward_work) = (false, false);
+        // Backward allocations that ended within their pass, decided when
+        // it ends: they outlived it if no backward allocation came after them.
+        let mut pending: Vec<(u32, u32)> = Vec::new();
+        let mut pass_last: Option<u32> = None;
+        fn end_pass(
+            told: &mut Vec<u8>,
+            pending: &mut Vec<(u32, u32)>,
+            pass_last: Option<u32>,
+            decide: &mut impl FnMut(&mut Vec<u8>, u32, u32, &Marks),
+            marks: &Marks,
+        ) {
+            for (a, f) in pending.drain(..) {
+                let m = Marks {
+                    outlives_pass: pass_last.is_none_or(|l| f > l),
+                    ..*marks
+                };
+                decide(told, a, f, &m);
+            }
         }
+        for (i, e) in events.iter().enumerate() {
+            let i32 = i as u32;
+            // What ends here: a free, or an allocation over a held address.
+            if let Some(a) = scan.link[i].checked_sub(1) {
+                if kind(a as usize) == Kind::Backward && marks.other.is_none_or(|o| o <= a) {
+                    pending.push((a, i32));
+                } else {
+                    // Other work came between: it outlived its pass.
+                    let m = Marks {
+                        outlives_pass: true,
+                        ..marks
+                    };
+                    decide(&mut told, a, i32, &m);
+                }
+            }
+            match e.action {
+                Action::Oom => marks.oom = Some(i32),
+                Action::Alloc => match kind(i) {
+                    Kind::Forward => {
+                        forward_work = true;
+                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
+                        pass_last = None;
+                        marks.other = Some(i32);
+                        marks.model = Some(i32);
+                    }
+                    Kind::Optimizer => {
+                        optimizer_work = true;
+                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
+                        pass_last = None;
+                        marks.other = Some(i32);
+                    }
+                    Kind::Backward | Kind::Gradient => {
+                        marks.model = Some(i32);
+                        marks.backward = Some(i32);
+                        pass_last = Some(i32);
+                    }
+                    Kind::Input => {
+                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
+                        pass_last = None;
+                        marks.other = Some(i32);
+                        marks.model = Some(i32);
+                    }
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
+        // What never ended, against everything after it.
+        let mut open: Vec<u32> = scan.open.values().copied().collect();
+        open.sort_unstable();
+        for a in open {
+            decide(&mut told, a, NEVER, &marks);
+        }
+        let backward_work = marks.backward.is_some();
+        let trains = trains_by_stacks || backward_work;
         let optimizer_seen = !optimizer_windows.is_empty()
             || optimizer_work
             || end
@@ -676,7 +690,7 @@ impl<'a> DeviceRoles<'a> {
         roles.grads = most;
         roles.states_per_param = roles.states_from(end);
         roles.forward_only =
-            roles.grads.is_empty() && backward.is_empty() && !roles.optimizer_seen && forward_work;
+            roles.grads.is_empty() && !backward_work && !roles.optimizer_seen && forward_work;
         roles.state_like = roles.forward_only
             && in_threes(
                 end.iter()
