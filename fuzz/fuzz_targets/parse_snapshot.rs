@@ -14,6 +14,10 @@ fuzz_target!(|data: &[u8]| {
     // The streaming reader claims trace entries while parsing: a second path
     // through the parser that must be just as robust.
     if let Ok(snap) = oomkit_snapshot::Snapshot::from_bytes(data) {
-        let _ = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
+        let a = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
+        // The report's chart of roles over time replays the trace again.
+        for d in &a.devices {
+            let _ = oomkit_snapshot::role_timeline(&snap, d.device, &[None]);
+        }
     }
 });

@@ -203,8 +203,7 @@ fn analyze_device(
     let (before, end) = before_and_end(&final_blocks, &scan);
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
-    // The live sets whose roles are counted once the roles are decided.
-    let mut oom_sets: Vec<Vec<Live>> = Vec::new();
+    // The live set at the peak, where its roles are counted after pass 2.
     let mut peak_live: Option<Vec<Live>> = None;
     // Each OOM's holders cost a pass over the live set, so a trace that
     // records an OOM at every step would take quadratic time, and a finding
@@ -238,44 +237,51 @@ fn analyze_device(
         let r = Ranges::of(&ranges, &windows);
         DeviceRoles::new(kinds, events, &scan, &r.borrowed(), &before, &end)
     };
-    let pass2 = |top_sites: &mut Vec<SiteBytes>,
-                 holders: &mut Vec<Vec<SiteBytes>>,
-                 oom_sets: &mut Vec<Vec<Live>>,
-                 peak_live: &mut Option<Vec<Live>>| {
+    // Pass 2 counts each live set's roles on the spot when the roles are
+    // decided; otherwise it keeps the peak's live set for later.
+    let mut oom_roles: Vec<Moment> = Vec::new();
+    let mut peak_roles: Option<Moment> = None;
+    let mut pass2 = |roles: Option<&DeviceRoles>, peak_live: &mut Option<Vec<Live>>| {
         live_at(events, &scan, &before, &targets, |i, live| {
             let live: Vec<Live> = live.collect();
             let oom = Some(i) != peak_idx
                 || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
             if oom {
                 holders.push(group(stacks, live.iter().copied(), oom_holders_top));
-                oom_sets.push(live.clone());
+                if let Some(r) = roles {
+                    oom_roles.push(r.at(live.iter().copied()));
+                }
             }
             if Some(i) == peak_idx {
-                *top_sites = group(stacks, live.iter().copied(), opts.top);
-                *peak_live = Some(live);
+                top_sites = group(stacks, live.iter().copied(), opts.top);
+                match roles {
+                    Some(r) => peak_roles = Some(r.at(live.into_iter())),
+                    None => *peak_live = Some(live),
+                }
             }
         })
     };
-    // Deciding the roles reads the whole trace again; on a long one it
-    // runs on the second core while the live sets are rebuilt.
-    let roles = if events.len() >= PARALLEL_MIN_EVENTS {
-        std::thread::scope(|sc| {
+    // Deciding the roles reads the whole trace again; on a long one without
+    // OOM entries (whose live sets would have to wait in memory) it runs on
+    // the second core while the live set at the peak is rebuilt.
+    let roles = if events.len() >= PARALLEL_MIN_EVENTS && oom_idx.is_empty() {
+        let roles = std::thread::scope(|sc| {
             let roles = sc.spawn(decide);
-            pass2(&mut top_sites, &mut holders, &mut oom_sets, &mut peak_live);
+            pass2(None, &mut peak_live);
             // A panic in the roles thread is a bug; rethrowing it keeps it one.
             roles
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+        });
+        roles
     } else {
-        pass2(&mut top_sites, &mut holders, &mut oom_sets, &mut peak_live);
-        decide()
+        let roles = decide();
+        pass2(Some(&roles), &mut peak_live);
+        roles
     };
-    let oom_roles: Vec<Moment> = oom_sets
-        .into_iter()
-        .map(|l| roles.at(l.into_iter()))
-        .collect();
-    let peak_roles = peak_live.map(|l| roles.at(l.into_iter()));
+    if let Some(l) = peak_live.take() {
+        peak_roles = Some(roles.at(l.into_iter()));
+    }
     let mut end_roles = roles.at(end.iter().copied());
     // A file whose segments count more active bytes than their blocks list
     // (edited, or written mid-update) has bytes no block accounts for.
@@ -712,4 +718,104 @@ fn phases(ranges: &[(String, i64, i64)], stats: &[WindowStats]) -> Vec<PhaseRepo
     let mut v: Vec<PhaseReport> = by_name.into_values().collect();
     v.sort_by_key(|p| std::cmp::Reverse(p.peak_active_bytes));
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Block, DeviceTrace, Segment, TraceEvent};
+    use crate::stacks::{Frame, Stacks};
+
+    fn stack(stacks: &mut Stacks, frames: &[(&str, &str)]) -> crate::stacks::StackId {
+        let ids = frames
+            .iter()
+            .map(|(f, n)| {
+                stacks.intern_frame(Frame {
+                    filename: (*f).into(),
+                    line: 1,
+                    name: (*n).into(),
+                })
+            })
+            .collect();
+        stacks.intern_stack(ids)
+    }
+
+    /// A trace long enough to decide the roles on the second core gives the
+    /// roles that deciding them first gives.
+    #[test]
+    fn roles_decided_beside_the_second_pass_are_the_same() {
+        let mut stacks = Stacks::default();
+        let fwd = stack(&mut stacks, &[("/home/me/model.py", "forward")]);
+        let bwd = stack(
+            &mut stacks,
+            &[("??", "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)")],
+        );
+        let ev = |action, addr, size, stack| {
+            let mut e = TraceEvent::BLANK;
+            (e.action, e.addr, e.size, e.stack) = (action, addr, size, stack);
+            e
+        };
+        let mut events = Vec::new();
+        // Steps of forward (kept for backward) then backward, each leaving
+        // one backward result behind, which outlives its pass.
+        let steps = PARALLEL_MIN_EVENTS as u64 / 5 + 1;
+        for k in 0..steps {
+            let (a, b, g) = (3 * k + 1, 3 * k + 2, 3 * k + 3);
+            events.push(ev(Action::Alloc, a << 12, 4096 + k % 7, fwd));
+            events.push(ev(Action::Alloc, b << 12, 2048, bwd));
+            events.push(ev(Action::FreeCompleted, b << 12, 2048, bwd));
+            events.push(ev(Action::FreeCompleted, a << 12, 4096 + k % 7, fwd));
+            events.push(ev(Action::Alloc, g << 12, 512, bwd));
+        }
+        let blocks: Vec<Block> = (0..steps)
+            .map(|k| Block {
+                address: (3 * k + 3) << 12,
+                size: 512,
+                requested_size: 512,
+                state: crate::model::BlockState::ActiveAllocated,
+                stack: bwd,
+            })
+            .collect();
+        let total = 512 * steps;
+        let snap = Snapshot {
+            segments: vec![Segment {
+                device: 0,
+                address: 1 << 12,
+                total_size: total,
+                allocated_size: total,
+                active_size: total,
+                requested_size: total,
+                stream: 0,
+                segment_type: "large".into(),
+                is_expandable: false,
+                blocks,
+            }],
+            traces: vec![DeviceTrace {
+                events: events.clone(),
+                ..Default::default()
+            }],
+            allocator_settings: None,
+            annotations: Vec::new(),
+            stacks,
+            layout: Default::default(),
+        };
+        assert!(events.len() >= PARALLEL_MIN_EVENTS);
+        let a = analyze(&snap, &Options::default());
+        let d = &a.devices[0];
+        assert_eq!(d.roles.peak.total(), d.peak_active_bytes);
+        // The same roles, decided first and counted on the peak's live set.
+        let kinds = kinds(&snap.stacks);
+        let scan = scan_trace(&events);
+        let finals = final_blocks(&snap, 0);
+        let (before, end) = before_and_end(&finals, &scan);
+        let roles = DeviceRoles::new(&kinds, &events, &scan, &Ranges::default(), &before, &end);
+        let peak = d.peak_event_index.unwrap() as usize;
+        let mut want = None;
+        live_at(&events, &scan, &before, &[peak], |_, live| {
+            want = Some(roles.at(live))
+        });
+        assert_eq!(d.roles.peak, want.unwrap().roles.bytes);
+        assert!(d.roles.peak.activations > 0 && d.roles.peak.gradients > 0);
+        assert_eq!(d.roles.end.gradients, total);
+    }
 }
