@@ -201,6 +201,7 @@ fn analyze_device(
 
     // Pass 2: the live set at the peak and at every OOM.
     let (before, end) = before_and_end(&final_blocks, &scan);
+    let private = private_pools(snap, device);
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
     // The live set at the peak, where its roles are counted after pass 2.
@@ -235,7 +236,7 @@ fn analyze_device(
     }
     let decide = || {
         let r = Ranges::of(&ranges, &windows);
-        DeviceRoles::new(kinds, events, &scan, &r.borrowed(), &before, &end)
+        DeviceRoles::new(kinds, events, &scan, &r.borrowed(), &private, &before, &end)
     };
     // Pass 2 counts each live set's roles on the spot when the roles are
     // decided; otherwise it keeps the peak's live set for later.
@@ -322,6 +323,7 @@ fn analyze_device(
                 requested: e.size,
                 stack: e.stack,
                 before_recording: false,
+                private_pool: false,
                 at: Live::UNTRACED,
             },
         );
@@ -418,9 +420,9 @@ fn final_blocks(snap: &Snapshot, device: i64) -> Vec<(u64, Live)> {
     snap.segments
         .iter()
         .filter(|s| s.device == device)
-        .flat_map(|s| &s.blocks)
-        .filter(|b| b.state.is_active())
-        .map(|b| {
+        .flat_map(|s| s.blocks.iter().map(move |b| (s.private_pool, b)))
+        .filter(|(_, b)| b.state.is_active())
+        .map(|(private_pool, b)| {
             let live = Live {
                 size: b.size,
                 // Files before torch 2.1 record no requested size.
@@ -431,11 +433,24 @@ fn final_blocks(snap: &Snapshot, device: i64) -> Vec<(u64, Live)> {
                 },
                 stack: b.stack,
                 before_recording: false,
+                private_pool,
                 at: Live::UNTRACED,
             };
             (b.address, live)
         })
         .collect()
+}
+
+/// The address ranges of a device's private-pool segments, sorted.
+fn private_pools(snap: &Snapshot, device: i64) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = snap
+        .segments
+        .iter()
+        .filter(|s| s.device == device && s.private_pool)
+        .map(|s| (s.address, s.address.saturating_add(s.total_size)))
+        .collect();
+    v.sort_unstable();
+    v
 }
 
 /// The blocks from before the trace still alive at its end, and every
@@ -518,7 +533,16 @@ pub fn role_timeline(
     let final_blocks = final_blocks(snap, device);
     let (before, end) = before_and_end(&final_blocks, &scan);
     let owned = Ranges::of(&ranges, &windows);
-    let roles = DeviceRoles::new(&kinds, events, &scan, &owned.borrowed(), &before, &end);
+    let private = private_pools(snap, device);
+    let roles = DeviceRoles::new(
+        &kinds,
+        events,
+        &scan,
+        &owned.borrowed(),
+        &private,
+        &before,
+        &end,
+    );
     let mut now = RoleBytes::default();
     let orphans = scan.orphans.len();
     let mut orphan_role = vec![Role::Unknown; orphans];
@@ -740,6 +764,62 @@ mod tests {
         stacks.intern_stack(ids)
     }
 
+    /// Blocks in a private pool's segment (a CUDA graph's) are other, the
+    /// trace's allocations there too.
+    #[test]
+    fn a_private_pool_holds_other_memory() {
+        let mut stacks = Stacks::default();
+        let fwd = stack(&mut stacks, &[("/home/me/model.py", "forward")]);
+        let mut e = TraceEvent::BLANK;
+        (e.action, e.addr, e.size, e.stack) = (Action::Alloc, 0x10_0000 + 512, 512, fwd);
+        let block = |address, stack| Block {
+            address,
+            size: 512,
+            requested_size: 512,
+            state: crate::model::BlockState::ActiveAllocated,
+            stack,
+        };
+        let segment = |address, private_pool, blocks| Segment {
+            device: 0,
+            address,
+            total_size: 2048,
+            allocated_size: 1024,
+            active_size: 1024,
+            requested_size: 1024,
+            stream: 0,
+            segment_type: "small".into(),
+            is_expandable: false,
+            private_pool,
+            blocks,
+        };
+        let snap = Snapshot {
+            segments: vec![
+                segment(
+                    0x10_0000,
+                    true,
+                    vec![block(0x10_0000, fwd), block(0x10_0000 + 512, fwd)],
+                ),
+                segment(
+                    0x20_0000,
+                    false,
+                    vec![block(0x20_0000, fwd), block(0x20_0000 + 512, fwd)],
+                ),
+            ],
+            traces: vec![DeviceTrace {
+                events: vec![e],
+                ..Default::default()
+            }],
+            allocator_settings: None,
+            annotations: Vec::new(),
+            stacks,
+            layout: Default::default(),
+        };
+        let a = analyze(&snap, &Options::default());
+        let end = a.devices[0].roles.end;
+        assert_eq!(end.other, 1024, "{end:?}");
+        assert_eq!(end.total(), 2048);
+    }
+
     /// A trace long enough to decide the roles on the second core gives the
     /// roles that deciding them first gives.
     #[test]
@@ -788,6 +868,7 @@ mod tests {
                 stream: 0,
                 segment_type: "large".into(),
                 is_expandable: false,
+                private_pool: false,
                 blocks,
             }],
             traces: vec![DeviceTrace {
@@ -808,7 +889,15 @@ mod tests {
         let scan = scan_trace(&events);
         let finals = final_blocks(&snap, 0);
         let (before, end) = before_and_end(&finals, &scan);
-        let roles = DeviceRoles::new(&kinds, &events, &scan, &Ranges::default(), &before, &end);
+        let roles = DeviceRoles::new(
+            &kinds,
+            &events,
+            &scan,
+            &Ranges::default(),
+            &[],
+            &before,
+            &end,
+        );
         let peak = d.peak_event_index.unwrap() as usize;
         let mut want = None;
         live_at(&events, &scan, &before, &[peak], |_, live| {

@@ -67,6 +67,9 @@ pub struct Segment {
     pub segment_type: String,
     /// True for expandable segments.
     pub is_expandable: bool,
+    /// The segment belongs to a private pool (`segment_pool_id` other than
+    /// `(0, 0)`): a CUDA graph's, or one a `torch.cuda.MemPool` made.
+    pub private_pool: bool,
     /// The blocks, in address order.
     pub blocks: Vec<Block>,
 }
@@ -803,6 +806,7 @@ impl<'d, 'a> Reader<'d, 'a> {
             stream: 0,
             segment_type: String::new(),
             is_expandable: false,
+            private_pool: false,
             blocks: Vec::new(),
         };
         let (mut allocated, mut active, mut requested) = (None, None, None);
@@ -818,6 +822,11 @@ impl<'d, 'a> Reader<'d, 'a> {
                 b"stream" => seg.stream = self.doc.as_i128(v).unwrap_or(0) as u64,
                 b"segment_type" => seg.segment_type = doc.as_str(v).unwrap_or("").to_string(),
                 b"is_expandable" => seg.is_expandable = doc.as_i64(v).unwrap_or(0) != 0,
+                b"segment_pool_id" => {
+                    seg.private_pool = doc
+                        .seq(v)
+                        .is_some_and(|ids| ids.iter().any(|&id| doc.as_i64(id).unwrap_or(0) != 0))
+                }
                 b"blocks" => blocks_slot = Some(v),
                 _ => {}
             }

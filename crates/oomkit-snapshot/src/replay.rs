@@ -86,6 +86,7 @@ pub(crate) fn scan_trace(events: &[TraceEvent]) -> TraceScan {
                             requested: e.size,
                             stack: StackId::EMPTY,
                             before_recording: true,
+                            private_pool: false,
                             at: Live::freed_by(i),
                         },
                     )),
@@ -146,6 +147,7 @@ pub(crate) fn live_at(
                             requested: a.size,
                             stack: a.stack,
                             before_recording: false,
+                            private_pool: false,
                             at: (w * 64 + b) as u32,
                         }
                     })
@@ -666,6 +668,7 @@ mod tests {
                     requested: 4096 * a,
                     stack: StackId(a as u32 % 5),
                     before_recording: true,
+                    private_pool: false,
                     at: Live::UNTRACED,
                 };
                 (a, live)
@@ -697,6 +700,7 @@ mod tests {
                         requested: e.size,
                         stack: e.stack,
                         before_recording: false,
+                        private_pool: false,
                         at: i as u32,
                     };
                     live.insert(e.addr, l);

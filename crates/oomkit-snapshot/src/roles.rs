@@ -442,14 +442,16 @@ struct Marks {
 const NEVER: u32 = u32::MAX;
 
 impl<'a> DeviceRoles<'a> {
-    /// Decides every allocation of a trace. `before` are the blocks alive
-    /// before the trace and still alive at its end; `end` every block alive
-    /// at snapshot time.
+    /// Decides every allocation of a trace. `private` are the address
+    /// ranges of the device's private-pool segments, sorted; `before` the
+    /// blocks alive before the trace and still alive at its end; `end`
+    /// every block alive at snapshot time.
     pub(crate) fn new(
         all_kinds: &'a Kinds,
         events: &'a [TraceEvent],
         scan: &TraceScan,
         ranges: &Ranges<'_>,
+        private: &[(u64, u64)],
         before: &[Live],
         end: &[Live],
     ) -> Self {
@@ -485,7 +487,14 @@ impl<'a> DeviceRoles<'a> {
             let trains = trains_by_stacks || marks.backward.is_some();
             let after = |m: Option<u32>| m.is_some_and(|m| m > a);
             let outlives_step = f == NEVER || after(marks.model);
+            let addr = events[i].addr;
+            // A CUDA graph's pool: the graph's own memory, whatever ran in it.
+            let in_private = !private.is_empty() && {
+                let k = private.partition_point(|&(start, _)| start <= addr);
+                k > 0 && addr < private[k - 1].1
+            };
             let t = match kind(i) {
+                _ if in_private => Told::Known(Role::Other, Evidence::Frames),
                 Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
                 Kind::Library => Told::Known(Role::Other, Evidence::Frames),
                 Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
@@ -720,6 +729,9 @@ impl<'a> DeviceRoles<'a> {
     /// A block the trace did not allocate: its frames alone (from the
     /// segments' blocks), or the size match.
     fn untraced(&self, l: &Live) -> Told {
+        if l.private_pool {
+            return Told::Known(Role::Other, Evidence::Frames);
+        }
         // A block from before the trace that the trace frees: the code that
         // freed it says what it was.
         let freed_by = l
@@ -1041,6 +1053,7 @@ mod tests {
                     requested,
                     stack: StackId::EMPTY,
                     before_recording: true,
+                    private_pool: false,
                     at: Live::UNTRACED,
                 })
                 .collect();
@@ -1052,6 +1065,7 @@ mod tests {
                     requested: e.size,
                     stack: e.stack,
                     before_recording: false,
+                    private_pool: false,
                     at: a,
                 });
             }
@@ -1060,6 +1074,7 @@ mod tests {
                 &self.events,
                 &scan,
                 &Ranges::default(),
+                &[],
                 &before,
                 &end,
             );

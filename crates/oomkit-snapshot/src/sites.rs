@@ -23,6 +23,8 @@ pub(crate) struct Live {
     pub(crate) requested: u64,
     pub(crate) stack: StackId,
     pub(crate) before_recording: bool,
+    /// The block lives in a private pool's segment (a CUDA graph's).
+    pub(crate) private_pool: bool,
     /// The trace entry that allocated it, or [`Live::UNTRACED`], or for a
     /// block the trace freed but did not allocate, [`Live::freed_by`] the
     /// entry that freed it.
@@ -86,6 +88,7 @@ pub fn stack_label(stacks: &Stacks, stack: StackId) -> String {
         requested: 0,
         stack,
         before_recording: false,
+        private_pool: false,
         at: Live::UNTRACED,
     };
     label(stacks, &site_key(stacks, &live)).1
