@@ -445,3 +445,50 @@ fn cs336_large_step_found_by_the_team() {
         d["roles"]["peak"]["gradients"]
     );
 }
+
+#[test]
+fn torch_2_0_history_blocks_are_told_by_their_frames() {
+    // A segments-only file in torch 2.0's layout: each block's frames sit in
+    // its `history`. A gradient (AccumulateGrad), a forward tensor and a
+    // parameter copied to the GPU (Module._apply).
+    let dir = tempdir("roles-history");
+    let path = dir.join("history.pickle");
+    let script = r#"
+import pickle, sys
+def frames(*fs): return [{"filename": f, "line": 1, "name": n} for f, n in fs]
+grad = frames(("??", "torch::autograd::AccumulateGrad::apply(std::vector<at::Tensor>&&)"))
+fwd = frames(("/home/me/model.py", "forward"))
+param = frames(("/venv/site-packages/torch/nn/modules/module.py", "_apply"), ("/home/me/train.py", "main"))
+blocks = [
+    {"size": 4096, "state": "active_allocated", "history": [{"addr": 1 << 20, "real_size": 4000, "frames": grad}]},
+    {"size": 8192, "state": "active_allocated", "history": [{"addr": (1 << 20) + 4096, "real_size": 8192, "frames": fwd}]},
+    {"size": 4096, "state": "active_allocated", "history": [{"addr": (1 << 20) + 12288, "real_size": 4000, "frames": param}]},
+    {"size": 4096, "state": "inactive"},
+]
+seg = {"device": 0, "address": 1 << 20, "total_size": 20480, "stream": 0, "segment_type": "small", "blocks": blocks}
+pickle.dump({"segments": [seg], "device_traces": [[]]}, open(sys.argv[1], "wb"), protocol=2)
+"#;
+    python_script_inline(script, &path);
+    let a = check_invariants(&path);
+    let d = device(&a, 0);
+    assert_eq!(bytes(d, "end", "gradients"), 4096);
+    assert_eq!(bytes(d, "end", "parameters"), 4096);
+    // Training is shown (a gradient), so the forward tensor alive is an activation.
+    assert_eq!(bytes(d, "end", "activations"), 8192);
+    assert_eq!(d["roles_evidence"]["end"]["gradients"]["frames"], 4096);
+}
+
+/// Runs an inline Python script with one path argument.
+fn python_script_inline(script: &str, path: &Path) {
+    let out = std::process::Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
