@@ -24,7 +24,11 @@ def test_the_package_installs_with_its_torch_extra_into_a_fresh_environment(tmp_
     py = venv / "bin" / "python"
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    here = [p for p in {sysconfig.get_paths()["purelib"], *site.getsitepackages()} if os.path.isdir(p)]
+    # This environment's own packages first, in a fixed order: listed after
+    # the system's, the system's older setuptools would hide the one torch
+    # needs (a set here made that a coin toss per run).
+    paths = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    here = [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
     Path(purelib, "outer.pth").write_text("\n".join(here) + "\n")
     p = subprocess.run(
         [str(py), "-m", "pip", "install", "--no-build-isolation", "--no-index", f"{ROOT}[torch]"],
