@@ -171,7 +171,7 @@ fn path(f: &Frame) -> String {
 }
 
 fn is_library_buffer(f: &Frame) -> bool {
-    const NATIVE: [&str; 7] = [
+    const NAMES: [&str; 7] = [
         "getNewWorkspace",
         "BlasLtWorkspace",
         "getCurrentCUDABlasHandle",
@@ -180,7 +180,7 @@ fn is_library_buffer(f: &Frame) -> bool {
         "ncclComm",
         "CUDAGraph",
     ];
-    !is_python(f) && NATIVE.iter().any(|n| f.name.contains(n))
+    !is_python(f) && NAMES.iter().any(|n| f.name.contains(n))
 }
 
 /// A file of an optimizer: `torch/optim/`, `bitsandbytes/optim/`, a
@@ -341,8 +341,7 @@ fn unpack(b: u8) -> Told {
 
 /// The roles of one device's allocations, ready to count at any moment.
 pub(crate) struct DeviceRoles<'a> {
-    kinds: &'a [Kind],
-    freed_by: &'a [FreedBy],
+    kinds: &'a Kinds,
     events: &'a [TraceEvent],
     /// Per trace entry: the packed [`Told`] of each allocation.
     told: Vec<u8>,
@@ -438,7 +437,7 @@ struct Marks {
     outlives_pass: bool,
 }
 
-/// `free` of an allocation that is never freed.
+/// The end of an allocation that is never freed.
 const NEVER: u32 = u32::MAX;
 
 impl<'a> DeviceRoles<'a> {
@@ -467,8 +466,9 @@ impl<'a> DeviceRoles<'a> {
         };
         let within = |w: &[Window], i: usize| w.iter().any(|&(s, e)| s <= i && i < e);
         // A run with an optimizer or a backward trains, so its forward
-        // keeps activations: known from the file's stacks and ranges before
-        // the pass, and from the trace's own backward as it goes.
+        // keeps activations: known from the file's stacks (the blocks' as
+        // well as the trace's) and ranges before the pass, and from the
+        // trace's own backward as it goes.
         let trains_by_stacks = has_optimizer
             || kinds
                 .iter()
@@ -586,29 +586,21 @@ impl<'a> DeviceRoles<'a> {
             match e.action {
                 Action::Oom => marks.oom = Some(i32),
                 Action::Alloc => match kind(i) {
-                    Kind::Forward => {
-                        forward_work = true;
-                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
-                        pass_last = None;
-                        marks.other = Some(i32);
-                        marks.model = Some(i32);
-                    }
-                    Kind::Optimizer => {
-                        optimizer_work = true;
-                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
-                        pass_last = None;
-                        marks.other = Some(i32);
-                    }
                     Kind::Backward | Kind::Gradient => {
                         marks.model = Some(i32);
                         marks.backward = Some(i32);
                         pass_last = Some(i32);
                     }
-                    Kind::Input => {
+                    // Other work ends the backward pass in progress.
+                    k @ (Kind::Forward | Kind::Input | Kind::Optimizer) => {
+                        forward_work |= k == Kind::Forward;
+                        optimizer_work |= k == Kind::Optimizer;
                         end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
                         pass_last = None;
                         marks.other = Some(i32);
-                        marks.model = Some(i32);
+                        if k != Kind::Optimizer {
+                            marks.model = Some(i32);
+                        }
                     }
                     _ => {}
                 },
@@ -630,8 +622,7 @@ impl<'a> DeviceRoles<'a> {
                 .iter()
                 .any(|l| kinds[l.stack.0 as usize] == Kind::Optimizer);
         let mut roles = DeviceRoles {
-            kinds,
-            freed_by: &all_kinds.freed_by,
+            kinds: all_kinds,
             events,
             told,
             grads: HashMap::default(),
@@ -641,12 +632,6 @@ impl<'a> DeviceRoles<'a> {
             forward_only: false,
             state_like: false,
         };
-        roles.training |= end.iter().chain(before).any(|l| {
-            matches!(
-                kinds[l.stack.0 as usize],
-                Kind::Gradient | Kind::Backward | Kind::Optimizer
-            )
-        });
 
         // The most gradients of each size alive at once: the blocks from
         // before the trace, then the trace's own as they come and go.
@@ -737,13 +722,13 @@ impl<'a> DeviceRoles<'a> {
         let freed_by = l
             .freeing_entry()
             .and_then(|f| self.events.get(f))
-            .map_or(FreedBy::Other, |e| self.freed_by[e.stack.0 as usize]);
+            .map_or(FreedBy::Other, |e| self.kinds.freed_by[e.stack.0 as usize]);
         match freed_by {
             FreedBy::ZeroGrad => return Told::Known(Role::Gradients, Evidence::Frames),
             FreedBy::Optimizer => return Told::Known(Role::OptimizerState, Evidence::Frames),
             FreedBy::Other => {}
         }
-        match self.kinds[l.stack.0 as usize] {
+        match self.kinds.of[l.stack.0 as usize] {
             Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
             Kind::Library => Told::Known(Role::Other, Evidence::Frames),
             Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
