@@ -10,7 +10,7 @@ use crate::report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
     Warning,
 };
-use crate::roles::{kinds, DeviceRoles, Kinds, Moment, Ranges, UnknownReason, UNKNOWN_WARN_SHARE};
+use crate::roles::{kinds, Context, DeviceRoles, Kinds, Moment, UnknownReason, UNKNOWN_WARN_SHARE};
 use crate::sites::{group, label, site_key, Live};
 use oomkit_advice::{Role, RoleBytes};
 use oomkit_units::human_bytes;
@@ -201,7 +201,6 @@ fn analyze_device(
 
     // Pass 2: the live set at the peak and at every OOM.
     let (before, end) = before_and_end(&final_blocks, &scan);
-    let private = private_pools(snap, device);
     let mut top_sites = Vec::new();
     let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
     // The live set at the peak, where its roles are counted after pass 2.
@@ -235,8 +234,8 @@ fn analyze_device(
         peak_live = Some(live);
     }
     let decide = || {
-        let r = Ranges::of(&ranges, &windows);
-        DeviceRoles::new(kinds, events, &scan, &r.borrowed(), &private, &before, &end)
+        let context = context(snap, device, &ranges, &windows);
+        DeviceRoles::new(kinds, events, &scan, &context, &before, &end)
     };
     // Pass 2 counts each live set's roles on the spot when the roles are
     // decided; otherwise it keeps the peak's live set for later.
@@ -441,18 +440,6 @@ fn final_blocks(snap: &Snapshot, device: i64) -> Vec<(u64, Live)> {
         .collect()
 }
 
-/// The address ranges of a device's private-pool segments, sorted.
-fn private_pools(snap: &Snapshot, device: i64) -> Vec<(u64, u64)> {
-    let mut v: Vec<(u64, u64)> = snap
-        .segments
-        .iter()
-        .filter(|s| s.device == device && s.private_pool)
-        .map(|s| (s.address, s.address.saturating_add(s.total_size)))
-        .collect();
-    v.sort_unstable();
-    v
-}
-
 /// The blocks from before the trace still alive at its end, and every
 /// block alive at the end with the entry that allocated it.
 fn before_and_end(final_blocks: &[(u64, Live)], scan: &TraceScan) -> (Vec<Live>, Vec<Live>) {
@@ -474,41 +461,37 @@ fn before_and_end(final_blocks: &[(u64, Live)], scan: &TraceScan) -> (Vec<Live>,
     (before, end)
 }
 
-/// What the `record_function` ranges say about a trace, owned.
-struct OwnedRanges {
-    optimizer_steps: Vec<crate::replay::Window>,
-    evals: Vec<crate::replay::Window>,
-    has_optimizer: bool,
-}
-
-impl Ranges<'_> {
-    /// Finds the optimizer steps and evaluation ranges among a device's ranges.
-    fn of(ranges: &[(String, i64, i64)], windows: &[crate::replay::Window]) -> OwnedRanges {
-        let named = |keep: fn(&str) -> bool| -> Vec<_> {
-            ranges
-                .iter()
-                .zip(windows)
-                .filter(|((name, _, _), _)| keep(name))
-                .map(|(_, w)| *w)
-                .collect()
-        };
-        OwnedRanges {
-            optimizer_steps: named(|n| n.starts_with(OPTIMIZER_STEP_RANGE)),
-            evals: named(is_eval_range),
-            has_optimizer: ranges
-                .iter()
-                .any(|(name, _, _)| name.starts_with(OPTIMIZER_RANGE)),
-        }
-    }
-}
-
-impl OwnedRanges {
-    fn borrowed(&self) -> Ranges<'_> {
-        Ranges {
-            optimizer_steps: &self.optimizer_steps,
-            evals: &self.evals,
-            has_optimizer: self.has_optimizer,
-        }
+/// What a device says about its trace besides the trace: the optimizer
+/// steps and evaluation ranges among its `record_function` ranges (and their
+/// entries, `windows`), and its private-pool segments.
+fn context(
+    snap: &Snapshot,
+    device: i64,
+    ranges: &[(String, i64, i64)],
+    windows: &[crate::replay::Window],
+) -> Context {
+    let named = |keep: fn(&str) -> bool| -> Vec<_> {
+        ranges
+            .iter()
+            .zip(windows)
+            .filter(|((name, _, _), _)| keep(name))
+            .map(|(_, w)| *w)
+            .collect()
+    };
+    let mut private: Vec<(u64, u64)> = snap
+        .segments
+        .iter()
+        .filter(|s| s.device == device && s.private_pool)
+        .map(|s| (s.address, s.address.saturating_add(s.total_size)))
+        .collect();
+    private.sort_unstable();
+    Context {
+        optimizer_steps: named(|n| n.starts_with(OPTIMIZER_STEP_RANGE)),
+        evals: named(is_eval_range),
+        has_optimizer: ranges
+            .iter()
+            .any(|(name, _, _)| name.starts_with(OPTIMIZER_RANGE)),
+        private,
     }
 }
 
@@ -532,17 +515,8 @@ pub fn role_timeline(
     let windows = windows(&ranges, events);
     let final_blocks = final_blocks(snap, device);
     let (before, end) = before_and_end(&final_blocks, &scan);
-    let owned = Ranges::of(&ranges, &windows);
-    let private = private_pools(snap, device);
-    let roles = DeviceRoles::new(
-        &kinds,
-        events,
-        &scan,
-        &owned.borrowed(),
-        &private,
-        &before,
-        &end,
-    );
+    let context = context(snap, device, &ranges, &windows);
+    let roles = DeviceRoles::new(&kinds, events, &scan, &context, &before, &end);
     let mut now = RoleBytes::default();
     let orphans = scan.orphans.len();
     let mut orphan_role = vec![Role::Unknown; orphans];
@@ -889,15 +863,7 @@ mod tests {
         let scan = scan_trace(&events);
         let finals = final_blocks(&snap, 0);
         let (before, end) = before_and_end(&finals, &scan);
-        let roles = DeviceRoles::new(
-            &kinds,
-            &events,
-            &scan,
-            &Ranges::default(),
-            &[],
-            &before,
-            &end,
-        );
+        let roles = DeviceRoles::new(&kinds, &events, &scan, &Context::default(), &before, &end);
         let peak = d.peak_event_index.unwrap() as usize;
         let mut want = None;
         live_at(&events, &scan, &before, &[peak], |_, live| {

@@ -361,15 +361,18 @@ pub(crate) struct DeviceRoles<'a> {
     state_like: bool,
 }
 
-/// What the `record_function` ranges of a device say about its trace.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct Ranges<'w> {
+/// What a device says about its trace besides the trace itself: its
+/// `record_function` ranges and its private pools.
+#[derive(Default)]
+pub(crate) struct Context {
     /// The entries of the `Optimizer.step` ranges.
-    pub(crate) optimizer_steps: &'w [Window],
+    pub(crate) optimizer_steps: Vec<Window>,
     /// The entries of ranges named for evaluation.
-    pub(crate) evals: &'w [Window],
+    pub(crate) evals: Vec<Window>,
     /// Whether any optimizer range (`zero_grad` too) was recorded.
     pub(crate) has_optimizer: bool,
+    /// The address ranges of the private-pool segments, sorted.
+    pub(crate) private: Vec<(u64, u64)>,
 }
 
 /// One moment's roles, with the reasons for what stayed unknown.
@@ -441,24 +444,24 @@ struct Marks {
 const NEVER: u32 = u32::MAX;
 
 impl<'a> DeviceRoles<'a> {
-    /// Decides every allocation of a trace. `private` are the address
-    /// ranges of the device's private-pool segments, sorted; `before` the
-    /// blocks alive before the trace and still alive at its end; `end`
-    /// every block alive at snapshot time.
+    /// Decides every allocation of a trace. `before` are the blocks alive
+    /// before the trace and still alive at its end; `end` every block alive
+    /// at snapshot time.
     pub(crate) fn new(
         all_kinds: &'a Kinds,
         events: &'a [TraceEvent],
         scan: &TraceScan,
-        ranges: &Ranges<'_>,
-        private: &[(u64, u64)],
+        context: &Context,
         before: &[Live],
         end: &[Live],
     ) -> Self {
-        let Ranges {
+        let Context {
             optimizer_steps: optimizer_windows,
             evals: eval_windows,
             has_optimizer,
-        } = *ranges;
+            private,
+        } = context;
+        let has_optimizer = *has_optimizer;
         let kinds = &all_kinds.of[..];
         let kind = |i: usize| match events[i].stack {
             StackId::EMPTY if all_kinds.empty_is_backward => Kind::Backward,
@@ -1058,8 +1061,7 @@ mod tests {
                 &kinds,
                 &self.events,
                 &scan,
-                &Ranges::default(),
-                &[],
+                &Context::default(),
                 &before,
                 &end,
             );
