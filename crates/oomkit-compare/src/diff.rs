@@ -99,6 +99,58 @@ fn delta(a: u64, b: u64) -> i64 {
     b as i64 - a as i64
 }
 
+/// What one file says of one device, for a comparison.
+#[derive(Clone, Copy, Default)]
+struct Side {
+    peak: u64,
+    reserved: u64,
+    ooms: usize,
+    /// At the peak, where the file tells roles.
+    roles: Option<RoleBytes>,
+}
+
+impl Side {
+    /// A snapshot's device, or nothing where the file lacks it.
+    fn device(d: Option<&DeviceReport>) -> Side {
+        d.map_or(Side::default(), |d| Side {
+            peak: d.peak_active_bytes,
+            reserved: d.peak_reserved_bytes.max(d.reserved_bytes),
+            ooms: d.ooms.len(),
+            roles: Some(d.roles.peak),
+        })
+    }
+
+    /// A run log's device.
+    fn run(r: &oomkit_runlog::Analysis) -> Side {
+        Side {
+            peak: r.peak_bytes,
+            reserved: r.peak_reserved_bytes,
+            ooms: r.ooms.len(),
+            roles: r.roles_at_peak(),
+        }
+    }
+}
+
+impl DeviceDelta {
+    /// One device in both files, with neither sites nor stages yet.
+    fn between(device: String, a: Side, b: Side) -> DeviceDelta {
+        DeviceDelta {
+            device,
+            peak_active_bytes_a: a.peak,
+            peak_active_bytes_b: b.peak,
+            peak_active_bytes_delta: delta(a.peak, b.peak),
+            peak_reserved_bytes_a: a.reserved,
+            peak_reserved_bytes_b: b.reserved,
+            ooms_a: a.ooms,
+            ooms_b: b.ooms,
+            only_in: None,
+            sites: Vec::new(),
+            stages: Vec::new(),
+            roles: role_deltas(a.roles.as_ref(), b.roles.as_ref()),
+        }
+    }
+}
+
 fn role_deltas(a: Option<&RoleBytes>, b: Option<&RoleBytes>) -> Vec<RoleDelta> {
     if a.is_none() && b.is_none() {
         return Vec::new();
@@ -165,19 +217,7 @@ pub fn diff_snapshots(a: &FileAnalysis, b: &FileAnalysis) -> Diff {
         .map(|id| {
             let da = a.analysis.devices.iter().find(|d| d.device == id);
             let db = b.analysis.devices.iter().find(|d| d.device == id);
-            let peak = |d: Option<&DeviceReport>| d.map_or(0, |d| d.peak_active_bytes);
-            let reserved = |d: Option<&DeviceReport>| {
-                d.map_or(0, |d| d.peak_reserved_bytes.max(d.reserved_bytes))
-            };
             DeviceDelta {
-                device: format!("cuda:{id}"),
-                peak_active_bytes_a: peak(da),
-                peak_active_bytes_b: peak(db),
-                peak_active_bytes_delta: delta(peak(da), peak(db)),
-                peak_reserved_bytes_a: reserved(da),
-                peak_reserved_bytes_b: reserved(db),
-                ooms_a: da.map_or(0, |d| d.ooms.len()),
-                ooms_b: db.map_or(0, |d| d.ooms.len()),
                 only_in: match (da, db) {
                     (Some(_), None) => Some("a"),
                     (None, Some(_)) => Some("b"),
@@ -187,8 +227,7 @@ pub fn diff_snapshots(a: &FileAnalysis, b: &FileAnalysis) -> Diff {
                     da.map_or(&[][..], |d| &d.top_sites[..]),
                     db.map_or(&[][..], |d| &d.top_sites[..]),
                 ),
-                stages: Vec::new(),
-                roles: role_deltas(da.map(|d| &d.roles.peak), db.map(|d| &d.roles.peak)),
+                ..DeviceDelta::between(format!("cuda:{id}"), Side::device(da), Side::device(db))
             }
         })
         .collect();
@@ -240,18 +279,8 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
         file_a: a.path.clone(),
         file_b: b.path.clone(),
         devices: vec![DeviceDelta {
-            device,
-            peak_active_bytes_a: ra.peak_bytes,
-            peak_active_bytes_b: rb.peak_bytes,
-            peak_active_bytes_delta: delta(ra.peak_bytes, rb.peak_bytes),
-            peak_reserved_bytes_a: ra.peak_reserved_bytes,
-            peak_reserved_bytes_b: rb.peak_reserved_bytes,
-            ooms_a: ra.ooms.len(),
-            ooms_b: rb.ooms.len(),
-            only_in: None,
-            sites: Vec::new(),
             stages,
-            roles: role_deltas(ra.roles_at_peak().as_ref(), rb.roles_at_peak().as_ref()),
+            ..DeviceDelta::between(device, Side::run(ra), Side::run(rb))
         }],
     }
 }
@@ -276,42 +305,16 @@ pub fn diff_mixed(a: &Report, b: &Report) -> Option<Diff> {
         Some(d) => format!("cuda:{} / {}", d.device, ra.device),
         None => ra.device.clone(),
     };
-    let snap_side = (
-        d.map_or(0, |d| d.peak_active_bytes),
-        d.map_or(0, |d| d.peak_reserved_bytes.max(d.reserved_bytes)),
-        d.map_or(0, |d| d.ooms.len()),
-        d.map(|d| d.roles.peak),
-    );
-    let run_side = (
-        ra.peak_bytes,
-        ra.peak_reserved_bytes,
-        ra.ooms.len(),
-        ra.roles_at_peak(),
-    );
     let (x, y) = if snap_first {
-        (snap_side, run_side)
+        (Side::device(d), Side::run(ra))
     } else {
-        (run_side, snap_side)
+        (Side::run(ra), Side::device(d))
     };
-    let (pa, pb) = (a.path().to_string(), b.path().to_string());
     Some(Diff {
         kind: "mixed",
-        file_a: pa,
-        file_b: pb,
-        devices: vec![DeviceDelta {
-            device: name,
-            peak_active_bytes_a: x.0,
-            peak_active_bytes_b: y.0,
-            peak_active_bytes_delta: delta(x.0, y.0),
-            peak_reserved_bytes_a: x.1,
-            peak_reserved_bytes_b: y.1,
-            ooms_a: x.2,
-            ooms_b: y.2,
-            only_in: None,
-            sites: Vec::new(),
-            stages: Vec::new(),
-            roles: role_deltas(x.3.as_ref(), y.3.as_ref()),
-        }],
+        file_a: a.path().to_string(),
+        file_b: b.path().to_string(),
+        devices: vec![DeviceDelta::between(name, x, y)],
     })
 }
 
