@@ -144,13 +144,10 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
                 .iter()
                 .map(|&r| by_role.first().map_or(0, |b| *b.get(r)))
                 .collect();
-            let role_of_point: Vec<i64> = tl
-                .points
+            let role_of_point: Vec<i64> = entry_role
                 .iter()
-                .map(|p| {
-                    p.after_event
-                        .and_then(|i| entry_role.get(i as usize).copied().flatten())
-                        .and_then(|r| shown_roles.iter().position(|&s| s == r))
+                .map(|r| {
+                    r.and_then(|r| shown_roles.iter().position(|&s| s == r))
                         .map_or(-1, |k| k as i64)
                 })
                 .collect();

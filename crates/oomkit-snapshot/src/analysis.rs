@@ -497,8 +497,8 @@ fn context(
 
 /// The live bytes by role after each chosen entry of a device's trace
 /// (`None`: before the first), for a chart stacked by role; each adds up to
-/// the replayed active bytes there. Also returns, per entry, the role it
-/// adds to (an allocation) or takes from (a completed free).
+/// the replayed active bytes there; and at each, the role its entry adds
+/// to (an allocation) or takes from (a completed free), if any.
 ///
 /// Each block keeps one role for its whole life, the one the analysis gives
 /// it; frameless allocations made during the trace, which the analysis
@@ -532,11 +532,12 @@ pub fn role_timeline(
             orphan_role[k] = r;
         }
     });
-    let mut per_entry = vec![None; events.len()];
     let mut series = Vec::with_capacity(at.len());
+    let mut entry_roles = Vec::with_capacity(at.len());
     let mut wanted = at.iter().peekable();
     while wanted.next_if(|w| w.is_none()).is_some() {
         series.push(now);
+        entry_roles.push(None);
     }
     let mut next_orphan = 0;
     for (i, e) in events.iter().enumerate() {
@@ -561,12 +562,12 @@ pub fn role_timeline(
                 b.saturating_sub(e.size)
             };
         }
-        per_entry[i] = role;
         while wanted.next_if(|w| **w == Some(i as u64)).is_some() {
             series.push(now);
+            entry_roles.push(role);
         }
     }
-    (series, per_entry)
+    (series, entry_roles)
 }
 
 /// The name PyTorch's optimizers give their step's `record_function` range.

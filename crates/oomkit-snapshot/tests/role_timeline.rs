@@ -35,9 +35,20 @@ fn roles_over_time_add_up_to_the_active_bytes() {
         for d in analysis.devices.iter().filter(|d| d.events > 0) {
             let tl = timeline(&snap, d, 0);
             let at: Vec<Option<u64>> = tl.points.iter().map(|p| p.after_event).collect();
-            let (series, per_entry) = role_timeline(&snap, d.device, &at);
+            let (series, roles) = role_timeline(&snap, d.device, &at);
             assert_eq!(series.len(), tl.points.len(), "{}", f.display());
-            assert_eq!(per_entry.len(), snap.events(d.device).len());
+            assert_eq!(roles.len(), tl.points.len(), "{}", f.display());
+            // Every allocation adds to a role; the start adds to none.
+            let events = snap.events(d.device);
+            for (p, r) in tl.points.iter().zip(&roles) {
+                match p.after_event {
+                    None => assert_eq!(*r, None),
+                    Some(i) if events[i as usize].action == oomkit_snapshot::Action::Alloc => {
+                        assert!(r.is_some(), "{}", f.display())
+                    }
+                    Some(_) => {}
+                }
+            }
             for (p, r) in tl.points.iter().zip(&series) {
                 assert_eq!(
                     r.total(),
