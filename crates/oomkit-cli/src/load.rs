@@ -92,6 +92,11 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
 /// Every snapshot PyTorch writes is a pickle of protocol 2 or later, which starts with PROTO.
 const PICKLE_PROTO: u8 = 0x80;
 
+/// Whether a file starts as a snapshot does (what `load` reads it as).
+pub(crate) fn is_snapshot(path: &Path) -> bool {
+    first_bytes(path).first() == Some(&PICKLE_PROTO)
+}
+
 /// The first bytes of a file, empty where it cannot be read.
 fn first_bytes(path: &Path) -> Vec<u8> {
     use std::io::Read;

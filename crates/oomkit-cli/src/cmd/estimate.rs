@@ -2,11 +2,14 @@
 
 use crate::args::FormatArgs;
 use crate::args::{count, positive, size};
+use crate::load::{load, Keep};
 use crate::output::{print, say};
 use crate::{EXIT_INPUT, EXIT_OK};
+use oomkit_compare::Report;
 use oomkit_estimate::calibrate::{calibrate, Measured};
 use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer};
-use std::path::PathBuf;
+use oomkit_snapshot::Options;
+use std::path::{Path, PathBuf};
 
 /// Flags of `oomkit estimate`.
 #[derive(clap::Args)]
@@ -63,9 +66,6 @@ pub(crate) struct Args {
     format: FormatArgs,
 }
 
-/// The first byte of a pickle of protocol 2 or later: a snapshot.
-const PICKLE_PROTO: u8 = 0x80;
-
 /// The measured peaks in one `--calibrate` argument, and the capacity it names, or one line saying what is wrong.
 fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
     let (file, batch) = match arg.rsplit_once('=') {
@@ -79,6 +79,32 @@ fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
         },
         _ => (arg, None),
     };
+    // A snapshot: its peak, and that peak by role, for the estimate's terms
+    // one by one; read and analyzed as `analyze` reads it.
+    if crate::load::is_snapshot(Path::new(file)) {
+        let micro_batch = batch.ok_or_else(|| {
+            format!("{file}: a snapshot does not record its micro-batch; give it as {file}=B")
+        })?;
+        let Report::Snapshot(fa) = load(Path::new(file), &Options::default(), Keep::Analysis)?
+        else {
+            return Err(format!("{file}: not a snapshot"));
+        };
+        let top = fa
+            .analysis
+            .devices
+            .iter()
+            .max_by_key(|d| d.peak_active_bytes)
+            .ok_or_else(|| format!("{file}: the snapshot holds no device's memory"))?;
+        return Ok((
+            vec![Measured {
+                micro_batch,
+                peak_bytes: top.peak_active_bytes,
+                source: format!("{file} (snapshot, cuda:{})", top.device),
+                roles: Some(top.roles.peak),
+            }],
+            None,
+        ));
+    }
     let bytes = std::fs::read(file).map_err(|e| format!("{file}: {e}"))?;
     // `oomkit find-batch --json` output: one object with the trials.
     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
@@ -102,30 +128,6 @@ fn measured_in(arg: &str) -> Result<(Vec<Measured>, Option<u64>), String> {
             }
             return Ok((measured, v["capacity_bytes"].as_u64()));
         }
-    }
-    // A snapshot (a pickle): its peak, and that peak by role, for the
-    // estimate's terms one by one.
-    if bytes.first() == Some(&PICKLE_PROTO) {
-        let snap =
-            oomkit_snapshot::Snapshot::from_bytes(&bytes).map_err(|e| format!("{file}: {e}"))?;
-        let analysis = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
-        let top = analysis
-            .devices
-            .iter()
-            .max_by_key(|d| d.peak_active_bytes)
-            .ok_or_else(|| format!("{file}: the snapshot holds no device's memory"))?;
-        let micro_batch = batch.ok_or_else(|| {
-            format!("{file}: a snapshot does not record its micro-batch; give it as {file}=B")
-        })?;
-        return Ok((
-            vec![Measured {
-                micro_batch,
-                peak_bytes: top.peak_active_bytes,
-                source: format!("{file} (snapshot, cuda:{})", top.device),
-                roles: Some(top.roles.peak),
-            }],
-            None,
-        ));
     }
     let run = oomkit_runlog::Run::parse(&bytes).map_err(|e| format!("{file}: {e}"))?;
     let start = run.start.clone().unwrap_or_default();
