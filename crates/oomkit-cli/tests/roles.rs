@@ -446,6 +446,62 @@ fn cs336_large_step_found_by_the_team() {
     );
 }
 
+/// Asserts that `got` is within 1% of `want`.
+fn close(what: &str, got: u64, want: u64) {
+    let err = (got as f64 - want as f64).abs() / want as f64;
+    assert!(
+        err <= 0.01,
+        "{what}: {got} bytes against {want} worked out by hand ({:.2}% off)",
+        100.0 * err
+    );
+}
+
+#[test]
+fn gradients_accumulated_in_place_from_before_the_trace_pair_with_their_parameters() {
+    // Two students' runs of the same assignment (tests/real/SOURCES.md),
+    // both recorded after their first backward: the gradients were
+    // allocated before recording and the traced backward adds into them,
+    // so no entry tells them. MAGMA27: d_model 768, d_ff 3072, 12 layers,
+    // vocabulary 10000 (128,625,408 fp32 parameters), forward and backward
+    // only; its backward's own results of each parameter size say how many
+    // parameters have it. bcrafton: the same shape with GPT-2's vocabulary
+    // of 50257 (190,460,160), under torch.compile, with an AdamW step whose
+    // state (two per parameter, by its frames) says so.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/real");
+    for (file, params, state) in [
+        (
+            "cs336_lm_train_magma27.pickle",
+            cs336_params(10_000, 768, 3072, 12),
+            0,
+        ),
+        (
+            "cs336_lm_train_bcrafton.pickle",
+            cs336_params(50_257, 768, 3072, 12),
+            2,
+        ),
+    ] {
+        assert!([128_625_408, 190_460_160].contains(&params));
+        let a = check_invariants(&dir.join(file));
+        let d = device(&a, 0);
+        for m in ["peak", "end"] {
+            for role in ["parameters", "gradients"] {
+                close(&format!("{file} {m} {role}"), bytes(d, m, role), 4 * params);
+                assert_eq!(
+                    d["roles_evidence"][m][role]["sizes"], d["roles"][m][role],
+                    "{file} {m}: {role} told by sizes"
+                );
+            }
+        }
+        if state > 0 {
+            close(
+                &format!("{file} end optimizer state"),
+                bytes(d, "end", "optimizer_state"),
+                state * 4 * params,
+            );
+        }
+    }
+}
+
 #[test]
 fn torch_2_0_history_blocks_are_told_by_their_frames() {
     // A segments-only file in torch 2.0's layout: each block's frames sit in

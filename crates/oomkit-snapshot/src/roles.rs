@@ -359,6 +359,9 @@ pub(crate) struct DeviceRoles<'a> {
     /// Whether the blocks that outlive a forward-only trace come in threes
     /// per size, which parameters with Adam's state would do too.
     state_like: bool,
+    /// For sizes with no gradient in the trace: how many parameters keep a
+    /// gradient from before it, accumulated in place (see [`in_place`]).
+    in_place: HashMap<u64, u32, FastState>,
 }
 
 /// What a device says about its trace besides the trace itself: its
@@ -442,6 +445,9 @@ struct Marks {
 
 /// The end of an allocation that is never freed.
 const NEVER: u32 = u32::MAX;
+
+/// Decides the allocation at one entry, given its end and the marks then.
+type Decide<'d> = dyn FnMut(&mut Vec<u8>, u32, u32, &Marks) + 'd;
 
 impl<'a> DeviceRoles<'a> {
     /// Decides every allocation of a trace. `before` are the blocks alive
@@ -556,21 +562,29 @@ impl<'a> DeviceRoles<'a> {
         // it ends: they outlived it if no backward allocation came after them.
         let mut pending: Vec<(u32, u32)> = Vec::new();
         let mut pass_last: Option<u32> = None;
-        fn end_pass(
-            told: &mut Vec<u8>,
-            pending: &mut Vec<(u32, u32)>,
-            pass_last: Option<u32>,
-            decide: &mut impl FnMut(&mut Vec<u8>, u32, u32, &Marks),
-            marks: &Marks,
-        ) {
+        // Per size, the most backward results one pass freed within it.
+        let mut pass_results: HashMap<u64, u32, FastState> = HashMap::default();
+        let mut end_pass = |told: &mut Vec<u8>,
+                            pending: &mut Vec<(u32, u32)>,
+                            pass_last: Option<u32>,
+                            decide: &mut Decide,
+                            marks: &Marks| {
+            let mut this_pass: HashMap<u64, u32, FastState> = HashMap::default();
             for (a, f) in pending.drain(..) {
                 let m = Marks {
                     outlives_pass: pass_last.is_none_or(|l| f > l),
                     ..*marks
                 };
                 decide(told, a, f, &m);
+                if unpack(told[a as usize]) == Told::Known(Role::Temporaries, Evidence::Lifetimes) {
+                    *this_pass.entry(events[a as usize].size).or_default() += 1;
+                }
             }
-        }
+            for (size, n) in this_pass {
+                let most = pass_results.entry(size).or_default();
+                *most = (*most).max(n);
+            }
+        };
         for (i, e) in events.iter().enumerate() {
             let i32 = i as u32;
             // What ends here: a free, or an allocation over a held address.
@@ -634,6 +648,7 @@ impl<'a> DeviceRoles<'a> {
             training: trains,
             forward_only: false,
             state_like: false,
+            in_place: HashMap::default(),
         };
 
         // The most gradients of each size alive at once: the blocks from
@@ -693,6 +708,9 @@ impl<'a> DeviceRoles<'a> {
                 end.iter()
                     .filter(|l| matches!(roles.told(l), Told::BySize { survives: true })),
             );
+        if trains {
+            roles.in_place = in_place(&roles, end, &pass_results);
+        }
         roles
     }
 
@@ -859,11 +877,17 @@ impl<'a> DeviceRoles<'a> {
                 }
                 continue;
             }
+            // A gradient from before the trace, accumulated in place, comes
+            // in a pair with its parameter among the blocks that outlive it.
+            let before = self.in_place.get(&requested).copied().unwrap_or(0) as usize;
+            // The trace's gradients of that size were results added into them.
+            let g = if before > 0 { 0 } else { g };
             // A parameter outlives the trace; one per gradient of its size.
             let params = p
                 .survives
                 .len()
-                .min(g.saturating_sub(p.framed_params as usize));
+                .min((g + before).saturating_sub(p.framed_params as usize));
+            let old_grads = (p.survives.len() - params).min(before);
             // Up to k states per gradient, less those other evidence told.
             let state = if self.optimizer_seen {
                 (self.states_per_param as usize * g).saturating_sub(p.framed_state as usize)
@@ -873,9 +897,14 @@ impl<'a> DeviceRoles<'a> {
             for (k, l) in &p.survives[..params] {
                 visit(*k, l, Ok((Role::Parameters, Evidence::Sizes)));
             }
+            for (k, l) in &p.survives[params..params + old_grads] {
+                visit(*k, l, Ok((Role::Gradients, Evidence::Sizes)));
+            }
             // Live sets list the blocks the trace frees in the order it
             // frees them: the last freed is the longest kept.
-            let rest = p.survives[params..].iter().chain(p.freed.iter().rev());
+            let rest = p.survives[params + old_grads..]
+                .iter()
+                .chain(p.freed.iter().rev());
             for (n, (k, l)) in rest.enumerate() {
                 let told = if n < state {
                     Ok((Role::OptimizerState, Evidence::Sizes))
@@ -886,6 +915,53 @@ impl<'a> DeviceRoles<'a> {
             }
         }
     }
+}
+
+/// Per size, how many parameters keep a gradient from before the trace: a
+/// run recorded after its first backward accumulates into gradients it
+/// allocated earlier, so no entry tells them. The frameless blocks that
+/// outlive such a trace are parameters and gradients in pairs (at least
+/// twice as many as the gradients the trace saw alive at once, and none of
+/// the trace's own gradients alive at its end, which would make them
+/// parameters alone), and something else must say how many parameters
+/// have that size: the optimizer state alive at the end (at least one
+/// tensor per parameter), or the results one backward pass computed and
+/// freed (one per parameter, added into its gradient; the trace's
+/// short-lived "gradients" of that size were such results too).
+fn in_place(
+    roles: &DeviceRoles,
+    end: &[Live],
+    pass_results: &HashMap<u64, u32, FastState>,
+) -> HashMap<u64, u32, FastState> {
+    // Per size: frameless blocks alive from before the trace, the trace's
+    // gradients alive now, and optimizer state alive now.
+    let mut by_size: HashMap<u64, (u32, u32, u32), FastState> = HashMap::default();
+    for l in end {
+        let slot = by_size.entry(l.requested).or_default();
+        match roles.told(l) {
+            Told::BySize { survives: true } if l.at == Live::UNTRACED => slot.0 += 1,
+            Told::Known(Role::Gradients, _) => slot.1 += 1,
+            Told::Known(Role::OptimizerState, Evidence::Frames | Evidence::Lifetimes) => {
+                slot.2 += 1
+            }
+            _ => {}
+        }
+    }
+    by_size
+        .into_iter()
+        .filter_map(|(size, (untraced, grads_now, state))| {
+            let seen = roles.grads.get(&size).copied().unwrap_or(0);
+            if grads_now > 0 || untraced < 2 * seen.max(1) {
+                return None;
+            }
+            // A result freed just after its pass ended was told a gradient
+            // by its lifetime: here it was one more result added in place.
+            let results = pass_results.get(&size).copied().unwrap_or(0) + seen;
+            let params = results.max(state);
+            let pairs = (untraced / 2).min(params);
+            (pairs > 0).then_some((size, pairs))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -1127,6 +1203,48 @@ mod tests {
         let at = m.roles(Some(1)).roles;
         assert_eq!((at.bytes.activations, at.bytes.temporaries), (500, 300));
         assert_eq!(at.bytes.total(), 500 + 300 + 3 * (1024 + 2048));
+    }
+
+    #[test]
+    fn gradients_from_before_the_trace_pair_with_their_parameters() {
+        // Recorded after the first backward: a parameter and its gradient
+        // of each size from before, and a backward whose results (one per
+        // parameter) are added into the gradients and freed.
+        let mut m = Mini::new();
+        for (k, (size, req)) in [(1024, 1000), (2048, 2000)].into_iter().enumerate() {
+            for copy in 0..2 {
+                m.before.push((1000 + 10 * k as u64 + copy, size, req));
+            }
+        }
+        m.alloc(10, 500, FORWARD);
+        m.alloc(12, 1000, BACKWARD);
+        m.free(12, 1000);
+        // The pass's last result, freed after it: its lifetime alone says gradient.
+        m.alloc(14, 2000, BACKWARD);
+        m.free(10, 500);
+        m.free(14, 2000);
+        m.alloc(20, 500, FORWARD); // the next step
+        let end = m.roles(None).roles;
+        assert_eq!(end.bytes.parameters, 1024 + 2048);
+        assert_eq!(end.bytes.gradients, 1024 + 2048);
+        assert_eq!(end.evidence.gradients.sizes, 1024 + 2048);
+        // The next step's forward in progress.
+        assert_eq!((end.bytes.activations, end.bytes.unknown), (500, 0));
+
+        // Gradients the trace allocates and frees (zero_grad with
+        // set_to_none): the blocks from before are the parameters alone.
+        let mut m = Mini::new();
+        m.before.push((1000, 1024, 1000));
+        m.before.push((1010, 2048, 2000));
+        m.alloc(10, 500, FORWARD);
+        m.alloc(13, 1000, GRAD);
+        m.alloc(14, 2000, GRAD);
+        m.free(10, 500);
+        m.free(13, 1000);
+        m.free(14, 2000);
+        let end = m.roles(None).roles;
+        assert_eq!(end.bytes.parameters, 1024 + 2048);
+        assert_eq!(end.bytes.gradients, 0);
     }
 
     #[test]
