@@ -213,6 +213,9 @@ class Tracker:
         self._plan_fields: Optional[dict[str, Any]] = None
         # An OOM seen by the CUDA allocator's observer, before its exception exists.
         self._observed_oom = False
+        # Set while an OOM is being written: an allocation that fails inside
+        # (another thread's, or one made while dumping) is not written again.
+        self._writing_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
         probe = os.environ.get(_plan.PROBE_FILE_ENV)
         self._probe = probe if probe and self.rank == 0 else None
@@ -847,6 +850,15 @@ class Tracker:
 
     def _write_oom(self, message: str, requested: Optional[int]) -> None:
         """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis."""
+        if self._writing_oom:
+            return
+        self._writing_oom = True
+        try:
+            self._write_oom_now(message, requested)
+        finally:
+            self._writing_oom = False
+
+    def _write_oom_now(self, message: str, requested: Optional[int]) -> None:
         step = self._current_step
         phase = self.current_phase
         stage = self._stage.name if self._stage is not None else None
@@ -891,14 +903,19 @@ class Tracker:
         sys.stderr.write(f"\noomkit (rank {self.rank}): out of memory, diagnosis\n{report}\n")
         sys.stderr.flush()
 
-    def _on_allocator_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        """Records an OOM the CUDA allocator reports, at the failing allocation, even if a framework swallows the error."""
+    def _on_allocator_oom(self, device: int, alloc: int, device_limit: int, device_free: int) -> None:
+        """Records an OOM the CUDA allocator reports, at the failing allocation, even if a framework swallows the error.
+
+        The allocator passes the device, the bytes asked for, the memory the
+        process may use (the device's, or the cap a memory fraction sets)
+        and the bytes the driver reports free; it releases its lock first.
+        """
         try:
             if self._closed or device != getattr(self._meter, "index", None):
                 return
             self._write_oom(
                 f"CUDA out of memory (seen by the allocator): tried to allocate {alloc} bytes "
-                f"with {device_free} bytes free on GPU {device}",
+                f"with {device_free} bytes free of {device_limit} on GPU {device}",
                 int(alloc),
             )
             # The exception that follows is this same OOM.
@@ -1016,9 +1033,9 @@ _WATCHERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
 
 
-def _allocator_oom(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+def _allocator_oom(device: int, alloc: int, device_limit: int, device_free: int) -> None:
     for t in list(_WATCHERS):
-        t._on_allocator_oom(device, alloc, device_allocated, device_free)
+        t._on_allocator_oom(device, alloc, device_limit, device_free)
 
 
 def _watch_allocator_ooms(tracker: Tracker) -> None:

@@ -475,7 +475,7 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     tracker._meter.index = 0  # as a tracker on cuda:0 is
     tracker.begin_step(5)
     tracker.begin_stage("backward")
-    # What torch's CUDA allocator calls, with (device, alloc, device_allocated, device_free).
+    # What torch's CUDA allocator calls, with (device, alloc, device_limit, device_free).
     tracker._on_allocator_oom(1, 1 << 30, 0, 0)  # another device: not ours
     tracker._on_allocator_oom(0, 3 << 30, 70 << 30, 1 << 29)
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
@@ -483,3 +483,27 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     tracker.close()
     [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert (oom["step"], oom["stage"], oom["requested_bytes"]) == (5, "backward", 3 << 30)
+
+
+def test_an_allocation_failing_while_an_oom_is_written_is_not_written_again(tmp_path):
+    # The allocator calls its observer for every failed allocation, also one
+    # made while the tracker writes the first (its duplicate check, a dump,
+    # another thread): that one must neither recurse nor add a record.
+    model = MLP(64, 2)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path)
+    tracker._meter.index = 0
+    tracker.begin_step(1)
+    inner = tracker.find_duplicates
+
+    def failing_inside(when: str = "manual") -> dict:
+        tracker._on_allocator_oom(0, 1 << 20, 70 << 30, 0)
+        return inner(when)
+
+    tracker.find_duplicates = failing_inside
+    tracker._on_allocator_oom(0, 3 << 30, 70 << 30, 1 << 29)
+    tracker.find_duplicates = inner
+    tracker._on_allocator_oom(0, 5 << 30, 70 << 30, 1 << 29)  # a later OOM is written
+    tracker.close()
+    ooms = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
+    assert [o["requested_bytes"] for o in ooms] == [3 << 30, 5 << 30]
+    assert "of 75161927680 on GPU 0" in ooms[0]["message"]
