@@ -313,6 +313,45 @@ impl Optimizer {
     }
 }
 
+/// How much of the model states data parallelism splits across the GPUs:
+/// the stages of ZeRO (Rajbhandari et al. 2020), which PyTorch FSDP's
+/// sharding strategies match.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Sharding {
+    /// Every GPU keeps everything (DDP, FSDP's NO_SHARD; ZeRO stage 0).
+    None,
+    /// ZeRO-1: each GPU keeps 1/N of the optimizer state.
+    OptimizerState,
+    /// ZeRO-2, FSDP's SHARD_GRAD_OP: the optimizer state and the gradients.
+    Gradients,
+    /// ZeRO-3, FSDP's FULL_SHARD: the optimizer state, gradients and weights.
+    Full,
+}
+
+impl Sharding {
+    /// The sharding of a ZeRO stage (0 to 3).
+    pub fn from_stage(stage: u8) -> Option<Sharding> {
+        [
+            Sharding::None,
+            Sharding::OptimizerState,
+            Sharding::Gradients,
+            Sharding::Full,
+        ]
+        .get(stage as usize)
+        .copied()
+    }
+
+    /// The ZeRO stage (0 to 3).
+    pub fn stage(self) -> u8 {
+        self as u8
+    }
+}
+
+/// Full layers a fully sharded run holds gathered at once: the one it
+/// computes and the next, which FSDP and ZeRO-3 prefetch while it runs.
+pub const GATHERED_LAYERS: u64 = 2;
+
 /// Everything an estimate depends on.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Inputs {
@@ -344,6 +383,10 @@ pub struct Inputs {
     pub overhead_bytes: u64,
     /// Device memory to fit in.
     pub capacity_bytes: Option<u64>,
+    /// Data-parallel GPUs the model states are sharded across (1: one GPU).
+    pub gpus: u64,
+    /// What each GPU keeps only its share of.
+    pub sharding: Sharding,
 }
 
 /// The budget, line by line.
@@ -361,6 +404,10 @@ pub struct Estimate {
     pub optimizer_bytes: u64,
     /// The EMA copy of the weights.
     pub ema_bytes: u64,
+    /// What a sharded run holds in full for a while: the weights of the
+    /// layers it gathers ([`GATHERED_LAYERS`], ZeRO-3) and one layer's
+    /// gradients before they are reduced and scattered (ZeRO-2 and 3).
+    pub gathered_bytes: u64,
     /// Activations kept for backward, and the logits.
     pub activations_bytes: u64,
     /// CUDA context and other memory outside tensors.
@@ -390,7 +437,7 @@ impl Estimate {
     /// and the activations (the CUDA context is no tensor, so it has none).
     pub fn roles(&self, micro_batch: u64) -> oomkit_advice::RoleBytes {
         oomkit_advice::RoleBytes {
-            parameters: self.weights_bytes,
+            parameters: self.weights_bytes + self.gathered_bytes,
             gradients: self.gradients_bytes,
             optimizer_state: self.optimizer_bytes,
             activations: self.per_sample_bytes * micro_batch,
@@ -527,6 +574,15 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
             "--load-in-4bit computes in --dtype; it does not combine with --mixed-precision".into(),
         ));
     }
+    if inputs.gpus == 0 {
+        return Err(EstimateError::Invalid("--gpus must be at least 1".into()));
+    }
+    if inputs.sharding != Sharding::None && inputs.gpus == 1 {
+        return Err(EstimateError::Invalid(format!(
+            "ZeRO stage {} shards across GPUs: give --gpus N above 1",
+            inputs.sharding.stage()
+        )));
+    }
     let a = &inputs.arch;
     let p = inputs.params;
     let trainable = match inputs.lora_rank {
@@ -540,8 +596,12 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         }
         None => p,
     };
+    // Sharded mixed precision is ZeRO's: 16-bit weights and gradients, and
+    // the optimizer keeps fp32 master weights beside its fp32 state (16
+    // bytes per parameter with AdamW, 12 of them the optimizer's).
+    let zero_mixed = inputs.mixed_precision && inputs.sharding != Sharding::None;
     // Storage dtype: autocast keeps fp32 parameters; pure 16-bit training keeps them 16-bit.
-    let store = if inputs.mixed_precision {
+    let store = if inputs.mixed_precision && !zero_mixed {
         4
     } else {
         inputs.dtype.bytes()
@@ -549,7 +609,11 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     // Autocast keeps a 16-bit copy of every weight it casts for the whole
     // step, so mixed-precision AdamW is 18 bytes per parameter, not 16
     // (DeepSpeed's ZeRO paper and Hugging Face's model-memory anatomy count 18).
-    let cast_copy = if inputs.mixed_precision { 2 * p } else { 0 };
+    let cast_copy = if inputs.mixed_precision && !zero_mixed {
+        2 * p
+    } else {
+        0
+    };
     let adapters = if inputs.lora_rank.is_some() {
         trainable * store
     } else {
@@ -575,15 +639,58 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         p * store + cast_copy + adapters
     };
     let gradients = trainable * store;
-    let mut optimizer = trainable * inputs.optimizer.state_bytes_per_param(store);
+    let state_store = if zero_mixed { 4 } else { store };
+    let mut optimizer = trainable * inputs.optimizer.state_bytes_per_param(state_store);
     if inputs.optimizer == Optimizer::Adafactor {
         // A row and a column of fp32 statistics per h x k matrix: about 2/h of the parameters.
         optimizer = trainable * 2 * 4 / a.hidden.max(1);
     }
+    if zero_mixed {
+        optimizer += trainable * 4;
+    }
     let ema = if inputs.ema { p * store } else { 0 };
+    // Each GPU keeps 1/N of what its stage shards, and holds some of it in
+    // full while it computes.
+    let n = inputs.gpus;
+    let share = |bytes: u64, from: Sharding| {
+        if inputs.sharding >= from {
+            bytes.div_ceil(n)
+        } else {
+            bytes
+        }
+    };
+    let layers = (a.layers + a.decoder_layers).max(1);
+    let gathered = if n > 1 {
+        let emb_heads = if a.tied_embeddings || !a.lm_head {
+            1
+        } else {
+            2
+        };
+        let embedding = (a.vocab * a.hidden * emb_heads).min(p);
+        let layer = (p - embedding) / layers;
+        // FSDP wraps each block and the embeddings apart: the largest
+        // unit is gathered at once, and the next one with it.
+        let unit = layer.max(a.vocab * a.hidden);
+        let weights_full = if inputs.sharding >= Sharding::Full {
+            GATHERED_LAYERS * unit * inputs.dtype.bytes()
+        } else {
+            0
+        };
+        let grads_full = if inputs.sharding >= Sharding::Gradients {
+            trainable / layers * store
+        } else {
+            0
+        };
+        weights_full + grads_full
+    } else {
+        0
+    };
+    let weights = share(weights, Sharding::Full);
+    let gradients = share(gradients, Sharding::Gradients);
+    let optimizer = share(optimizer, Sharding::OptimizerState);
     let per_sample = activations_per_sample(&inputs);
     let activations = per_sample * inputs.batch;
-    let fixed = weights + gradients + optimizer + ema + inputs.overhead_bytes;
+    let fixed = weights + gradients + optimizer + ema + gathered + inputs.overhead_bytes;
     let total = fixed + activations;
     // The high end: more activations, and the allocator's reserve on every tensor.
     let reserve = 1.0 + ALLOCATOR_RESERVE;
@@ -610,6 +717,7 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         gradients_bytes: gradients,
         optimizer_bytes: optimizer,
         ema_bytes: ema,
+        gathered_bytes: gathered,
         activations_bytes: activations,
         overhead_bytes: inputs.overhead_bytes,
         total_bytes: total,
@@ -648,6 +756,8 @@ mod tests {
             load_in_4bit: false,
             overhead_bytes: 512 << 20,
             capacity_bytes: Some(80 << 30),
+            gpus: 1,
+            sharding: Sharding::None,
         }
     }
 

@@ -269,6 +269,8 @@ fn run(c: &Case) -> Estimate {
         load_in_4bit: c.load_in_4bit,
         overhead_bytes: oomkit_estimate::DEFAULT_OVERHEAD_BYTES,
         capacity_bytes: Some(c.capacity),
+        gpus: 1,
+        sharding: oomkit_estimate::Sharding::None,
     })
     .expect("estimate")
 }

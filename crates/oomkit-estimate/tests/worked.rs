@@ -20,6 +20,8 @@ fn base(arch: Architecture, params: u64) -> Inputs {
         load_in_4bit: false,
         overhead_bytes: 1 << 30,
         capacity_bytes: None,
+        gpus: 1,
+        sharding: oomkit_estimate::Sharding::None,
     }
 }
 
@@ -206,4 +208,79 @@ fn a_sequence_classifier_has_no_vocabulary_head() {
             .activations_bytes
     };
     assert_eq!(act(&lm) - act(&cls), 8 * 128 * 30522 * 14);
+}
+
+/// The model states per GPU that the ZeRO paper gives for its running
+/// example (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+/// Training Trillion Parameter Models", Figure 1): 7.5B parameters, mixed
+/// precision Adam (16-bit weights and gradients, K = 12 bytes of optimizer
+/// state with the fp32 master weights) over N_d = 64 GPUs, in GB (10^9
+/// bytes); and its formulas, `(2 + 2 + K)Ψ` split by stage, at other sizes.
+#[test]
+fn zero_stages_keep_the_papers_model_states_per_gpu() {
+    let states = |params: u64, gpus: u64, stage: u8| {
+        let mut i = base(Architecture::guess(params), params);
+        i.dtype = Dtype::Fp16;
+        i.mixed_precision = true;
+        i.gpus = gpus;
+        i.sharding = oomkit_estimate::Sharding::from_stage(stage).unwrap();
+        let e = estimate(i).unwrap();
+        if stage == 3 {
+            // What it gathers to compute comes on top, and is far smaller.
+            assert!(e.gathered_bytes > 0 && e.gathered_bytes < e.weights_bytes * gpus / 4);
+        }
+        (e.weights_bytes + e.gradients_bytes + e.optimizer_bytes) as f64
+    };
+    // Figure 1, as published (rounded to the digit shown).
+    for (stage, gb) in [(1, 31.4), (2, 16.6), (3, 1.9)] {
+        let got = states(7_500_000_000, 64, stage) / 1e9;
+        assert!(
+            (got - gb).abs() <= 0.05,
+            "ZeRO-{stage}: {got:.3} GB, the paper {gb}"
+        );
+    }
+    // The formulas: P_os 4Ψ + KΨ/N, P_os+g 2Ψ + (2+K)Ψ/N, P_os+g+p (4+K)Ψ/N.
+    for (params, gpus) in [(1_300_000_000u64, 8u64), (70_000_000_000, 256)] {
+        let (p, n) = (params as f64, gpus as f64);
+        let want = [4.0 * p + 12.0 * p / n, 2.0 * p + 14.0 * p / n, 16.0 * p / n];
+        for (stage, w) in (1..=3).zip(want) {
+            let got = states(params, gpus, stage);
+            assert!(
+                (got - w).abs() <= 3.0,
+                "{params} on {gpus}, ZeRO-{stage}: {got} vs {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sharding_needs_several_gpus_and_keeps_the_rest_whole() {
+    let p = 7_000_000_000;
+    let mut i = base(Architecture::guess(p), p);
+    i.sharding = oomkit_estimate::Sharding::Full;
+    assert!(
+        estimate(i.clone()).is_err(),
+        "ZeRO-3 on one GPU shards nothing"
+    );
+    i.gpus = 8;
+    i.sharding = oomkit_estimate::Sharding::None;
+    let ddp = estimate(i.clone()).unwrap();
+    let mut one = i.clone();
+    one.gpus = 1;
+    assert_eq!(
+        ddp.total_bytes,
+        estimate(one).unwrap().total_bytes,
+        "DDP keeps everything"
+    );
+    i.sharding = oomkit_estimate::Sharding::OptimizerState;
+    let z1 = estimate(i.clone()).unwrap();
+    assert_eq!(z1.optimizer_bytes, ddp.optimizer_bytes.div_ceil(8));
+    assert_eq!(
+        (z1.weights_bytes, z1.gradients_bytes),
+        (ddp.weights_bytes, ddp.gradients_bytes)
+    );
+    assert_eq!(
+        z1.activations_bytes, ddp.activations_bytes,
+        "each GPU runs its own micro-batch"
+    );
 }

@@ -7,7 +7,7 @@ use crate::output::{print, say};
 use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_compare::Report;
 use oomkit_estimate::calibrate::{calibrate, Measured};
-use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer};
+use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer, Sharding};
 use oomkit_snapshot::Options;
 use std::path::{Path, PathBuf};
 
@@ -51,6 +51,14 @@ pub(crate) struct Args {
     /// QLoRA: keep the frozen linear weights in 4 bits (bitsandbytes NF4); needs --lora-rank.
     #[arg(long)]
     load_in_4bit: bool,
+    /// Data-parallel GPUs that --zero shards the model states across (all nodes together).
+    #[arg(long, value_parser = positive, default_value_t = 1, value_name = "N")]
+    gpus: u64,
+    /// Shard across --gpus as ZeRO stage 1 (optimizer state), 2 (and
+    /// gradients: FSDP's SHARD_GRAD_OP) or 3 (and weights: FSDP's
+    /// FULL_SHARD); 0 shards nothing (DDP). Figures are per GPU.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3), default_value_t = 0, value_name = "STAGE")]
+    zero: u8,
     /// GPU memory to fit in (80GiB); default: the largest GPU here, if any.
     #[arg(long, value_parser = size, value_name = "SIZE")]
     gpu: Option<u64>,
@@ -238,6 +246,8 @@ pub(crate) fn run(a: Args) -> u8 {
         load_in_4bit: a.load_in_4bit,
         overhead_bytes: a.overhead,
         capacity_bytes: capacity,
+        gpus: a.gpus,
+        sharding: Sharding::from_stage(a.zero).unwrap_or(Sharding::None),
     };
     match oomkit_estimate::estimate(inputs) {
         Ok(e) => {

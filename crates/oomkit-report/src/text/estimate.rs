@@ -2,7 +2,7 @@
 //! and, when measured peaks were given, the calibration beside the formulas.
 
 use oomkit_estimate::calibrate::{Calibration, Fit};
-use oomkit_estimate::{Estimate, Verdict, ACTIVATION_SPREAD, ALLOCATOR_RESERVE};
+use oomkit_estimate::{Estimate, Sharding, Verdict, ACTIVATION_SPREAD, ALLOCATOR_RESERVE};
 use std::fmt::Write;
 
 /// Formats bytes in GiB with two decimals, the unit people plan GPU memory in.
@@ -15,7 +15,9 @@ pub fn estimate(e: &Estimate) -> String {
     let i = &e.inputs;
     let a = &i.arch;
     let mut out = String::new();
-    let prec = if i.mixed_precision {
+    let prec = if i.mixed_precision && i.sharding != Sharding::None {
+        "mixed precision (16-bit weights and gradients, fp32 master weights and state in the optimizer)".to_string()
+    } else if i.mixed_precision {
         "mixed precision (fp32 weights, 16-bit autocast)".to_string()
     } else {
         format!("{:?}", i.dtype).to_lowercase()
@@ -43,6 +45,19 @@ pub fn estimate(e: &Estimate) -> String {
         a.heads,
         a.vocab
     );
+    if i.gpus > 1 {
+        let what = match i.sharding {
+            Sharding::None => "nothing sharded (DDP): every GPU keeps everything",
+            Sharding::OptimizerState => "ZeRO-1: optimizer state sharded",
+            Sharding::Gradients => {
+                "ZeRO-2 (FSDP SHARD_GRAD_OP): optimizer state and gradients sharded"
+            }
+            Sharding::Full => {
+                "ZeRO-3 (FSDP FULL_SHARD): optimizer state, gradients and weights sharded"
+            }
+        };
+        let _ = writeln!(out, "{} GPUs, {what}; figures per GPU", i.gpus);
+    }
     if i.load_in_4bit {
         let _ = writeln!(
             out,
@@ -56,10 +71,15 @@ pub fn estimate(e: &Estimate) -> String {
         ("gradients", e.gradients_bytes),
         ("optimizer state", e.optimizer_bytes),
         ("EMA", e.ema_bytes),
+        ("gathered in full (sharding)", e.gathered_bytes),
         ("activations", e.activations_bytes),
         ("CUDA context and overhead", e.overhead_bytes),
     ];
     for (label, b) in rows {
+        // Only a sharded run gathers: the row would be noise otherwise.
+        if label.starts_with("gathered") && i.sharding < Sharding::Gradients {
+            continue;
+        }
         let share = 100.0 * b as f64 / e.total_bytes.max(1) as f64;
         let _ = writeln!(out, "  {label:<27} {:>12}  {share:>5.1}%", gib(b));
     }
@@ -86,7 +106,16 @@ pub fn estimate(e: &Estimate) -> String {
         let _ = writeln!(out, "  {:<27} {:>12}  {verdict}", "capacity", gib(c));
         match e.max_batch {
             Some(0) => {
-                let _ = writeln!(out, "\nThe fixed part alone ({}) exceeds the capacity: shard the model or its optimizer state, or train LoRA adapters.", gib(e.total_bytes - e.activations_bytes));
+                let how = if i.sharding == Sharding::Full {
+                    "shard it over more GPUs (--gpus), or train LoRA adapters"
+                } else {
+                    "shard it over several GPUs (--gpus N with --zero 3, ZeRO-3 or FSDP FULL_SHARD; --zero 1 shards the optimizer state alone), or train LoRA adapters"
+                };
+                let _ = writeln!(
+                    out,
+                    "\nThe fixed part alone ({}) exceeds the capacity: {how}.",
+                    gib(e.total_bytes - e.activations_bytes)
+                );
             }
             Some(m) => {
                 let _ = writeln!(
