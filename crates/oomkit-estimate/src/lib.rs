@@ -44,8 +44,15 @@ pub struct Architecture {
     /// Key/value heads x head size: smaller than `attention_width` with
     /// grouped-query attention (`num_key_value_heads`: Llama 3, Mistral, TinyLlama).
     pub kv_width: u64,
-    /// MLP inner size.
+    /// MLP inner size (of each expert, in a mixture of experts).
     pub ffn: u64,
+    /// Experts per MLP layer: 1 for a dense model, 8 for Mixtral-8x7B.
+    pub experts: u64,
+    /// Experts each token runs through (1 for a dense model).
+    pub experts_per_token: u64,
+    /// Inner size of the shared experts every token also runs through
+    /// (Qwen-MoE's, DeepSeek's), 0 without any.
+    pub shared_ffn: u64,
     /// Whether the MLP is gated (SwiGLU and the like), with three matrices instead of two.
     pub gated_mlp: bool,
     /// Llama-style layers: RMSNorm, rotary embeddings and no dropout, which
@@ -69,7 +76,14 @@ impl Architecture {
     pub fn params(&self) -> u64 {
         // Q and O are attention_width wide; K and V only kv_width under grouped-query attention.
         let attn = 2 * self.hidden * self.attention_width + 2 * self.hidden * self.kv_width;
-        let mlp = (if self.gated_mlp { 3 } else { 2 }) * self.hidden * self.ffn;
+        let matrices = if self.gated_mlp { 3 } else { 2 };
+        // Every expert's weights, the shared experts' and the router's.
+        let router = if self.experts > 1 {
+            self.experts * self.hidden
+        } else {
+            0
+        };
+        let mlp = matrices * self.hidden * (self.experts * self.ffn + self.shared_ffn) + router;
         let norms = 4 * self.hidden;
         let enc = self.layers * (attn + mlp + norms);
         let dec = self.decoder_layers * (2 * attn + mlp + norms);
@@ -115,6 +129,9 @@ impl Architecture {
             attention_width: hidden,
             kv_width: hidden,
             ffn: 4 * hidden,
+            experts: 1,
+            experts_per_token: 1,
+            shared_ffn: 0,
             gated_mlp: false,
             llama_style: false,
             lm_head: true,
@@ -164,14 +181,39 @@ impl Architecture {
             0
         };
         let head_dim = get(&["head_dim", "d_kv"]).unwrap_or(hidden / heads.max(1));
-        let ffn = get(&[
-            "intermediate_size",
-            "d_ff",
-            "n_inner",
-            "ffn_dim",
-            "encoder_ffn_dim",
-        ])
-        .unwrap_or(4 * hidden);
+        // A mixture of experts: how many, how many each token runs
+        // through, and the width of each (Mixtral's intermediate_size is
+        // its experts'; Qwen-MoE and DeepSeek name it apart).
+        let experts = get(&["num_local_experts", "num_experts", "n_routed_experts"])
+            .unwrap_or(1)
+            .max(1);
+        let experts_per_token = if experts > 1 {
+            get(&["num_experts_per_tok", "moe_topk", "num_selected_experts"])
+                .unwrap_or(2)
+                .clamp(1, experts)
+        } else {
+            1
+        };
+        let moe_ffn = (experts > 1)
+            .then(|| get(&["moe_intermediate_size", "expert_intermediate_size"]))
+            .flatten();
+        let shared_ffn = if experts > 1 {
+            get(&["shared_expert_intermediate_size"])
+                .unwrap_or_else(|| get(&["n_shared_experts"]).unwrap_or(0) * moe_ffn.unwrap_or(0))
+        } else {
+            0
+        };
+        let ffn = moe_ffn
+            .or_else(|| {
+                get(&[
+                    "intermediate_size",
+                    "d_ff",
+                    "n_inner",
+                    "ffn_dim",
+                    "encoder_ffn_dim",
+                ])
+            })
+            .unwrap_or(4 * hidden);
         let act = cfg
             .get("hidden_act")
             .or_else(|| cfg.get("feed_forward_proj"))
@@ -210,6 +252,9 @@ impl Architecture {
             attention_width: heads * head_dim,
             kv_width: kv_heads * head_dim,
             ffn,
+            experts,
+            experts_per_token,
+            shared_ffn,
             gated_mlp,
             llama_style,
             lm_head: !classifier,
@@ -233,6 +278,8 @@ const LLAMA_STYLE: &[&str] = &[
     "qwen2",
     "qwen2_moe",
     "qwen3",
+    "qwen3_moe",
+    "olmoe",
     "gemma",
     "gemma2",
     "gemma3_text",
@@ -503,7 +550,9 @@ const AUTOCAST_ACTIVATION_SCALE: f64 = 1.6;
 /// Activation bytes for one sequence of the micro-batch (batch 1).
 fn activations_per_sample(i: &Inputs) -> u64 {
     let a = &i.arch;
-    let (s, h, d, f, heads) = (i.seq, a.hidden, a.attention_width, a.ffn, a.heads);
+    // A token keeps the MLP activations of each expert it runs through.
+    let f = a.experts_per_token * a.ffn + a.shared_ffn;
+    let (s, h, d, heads) = (i.seq, a.hidden, a.attention_width, a.heads);
     let kv = a.kv_width;
     let scores = if i.flash_attention {
         0

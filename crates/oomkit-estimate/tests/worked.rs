@@ -159,6 +159,28 @@ fn published_model_sizes_from_their_configs() {
             "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu", "tie_word_embeddings": false}"#,
             6.74e9,
         ),
+        // Mixtral-8x7B: 46.7B, eight experts of Mistral's MLP width per layer.
+        (
+            r#"{"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu",
+            "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": false}"#,
+            46.7e9,
+        ),
+        // Qwen1.5-MoE-A2.7B: 14.3B, 60 narrow experts and a shared one.
+        (
+            r#"{"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 24, "vocab_size": 151936,
+            "hidden_act": "silu", "tie_word_embeddings": false}"#,
+            14.3e9,
+        ),
+        // OLMoE-1B-7B: 6.9B, 64 experts whose width is intermediate_size.
+        (
+            r#"{"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_experts": 64,
+            "num_experts_per_tok": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 16,
+            "vocab_size": 50304, "hidden_act": "silu", "tie_word_embeddings": false}"#,
+            6.92e9,
+        ),
     ];
     for (config, published) in cases {
         let arch = Architecture::from_hf_config(config).unwrap();
@@ -283,4 +305,35 @@ fn sharding_needs_several_gpus_and_keeps_the_rest_whole() {
         z1.activations_bytes, ddp.activations_bytes,
         "each GPU runs its own micro-batch"
     );
+}
+
+/// A mixture of experts keeps every expert's weights but runs each token
+/// through a few: the weights count all of them, the activations only
+/// those a token runs through (and a dense model is one expert of one).
+#[test]
+fn a_mixture_of_experts_keeps_every_expert_and_runs_a_few() {
+    let dense = r#"{"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000,
+        "hidden_act": "silu", "tie_word_embeddings": false}"#;
+    let moe = dense.replace(
+        r#""hidden_act""#,
+        r#""num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act""#,
+    );
+    let (d, m) = (
+        Architecture::from_hf_config(dense).unwrap(),
+        Architecture::from_hf_config(&moe).unwrap(),
+    );
+    assert_eq!((d.experts, d.experts_per_token), (1, 1));
+    assert_eq!((m.experts, m.experts_per_token, m.ffn), (8, 2, 14336));
+    let mlp = 3 * 4096 * 14336 * 32;
+    let router = 8 * 4096 * 32;
+    assert_eq!(m.params() - d.params(), 7 * mlp + router);
+    let act = |a: &Architecture| {
+        let mut i = base(a.clone(), a.params());
+        i.flash_attention = true;
+        i.batch = 1;
+        estimate(i).unwrap().activations_bytes
+    };
+    // Llama-style layers keep 8 bytes per token and MLP unit: twice the MLP width for two experts.
+    assert_eq!(act(&m) - act(&d), 8 * 128 * 14336 * 32);
 }

@@ -31,9 +31,24 @@ pub fn estimate(e: &Estimate) -> String {
         i.batch,
         i.seq
     );
+    let experts = if a.experts > 1 {
+        format!(
+            ", {} experts of {} ({} per token{})",
+            a.experts,
+            a.ffn,
+            a.experts_per_token,
+            if a.shared_ffn > 0 {
+                format!(", shared {}", a.shared_ffn)
+            } else {
+                String::new()
+            }
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "shape ({}): hidden {}, {} layers{}, {} heads, vocab {}",
+        "shape ({}): hidden {}, {} layers{}, {} heads, vocab {}{experts}",
         a.source,
         a.hidden,
         a.layers,
