@@ -36,8 +36,14 @@ pub enum OomKind {
     Mps,
     /// Huawei Ascend NPUs, through `torch_npu`.
     Npu,
-    /// A CUDA runtime call outside the caching allocator (NCCL, context creation).
+    /// A CUDA runtime call outside the caching allocator (a kernel's
+    /// launch, context creation, a library's own `cudaMalloc`).
     CudaRuntime,
+    /// The CUDA driver API, which the caching allocator's expandable
+    /// segments map memory with (`cuMemCreate`, `cuMemMap`).
+    CudaDriver,
+    /// NCCL could not allocate its communication buffers.
+    Nccl,
     /// cuBLAS could not allocate its workspace.
     Cublas,
     /// cuDNN failed in a way that is usually memory.
@@ -59,6 +65,11 @@ const MARKERS: &[(&str, OomKind)] = &[
     ("MPS backend out of memory", OomKind::Mps),
     ("NPU out of memory", OomKind::Npu),
     ("CUDA error: out of memory", OomKind::CudaRuntime),
+    // The driver API, as expandable segments map memory with it.
+    ("CUDA driver error: out of memory", OomKind::CudaDriver),
+    // NCCL's own check of a CUDA call, on the line after "Last error:".
+    ("Cuda failure 'out of memory'", OomKind::Nccl),
+    ("Cuda failure 2 'out of memory'", OomKind::Nccl),
     // PyTorch before 1.0 (THC): `THCudaCheck FAIL file=... line=... error=2 : out of memory`.
     ("error=2 : out of memory", OomKind::CudaRuntime),
     (
@@ -186,6 +197,8 @@ struct Patterns {
     cached_old: Regex,
     mps: Regex,
     cpu_bytes: Regex,
+    nccl_bytes: Regex,
+    nccl_device: Regex,
 }
 
 fn patterns() -> &'static Patterns {
@@ -216,6 +229,10 @@ fn patterns() -> &'static Patterns {
                 r"MPS allocated: {s}, other allocations: {s}, max allowed: {s}"
             )),
             cpu_bytes: re(r"you tried to allocate (\d+) bytes".into()),
+            // NCCL's next warning names the size: "Failed to CUDA calloc 6291456 bytes".
+            nccl_bytes: re(r"Failed to CUDA [cm]alloc (\d+) bytes".into()),
+            // NCCL's prefix: "host:pid:tid [local device] file:line NCCL WARN".
+            nccl_device: re(r"\[(\d+)\] \S+ NCCL WARN".into()),
         }
     })
 }
@@ -296,6 +313,16 @@ pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
             .zip(m.process_bytes)
             .map(|(cap, held)| cap.saturating_sub(held));
     }
+    if kind == OomKind::Nccl {
+        m.requested_bytes = p
+            .nccl_bytes
+            .captures(text)
+            .and_then(|c| c.get(1)?.as_str().parse().ok());
+        m.device = p
+            .nccl_device
+            .captures(text)
+            .and_then(|c| c.get(1)?.as_str().parse().ok());
+    }
     if kind == OomKind::Cpu && m.requested_bytes.is_none() {
         m.requested_bytes = p
             .cpu_bytes
@@ -353,6 +380,9 @@ fn marker_wrapped_from(lines: &[&str], i: usize) -> bool {
     })
 }
 
+/// Lines after NCCL's out-of-memory warning where its size warning may follow.
+const NCCL_SIZE_LINES: usize = 4;
+
 /// The most lines a wrapped marker can span: the longest has four words.
 const MARKER_WORDS: usize = 4;
 
@@ -392,6 +422,18 @@ pub fn find_messages(text: &str) -> Vec<OomMessage> {
             joined.push(' ');
             joined.push_str(lines[j].trim());
             j += 1;
+        }
+        // NCCL names the size it failed to get in its next warning, after a blank line.
+        if detect(&joined) == Some(OomKind::Nccl) {
+            if let Some(next) = lines
+                .iter()
+                .skip(j)
+                .take(NCCL_SIZE_LINES)
+                .find(|l| patterns().nccl_bytes.is_match(l))
+            {
+                joined.push(' ');
+                joined.push_str(next.trim());
+            }
         }
         let joined = joined.split_whitespace().collect::<Vec<_>>().join(" ");
         // Quoted from "Tried to allocate" on, it is the caching allocator's own
@@ -554,6 +596,25 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         }
         Cause::Capacity => {
             let cut = shortfall.unwrap_or(0);
+            // Who failed, where it is not PyTorch's allocator.
+            let library = match m.kind {
+                OomKind::Cublas => Some("cuBLAS could not allocate its handle or workspace"),
+                OomKind::Cudnn => Some("cuDNN could not allocate its workspace"),
+                OomKind::Nccl => Some("NCCL could not allocate its buffers"),
+                OomKind::CudaDriver => Some(
+                    "The CUDA driver could not map memory for the caching allocator's expandable segments",
+                ),
+                OomKind::CudaRuntime => Some(
+                    "A CUDA call outside PyTorch's caching allocator (a kernel's launch, a library, the context) could not get memory",
+                ),
+                _ => None,
+            };
+            if m.kind == OomKind::CudaDriver {
+                advice.push("This is the driver API that PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True maps memory with (cuMemCreate, cuMemMap): under WSL2 and on Jetson boards it fails with memory still free (unslothai/unsloth#2401), so first try the run without expandable_segments; if the device really was full, the advice below applies.".into());
+            }
+            if m.kind == OomKind::Nccl {
+                advice.push("NCCL allocates its buffers outside PyTorch's allocator, when a communicator first runs a collective, so PyTorch's cache may already hold the memory they need: leave headroom (a smaller micro-batch, or torch.cuda.set_per_process_memory_fraction below 1.0 so the cache stops short), lower NCCL_BUFFSIZE, or on NVLink-switch machines (H100, H200) set NCCL_NVLS_ENABLE=0, whose buffers are the largest.".into());
+            }
             if m.kind == OomKind::Mps {
                 advice.push("MPS stops at its high watermark (\"max allowed\"), a share of the machine's unified memory: cut the micro-batch, or raise PYTORCH_MPS_HIGH_WATERMARK_RATIO (0.0 removes the cap, at the risk of the whole machine swapping).".into());
             }
@@ -578,14 +639,26 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                     human_bytes(f),
                     human_bytes(r)
                 ),
-                _ => format!(
-                    "{device} was full: the {} request found {} free{}.",
-                    hb(req),
-                    hb(free),
-                    m.process_bytes
-                        .map(|p| format!(", and this process held {}", human_bytes(p)))
-                        .unwrap_or_default()
+                (None, None) => format!(
+                    "{}: {device} was full. The message gives no figures; `oomkit analyze` on a snapshot or run log of the run shows what held the memory.",
+                    library.unwrap_or("An allocation failed")
                 ),
+                _ => {
+                    let request = format!(
+                        "the request{} found {} free{}.",
+                        req.map(|r| format!(" for {}", human_bytes(r)))
+                            .unwrap_or_default(),
+                        free.map(human_bytes)
+                            .unwrap_or_else(|| "too little".into()),
+                        m.process_bytes
+                            .map(|p| format!(", and this process held {}", human_bytes(p)))
+                            .unwrap_or_default()
+                    );
+                    match library {
+                        Some(who) => format!("{who} on {device}: {request}"),
+                        None => format!("{device} was full: {request}"),
+                    }
+                }
             }
         }
     };

@@ -487,3 +487,68 @@ mod properties {
         }
     }
 }
+
+// https://github.com/NVIDIA/nccl/issues/1235 (a multi-node LLM run): NCCL's
+// warning, then the size it failed to get, after a blank line.
+const NCCL: &str = "ng30903:3063025:3066031 [0] NCCL INFO group.cc:96 -> 3
+
+ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'
+
+ng30903:3063028:3066152 [3] include/alloc.h:185 NCCL WARN Failed to CUDA calloc 6291456 bytes
+ng30903:3063028:3066152 [3] NCCL INFO transport/p2p.cc:204 -> 1";
+
+// https://github.com/NVIDIA/TensorRT-LLM/issues/1670: NCCL's warning alone, repeated.
+const NCCL_REPEATED: &str =
+    "VM-0-16-ubuntu:392:494 [2] enqueue.cc:43 NCCL WARN Cuda failure 'out of memory'
+
+VM-0-16-ubuntu:392:494 [2] enqueue.cc:54 NCCL WARN Cuda failure 'invalid resource handle'
+
+VM-0-16-ubuntu:392:494 [2] enqueue.cc:43 NCCL WARN Cuda failure 'out of memory'";
+
+#[test]
+fn nccl_buffers_name_their_size_and_device() {
+    let e = explain(NCCL, None).expect("found");
+    assert_eq!(e.message.kind, OomKind::Nccl);
+    assert_eq!(e.message.requested_bytes, Some(6_291_456));
+    assert_eq!(e.message.device, Some(3));
+    assert_eq!(e.cause, Cause::Capacity);
+    assert!(
+        e.summary
+            .starts_with("NCCL could not allocate its buffers on GPU 3"),
+        "{}",
+        e.summary
+    );
+    assert!(e.advice[0].contains("NCCL_BUFFSIZE"), "{:?}", e.advice);
+    let e = explain(NCCL_REPEATED, None).expect("found");
+    assert_eq!((e.message.kind, e.message.device), (OomKind::Nccl, Some(2)));
+    assert_eq!(e.messages, 1, "the repeat is one failure");
+    assert!(e.summary.contains("no figures"), "{}", e.summary);
+}
+
+// unslothai/unsloth#2401: expandable segments on a Jetson AGX Orin, with ~50 GB free.
+const DRIVER: &str = "RuntimeError: CUDA driver error: out of memory";
+
+#[test]
+fn the_driver_api_points_at_expandable_segments() {
+    let e = explain(DRIVER, Some("expandable_segments:True")).expect("found");
+    assert_eq!(e.message.kind, OomKind::CudaDriver);
+    assert!(
+        e.advice[0].contains("without expandable_segments"),
+        "{:?}",
+        e.advice
+    );
+    // Without figures the summary says who failed, in a sentence that reads.
+    assert!(
+        e.summary
+            .starts_with("The CUDA driver could not map memory"),
+        "{}",
+        e.summary
+    );
+    let e = explain(CUBLAS, None).expect("found");
+    assert!(!e.summary.contains("unknown amount"), "{}", e.summary);
+    assert!(
+        e.summary.starts_with("cuBLAS could not allocate"),
+        "{}",
+        e.summary
+    );
+}

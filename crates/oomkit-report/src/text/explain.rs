@@ -25,6 +25,7 @@ pub fn explanation(ex: &Explanation) -> String {
     );
     let _ = writeln!(out, "{}", ex.summary);
     let _ = writeln!(out);
+    let before_figures = out.len();
     row(&mut out, "requested", m.requested_bytes);
     row(&mut out, "device capacity", m.capacity_bytes);
     row(&mut out, "free on the device", m.free_bytes);
@@ -57,7 +58,10 @@ pub fn explanation(ex: &Explanation) -> String {
             ex.messages
         );
     }
-    let _ = writeln!(out);
+    // A message without figures has no table to close.
+    if out.len() > before_figures {
+        let _ = writeln!(out);
+    }
     for a in &ex.advice {
         let _ = writeln!(out, "- {a}");
     }
