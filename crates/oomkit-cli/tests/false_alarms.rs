@@ -83,6 +83,11 @@ const OWN: &[(&str, &[&str], &str)] = &[
         &["dominant_role:activations"],
         "11.9 GiB cached, the largest piece 314 MiB, for 312 MiB requests; activations are 85% of the peak",
     ),
+    (
+        "tinyllama_int8_lora_notebook_ftcourse.pickle",
+        &["dominant_site", "dominant_role:activations", "fragmentation"],
+        "a notebook cell runs the whole forward (77% of the peak at its line); 3.89 GiB free after backward, the largest piece 124 MiB, for 250 MiB requests: fragmented",
+    ),
 ];
 
 /// The findings' kinds, with the role of those about one (`dominant_role:parameters`).
