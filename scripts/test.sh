@@ -19,6 +19,8 @@ fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The fuzz targets (run with cargo-fuzz, on nightly) still build against the crates.
+cargo check --manifest-path fuzz/Cargo.toml --bins --locked --quiet
 # Every declared dependency is used.
 python3 scripts/check_deps.py
 # Regenerating the demo snapshot must give the committed bytes.

@@ -11,6 +11,6 @@ fuzz_target!(|data: &[u8]| {
         let _ = m.requested_bytes;
     }
     if let Some(e) = oomkit_supervise::oom::explain(&text, Some("expandable_segments:True")) {
-        let _ = e.text();
+        let _ = oomkit_report::text::explanation(&e);
     }
 });
