@@ -519,6 +519,12 @@ fn nccl_buffers_name_their_size_and_device() {
         e.summary
     );
     assert!(e.advice[0].contains("NCCL_BUFFSIZE"), "{:?}", e.advice);
+    // The first lines' fix is NCCL's too, not the generic one.
+    assert!(
+        e.verdict.detail.contains("first fix: leave NCCL room"),
+        "{}",
+        e.verdict.detail
+    );
     let e = explain(NCCL_REPEATED, None).expect("found");
     assert_eq!((e.message.kind, e.message.device), (OomKind::Nccl, Some(2)));
     assert_eq!(e.messages, 1, "the repeat is one failure");
@@ -536,6 +542,13 @@ fn the_driver_api_points_at_expandable_segments() {
         e.advice[0].contains("without expandable_segments"),
         "{:?}",
         e.advice
+    );
+    assert!(
+        e.verdict
+            .detail
+            .contains("first fix: run without expandable_segments"),
+        "{}",
+        e.verdict.detail
     );
     // Without figures the summary says who failed, in a sentence that reads.
     assert!(
