@@ -53,6 +53,11 @@ pub struct Architecture {
     /// Inner size of the shared experts every token also runs through
     /// (Qwen-MoE's, DeepSeek's), 0 without any.
     pub shared_ffn: u64,
+    /// Leading layers of a mixture of experts whose MLP is dense instead
+    /// (DeepSeek's `first_k_dense_replace`), 0 otherwise.
+    pub dense_layers: u64,
+    /// Inner size of those dense layers' MLP.
+    pub dense_ffn: u64,
     /// Whether the MLP is gated (SwiGLU and the like), with three matrices instead of two.
     pub gated_mlp: bool,
     /// Llama-style layers: RMSNorm, rotary embeddings and no dropout, which
@@ -85,7 +90,10 @@ impl Architecture {
         };
         let mlp = matrices * self.hidden * (self.experts * self.ffn + self.shared_ffn) + router;
         let norms = 4 * self.hidden;
-        let enc = self.layers * (attn + mlp + norms);
+        // Dense layers before the experts start trade the experts for one MLP.
+        let dense = self.dense_layers.min(self.layers);
+        let dense_mlp = matrices * self.hidden * self.dense_ffn;
+        let enc = (self.layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms);
         let dec = self.decoder_layers * (2 * attn + mlp + norms);
         let heads = if self.tied_embeddings || !self.lm_head {
             1
@@ -132,6 +140,8 @@ impl Architecture {
             experts: 1,
             experts_per_token: 1,
             shared_ffn: 0,
+            dense_layers: 0,
+            dense_ffn: 0,
             gated_mlp: false,
             llama_style: false,
             lm_head: true,
@@ -203,6 +213,16 @@ impl Architecture {
         } else {
             0
         };
+        let dense_layers = if experts > 1 && moe_ffn.is_some() {
+            get(&["first_k_dense_replace"]).unwrap_or(0).min(layers)
+        } else {
+            0
+        };
+        let dense_ffn = if dense_layers > 0 {
+            get(&["intermediate_size"]).unwrap_or(4 * hidden)
+        } else {
+            0
+        };
         let ffn = moe_ffn
             .or_else(|| {
                 get(&[
@@ -255,6 +275,8 @@ impl Architecture {
             experts,
             experts_per_token,
             shared_ffn,
+            dense_layers,
+            dense_ffn,
             gated_mlp,
             llama_style,
             lm_head: !classifier,
@@ -280,6 +302,8 @@ const LLAMA_STYLE: &[&str] = &[
     "qwen3",
     "qwen3_moe",
     "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
     "gemma",
     "gemma2",
     "gemma3_text",

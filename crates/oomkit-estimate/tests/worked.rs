@@ -174,6 +174,22 @@ fn published_model_sizes_from_their_configs() {
             "hidden_act": "silu", "tie_word_embeddings": false}"#,
             14.3e9,
         ),
+        // DeepSeek-V2-Lite: 15.7B, one dense layer, then 64 routed and 2 shared experts.
+        (
+            r#"{"model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+            "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+            "first_k_dense_replace": 1, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "num_hidden_layers": 27, "vocab_size": 102400, "hidden_act": "silu", "tie_word_embeddings": false}"#,
+            15.7e9,
+        ),
+        // DeepSeek-V3: 671B, three dense layers, then 256 routed experts and a shared one.
+        (
+            r#"{"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "num_hidden_layers": 61, "vocab_size": 129280, "hidden_act": "silu", "tie_word_embeddings": false}"#,
+            671e9,
+        ),
         // OLMoE-1B-7B: 6.9B, 64 experts whose width is intermediate_size.
         (
             r#"{"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_experts": 64,
