@@ -227,7 +227,10 @@ fn is_input(f: &Frame) -> bool {
 }
 
 fn is_parameter(f: &Frame) -> bool {
-    const CALLS: [&str; 7] = [
+    // PyTorch's own loading and moving, and the model loaders above it
+    // (transformers', diffusers' and PEFT's `from_pretrained`, accelerate's
+    // big-model loading), which allocate the weights wherever they put them.
+    const CALLS: [&str; 11] = [
         "_apply",
         "load_state_dict",
         "_load_from_state_dict",
@@ -235,6 +238,10 @@ fn is_parameter(f: &Frame) -> bool {
         "reset_parameters",
         "_load_state_dict_into_meta_model",
         "set_module_tensor_to_device",
+        "from_pretrained",
+        "load_checkpoint_in_model",
+        "load_checkpoint_and_dispatch",
+        "dispatch_model",
     ];
     if !is_python(f) {
         return false;
@@ -1032,6 +1039,18 @@ mod tests {
                 "pin_memory"
             ),]),
             Kind::Input
+        );
+        // A model loaded straight onto the GPU, by whatever the loader calls below it.
+        assert_eq!(
+            kind(&[
+                ("/venv/site-packages/safetensors/torch.py", "load_file"),
+                (
+                    "/venv/site-packages/transformers/modeling_utils.py",
+                    "from_pretrained"
+                ),
+                ("/home/me/train.py", "main"),
+            ]),
+            Kind::Parameter
         );
         assert_eq!(
             kind(&[
