@@ -77,31 +77,36 @@ pub struct Architecture {
 }
 
 impl Architecture {
-    /// Parameters implied by the shape.
+    /// Parameters implied by the shape (`u64::MAX` for a shape beyond it).
     pub fn params(&self) -> u64 {
+        // In floating point, so that a config's absurd sizes cannot wrap
+        // around to a plausible count; exact below 2^53 (9 quadrillion).
+        let n = |x: u64| x as f64;
+        let (hidden, layers) = (n(self.hidden), n(self.layers));
         // Q and O are attention_width wide; K and V only kv_width under grouped-query attention.
-        let attn = 2 * self.hidden * self.attention_width + 2 * self.hidden * self.kv_width;
-        let matrices = if self.gated_mlp { 3 } else { 2 };
+        let attn = 2.0 * hidden * n(self.attention_width) + 2.0 * hidden * n(self.kv_width);
+        let matrices = if self.gated_mlp { 3.0 } else { 2.0 };
         // Every expert's weights, the shared experts' and the router's.
         let router = if self.experts > 1 {
-            self.experts * self.hidden
+            n(self.experts) * hidden
         } else {
-            0
+            0.0
         };
-        let mlp = matrices * self.hidden * (self.experts * self.ffn + self.shared_ffn) + router;
-        let norms = 4 * self.hidden;
+        let mlp = matrices * hidden * (n(self.experts) * n(self.ffn) + n(self.shared_ffn)) + router;
+        let norms = 4.0 * hidden;
         // Dense layers before the experts start trade the experts for one MLP.
-        let dense = self.dense_layers.min(self.layers);
-        let dense_mlp = matrices * self.hidden * self.dense_ffn;
-        let enc = (self.layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms);
-        let dec = self.decoder_layers * (2 * attn + mlp + norms);
+        let dense = n(self.dense_layers.min(self.layers));
+        let dense_mlp = matrices * hidden * n(self.dense_ffn);
+        let enc = (layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms);
+        let dec = n(self.decoder_layers) * (2.0 * attn + mlp + norms);
         let heads = if self.tied_embeddings || !self.lm_head {
-            1
+            1.0
         } else {
-            2
+            2.0
         };
-        let emb = self.vocab * self.hidden * heads;
-        enc + dec + emb
+        let emb = n(self.vocab) * hidden * heads;
+        // A float past u64's range converts to u64::MAX.
+        (enc + dec + emb) as u64
     }
 
     /// A GPT-style shape for a parameter count, from the GPT-3 paper's table of model sizes.
@@ -164,13 +169,31 @@ impl Architecture {
             .get("text_config")
             .and_then(|t| t.as_object())
             .unwrap_or(obj);
+        // A size past 2^31 is no model's (the widest have 2^17 hidden units
+        // and 2^18 vocabulary entries): say so, before products of two wrap.
+        if let Some((k, n)) = cfg
+            .iter()
+            .filter_map(|(k, x)| Some((k, x.as_u64()?)))
+            .find(|&(_, n)| n > MAX_CONFIG_SIZE)
+            .filter(|(k, _)| SIZE_FIELDS.contains(&k.as_str()))
+        {
+            return Err(EstimateError::Invalid(format!(
+                "the config's {k} is {n}, beyond any model's (at most {MAX_CONFIG_SIZE})"
+            )));
+        }
         let get = |keys: &[&str]| {
             keys.iter()
                 .find_map(|k| cfg.get(*k).and_then(|x| x.as_u64()))
         };
         let need = |name: &'static str, keys: &'static str| {
             let list: Vec<&str> = keys.split(", ").collect();
-            get(&list).ok_or(EstimateError::MissingField(name, keys))
+            match get(&list) {
+                Some(0) => Err(EstimateError::Invalid(format!(
+                    "the config's {name} is 0 (read from {keys})"
+                ))),
+                Some(n) => Ok(n),
+                None => Err(EstimateError::MissingField(name, keys)),
+            }
         };
         let hidden = need("hidden size", "hidden_size, d_model, n_embd, dim")?;
         let heads = need(
@@ -290,6 +313,50 @@ impl Architecture {
         })
     }
 }
+
+/// The largest size a config field may give (2^31).
+const MAX_CONFIG_SIZE: u64 = 1 << 31;
+
+/// The config fields read as sizes and counts, checked against [`MAX_CONFIG_SIZE`].
+const SIZE_FIELDS: &[&str] = &[
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "dim",
+    "num_attention_heads",
+    "num_heads",
+    "n_head",
+    "encoder_attention_heads",
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "encoder_layers",
+    "num_decoder_layers",
+    "decoder_layers",
+    "head_dim",
+    "d_kv",
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_topk",
+    "num_selected_experts",
+    "moe_intermediate_size",
+    "expert_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "intermediate_size",
+    "d_ff",
+    "n_inner",
+    "ffn_dim",
+    "encoder_ffn_dim",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head_kv",
+    "vocab_size",
+    "padded_vocab_size",
+];
 
 /// Model families whose layers are Llama's: RMSNorm, a gated (SwiGLU or
 /// GeGLU) MLP, rotary embeddings and no dropout.
@@ -535,6 +602,14 @@ pub enum Verdict {
     DoesNotFit,
 }
 
+/// The largest budget worked out: 1 EiB, a million 1 TiB devices. Past it
+/// a figure means a wrong input (a sequence or a size off by powers of ten),
+/// and 64-bit arithmetic would soon wrap to one that fits.
+pub const MAX_BUDGET_BYTES: u64 = 1 << 60;
+
+/// The most parameters a model may have: 10^15, a thousand times today's largest.
+pub const MAX_PARAMS: u64 = 1_000_000_000_000_000;
+
 /// How far activations can exceed the formulas: kernels, fusion and
 /// attention implementations move them by about a quarter (a Llama-style
 /// layer measures 45 bytes per token and hidden unit where the Korthikanti
@@ -558,10 +633,10 @@ const NF4_BYTES_PER_PARAM: f64 = 0.5 + 4.0 / 64.0;
 /// gated MLP keeps four wide tensors (gate, up, their activation, the
 /// product), RMSNorm keeps its input and output, rotary embeddings keep the
 /// rotated queries and keys, and there are no dropout masks.
-fn llama_layer(s: u64, h: u64, d: u64, kv: u64, f: u64) -> u64 {
-    let attention = 2 * s * h + 6 * s * d + 6 * s * kv;
-    let mlp = 2 * s * h + 8 * s * f;
-    let norms = 2 * (2 * s * h + 2 * s * h);
+fn llama_layer(s: f64, h: f64, d: f64, kv: f64, f: f64) -> f64 {
+    let attention = 2.0 * s * h + 6.0 * s * d + 6.0 * s * kv;
+    let mlp = 2.0 * s * h + 8.0 * s * f;
+    let norms = 2.0 * (2.0 * s * h + 2.0 * s * h);
     attention + mlp + norms
 }
 
@@ -572,39 +647,48 @@ fn llama_layer(s: u64, h: u64, d: u64, kv: u64, f: u64) -> u64 {
 const AUTOCAST_ACTIVATION_SCALE: f64 = 1.6;
 
 /// Activation bytes for one sequence of the micro-batch (batch 1).
-fn activations_per_sample(i: &Inputs) -> u64 {
+fn activations_per_sample(i: &Inputs) -> Option<u64> {
     let a = &i.arch;
+    // In floating point: a long sequence squared, times heads and layers,
+    // runs past 64 bits, where integers would wrap to a figure that fits.
+    let n = |x: u64| x as f64;
     // A token keeps the MLP activations of each expert it runs through.
-    let f = a.experts_per_token * a.ffn + a.shared_ffn;
-    let (s, h, d, heads) = (i.seq, a.hidden, a.attention_width, a.heads);
-    let kv = a.kv_width;
+    let f = n(a.experts_per_token) * n(a.ffn) + n(a.shared_ffn);
+    let (s, h, d, heads) = (n(i.seq), n(a.hidden), n(a.attention_width), n(a.heads));
+    let kv = n(a.kv_width);
+    let (layers, decoder_layers) = (n(a.layers), n(a.decoder_layers));
     let scores = if i.flash_attention {
-        0
+        0.0
     } else if a.llama_style || !a.dropout {
         // Scores and softmax output in 16 bits; no dropout mask.
-        4 * heads * s * s
+        4.0 * heads * s * s
     } else {
-        5 * heads * s * s
+        5.0 * heads * s * s
     };
     let layer = if a.llama_style {
         llama_layer(s, h, d, kv, f) + scores
     } else {
         // Korthikanti et al. (2022), "Reducing Activation Recomputation in
         // Large Transformer Models": 34sh + 5as^2 bytes per layer for f = 4h.
-        let mlp = 3 * s * h + if a.gated_mlp { 6 * s * f } else { 4 * s * f };
-        let attn_linear = 3 * s * h + 8 * s * d;
-        let norms = 4 * s * h;
+        let mlp = 3.0 * s * h
+            + if a.gated_mlp {
+                6.0 * s * f
+            } else {
+                4.0 * s * f
+            };
+        let attn_linear = 3.0 * s * h + 8.0 * s * d;
+        let norms = 4.0 * s * h;
         // The one-byte dropout masks after attention and after the MLP.
-        let masks = if a.dropout { 0 } else { 2 * s * h };
+        let masks = if a.dropout { 0.0 } else { 2.0 * s * h };
         attn_linear + scores + mlp + norms - masks
     };
-    let cross = 3 * s * h + 8 * s * d + scores;
-    let full = a.layers * layer + a.decoder_layers * (layer + cross);
+    let cross = 3.0 * s * h + 8.0 * s * d + scores;
+    let full = layers * layer + decoder_layers * (layer + cross);
     let kept = if i.grad_checkpointing {
         // Layer inputs are kept; one layer at a time is rebuilt during backward.
-        2 * s * h * (a.layers + a.decoder_layers)
+        2.0 * s * h * (layers + decoder_layers)
             + layer
-            + if a.decoder_layers > 0 { cross } else { 0 }
+            + if a.decoder_layers > 0 { cross } else { 0.0 }
     } else {
         full
     };
@@ -623,11 +707,12 @@ fn activations_per_sample(i: &Inputs) -> u64 {
     // classifier has no vocabulary head.
     let logits = if a.lm_head {
         let upcast = if i.dtype == Dtype::Fp32 { 0 } else { 4 };
-        s * a.vocab * (i.dtype.bytes() + upcast + 4 + 4)
+        s * n(a.vocab) * n(i.dtype.bytes() + upcast + 4 + 4)
     } else {
-        0
+        0.0
     };
-    (kept as f64 * scale) as u64 + logits
+    let bytes = (kept * scale).trunc() + logits;
+    (bytes <= MAX_BUDGET_BYTES as f64).then_some(bytes as u64)
 }
 
 /// Works out the budget for `inputs`.
@@ -650,6 +735,21 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     if inputs.gpus == 0 {
         return Err(EstimateError::Invalid("--gpus must be at least 1".into()));
     }
+    if inputs.params == 0 || inputs.params > MAX_PARAMS {
+        return Err(EstimateError::Invalid(format!(
+            "the model has {} parameters by its sizes (--config or --params): expected 1 to 10^15",
+            inputs.params
+        )));
+    }
+    if inputs.overhead_bytes > MAX_BUDGET_BYTES {
+        return Err(EstimateError::Invalid("--overhead is beyond 1 EiB".into()));
+    }
+    let too_large = || {
+        EstimateError::Invalid(format!(
+            "the activations alone would be beyond 1 EiB at --seq {} and --batch {}: check them and the model's sizes",
+            inputs.seq, inputs.batch
+        ))
+    };
     if inputs.sharding != Sharding::None && inputs.gpus == 1 {
         return Err(EstimateError::Invalid(format!(
             "ZeRO stage {} shards across GPUs: give --gpus N above 1",
@@ -661,12 +761,13 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     let trainable = match inputs.lora_rank {
         // A and B matrices on the four attention projections of every layer.
         // A and B on Q and O (hidden -> attention_width) and on K and V (hidden -> kv_width).
-        Some(r) => {
-            (a.layers + 2 * a.decoder_layers)
-                * 2
-                * r
-                * (2 * a.hidden + a.attention_width + a.kv_width)
-        }
+        // In floating point, as a rank past the model's width must not wrap:
+        // adapters never train more than the model has.
+        Some(r) => ((a.layers as f64 + 2.0 * a.decoder_layers as f64)
+            * 2.0
+            * r as f64
+            * (2.0 * a.hidden as f64 + a.attention_width as f64 + a.kv_width as f64))
+            .min(p as f64) as u64,
         None => p,
     };
     // Sharded mixed precision is ZeRO's: 16-bit weights and gradients, and
@@ -761,8 +862,11 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     let weights = share(weights, Sharding::Full);
     let gradients = share(gradients, Sharding::Gradients);
     let optimizer = share(optimizer, Sharding::OptimizerState);
-    let per_sample = activations_per_sample(&inputs);
-    let activations = per_sample * inputs.batch;
+    let per_sample = activations_per_sample(&inputs).ok_or_else(too_large)?;
+    let activations = per_sample
+        .checked_mul(inputs.batch)
+        .filter(|&b| b <= MAX_BUDGET_BYTES)
+        .ok_or_else(too_large)?;
     let fixed = weights + gradients + optimizer + ema + gathered + inputs.overhead_bytes;
     let total = fixed + activations;
     // The high end: more activations, and the allocator's reserve on every tensor.
@@ -843,9 +947,9 @@ mod tests {
         let layer = s * h * 34 + 5 * heads * s * s;
         // bf16 logits, their fp32 upcast, the fp32 log-softmax and its gradient.
         let logits = s * a.vocab * 14;
-        assert_eq!(activations_per_sample(&i), a.layers * layer + logits);
+        assert_eq!(activations_per_sample(&i), Some(a.layers * layer + logits));
         i.flash_attention = true;
-        assert_eq!(activations_per_sample(&i), a.layers * s * h * 34 + logits);
+        assert_eq!(activations_per_sample(&i), Some(a.layers * s * h * 34 + logits));
     }
 
     #[test]

@@ -353,3 +353,30 @@ fn a_mixture_of_experts_keeps_every_expert_and_runs_a_few() {
     // Llama-style layers keep 8 bytes per token and MLP unit: twice the MLP width for two experts.
     assert_eq!(act(&m) - act(&d), 8 * 128 * 14336 * 32);
 }
+
+/// Sizes no model has are refused with one line, never wrapped into a
+/// budget that fits: a config's field past 2^31, a zero, a sequence or
+/// batch whose activations pass 1 EiB.
+#[test]
+fn absurd_sizes_are_refused_not_wrapped() {
+    let huge = r#"{"hidden_size": 18446744073709551615, "num_attention_heads": 1, "num_hidden_layers": 2}"#;
+    let e = Architecture::from_hf_config(huge).unwrap_err().to_string();
+    assert!(e.contains("hidden_size is 18446744073709551615"), "{e}");
+    let zero = r#"{"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 0}"#;
+    let e = Architecture::from_hf_config(zero).unwrap_err().to_string();
+    assert!(e.contains("layer count is 0"), "{e}");
+    // Each field within bounds, their product far past any model.
+    let wide = r#"{"hidden_size": 2147483648, "num_attention_heads": 1, "num_hidden_layers": 2147483648,
+        "intermediate_size": 2147483648, "num_local_experts": 2147483648}"#;
+    let arch = Architecture::from_hf_config(wide).unwrap();
+    assert!(estimate(base(arch.clone(), arch.params())).is_err());
+    let p = 7_000_000_000;
+    let mut i = base(Architecture::guess(p), p);
+    i.capacity_bytes = Some(80 << 30);
+    i.seq = 100_000_000;
+    let e = estimate(i.clone()).unwrap_err().to_string();
+    assert!(e.contains("beyond 1 EiB"), "{e}");
+    i.seq = 1024;
+    i.batch = u64::MAX;
+    assert!(estimate(i).is_err());
+}
