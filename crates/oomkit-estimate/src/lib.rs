@@ -949,7 +949,10 @@ mod tests {
         let logits = s * a.vocab * 14;
         assert_eq!(activations_per_sample(&i), Some(a.layers * layer + logits));
         i.flash_attention = true;
-        assert_eq!(activations_per_sample(&i), Some(a.layers * s * h * 34 + logits));
+        assert_eq!(
+            activations_per_sample(&i),
+            Some(a.layers * s * h * 34 + logits)
+        );
     }
 
     #[test]
