@@ -173,9 +173,9 @@ impl Architecture {
         // and 2^18 vocabulary entries): say so, before products of two wrap.
         if let Some((k, n)) = cfg
             .iter()
+            .filter(|(k, _)| SIZE_FIELDS.contains(&k.as_str()))
             .filter_map(|(k, x)| Some((k, x.as_u64()?)))
             .find(|&(_, n)| n > MAX_CONFIG_SIZE)
-            .filter(|(k, _)| SIZE_FIELDS.contains(&k.as_str()))
         {
             return Err(EstimateError::Invalid(format!(
                 "the config's {k} is {n}, beyond any model's (at most {MAX_CONFIG_SIZE})"

@@ -362,6 +362,10 @@ fn absurd_sizes_are_refused_not_wrapped() {
     let huge = r#"{"hidden_size": 18446744073709551615, "num_attention_heads": 1, "num_hidden_layers": 2}"#;
     let e = Architecture::from_hf_config(huge).unwrap_err().to_string();
     assert!(e.contains("hidden_size is 18446744073709551615"), "{e}");
+    // Found whatever other large integer comes before it (here a token id).
+    let after = r#"{"bos_token_id": 4294967296, "hidden_size": 4294967296, "num_attention_heads": 1, "num_hidden_layers": 2}"#;
+    let e = Architecture::from_hf_config(after).unwrap_err().to_string();
+    assert!(e.contains("hidden_size is 4294967296"), "{e}");
     let zero = r#"{"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 0}"#;
     let e = Architecture::from_hf_config(zero).unwrap_err().to_string();
     assert!(e.contains("layer count is 0"), "{e}");
