@@ -99,14 +99,22 @@ impl Architecture {
         let dense_mlp = matrices * hidden * n(self.dense_ffn);
         let enc = (layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms);
         let dec = n(self.decoder_layers) * (2.0 * attn + mlp + norms);
-        let heads = if self.tied_embeddings || !self.lm_head {
-            1.0
-        } else {
-            2.0
-        };
-        let emb = n(self.vocab) * hidden * heads;
+        let emb = n(self.embedding_params());
         // A float past u64's range converts to u64::MAX.
         (enc + dec + emb) as u64
+    }
+
+    /// Parameters of the token embedding and, when untied, the vocabulary
+    /// head (a classifier has none): `u64::MAX` for a shape beyond it.
+    pub fn embedding_params(&self) -> u64 {
+        let matrices = if self.tied_embeddings || !self.lm_head {
+            1
+        } else {
+            2
+        };
+        self.vocab
+            .saturating_mul(self.hidden)
+            .saturating_mul(matrices)
     }
 
     /// A GPT-style shape for a parameter count, from the GPT-3 paper's table of model sizes.
@@ -774,20 +782,14 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     // the optimizer keeps fp32 master weights beside its fp32 state (16
     // bytes per parameter with AdamW, 12 of them the optimizer's).
     let zero_mixed = inputs.mixed_precision && inputs.sharding != Sharding::None;
+    // Unsharded mixed precision is torch.autocast's.
+    let autocast = inputs.mixed_precision && !zero_mixed;
     // Storage dtype: autocast keeps fp32 parameters; pure 16-bit training keeps them 16-bit.
-    let store = if inputs.mixed_precision && !zero_mixed {
-        4
-    } else {
-        inputs.dtype.bytes()
-    };
+    let store = if autocast { 4 } else { inputs.dtype.bytes() };
     // Autocast keeps a 16-bit copy of every weight it casts for the whole
     // step, so mixed-precision AdamW is 18 bytes per parameter, not 16
     // (DeepSpeed's ZeRO paper and Hugging Face's model-memory anatomy count 18).
-    let cast_copy = if inputs.mixed_precision && !zero_mixed {
-        2 * p
-    } else {
-        0
-    };
+    let cast_copy = if autocast { 2 * p } else { 0 };
     let adapters = if inputs.lora_rank.is_some() {
         trainable * store
     } else {
@@ -797,12 +799,7 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
         // bitsandbytes quantizes the linear layers only: the embeddings, the
         // vocabulary head and the norms stay in the compute dtype. The layer
         // being run is dequantized to the compute dtype for its matmul.
-        let heads = if a.tied_embeddings || !a.lm_head {
-            1
-        } else {
-            2
-        };
-        let unquantized = (a.vocab * a.hidden * heads).min(p);
+        let unquantized = a.embedding_params().min(p);
         let quantized = p - unquantized;
         let dequantized = a.hidden * a.ffn.max(a.hidden) * inputs.dtype.bytes();
         (quantized as f64 * NF4_BYTES_PER_PARAM) as u64
@@ -835,12 +832,7 @@ pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     };
     let layers = (a.layers + a.decoder_layers).max(1);
     let gathered = if n > 1 {
-        let emb_heads = if a.tied_embeddings || !a.lm_head {
-            1
-        } else {
-            2
-        };
-        let embedding = (a.vocab * a.hidden * emb_heads).min(p);
+        let embedding = a.embedding_params().min(p);
         let layer = (p - embedding) / layers;
         // FSDP wraps each block and the embeddings apart: the largest
         // unit is gathered at once, and the next one with it.
