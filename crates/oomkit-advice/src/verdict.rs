@@ -97,21 +97,14 @@ pub struct Failure {
 }
 
 impl Verdict {
-    /// The same verdict with another first fix, where the source knows a
-    /// better one than the cause alone gives (the library that failed).
-    pub fn with_fix(mut self, fix: String) -> Verdict {
-        const FIRST_FIX: &str = "; first fix: ";
-        if let Some(at) = self.detail.find(FIRST_FIX) {
-            self.detail.truncate(at + FIRST_FIX.len());
-            self.detail.push_str(&fix);
-        }
-        self.fix = Some(fix);
-        self
-    }
-
     /// The verdict on a failure: its place, request, site, cause and first fix.
     pub fn failed(f: &Failure, cause: Cause) -> Verdict {
-        let fix = first_fix(cause, f);
+        Verdict::failed_with_fix(f, cause, first_fix(cause, f))
+    }
+
+    /// The verdict on a failure with the first fix given, where the source
+    /// knows a better one than the cause alone gives (the library that failed).
+    pub fn failed_with_fix(f: &Failure, cause: Cause, fix: String) -> Verdict {
         let asked = f
             .figures
             .requested

@@ -687,19 +687,16 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         // A message does not say what the memory was for.
         largest_role: None,
     };
-    let mut verdict = oomkit_advice::Verdict::failed(&failure, cause);
     // Outside PyTorch's allocator the library that failed decides the first fix.
-    if cause == Cause::Capacity {
-        match m.kind {
-            OomKind::CudaDriver => {
-                verdict = verdict.with_fix("run without expandable_segments in PYTORCH_CUDA_ALLOC_CONF, whose driver mapping fails on some platforms (WSL2, Jetson) with memory free; if it still fails, lower the micro-batch".into());
-            }
-            OomKind::Nccl => {
-                verdict = verdict.with_fix("leave NCCL room for its buffers: a smaller micro-batch, torch.cuda.set_per_process_memory_fraction below 1.0, or a lower NCCL_BUFFSIZE".into());
-            }
-            _ => {}
-        }
-    }
+    let library_fix = match (cause, m.kind) {
+        (Cause::Capacity, OomKind::CudaDriver) => Some("run without expandable_segments in PYTORCH_CUDA_ALLOC_CONF, whose driver mapping fails on some platforms (WSL2, Jetson) with memory free; if it still fails, lower the micro-batch"),
+        (Cause::Capacity, OomKind::Nccl) => Some("leave NCCL room for its buffers: a smaller micro-batch, torch.cuda.set_per_process_memory_fraction below 1.0, or a lower NCCL_BUFFSIZE"),
+        _ => None,
+    };
+    let verdict = match library_fix {
+        Some(fix) => oomkit_advice::Verdict::failed_with_fix(&failure, cause, fix.into()),
+        None => oomkit_advice::Verdict::failed(&failure, cause),
+    };
     Explanation {
         verdict,
         other_processes_bytes: others,
