@@ -265,15 +265,14 @@ fn analyze_device(
     // OOM entries (whose live sets would have to wait in memory) it runs on
     // the second core while the live set at the peak is rebuilt.
     let roles = if events.len() >= PARALLEL_MIN_EVENTS && oom_idx.is_empty() {
-        let roles = std::thread::scope(|sc| {
+        std::thread::scope(|sc| {
             let roles = sc.spawn(decide);
             pass2(None, &mut peak_live);
             // A panic in the roles thread is a bug; rethrowing it keeps it one.
             roles
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        });
-        roles
+        })
     } else {
         let roles = decide();
         pass2(Some(&roles), &mut peak_live);
