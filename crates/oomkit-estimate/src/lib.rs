@@ -325,7 +325,9 @@ impl Architecture {
 /// The largest size a config field may give (2^31).
 const MAX_CONFIG_SIZE: u64 = 1 << 31;
 
-/// The config fields read as sizes and counts, checked against [`MAX_CONFIG_SIZE`].
+/// The config fields read as sizes and counts, checked against
+/// [`MAX_CONFIG_SIZE`]: every key `from_hf_config` reads as a size belongs
+/// here too (a large value in any of them is refused, read or not).
 const SIZE_FIELDS: &[&str] = &[
     "hidden_size",
     "d_model",
