@@ -65,11 +65,18 @@ pub struct Architecture {
     pub llama_style: bool,
     /// Whether the model ends in a vocabulary head (a language model), not a small classifier.
     pub lm_head: bool,
+    /// Whether its linear layers carry biases (GPT-2, BERT, OPT), which Llama-style layers drop.
+    pub biases: bool,
     /// Whether the layers apply dropout, whose one-byte masks are kept for
     /// backward: false when every dropout probability in the config is 0.
     pub dropout: bool,
     /// Vocabulary size.
     pub vocab: u64,
+    /// Rows of learned absolute position embeddings (GPT-2's `wpe`, BERT's
+    /// position and token-type tables, OPT's and BART's offset tables), over
+    /// all such tables; 0 for rotary, ALiBi or relative positions, which have
+    /// no such weights.
+    pub positions: u64,
     /// Whether the output projection shares the embedding's weights.
     pub tied_embeddings: bool,
     /// Where the shape came from: "config" or "guessed from the parameter count".
@@ -94,14 +101,32 @@ impl Architecture {
         };
         let mlp = matrices * hidden * (n(self.experts) * n(self.ffn) + n(self.shared_ffn)) + router;
         let norms = 4.0 * hidden;
+        // Biases of Q, K, V and O, and of each expert's two MLP matrices.
+        let (attn_bias, mlp_bias, dense_bias) = if self.biases {
+            (
+                n(self.attention_width) + 2.0 * n(self.kv_width) + hidden,
+                n(self.experts) * (n(self.ffn) + hidden),
+                n(self.dense_ffn) + hidden,
+            )
+        } else {
+            (0.0, 0.0, 0.0)
+        };
+        let (attn, mlp) = (attn + attn_bias, mlp + mlp_bias);
         // Dense layers before the experts start trade the experts for one MLP.
         let dense = n(self.dense_layers.min(self.layers));
-        let dense_mlp = matrices * hidden * n(self.dense_ffn);
+        let dense_mlp = matrices * hidden * n(self.dense_ffn) + dense_bias;
         let enc = (layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms);
         let dec = n(self.decoder_layers) * (2.0 * attn + mlp + norms);
         let emb = n(self.embedding_params());
+        let positions = n(self.positions) * hidden;
+        // The norm after the last layer: LayerNorm's weight and bias, RMSNorm's weight.
+        let final_norm = if self.llama_style {
+            hidden
+        } else {
+            2.0 * hidden
+        };
         // A float past u64's range converts to u64::MAX.
-        (enc + dec + emb) as u64
+        (enc + dec + emb + positions + final_norm) as u64
     }
 
     /// Parameters of the token embedding and, when untied, the vocabulary
@@ -158,8 +183,11 @@ impl Architecture {
             gated_mlp: false,
             llama_style: false,
             lm_head: true,
+            biases: false,
             dropout: true,
             vocab: 50257,
+            // The shape stands for a count the user gave: no table is added to it.
+            positions: 0,
             tied_embeddings: true,
             source: "guessed from the parameter count".into(),
         }
@@ -311,8 +339,14 @@ impl Architecture {
             gated_mlp,
             llama_style,
             lm_head: !classifier,
+            // Llama-style layers drop the biases; a config can say so for any family.
+            biases: !llama_style
+                && !["bias", "use_bias", "add_bias_linear"]
+                    .iter()
+                    .any(|k| cfg.get(*k).and_then(|x| x.as_bool()) == Some(false)),
             dropout,
             vocab: get(&["vocab_size", "padded_vocab_size"]).unwrap_or(32000),
+            positions: learned_positions(model_type, &get),
             tied_embeddings: cfg
                 .get("tie_word_embeddings")
                 .and_then(|x| x.as_bool())
@@ -320,6 +354,46 @@ impl Architecture {
             source: "config".into(),
         })
     }
+}
+
+/// Families with learned absolute position embeddings: the config field
+/// that gives the table's rows, the rows every table adds to it (OPT and
+/// BART offset their positions by 2), and how many tables (BART's encoder
+/// and decoder each have one). Rotary, ALiBi and relative positions hold no
+/// such weights. From each family's `modeling_*.py` in transformers.
+const LEARNED_POSITIONS: &[(&str, &str, u64, u64)] = &[
+    ("gpt2", "n_positions", 0, 1),
+    ("gpt_bigcode", "n_positions", 0, 1),
+    ("gpt_neo", "max_position_embeddings", 0, 1),
+    ("opt", "max_position_embeddings", 2, 1),
+    ("biogpt", "max_position_embeddings", 2, 1),
+    ("bart", "max_position_embeddings", 2, 2),
+    ("mbart", "max_position_embeddings", 2, 2),
+    ("bert", "max_position_embeddings", 0, 1),
+    ("roberta", "max_position_embeddings", 0, 1),
+    ("xlm-roberta", "max_position_embeddings", 0, 1),
+    ("electra", "max_position_embeddings", 0, 1),
+    ("distilbert", "max_position_embeddings", 0, 1),
+];
+
+/// Families whose embeddings add a learned token-type table (`type_vocab_size` rows, 2 in BERT).
+const TOKEN_TYPES: &[&str] = &["bert", "roberta", "xlm-roberta", "electra"];
+
+/// Rows of learned position (and token-type) embeddings for `model_type`, from the config.
+fn learned_positions(model_type: &str, get: &dyn Fn(&[&str]) -> Option<u64>) -> u64 {
+    let Some(&(_, field, offset, tables)) = LEARNED_POSITIONS
+        .iter()
+        .find(|(family, ..)| *family == model_type)
+    else {
+        return 0;
+    };
+    let rows = get(&[field]).map_or(0, |r| (r + offset) * tables);
+    let types = if TOKEN_TYPES.contains(&model_type) {
+        get(&["type_vocab_size"]).unwrap_or(2)
+    } else {
+        0
+    };
+    rows + types
 }
 
 /// The largest size a config field may give (2^31).
@@ -366,6 +440,9 @@ const SIZE_FIELDS: &[&str] = &[
     "n_head_kv",
     "vocab_size",
     "padded_vocab_size",
+    "n_positions",
+    "max_position_embeddings",
+    "type_vocab_size",
 ];
 
 /// Model families whose layers are Llama's: RMSNorm, a gated (SwiGLU or

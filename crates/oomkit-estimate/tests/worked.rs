@@ -208,6 +208,38 @@ fn published_model_sizes_from_their_configs() {
     }
 }
 
+/// Small GPT-2-style models are counted to the parameter, learned position
+/// embeddings and biases included: figures from transformers' own models
+/// built from these configs (`sum(p.numel() for p in model.parameters())`).
+#[test]
+fn gpt2_and_opt_counted_to_the_parameter() {
+    let cases = [
+        // A tiny GPT-2 a CPU test trains: 172,288 (162,816 without the 128 x 64 position table and the biases).
+        (
+            r#"{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128, "vocab_size": 1000}"#,
+            172_288.0,
+        ),
+        // GPT-2 small: 124,439,808.
+        (
+            r#"{"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}"#,
+            124_439_808.0,
+        ),
+        // OPT-125m: 125,239,296, with OPT's two offset positions.
+        (
+            r#"{"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072, "num_attention_heads": 12,
+            "max_position_embeddings": 2048, "vocab_size": 50272}"#,
+            125_239_296.0,
+        ),
+    ];
+    for (config, built) in cases {
+        let p = Architecture::from_hf_config(config).unwrap().params() as f64;
+        assert!(
+            (p / built - 1.0).abs() < 1e-6,
+            "{p} vs {built} for {config}"
+        );
+    }
+}
+
 /// A Llama layer keeps about 45 bytes per token and hidden unit (measured),
 /// not the 34 of the GPT-style formula.
 #[test]

@@ -5,9 +5,38 @@ use oomkit_estimate::calibrate::{Calibration, Fit};
 use oomkit_estimate::{Estimate, Sharding, Verdict, ACTIVATION_SPREAD, ALLOCATOR_RESERVE};
 use std::fmt::Write;
 
-/// Formats bytes in GiB with two decimals, the unit people plan GPU memory in.
+/// Below this, a size in GiB with two decimals would read 0.00: smaller
+/// figures take the unit that shows them (MiB, KiB).
+const GIB_FROM: u64 = (1 << 30) / 100;
+
+/// Formats bytes in GiB with two decimals, the unit people plan GPU memory
+/// in, or in a smaller unit where that would round to nothing.
 fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    if b >= GIB_FROM {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        oomkit_units::human_bytes(b)
+    }
+}
+
+/// A parameter count as people write it: 7.24B, 124M (as 0.12B), 25.3M, or whole below a million.
+fn params(n: u64) -> String {
+    if n >= 100_000_000 {
+        format!("{:.2}B", n as f64 / 1e9)
+    } else if n >= 1_000_000 {
+        format!("{:.1}M", n as f64 / 1e6)
+    } else {
+        // Thousands grouped, so that 172288 reads 172,288.
+        let digits = n.to_string();
+        let mut out = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i).is_multiple_of(3) {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        out
+    }
 }
 
 /// The budget as a table for the terminal.
@@ -24,9 +53,9 @@ pub fn estimate(e: &Estimate) -> String {
     };
     let _ = writeln!(
         out,
-        "{:.2}B parameters ({:.2}B trainable), {prec}, {:?}, micro-batch {} x {} tokens",
-        e.params as f64 / 1e9,
-        e.trainable_params as f64 / 1e9,
+        "{} parameters ({} trainable), {prec}, {:?}, micro-batch {} x {} tokens",
+        params(e.params),
+        params(e.trainable_params),
         i.optimizer,
         i.batch,
         i.seq
@@ -154,7 +183,18 @@ pub fn calibration(c: &Calibration) -> String {
         .iter()
         .map(|m| m.micro_batch.to_string())
         .collect();
+    let distinct = {
+        let mut b: Vec<u64> = c.measured.iter().map(|m| m.micro_batch).collect();
+        b.sort_unstable();
+        b.dedup();
+        b.len()
+    };
     let how = match c.fit {
+        // Through two points a line is exact by construction: no error was measured.
+        Fit::Line if distinct < 3 => format!(
+            "a line through {} measured peaks (exact through two; a third micro-batch would test it)",
+            c.measured.len()
+        ),
         Fit::Line => format!(
             "a line through {} measured peaks (largest error {})",
             c.measured.len(),
@@ -217,4 +257,21 @@ pub fn calibration(c: &Calibration) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_figures_never_read_as_zero() {
+        assert_eq!(gib(0), "0 B");
+        assert_eq!(gib(672 << 10), "672 KiB");
+        assert_eq!(gib(3 << 30), "3.00 GiB");
+        assert_eq!(params(172_288), "172,288");
+        assert_eq!(params(999), "999");
+        assert_eq!(params(25_300_000), "25.3M");
+        assert_eq!(params(124_439_808), "0.12B");
+        assert_eq!(params(7_241_732_096), "7.24B");
+    }
 }
