@@ -24,10 +24,13 @@ ATTEMPT_ENV = "OOMKIT_ATTEMPT"
 AUTO_CALLBACK_ENV = "OOMKIT_AUTO_CALLBACK"
 # Where integrations write run logs when no log_dir is given.
 LOG_DIR_ENV = "OOMKIT_LOG_DIR"
-# Set by `oomkit run` for every attempt: a file where the tracker appends each
-# OOM it records, so that the retry policy reads the real message even when a
-# framework prints something else or swallows it.
-OOM_FILE_ENV = "OOMKIT_OOM_FILE"
+# Set by `oomkit run` for every attempt: a file where the tracker and the
+# integrations append, one JSON line each, what `oomkit run` must know of the
+# attempt: each OOM they record (so that the retry policy reads the real
+# message even when a framework prints something else or swallows it), each
+# run log's path (so that a log the kernel killed is closed), and whether the
+# plan was applied.
+EVENTS_FILE_ENV = "OOMKIT_EVENTS_FILE"
 # Set by `oomkit run` to `cuda` or `cpu` where it chose the device.
 DEVICE_ENV = "OOMKIT_DEVICE"
 # Set by `oomkit find-batch`: where the tracker writes the trial's peak, and
@@ -68,6 +71,33 @@ def _int(name: str) -> Optional[int]:
         sys.stderr.write(f"oomkit: ignoring {name}={raw!r}: not a whole number\n")
         return None
     return value if value > 0 else None
+
+
+def attempt_from_env() -> Optional[int]:
+    """The attempt `oomkit run` (or `find-batch`) runs this process as, or None outside them."""
+    return _int(ATTEMPT_ENV)
+
+
+def env_record(framework: str) -> dict[str, Any]:
+    """The run log's ``plan`` record for a process under `oomkit run`: its attempt, and the batch where oomkit manages it.
+
+    Whether the process uses that batch is not known here (``applied`` is
+    null): a script may read ``OOMKIT_MICRO_BATCH`` itself, or ignore it.
+    """
+    plan = from_env()
+    if plan is not None:
+        record = plan.record(framework)
+    else:
+        record = {
+            "micro_batch": None,
+            "grad_accum": None,
+            "effective_batch": None,
+            "attempt": attempt_from_env(),
+            "source": "oomkit run",
+            "framework": framework,
+        }
+    record["applied"] = None
+    return record
 
 
 def from_env() -> Optional[Plan]:
@@ -185,11 +215,31 @@ def say(message: str) -> None:
 
 
 def report_oom(message: str, step: Optional[int], stage: Optional[str]) -> None:
-    """Appends an OOM's message to ``$OOMKIT_OOM_FILE`` for `oomkit run`, where it is set; never raises."""
-    path = os.environ.get(OOM_FILE_ENV)
+    """Tells `oomkit run` of an OOM, where it runs this process; never raises."""
+    report_event({"message": message[:2000], "step": step, "stage": stage})
+
+
+def report_plan(plan: Plan, applied: bool, reason: Optional[str] = None, by: str = "") -> None:
+    """Tells `oomkit run` whether its plan was applied (and why not), where it runs this process; never raises."""
+    event: dict[str, Any] = {
+        "plan": {"micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "attempt": plan.attempt},
+        "applied": bool(applied),
+        "by": by,
+    }
+    if reason:
+        event["reason"] = reason
+    report_event(event)
+
+
+def report_event(event: dict[str, Any]) -> None:
+    """Appends one JSON line to ``$OOMKIT_EVENTS_FILE`` for `oomkit run`, where it is set; never raises."""
+    path = os.environ.get(EVENTS_FILE_ENV)
     if not path:
         return
-    line = json.dumps({"message": message[:2000], "step": step, "stage": stage}) + "\n"
+    try:
+        line = json.dumps(event) + "\n"
+    except (TypeError, ValueError):
+        return
     try:
         # One short write with O_APPEND: ranks sharing the file do not interleave lines.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -173,7 +173,7 @@ def test_oom_inside_a_step_is_recorded_diagnosed_and_reraised(tmp_path, capfd):
 
 def test_an_oom_is_handed_to_oomkit_run_through_its_file(tmp_path, monkeypatch):
     oom_file = tmp_path / "ooms.jsonl"
-    monkeypatch.setenv("OOMKIT_OOM_FILE", str(oom_file))
+    monkeypatch.setenv("OOMKIT_EVENTS_FILE", str(oom_file))
     model = MLP(64, 2)
     tracker = oomkit.Tracker(model, log_dir=tmp_path / "logs")
     msg = (
@@ -188,7 +188,9 @@ def test_an_oom_is_handed_to_oomkit_run_through_its_file(tmp_path, monkeypatch):
             raise RuntimeError("training failed") from e
     tracker.close()
     lines = [json.loads(line) for line in oom_file.read_text().splitlines()]
-    assert lines == [{"message": msg.splitlines()[0], "step": 0, "stage": None}]
+    # The log's path comes first, so that `oomkit run` can close a log the kernel killed.
+    assert lines[0] == {"log": os.path.abspath(tracker.log_path), "rank": 0}
+    assert lines[1:] == [{"message": msg.splitlines()[0], "step": 0, "stage": None}]
 
 
 def test_tracker_failures_never_reach_the_training_loop(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 //! Which exit code each failure gets (the README's table, docs/commands.md#exit-codes).
 
-use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_NO_GPU, EXIT_WAIT_TIMEOUT};
+use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_NO_GPU, EXIT_UNMEASURED, EXIT_WAIT_TIMEOUT};
 use oomkit_gpu::GpuError;
 use oomkit_supervise::SuperviseError;
 
@@ -22,7 +22,10 @@ pub(crate) fn run_exit(e: &SuperviseError) -> u8 {
         SuperviseError::Gpu(GpuError::TimedOut(_)) => RUN_WAIT_TIMEOUT,
         SuperviseError::Gpu(GpuError::Stopped) => 130,
         SuperviseError::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
-        SuperviseError::Usage(_) | SuperviseError::Wait(_) | SuperviseError::Gpu(_) => RUN_FAILED,
+        SuperviseError::Usage(_)
+        | SuperviseError::Wait(_)
+        | SuperviseError::Gpu(_)
+        | SuperviseError::Unmeasured(_) => RUN_FAILED,
     }
 }
 
@@ -45,5 +48,6 @@ pub(crate) fn supervise_exit(e: &SuperviseError) -> u8 {
         SuperviseError::Wait(_) => EXIT_INTERNAL,
         SuperviseError::Gpu(g) => gpu_exit(g),
         SuperviseError::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
+        SuperviseError::Unmeasured(_) => EXIT_UNMEASURED,
     }
 }

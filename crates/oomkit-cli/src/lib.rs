@@ -24,6 +24,8 @@ pub const EXIT_NO_GPU: u8 = 3;
 pub const EXIT_WAIT_TIMEOUT: u8 = 4;
 /// Exit code from `find-batch` when not even the smallest micro-batch fits.
 pub const EXIT_NOTHING_FITS: u8 = 5;
+/// Exit code from `find-batch` when a run finished with no peak measured, so no batch is recommended.
+pub const EXIT_UNMEASURED: u8 = 6;
 
 #[derive(Parser)]
 #[command(

@@ -577,6 +577,85 @@ fn find_batch_with_stated_capacity_and_no_gpu() {
     assert!(text(&no_cap.stderr).contains("--capacity"));
 }
 
+/// A command with no tracker and no GPU: its host memory is read from
+/// outside (the group's resident sets and the kernel's peak at exit), so
+/// every trial has a measured peak and the recommendation is one of them.
+#[test]
+fn find_batch_measures_host_memory_from_outside_without_a_tracker() {
+    let s = Sandbox::new("findrss");
+    s.gpus(&[]);
+    // 8 MiB a sample, touched so that it is resident.
+    let job = s.script(
+        "rss_job.sh",
+        r#"exec python3 -c "import sys; a = bytearray((40 + 8 * int(sys.argv[1])) << 20); a[::4096] = b'x' * len(a[::4096])" "$1""#,
+    );
+    let out = s.run(&[
+        "find-batch",
+        "--capacity",
+        "400MiB",
+        "--margin",
+        "0",
+        "--max",
+        "128",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["measured_on"], "host");
+    assert_eq!(r["capacity_source"], "capacity_flag");
+    let budget = r["budget_bytes"].as_u64().unwrap();
+    let trials = r["trials"].as_array().unwrap();
+    for t in trials {
+        assert_eq!(t["peak_source"], "rss", "{t}");
+        let b = t["batch"].as_u64().unwrap();
+        let peak = t["peak_bytes"].as_u64().unwrap();
+        // At least what the command touched, and not absurdly more (Python's own memory).
+        assert!(peak >= (40 + 8 * b) << 20, "{t}");
+        assert!(peak <= ((40 + 8 * b) << 20) + (64 << 20), "{t}");
+        assert_eq!(t["ok"], peak <= budget, "{t}");
+    }
+    let got = r["recommended_batch"].as_u64().unwrap();
+    let fits = |b: u64| trials.iter().any(|t| t["batch"] == b && t["ok"] == true);
+    assert!(fits(got), "the recommendation was measured: {trials:?}");
+    // 45 samples fill the 400 MiB with nothing else held; Python's own ~20 MiB leave 42-43.
+    assert!((40..=45).contains(&got), "{got}: {trials:?}");
+    // The fitted line passes within 10% of every peak it rests on.
+    let (fixed, slope) = (
+        r["fixed_bytes"].as_f64().unwrap(),
+        r["per_sample_bytes"].as_f64().unwrap(),
+    );
+    for t in trials {
+        let b = t["batch"].as_f64().unwrap();
+        let peak = t["peak_bytes"].as_f64().unwrap();
+        assert!(
+            ((fixed + slope * b) - peak).abs() <= 0.1 * peak,
+            "{t} vs {fixed} + {slope} b"
+        );
+    }
+    assert!(r["fit_max_error"].as_f64().unwrap() <= 0.1);
+}
+
+/// A trial that finishes with nothing measured (no tracker, and NVML sees
+/// none of its memory) ends the search with no recommendation and exit 6.
+#[test]
+fn find_batch_refuses_to_recommend_what_it_never_measured() {
+    let s = Sandbox::new("findunmeasured");
+    s.gpus(&[(80, 80)]);
+    let out = s.run(&["find-batch", "--json", "--", "true", "{batch_size}"]);
+    assert_eq!(out.status.code(), Some(6), "{}", text(&out.stderr));
+    assert!(out.stdout.is_empty(), "no report: {}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("trial 1 (micro-batch 1) finished, but no peak was measured")
+            && err.contains("oomkit.Tracker"),
+        "{err}"
+    );
+    assert!(!err.contains("recommended"), "{err}");
+}
+
 #[test]
 fn run_usage_errors_are_125_and_the_commands_codes_pass_through() {
     let s = Sandbox::new("usage");
@@ -920,12 +999,12 @@ fn capacity_finishes_at_the_largest_exact_micro_batch_that_fits() {
 fn the_trackers_oom_record_is_read_when_the_command_prints_another_error() {
     let s = Sandbox::new("trackerrecord");
     s.gpus(&[(80, 80)]);
-    // What the tracker writes to $OOMKIT_OOM_FILE, while a framework prints its own line.
+    // What the tracker writes to $OOMKIT_EVENTS_FILE, while a framework prints its own line.
     let train = s.script(
         "train.sh",
         r#"echo "conf=[$PYTORCH_CUDA_ALLOC_CONF]" >> log.txt
 case "$PYTORCH_CUDA_ALLOC_CONF" in *expandable_segments:True*) exit 0;; esac
-echo '{"message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated.", "step": 3, "stage": "backward"}' >> "$OOMKIT_OOM_FILE"
+echo '{"message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated.", "step": 3, "stage": "backward"}' >> "$OOMKIT_EVENTS_FILE"
 echo "RuntimeError: the training loop gave up" >&2
 exit 1"#,
     );

@@ -8,6 +8,7 @@
 
 mod claim;
 mod fake;
+pub mod host;
 mod nvml;
 pub mod procinfo;
 mod select;

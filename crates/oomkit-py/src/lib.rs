@@ -206,10 +206,20 @@ fn reset_process_peak_rss() -> bool {
     oomkit_runlog::process::reset_peak_rss()
 }
 
-/// Returns (peak RSS since the last reset, RSS now) in bytes from one read, resetting the peak when asked; (0, 0) where unknown.
+/// Returns (peak RSS since the last reset, or since the start without resets; RSS now) in bytes from one read, resetting the peak when asked; (0, 0) where unknown.
 #[pyfunction]
 fn process_sample(reset: bool) -> (u64, u64) {
     oomkit_runlog::process::sample_rss(reset).unwrap_or((0, 0))
+}
+
+/// Returns (bytes, source) of the memory this process may use: its memory cgroup's limit ("cgroup") where set below the machine's memory ("physical"); None where unknown.
+#[pyfunction]
+fn host_capacity() -> Option<(u64, String)> {
+    let (bytes, source) = oomkit_gpu::host::host_capacity(None)?;
+    let source = serde_json::to_value(source)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))?;
+    Some((bytes, source))
 }
 
 /// Runs the oomkit command line (argv with the program name first) and returns its exit code.
@@ -294,6 +304,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(reset_process_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(process_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(host_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
     m.add_function(wrap_pyfunction!(oom_requested_bytes, m)?)?;

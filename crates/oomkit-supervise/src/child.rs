@@ -3,6 +3,7 @@
 
 use crate::oom::detect;
 use crate::SuperviseError;
+use oomkit_gpu::host::{OomKill, OomKillWatch};
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -30,6 +31,9 @@ pub struct Spec {
     /// that oomkit's own stdout carries JSON alone (`--json`), as cargo does
     /// with `--message-format json`.
     pub stdout_to_stderr: bool,
+    /// The most private memory the command may map (`RLIMIT_DATA`): past it,
+    /// its allocations fail as on a machine with that much memory.
+    pub data_limit: Option<u64>,
 }
 
 /// How a child ended.
@@ -45,6 +49,10 @@ pub struct Outcome {
     pub interrupted_by: Option<i32>,
     /// Wall time.
     pub duration: Duration,
+    /// The largest resident set of the command or any descendant it waited for, as the kernel counted it.
+    pub max_rss_bytes: Option<u64>,
+    /// Set when SIGKILL ended the command while the kernel recorded an OOM kill: it ran out of host memory.
+    pub oom_kill: Option<OomKill>,
 }
 
 /// The last forwardable signal received, or 0; shared by every child this process runs.
@@ -139,6 +147,8 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         return Err(SuperviseError::Usage("no command given".into()));
     };
     let started = Instant::now();
+    // The OOM-kill counters before the command runs, to compare after a SIGKILL.
+    let watch = OomKillWatch::start();
     let mut cmd = Command::new(program);
     if std::env::var_os("PYTHONUNBUFFERED").is_none() {
         // Through a pipe Python buffers its output; the OOM line must arrive before the exit.
@@ -151,6 +161,23 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         .stderr(Stdio::piped())
         // Its own group, so one kill reaches torchrun and every worker it starts.
         .process_group(0);
+    if let Some(limit) = spec.data_limit {
+        let limit = limit as libc::rlim_t;
+        // SAFETY: between fork and exec only setrlimit runs, which is
+        // async-signal-safe and touches nothing of the parent's.
+        unsafe {
+            cmd.pre_exec(move || {
+                let rl = libc::rlimit {
+                    rlim_cur: limit,
+                    rlim_max: limit,
+                };
+                if libc::setrlimit(libc::RLIMIT_DATA, &rl) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let mut child = cmd.spawn().map_err(|e| SuperviseError::Spawn {
         program: program.to_string_lossy().into_owned(),
         message: e.to_string(),
@@ -176,15 +203,15 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     drop(done_tx);
 
     let mut interrupted_by = None;
-    let status = loop {
+    let (status, rusage) = loop {
         if let Some(sig) = take_signal() {
             // The same signal twice means the user wants it over now.
             let escalate = interrupted_by == Some(sig);
             signal_group(pgid, if escalate { libc::SIGKILL } else { sig });
             interrupted_by = Some(sig);
         }
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
+        match try_wait4(pgid) {
+            Ok(Some(done)) => break done,
             Ok(None) => {
                 tick(pgid as u32);
                 std::thread::sleep(Duration::from_millis(20));
@@ -205,13 +232,47 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     }
     let oom_line = oom.lock().ok().and_then(|g| g.clone());
     let signal = status.signal();
+    // Only a SIGKILL nobody here sent can be the kernel's OOM killer.
+    let oom_kill = (signal == Some(libc::SIGKILL) && interrupted_by.is_none())
+        .then(|| watch.since())
+        .flatten();
     Ok(Outcome {
         exit_code: status.code().unwrap_or_else(|| 128 + signal.unwrap_or(0)),
         signal,
         oom_line,
         interrupted_by,
         duration: started.elapsed(),
+        // Linux reports ru_maxrss in KiB.
+        max_rss_bytes: (rusage.ru_maxrss > 0).then(|| rusage.ru_maxrss as u64 * 1024),
+        oom_kill,
     })
+}
+
+/// `wait4` without blocking: the child's status and its resource use once it has ended.
+///
+/// std's `try_wait` drops the resource use; `wait4` returns it with the
+/// status, including the largest resident set of the child and of the
+/// descendants it waited for, which is the peak `oomkit find-batch` needs
+/// when no tracker reports one.
+fn try_wait4(pid: i32) -> std::io::Result<Option<(std::process::ExitStatus, libc::rusage)>> {
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: an all-zero rusage is a valid value; wait4 writes both out-parameters and nothing else.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        match r {
+            0 => return Ok(None),
+            r if r == pid => {
+                return Ok(Some((std::process::ExitStatus::from_raw(status), usage)));
+            }
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
 
 /// Ends whatever is left of the child's process group: SIGTERM, a grace period, then SIGKILL.

@@ -14,8 +14,11 @@ pub const ATTEMPT: &str = "OOMKIT_ATTEMPT";
 pub const DEVICE: &str = "OOMKIT_DEVICE";
 /// Set to `1` so that Lightning's entry point adds oomkit's callback; nothing adds it otherwise.
 pub const AUTO_CALLBACK: &str = "OOMKIT_AUTO_CALLBACK";
-/// A file where the tracker appends each OOM it records, one JSON line each (`oomkit run` only).
-pub const OOM_FILE: &str = "OOMKIT_OOM_FILE";
+/// A file where the tracker and the integrations append what `oomkit run`
+/// must know of an attempt, one JSON line each: an OOM they recorded
+/// (`message`), a run log they opened (`log`), whether the plan was applied
+/// (`plan`, `applied`) (`oomkit run` only).
+pub const EVENTS_FILE: &str = "OOMKIT_EVENTS_FILE";
 /// A file where the tracker writes its peak when the child exits (`oomkit find-batch` only).
 pub const PROBE_FILE: &str = "OOMKIT_PROBE_FILE";
 /// GPU memory in use before the trial started, which the tracker subtracts (`oomkit find-batch` only).

@@ -6,6 +6,7 @@ use crate::child::{self, Spec};
 use crate::child_env;
 use crate::search::{search, SearchConfig, SearchResult, Trial};
 use crate::{fill_placeholders, BatchPlan, SuperviseError};
+use oomkit_gpu::host;
 use oomkit_gpu::procinfo::process_group;
 use oomkit_gpu::{acquire, probe, ClaimDir, GpuError, Request, Wait};
 use oomkit_units::human_bytes;
@@ -14,8 +15,13 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// How often the GPU is sampled when the child writes no probe file.
+/// How often the GPU (or, without one, the command's resident memory) is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(200);
+
+/// A fitted line is reported only where it passes within this share of every
+/// peak it was fitted to: a curve that is not a line (a cliff, steps of the
+/// allocator's rounding) has no fixed part and slope worth stating.
+const FIT_TOLERANCE: f64 = 0.10;
 
 /// What `oomkit find-batch` was asked to do.
 #[derive(Clone, Debug)]
@@ -51,7 +57,9 @@ pub struct TrialReport {
     pub oom: bool,
     /// Its measured peak.
     pub peak_bytes: Option<u64>,
-    /// Where the peak came from: "probe" (the tracker), "nvml", or null.
+    /// Where the peak came from: "probe" (the tracker), "nvml" (the GPU,
+    /// sampled), "rss" (the command's resident memory, read from outside),
+    /// or null where none was measured (a run that failed).
     pub peak_source: Option<&'static str>,
     /// The command's exit code.
     pub exit_code: i32,
@@ -74,16 +82,26 @@ pub struct FindBatchReport {
     pub effective_batch: Option<u64>,
     /// Memory available to the command.
     pub capacity_bytes: u64,
+    /// Where the capacity came from: "capacity_flag" (`--capacity`) or "gpu_free" (the chosen GPU's free memory).
+    pub capacity_source: &'static str,
+    /// What the peaks measure: "gpu" (the chosen GPU's memory) or "host" (the command's resident memory, with no GPU chosen).
+    pub measured_on: &'static str,
     /// Capacity less the margin.
     pub budget_bytes: u64,
     /// The margin used.
     pub margin: f64,
     /// The GPU the runs used, if one was chosen.
     pub gpu: Option<u32>,
-    /// The fitted fixed memory.
+    /// The fixed memory of the line fitted (least squares) to every measured
+    /// peak of a run that finished; null with fewer than two batches measured,
+    /// or where the line misses a measured peak by more than 10%.
     pub fixed_bytes: Option<f64>,
-    /// The fitted memory per sample.
+    /// The memory per sample of that line.
     pub per_sample_bytes: Option<f64>,
+    /// The batches whose peaks the line was fitted to.
+    pub fit_batches: Vec<u64>,
+    /// The largest miss of the line at a measured peak, as a share of that peak.
+    pub fit_max_error: Option<f64>,
     /// "model" or "bisection".
     pub method: &'static str,
 }
@@ -217,17 +235,21 @@ pub fn find_batch(
                 .collect(),
             env,
             stdout_to_stderr: opts.child_stdout_to_stderr,
+            data_limit: None,
         };
         let mut sampled: Option<u64> = None;
         let mut last = Instant::now() - SAMPLE_EVERY;
         let gpu_index = gpu.as_ref().map(|g| g.index);
         let outcome = child::run(&spec, &mut |pgid| {
-            if let Some(idx) = gpu_index {
-                if last.elapsed() >= SAMPLE_EVERY {
-                    last = Instant::now();
-                    if let Some(s) = sample(idx, pgid, baseline) {
-                        sampled = Some(sampled.unwrap_or(0).max(s));
-                    }
+            if last.elapsed() >= SAMPLE_EVERY {
+                last = Instant::now();
+                let s = match gpu_index {
+                    Some(idx) => sample(idx, pgid, baseline),
+                    // Every process of the command's group: DataLoader workers hold host memory too.
+                    None => Some(host::group_rss_bytes(pgid)).filter(|b| *b > 0),
+                };
+                if let Some(s) = s {
+                    sampled = Some(sampled.unwrap_or(0).max(s));
                 }
             }
         });
@@ -242,13 +264,34 @@ pub fn find_batch(
             failure = Some(SuperviseError::Interrupted(sig));
             return bad;
         }
-        let (peak, source) = match read_probe(&probe_path) {
-            Some(p) => (Some(p), Some("probe")),
-            None => (sampled, sampled.map(|_| "nvml")),
-        };
+        let probed = read_probe(&probe_path);
         let _ = std::fs::remove_file(&probe_path);
+        let (peak, source) = match (&gpu, probed) {
+            (Some(_), Some(p)) => (Some(p), Some("probe")),
+            (Some(_), None) => (sampled, sampled.map(|_| "nvml")),
+            // No GPU: the command's host memory, read from outside (the group's
+            // resident sets, sampled, and the kernel's own peak at exit), or the
+            // tracker's own figure where it is higher.
+            (None, probed) => {
+                let rss = sampled.max(out.max_rss_bytes);
+                match (probed, rss) {
+                    (Some(p), Some(r)) if p > r => (Some(p), Some("probe")),
+                    (_, Some(r)) => (Some(r), Some("rss")),
+                    (Some(p), None) => (Some(p), Some("probe")),
+                    (None, None) => (None, None),
+                }
+            }
+        };
         let ran = out.exit_code == 0;
-        let fits_budget = peak.is_none_or(|p| p <= cfg.budget());
+        if ran && peak.is_none() {
+            // A run that finished with no figure says nothing about the budget.
+            failure = Some(SuperviseError::Unmeasured(format!(
+                "trial {n} (micro-batch {b}) finished, but no peak was measured: NVML saw none of its memory and the command wrote no probe; add an oomkit.Tracker to the training script (it writes the peak to $OOMKIT_PROBE_FILE), or run it longer than {} ms, so that find-batch has a figure to compare with the budget",
+                SAMPLE_EVERY.as_millis()
+            )));
+            return bad;
+        }
+        let fits_budget = peak.is_some_and(|p| p <= cfg.budget());
         let t = Trial {
             batch: b,
             ok: ran && fits_budget,
@@ -287,6 +330,7 @@ pub fn find_batch(
     if let Some(e) = failure {
         return Err(e);
     }
+    let fit = fit_line(&reports);
     drop(acquired);
     // Fewest accumulation steps the largest batch allows, then the smallest
     // micro-batch that still covers the effective batch with them.
@@ -307,9 +351,101 @@ pub fn find_batch(
         capacity_bytes: capacity,
         budget_bytes: cfg.budget(),
         margin: opts.margin,
-        gpu: gpu.map(|g| g.index),
-        fixed_bytes: result.fixed_bytes,
-        per_sample_bytes: result.per_sample_bytes,
+        gpu: gpu.as_ref().map(|g| g.index),
+        capacity_source: if opts.capacity.is_some() {
+            "capacity_flag"
+        } else {
+            "gpu_free"
+        },
+        measured_on: if gpu.is_some() { "gpu" } else { "host" },
+        fixed_bytes: fit.as_ref().map(|f| f.fixed),
+        per_sample_bytes: fit.as_ref().map(|f| f.per_sample),
+        fit_batches: fit.as_ref().map(|f| f.batches.clone()).unwrap_or_default(),
+        fit_max_error: fit.as_ref().map(|f| f.max_error),
         method: result.method,
     })
+}
+
+/// A line through the measured peaks, with the batches it rests on and how far it misses them.
+struct Fit {
+    fixed: f64,
+    per_sample: f64,
+    batches: Vec<u64>,
+    max_error: f64,
+}
+
+/// The least-squares line through the peaks of the runs that finished, where
+/// two batches or more were measured and the line passes within
+/// [`FIT_TOLERANCE`] of every one of them; a run that ran out of memory
+/// stopped where it died, so its peak is not what its batch needs.
+fn fit_line(trials: &[TrialReport]) -> Option<Fit> {
+    let pts: Vec<(f64, f64)> = trials
+        .iter()
+        .filter(|t| !t.oom)
+        .filter_map(|t| Some((t.batch as f64, t.peak_bytes? as f64)))
+        .collect();
+    let mut batches: Vec<u64> = pts.iter().map(|p| p.0 as u64).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    if batches.len() < 2 {
+        return None;
+    }
+    let n = pts.len() as f64;
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let per_sample = sxy / sxx;
+    let fixed = my - per_sample * mx;
+    let max_error = pts
+        .iter()
+        .map(|&(b, p)| ((fixed + per_sample * b) - p).abs() / p.max(1.0))
+        .fold(0.0, f64::max);
+    (max_error <= FIT_TOLERANCE && per_sample.is_finite()).then_some(Fit {
+        fixed,
+        per_sample,
+        batches,
+        max_error,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trial(batch: u64, peak: u64, oom: bool) -> TrialReport {
+        TrialReport {
+            batch,
+            ok: !oom,
+            oom,
+            peak_bytes: Some(peak),
+            peak_source: Some("rss"),
+            exit_code: if oom { 1 } else { 0 },
+            seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_line_rests_on_every_finished_run_and_misses_none() {
+        let mib = 1u64 << 20;
+        let line: Vec<TrialReport> = [1, 2, 8, 30]
+            .iter()
+            .map(|&b| trial(b, 700 * mib + 20 * mib * b, false))
+            .chain([trial(64, 5 * mib, true)])
+            .collect();
+        let f = fit_line(&line).expect("a line");
+        assert!((f.per_sample - (20 * mib) as f64).abs() < 1.0);
+        assert!((f.fixed - (700 * mib) as f64).abs() < 16.0);
+        // The run that died at batch 64 stopped where it died: not a point of the line.
+        assert_eq!(f.batches, vec![1, 2, 8, 30]);
+        // A step is no line: the best line through it misses the flat part by 46%.
+        let cliff = vec![
+            trial(1, 700 * mib, false),
+            trial(8, 700 * mib, false),
+            trial(9, 1400 * mib, false),
+            trial(16, 1400 * mib, false),
+        ];
+        assert!(fit_line(&cliff).is_none());
+        assert!(fit_line(&[trial(4, 800 * mib, false)]).is_none());
+    }
 }

@@ -5,6 +5,7 @@
 
 pub mod child;
 pub mod child_env;
+pub mod events;
 pub mod find_batch;
 pub mod fit;
 pub mod oom;
@@ -39,6 +40,9 @@ pub enum SuperviseError {
     /// The user stopped oomkit while it waited for a GPU.
     #[error("stopped by signal {0} while waiting for a GPU")]
     Interrupted(i32),
+    /// A run finished without a peak to compare with the budget, so nothing can be recommended.
+    #[error("{0}")]
+    Unmeasured(String),
 }
 
 /// Replaces `{batch_size}`, `{grad_accum}`, `{effective_batch}` and `{attempt}` in one argument.

@@ -50,6 +50,9 @@ pub enum OomKind {
     Cudnn,
     /// Host memory, through PyTorch's CPU allocator.
     Cpu,
+    /// The kernel's OOM killer ended the process (SIGKILL): host memory, past
+    /// a memory cgroup's limit or the machine's; no Python error is left.
+    KernelKill,
     /// accelerate's `find_executable_batch_size` (behind the Hugging Face
     /// Trainer's `auto_find_batch_size`) ran out at every batch size it tried.
     BatchFinderExhausted,
@@ -57,8 +60,18 @@ pub enum OomKind {
     Unspecified,
 }
 
+/// How `oomkit run` starts the line that says the kernel's OOM killer ended an attempt.
+pub const KERNEL_KILL_MARKER: &str = "killed by the kernel's OOM killer";
+
 /// Markers in the order they are tried: the specific before the generic.
 const MARKERS: &[(&str, OomKind)] = &[
+    (KERNEL_KILL_MARKER, OomKind::KernelKill),
+    // The kernel's own log (`dmesg`, `journalctl -k`) as users paste it.
+    (
+        "Memory cgroup out of memory: Killed process",
+        OomKind::KernelKill,
+    ),
+    ("Out of memory: Killed process", OomKind::KernelKill),
     ("CUDA out of memory", OomKind::Cuda),
     ("HIP out of memory", OomKind::Hip),
     ("XPU out of memory", OomKind::Xpu),
@@ -197,6 +210,7 @@ struct Patterns {
     cached_old: Regex,
     mps: Regex,
     cpu_bytes: Regex,
+    kill_limit: Regex,
     nccl_bytes: Regex,
     nccl_device: Regex,
 }
@@ -229,6 +243,7 @@ fn patterns() -> &'static Patterns {
                 r"MPS allocated: {s}, other allocations: {s}, max allowed: {s}"
             )),
             cpu_bytes: re(r"you tried to allocate (\d+) bytes".into()),
+            kill_limit: re(r"\(limit of (\d+) bytes\)".into()),
             // NCCL's next warning names the size: "Failed to CUDA calloc 6291456 bytes".
             nccl_bytes: re(r"Failed to CUDA [cm]alloc (\d+) bytes".into()),
             // NCCL's prefix: "host:pid:tid [local device] file:line NCCL WARN".
@@ -320,6 +335,12 @@ pub fn parse_message(kind: OomKind, text: &str) -> OomMessage {
             .and_then(|c| c.get(1)?.as_str().parse().ok());
         m.device = p
             .nccl_device
+            .captures(text)
+            .and_then(|c| c.get(1)?.as_str().parse().ok());
+    }
+    if kind == OomKind::KernelKill {
+        m.capacity_bytes = p
+            .kill_limit
             .captures(text)
             .and_then(|c| c.get(1)?.as_str().parse().ok());
     }
@@ -499,17 +520,17 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
         allowed: m.allowed_bytes,
         other_processes: others,
     };
-    // Host memory has no free figure in its message: all of the request was missing.
-    let shortfall = figures
-        .shortfall()
-        .or(req.filter(|_| m.kind == OomKind::Cpu));
+    // Host memory's message has no free figure, so no shortfall is claimed:
+    // the host may have had plenty free while a limit of the process's own
+    // (`ulimit -v`, `ulimit -d`, a memory cgroup) refused the request.
+    let shortfall = figures.shortfall();
     let cause = oomkit_advice::decide(&figures);
     let headroom = match (cause, req) {
         (Cause::Fragmentation, Some(r)) => Some((free.unwrap_or(0) + unalloc).saturating_sub(r)),
         _ => None,
     };
     let device = match m.kind {
-        OomKind::Cpu => "host memory".to_string(),
+        OomKind::Cpu | OomKind::KernelKill => "host memory".to_string(),
         _ => m
             .device
             .map(|d| format!("GPU {d}"))
@@ -589,6 +610,16 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 hb(req)
             )
         }
+        Cause::Capacity if m.kind == OomKind::KernelKill => {
+            advice.push("Host memory ran out and the kernel killed the process, so no Python error was raised: lower the micro-batch (`oomkit run --batch-size B` steps it down after such a kill), and keep host copies small: fewer DataLoader workers and a lower prefetch_factor, data loaded lazily or memory-mapped, checkpoints loaded with torch.load(..., mmap=True).".into());
+            advice.push("In a container or a SLURM job the limit is the memory cgroup's, not the machine's: ask for more (`--mem` in SLURM, the pod's memory limit) where the run needs it; `oomkit analyze` on the run's log shows what it held last.".into());
+            format!(
+                "The kernel's OOM killer ended the process (SIGKILL): host memory ran out{}. A killed process leaves no Python error; its run log's last records are the evidence.",
+                m.capacity_bytes
+                    .map(|c| format!(" at the memory cgroup's limit of {}", human_bytes(c)))
+                    .unwrap_or_default()
+            )
+        }
         Cause::Capacity if m.kind == OomKind::BatchFinderExhausted => {
             advice.push("accelerate halves the micro-batch (x0.9 since accelerate 1.9) but leaves gradient accumulation alone, so it cannot keep the effective batch: `oomkit run --batch-size B --effective-batch N -- CMD` retries with a smaller micro-batch and more accumulation, and `oomkit find-batch` finds the largest micro-batch that fits.".into());
             advice.push("Batch size 1 did not fit either: the fixed part (weights, gradients, optimizer state) or one sample's activations is too large; recompute activations (gradient_checkpointing_enable()), shorten the sequence, or shrink optimizer state (8-bit or fused AdamW, FSDP/ZeRO). `oomkit estimate` shows each part.".into());
@@ -634,6 +665,10 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
                 advice.push("Shrink optimizer state: a fused or 8-bit AdamW, or shard it across GPUs with FSDP or ZeRO; `oomkit estimate` shows how much each choice saves.".into());
             }
             match (req, free) {
+                (Some(r), None) if m.kind == OomKind::Cpu => format!(
+                    "The host allocator could not get {} of host memory: the machine's memory, or a limit of the process's own (`ulimit -v` or `-d`, a memory cgroup), refused it; the message does not say how much was free.",
+                    human_bytes(r)
+                ),
                 (Some(r), Some(f)) if f >= r && !matches!(m.kind, OomKind::Cpu | OomKind::Mps) => format!(
                     "The driver reported {} free, more than the {} request, yet the allocation failed: the free memory was not in one piece, or cuBLAS/cuDNN workspaces or another process took it first.",
                     human_bytes(f),
@@ -675,7 +710,7 @@ fn explain_message(m: OomMessage, messages: usize, alloc_conf: Option<&str>) -> 
     let failure = oomkit_advice::Failure {
         place: oomkit_advice::Place {
             device: match m.kind {
-                OomKind::Cpu => Some("cpu".into()),
+                OomKind::Cpu | OomKind::KernelKill => Some("cpu".into()),
                 _ => m.device.map(|d| format!("cuda:{d}")),
             },
             ..Default::default()

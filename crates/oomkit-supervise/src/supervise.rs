@@ -2,6 +2,7 @@
 
 use crate::child::{self, Spec};
 use crate::child_env;
+use crate::events;
 use crate::fit::{self, Observation};
 use crate::oom::{self, Cause, Explanation};
 use crate::plan::BatchPlan;
@@ -47,6 +48,8 @@ pub struct RunOptions {
     pub claims: ClaimDir,
     /// Send the command's standard output to stderr, keeping stdout for oomkit's JSON.
     pub child_stdout_to_stderr: bool,
+    /// Cap the command's private memory (`RLIMIT_DATA`), to rehearse running out of host memory.
+    pub host_memory_limit: Option<u64>,
 }
 
 /// One run of the command.
@@ -74,6 +77,18 @@ pub struct Attempt {
     pub cause: Option<Cause>,
     /// What oomkit did about it: `expandable_segments`, `other_gpu`, `step_down`, `cpu_fallback` or `stop`; null without an OOM.
     pub action: Option<Action>,
+    /// Whether the command trained with the micro-batch and accumulation it
+    /// was handed: true where its arguments carry `{batch_size}` or an
+    /// integration said so, false where an integration said it could not,
+    /// null where nothing tells (a script that may read `OOMKIT_MICRO_BATCH`
+    /// itself); null where oomkit manages no batch.
+    pub plan_applied: Option<bool>,
+    /// Why the plan was not applied, as the integration said.
+    pub plan_not_applied: Option<String>,
+    /// True when the kernel's OOM killer ended the attempt (SIGKILL while a memory cgroup or the kernel recorded an OOM kill).
+    pub killed_for_memory: bool,
+    /// The run logs the attempt's trackers wrote.
+    pub logs: Vec<String>,
     /// Wall time in seconds.
     pub seconds: f64,
 }
@@ -207,7 +222,8 @@ pub fn supervise(
     let mut retries_left = opts.max_retries;
     // What each capacity OOM said about memory at its micro-batch.
     let mut observed: Vec<Observation> = Vec::new();
-    let oom_file = std::env::temp_dir().join(format!("oomkit-oom-{}.jsonl", std::process::id()));
+    let events_file =
+        std::env::temp_dir().join(format!("oomkit-events-{}.jsonl", std::process::id()));
     loop {
         let number = attempts.len() as u32 + 1;
         let mut spec = Spec {
@@ -219,13 +235,14 @@ pub fn supervise(
             env: vec![
                 env(child_env::ATTEMPT, number),
                 (
-                    child_env::OOM_FILE.into(),
-                    oom_file.clone().into_os_string(),
+                    child_env::EVENTS_FILE.into(),
+                    events_file.clone().into_os_string(),
                 ),
             ],
             stdout_to_stderr: opts.child_stdout_to_stderr,
+            data_limit: opts.host_memory_limit,
         };
-        let _ = std::fs::remove_file(&oom_file);
+        let _ = std::fs::remove_file(&events_file);
         if opts.auto_callback {
             spec.env.push(env(child_env::AUTO_CALLBACK, 1));
         }
@@ -269,17 +286,73 @@ pub fn supervise(
             say(&format!("attempt {number} on {place}"));
         }
         let out = child::run(&spec, &mut |_| {})?;
-        let recorded = tracker_ooms(&oom_file);
-        let _ = std::fs::remove_file(&oom_file);
-        let oom = (out.oom_line.is_some() || !recorded.is_empty()) && out.exit_code != 0;
+        let events = events::read(&events_file);
+        let _ = std::fs::remove_file(&events_file);
+        let killed = out.oom_kill.as_ref().map(|k| {
+            let message = kill_message(k, out.signal.unwrap_or(libc::SIGKILL));
+            say(&message);
+            message
+        });
+        if let (Some(sig), Some(kill)) = (out.signal, &out.oom_kill) {
+            let closed = events::close_killed_logs(
+                &events.logs,
+                &events::Killed {
+                    signal: sig,
+                    oom_kill: true,
+                    limit_bytes: kill.limit_bytes,
+                },
+            );
+            for log in closed {
+                say(&format!(
+                    "closed {} with how the attempt ended",
+                    log.display()
+                ));
+            }
+        } else if let (Some(sig), None) = (out.signal, out.interrupted_by) {
+            events::close_killed_logs(
+                &events.logs,
+                &events::Killed {
+                    signal: sig,
+                    oom_kill: false,
+                    limit_bytes: None,
+                },
+            );
+        }
+        let recorded = events.ooms.clone();
+        let oom = (out.oom_line.is_some() || !recorded.is_empty() || killed.is_some())
+            && out.exit_code != 0;
         let settings = alloc_conf
             .clone()
             .or_else(|| std::env::var(ALLOC_CONF_ENV).ok());
         let (oom_message, explained) = if oom {
-            read_cause(&recorded, out.oom_line.as_deref(), settings.as_deref())
+            // The kernel's kill is the attempt's end, whatever the output said before it.
+            match &killed {
+                Some(m) => (Some(m.clone()), oom::explain(m, settings.as_deref())),
+                None => read_cause(&recorded, out.oom_line.as_deref(), settings.as_deref()),
+            }
         } else {
             (out.oom_line.clone(), None)
         };
+        // Applied where the command line carries the plan, else as an integration said.
+        let placed = plan.is_some() && opts.command.iter().any(|a| has_batch_placeholder(a));
+        let (plan_applied, plan_not_applied) = match (&plan, &events.plan) {
+            (None, _) => (None, None),
+            (Some(_), Some(r)) if !r.applied => (Some(false), r.reason.clone()),
+            (Some(_), _) if placed => (Some(true), None),
+            (Some(_), Some(r)) => (Some(r.applied), None),
+            (Some(_), None) => (None, None),
+        };
+        if plan_applied == Some(false) {
+            say(&format!(
+                "attempt {number}: the command did not apply micro-batch {} x accumulation {}{}",
+                plan.map_or(0, |p| p.micro_batch),
+                plan.map_or(0, |p| p.grad_accum),
+                plan_not_applied
+                    .as_ref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            ));
+        }
         attempts.push(Attempt {
             attempt: number,
             batch_size: plan.map(|p| p.micro_batch),
@@ -296,6 +369,14 @@ pub fn supervise(
             oom_message,
             cause: explained.as_ref().map(|e| e.cause),
             action: None,
+            plan_applied,
+            plan_not_applied: plan_not_applied.clone(),
+            killed_for_memory: killed.is_some(),
+            logs: events
+                .logs
+                .iter()
+                .map(|l| l.display().to_string())
+                .collect(),
             seconds: out.duration.as_secs_f64(),
         });
         let finish = |attempts: &mut Vec<Attempt>,
@@ -320,7 +401,17 @@ pub fn supervise(
             return Ok(finish(&mut attempts, None, "interrupted", notes));
         }
         if out.exit_code == 0 {
-            if let Some(memory) = &opts.memory {
+            let remember = plan_applied != Some(false);
+            if !remember {
+                notes.push(format!(
+                    "the command did not apply the plan oomkit handed it{}: it is not remembered; give the command {{batch_size}} and {{grad_accum}} so that oomkit's plan reaches it",
+                    plan_not_applied
+                        .as_ref()
+                        .map(|r| format!(" ({r})"))
+                        .unwrap_or_default()
+                ));
+            }
+            if let Some(memory) = opts.memory.as_ref().filter(|_| remember) {
                 let finished = Remembered {
                     micro_batch: plan.map_or(0, |p| p.micro_batch),
                     grad_accum: plan.map_or(0, |p| p.grad_accum),
@@ -340,6 +431,16 @@ pub fn supervise(
         }
         if !oom {
             return Ok(finish(&mut attempts, None, "failed", notes));
+        }
+        if plan_applied == Some(false) {
+            notes.push(format!(
+                "out of memory, and the command did not apply the plan oomkit handed it{}: a smaller micro-batch would not reach it either; give the command {{batch_size}} and {{grad_accum}}",
+                plan_not_applied
+                    .as_ref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            ));
+            return Ok(finish(&mut attempts, Some(Action::Stop), "oom", notes));
         }
         if on_cpu {
             notes.push("the CPU run ran out of host memory too".into());
@@ -462,15 +563,25 @@ pub fn supervise(
     }
 }
 
-/// The messages of the OOMs the tracker in the command recorded in `path`, oldest first; none where it wrote none.
-fn tracker_ooms(path: &std::path::Path) -> Vec<String> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Vec::new();
+/// The line that says the kernel's OOM killer ended an attempt, in the form `oomkit explain` reads.
+fn kill_message(k: &oomkit_gpu::host::OomKill, signal: i32) -> String {
+    let limit = k
+        .limit_bytes
+        .map(|l| format!(" of {l} bytes"))
+        .unwrap_or_default();
+    let by = match &k.cgroup {
+        Some(dir) => format!("the memory cgroup {} recorded an OOM kill", dir.display()),
+        None => "the kernel recorded an OOM kill".to_string(),
     };
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v.get("message")?.as_str().map(String::from))
-        .collect()
+    format!(
+        "{}: signal {signal} ended the command while {by}{}",
+        oom::KERNEL_KILL_MARKER,
+        if limit.is_empty() {
+            String::new()
+        } else {
+            format!(" (limit{limit})")
+        }
+    )
 }
 
 /// The OOM message to go by and its explanation: the latest message the

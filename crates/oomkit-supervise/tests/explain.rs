@@ -165,6 +165,32 @@ fn host_memory() {
     assert_eq!(e.message.requested_bytes, Some(132426121216));
     assert_eq!(e.cause, Cause::Capacity);
     assert!(e.summary.contains("host memory"));
+    // The message has no free figure: a limit of the process's own refuses
+    // requests with the host half empty, so neither a shortfall nor a full
+    // host is claimed.
+    assert_eq!(e.shortfall_bytes, None);
+    assert!(!e.summary.contains("was full"), "{}", e.summary);
+    assert!(e.summary.contains("ulimit"), "{}", e.summary);
+}
+
+#[test]
+fn the_kernels_oom_kill() {
+    // As `oomkit run` says it, and as the kernel's own log says it.
+    let e = explain(
+        "killed by the kernel's OOM killer: signal 9 ended the command while the memory cgroup /sys/fs/cgroup/memory/job recorded an OOM kill (limit of 1288490188 bytes)",
+        None,
+    )
+    .expect("found");
+    assert_eq!(e.message.kind, OomKind::KernelKill);
+    assert_eq!(e.message.capacity_bytes, Some(1_288_490_188));
+    assert_eq!(e.cause, Cause::Capacity);
+    assert!(e.summary.contains("1.20 GiB"), "{}", e.summary);
+    assert_eq!(e.shortfall_bytes, None);
+    let dmesg = "[12345.678] Memory cgroup out of memory: Killed process 4242 (python) total-vm:9000000kB, anon-rss:1200000kB";
+    assert_eq!(
+        explain(dmesg, None).map(|e| e.message.kind),
+        Some(OomKind::KernelKill)
+    );
 }
 
 // https://github.com/QwenLM/Qwen3/issues/873

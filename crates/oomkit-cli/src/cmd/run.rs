@@ -20,7 +20,7 @@ pub(crate) struct Args {
     min_free: Option<u64>,
     #[command(flatten)]
     wait: WaitArgs,
-    /// Fail (exit 3) instead of running without a GPU when the machine has none.
+    /// Fail (exit 125) instead of running without a GPU when the machine has none.
     #[arg(long)]
     require_gpu: bool,
     /// The first micro-batch; fills {batch_size} and OOMKIT_MICRO_BATCH, and enables retries.
@@ -47,6 +47,9 @@ pub(crate) struct Args {
     /// Start from --batch-size even when a smaller plan finished last time for this command.
     #[arg(long)]
     fresh: bool,
+    /// Cap the command's private memory (RLIMIT_DATA, e.g. 2GiB): it runs out of host memory as on a smaller machine, to rehearse OOM recovery on CPU.
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    host_memory_limit: Option<u64>,
     /// Write the attempts as JSON to this new file.
     #[arg(long, value_name = "FILE")]
     summary_json: Option<PathBuf>,
@@ -80,6 +83,7 @@ pub(crate) fn run(a: Args) -> u8 {
         fresh: a.fresh,
         claims: ClaimDir::default_location(),
         child_stdout_to_stderr: a.format.json(),
+        host_memory_limit: a.host_memory_limit,
     };
     let summary = match oomkit_supervise::supervise(&opts, &mut |m| say(m)) {
         Ok(s) => s,

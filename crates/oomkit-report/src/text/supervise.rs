@@ -60,6 +60,18 @@ pub fn run_summary(summary: &RunSummary) -> String {
             word(a.action.and_then(|x| snake(&x))),
             a.seconds
         );
+        if a.plan_applied == Some(false) {
+            let _ = writeln!(
+                out,
+                "      plan not applied: the command did not train with micro-batch {} x accumulation {}{}",
+                dash(a.batch_size),
+                dash(a.grad_accum),
+                a.plan_not_applied
+                    .as_ref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            );
+        }
     }
     for n in &summary.notes {
         let _ = writeln!(out, "  note: {n}");
