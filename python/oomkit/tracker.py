@@ -3,11 +3,12 @@
 The tracker keeps numbers only, never a reference to a tensor, and every
 hook body is guarded: a failure inside the tracker is logged and reported
 once, never raised into the training loop. Records go to the Rust run-log
-writer, which flushes at every step boundary.
+writer, which flushes at every stage boundary.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
@@ -61,28 +62,37 @@ def _add_unique(t: Any, seen: set) -> int:
 
 
 class _Meter:
-    """Reads memory in use, reserved, and the peak since the last reading, on CUDA or CPU."""
+    """Reads memory in use, reserved, and the process's high-water mark, on CUDA or CPU.
 
-    def __init__(self, device: Any) -> None:
+    The high-water mark is the process-wide counter other tools read too
+    (``torch.cuda.max_memory_allocated()``; on CPU the kernel's VmHWM, which
+    ``getrusage`` and ``/usr/bin/time`` report), so it is never reset unless
+    the user asks for exact per-stage peaks with ``reset_peaks=True``.
+    """
+
+    def __init__(self, device: Any, reset_peaks: bool = False) -> None:
         torch = _torch()
         self.cuda = device is not None and device.type == "cuda"
         self.device = device
+        self.capacity_source: Optional[str] = None
         if self.cuda:
             self.index = device.index if device.index is not None else torch.cuda.current_device()
             self.capacity: Optional[int] = torch.cuda.get_device_properties(self.index).total_memory
-            self.can_reset = True
+            self.capacity_source = "device"
+            self.resets = bool(reset_peaks)
         else:
-            try:
-                self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            except (ValueError, OSError, AttributeError):
-                self.capacity = None
-            self.can_reset = _native.reset_process_peak_rss()
+            # The memory cgroup's limit where one is set below the machine's
+            # memory: in containers and SLURM jobs that is where the kernel kills.
+            host = _native.host_capacity()
+            self.capacity = host[0] if host else None
+            self.capacity_source = host[1] if host else None
+            self.resets = bool(reset_peaks) and _native.reset_process_peak_rss()
 
     def sample(self) -> tuple[int, int, int]:
-        """Returns (peak since the last sample, in use now, reserved now), and starts a new interval.
+        """Returns (the high-water mark, in use now, reserved now); with resets, the mark starts again from now.
 
         One call per boundary between stages: on CUDA one query of the
-        allocator's statistics; on CPU one native call (getrusage and statm
+        allocator's statistics; on CPU one native call (statm and status
         through open handles, see oomkit_runlog::process::sample_rss).
         """
         if self.cuda:
@@ -99,11 +109,11 @@ class _Meter:
                 peak = flat.get("allocated_bytes.all.peak", 0)
                 now = flat.get("allocated_bytes.all.current", 0)
                 reserved = flat.get("reserved_bytes.all.current", 0)
-            torch.cuda.reset_peak_memory_stats(self.index)
+            if self.resets:
+                torch.cuda.reset_peak_memory_stats(self.index)
             return peak, now, reserved
-        peak, now = _native.process_sample(self.can_reset)
-        # Without a resettable peak, the peak of an interval is unknown: use now.
-        return (peak if self.can_reset else now), now, 0
+        peak, now = _native.process_sample(self.resets)
+        return peak, now, 0
 
     def now(self) -> int:
         """Memory in use now, without touching the peak."""
@@ -119,9 +129,14 @@ class _Meter:
 
 
 class _Open:
-    """A measure in progress: stage, step or phase."""
+    """A measure in progress: stage, step or phase.
 
-    __slots__ = ("kind", "name", "peak", "start", "step", "t0")
+    ``peak`` is the most memory seen in use while it ran; ``at_most`` is set
+    where part of it ran while the process stayed under an earlier
+    high-water mark, so its true peak lies between ``peak`` and that mark.
+    """
+
+    __slots__ = ("at_most", "auto", "kind", "name", "peak", "start", "step", "t0")
 
     def __init__(self, kind: str, name: str, step: Optional[int], start: int) -> None:
         self.kind = kind
@@ -129,6 +144,9 @@ class _Open:
         self.step = step
         self.start = start
         self.peak = start
+        self.at_most = 0
+        # A step the tracker opened itself, in a loop that marks none.
+        self.auto = False
         self.t0 = time.perf_counter()
 
 
@@ -188,6 +206,7 @@ class Tracker:
         check_duplicates: bool = True,
         stage_hooks: bool = True,
         rank: Optional[int] = None,
+        reset_peaks: bool = False,
     ) -> None:
         torch = _torch()
         self._model_ref = weakref.ref(model)
@@ -206,6 +225,18 @@ class Tracker:
         self._stage: Optional[_Open] = None
         self._phases: list[_Open] = []
         self._steps_done = 0
+        # Until the code marks a step itself, each optimizer step is one (see _on_forward_pre).
+        self._user_steps = False
+        self._auto_backward = False
+        self._backward_pending = False
+        # What the hooks saw, inside steps or not: the end record says it, so
+        # that a log with no steps still tells what ran.
+        self._seen = {"forward": 0, "backward": 0, "optimizer": 0}
+        # The process's high-water mark at the last sample, and the highest seen.
+        self._counter = 0
+        self._high = 0
+        # How the run ended, where the tracker learns it before closing.
+        self._ended: dict[str, Any] = {}
         self._components_after_first_step = False
         self._model_hooks: list[Any] = []
         self._opt_hooks: list[Any] = []
@@ -224,8 +255,12 @@ class Tracker:
         for p in model.parameters():
             device = p.device
             break
-        self._meter = _Meter(device)
+        self._meter = _Meter(device, reset_peaks)
         self.device = f"cuda:{self._meter.index}" if self._meter.cuda else "cpu"
+        # The mark before the first measure: what ran before the tracker counts
+        # as an earlier peak, not as one of its stages'.
+        self._counter, _, _ = self._meter.sample()
+        self._high = self._counter
         self.log_path = self._new_log_path(log_dir)
         self._log = _native.RunLog(self.log_path)
         self._history = False
@@ -250,6 +285,9 @@ class Tracker:
                 "world_size": self.world_size,
                 "device": self.device,
                 "capacity_bytes": self._meter.capacity,
+                "capacity_source": self._meter.capacity_source,
+                "peaks": "reset" if self._meter.resets else "high_water",
+                "attempt": _plan.attempt_from_env(),
                 "pid": os.getpid(),
                 "torch": str(torch.__version__),
                 "grad_every": self.grad_every,
@@ -260,7 +298,14 @@ class Tracker:
         active = _plan.active()
         if active is not None:
             self.note("plan", **active.record(PLAIN_FRAMEWORK))
+        elif _plan.attempt_from_env() is not None and not _INTEGRATION_PLAN:
+            # Under `oomkit run` every log carries its attempt, so that attempts
+            # are never read as ranks; an integration's own plan record follows.
+            self.note("plan", **_plan.env_record(PLAIN_FRAMEWORK))
+        # `oomkit run` closes the logs of an attempt the kernel killed.
+        _plan.report_event({"log": os.path.abspath(self.log_path), "rank": self.rank})
         _LIVE.add(self)
+        _close_at_exit_once()
         self._install_model_hooks(model)
         if check_duplicates:
             self.find_duplicates(when="start")
@@ -324,11 +369,17 @@ class Tracker:
 
     def begin_step(self, index: int) -> None:
         """Starts measuring training step ``index``; a step still open is ended first."""
+        self._user_steps = True
+        self._begin_step(index, auto=False)
+
+    def _begin_step(self, index: int, auto: bool) -> None:
         try:
             if self._step_open is not None:
                 self.end_step()
             now, _ = self._sample()
             self._step_open = self._open_measure("step", "step", int(index), now)
+            self._step_open.auto = auto
+            self._auto_backward = False
         except Exception as exc:  # noqa: BLE001
             self._error("begin step", exc)
 
@@ -492,7 +543,16 @@ class Tracker:
         self._model_hooks.clear()
         self._opt_hooks.clear()
         with contextlib.suppress(Exception):
-            self._write({"type": "end", "time": time.time(), "steps": self._steps_done})
+            end: dict[str, Any] = {
+                "type": "end",
+                "time": time.time(),
+                "steps": self._steps_done,
+                "ended": "closed",
+                "seen": dict(self._seen),
+                "peak_bytes": self._high,
+            }
+            end.update(self._ended)
+            self._write(end)
         with contextlib.suppress(Exception):
             self._log.close()
         if self._history:
@@ -508,11 +568,34 @@ class Tracker:
     # ----- measuring --------------------------------------------------------
 
     def _sample(self) -> tuple[int, int]:
-        """Folds the peak since the last sample into every open measure; returns (in use, reserved) now."""
-        peak, now, reserved = self._meter.sample()
-        for o in self._open:
-            if peak > o.peak:
-                o.peak = peak
+        """Folds what the interval since the last sample reached into every open measure; returns (in use, reserved) now.
+
+        Every open measure spans the whole interval (measures open and close
+        at samples). Where the high-water mark rose, its new value is the
+        interval's peak exactly; where it did not, the interval stayed at or
+        under the earlier mark and its peak is known only between what was in
+        use at its ends and that mark.
+        """
+        mark, now, reserved = self._meter.sample()
+        before = self._counter
+        self._counter = mark
+        if self._meter.resets or mark > before:
+            for o in self._open:
+                if mark > o.peak:
+                    o.peak = mark
+            self._high = max(self._high, mark)
+        else:
+            # Below the mark (or another tool reset the counter since): a bound, not a figure.
+            # A counter that fell was reset inside this interval, so what it
+            # reached since is this interval's too.
+            low = mark if mark < before else now
+            for o in self._open:
+                if max(now, low) > o.peak:
+                    o.peak = max(now, low)
+                if before > o.at_most:
+                    o.at_most = before
+        if now > self._high:
+            self._high = now
         return now, reserved
 
     def _open_measure(self, kind: str, name: str, step: Optional[int], now: int) -> _Open:
@@ -535,18 +618,22 @@ class Tracker:
         """Writes a finished measure; `end` and `reserved` come from the sample just taken."""
         self._drop(o)
         peak = o.peak if o.peak > end else end
-        self._write(
-            {
-                "type": o.kind,
-                "step": o.step,
-                "name": o.name,
-                "start_bytes": o.start,
-                "end_bytes": end,
-                "peak_bytes": peak,
-                "reserved_bytes": reserved,
-                "seconds": time.perf_counter() - o.t0,
-            }
-        )
+        rec: dict[str, Any] = {
+            "type": o.kind,
+            "step": o.step,
+            "name": o.name,
+            "start_bytes": o.start,
+            "end_bytes": end,
+            "peak_bytes": peak,
+            "reserved_bytes": reserved,
+            "seconds": time.perf_counter() - o.t0,
+        }
+        if o.at_most > peak:
+            # Part of it ran under an earlier peak: its own is between the two.
+            rec["peak_at_most_bytes"] = o.at_most
+        if o.auto:
+            rec["auto"] = True
+        self._write(rec)
         if o.kind == "stage" and o.name == "optimizer" and not self._components_after_first_step:
             # The optimizer's state exists only after its first step.
             self._components_after_first_step = True
@@ -566,9 +653,10 @@ class Tracker:
 
     def _write_probe(self, peak: int, reserved: int) -> None:
         """Writes the run's peak so far for `oomkit find-batch`, whole or not at all."""
-        # The caching allocator rarely returns memory, so reserved bytes at the
-        # end of a step are its peak; the device also holds the CUDA context.
-        need = max(self._probe_peak, peak, reserved)
+        # The process's high-water mark is the run's peak so far; the caching
+        # allocator rarely returns memory, so reserved bytes at the end of a
+        # step are its peak; the device also holds the CUDA context.
+        need = max(self._probe_peak, peak, self._high, reserved)
         record: dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
         if self._meter.cuda:
             free, total = _torch().cuda.mem_get_info(self._meter.index)
@@ -607,17 +695,46 @@ class Tracker:
             self._error("model hooks", exc)
 
     def _on_forward_pre(self, module: Any, args: Any) -> None:
+        self._auto_step(module)
         if self._hooks_mark():
             self.begin_stage("forward")
+
+    def _auto_step(self, module: Any) -> None:
+        """Opens a step at a training forward when the code marks none, so that its optimizer steps count as steps.
+
+        The step ends at the optimizer's step (``_on_opt_post``); with no
+        optimizer tracked, where the next training forward starts after a
+        backward. Forwards in eval mode or without gradients open nothing.
+        """
+        if self._user_steps or self._phases or self._closed:
+            return
+        try:
+            if not getattr(module, "training", True) or not _torch().is_grad_enabled():
+                return
+            step = self._step_open
+            if step is not None and step.auto and self._opt_ref is None and self._auto_backward:
+                self.end_step()
+                step = None
+            if step is None:
+                self._begin_step(self._steps_done, auto=True)
+        except Exception as exc:  # noqa: BLE001
+            self._error("automatic step", exc)
 
     def _on_forward(self, module: Any, args: Any, output: Any) -> None:
         failing = sys.exc_info()[1]
         if failing is not None and output is None:
             self.record_oom(failing)
             return
-        if not self._hooks_mark() or self._stage is None or self._stage.name != "forward":
+        self._seen["forward"] += 1
+        # A new forward means any backward before it has ended, even one that raised.
+        self._backward_pending = False
+        if self._hooks_mark() and self._stage is not None and self._stage.name == "forward":
+            self.end_stage()
+        # The backward is watched inside steps, and everywhere while the code
+        # marks no step (it may be the only sign of training); a loop that
+        # marks its own steps pays nothing for forwards outside them.
+        if not self.stage_hooks or (self._user_steps and self._step_open is None):
             return
-        self.end_stage()
         try:
             if _torch().is_grad_enabled():
                 for t in _grad_tensors(output):
@@ -627,16 +744,23 @@ class Tracker:
 
     def _on_backward_start(self, grad: Any) -> None:
         try:
+            # Each output's hook fires; the first one of a backward pass marks it.
+            if self._backward_pending:
+                return None
+            self._backward_pending = True
             if self._hooks_mark() and self._stage is None:
                 self.begin_stage("backward")
-                from torch.autograd import Variable
+            from torch.autograd import Variable
 
-                Variable._execution_engine.queue_callback(self._on_backward_end)
+            Variable._execution_engine.queue_callback(self._on_backward_end)
         except Exception as exc:  # noqa: BLE001
             self._error("backward hook", exc)
         return None
 
     def _on_backward_end(self) -> None:
+        self._backward_pending = False
+        self._seen["backward"] += 1
+        self._auto_backward = True
         if self._stage is not None and self._stage.name == "backward":
             self.end_stage()
             if self._opt_ref is None and self._due():
@@ -647,8 +771,11 @@ class Tracker:
             self.begin_stage("optimizer")
 
     def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._seen["optimizer"] += 1
         if self._stage is not None and self._stage.name == "optimizer":
             self.end_stage()
+        if self._step_open is not None and self._step_open.auto:
+            self.end_step()
 
     def _due(self) -> bool:
         return self._step_open is not None and (self._step_open.step or 0) % self.grad_every == 0
@@ -873,6 +1000,9 @@ class Tracker:
             except Exception as e:  # noqa: BLE001
                 self._error("dump snapshot", e)
                 snapshot = None
+        with contextlib.suppress(Exception):
+            # What the failing stage reached up to now, into its open measures.
+            self._sample()
         peak = max([o.peak for o in self._open] + [0])
         self._write(
             {
@@ -1007,6 +1137,23 @@ def _grad_tensors(output: Any, depth: int = 4, out: Optional[list[Any]] = None) 
     return found
 
 
+# Set while an integration builds its tracker: it writes the plan it applied
+# itself, so the tracker does not write the one `oomkit run` handed down.
+_INTEGRATION_PLAN = False
+
+
+@contextlib.contextmanager
+def _integration_writes_plan() -> Iterator[None]:
+    """Inside it, a new tracker leaves the plan record to the integration that builds it."""
+    global _INTEGRATION_PLAN
+    before = _INTEGRATION_PLAN
+    _INTEGRATION_PLAN = True
+    try:
+        yield
+    finally:
+        _INTEGRATION_PLAN = before
+
+
 # Open trackers, which hear each plan `auto_batch` starts a try with.
 _LIVE: weakref.WeakSet[Tracker] = weakref.WeakSet()
 # The `framework` of a plan record written for a plain training loop.
@@ -1055,6 +1202,39 @@ def _watch_allocator_ooms(tracker: Tracker) -> None:
 
 def _forget_tracker(tracker: Tracker) -> None:
     _WATCHERS.discard(tracker)
+
+
+_AT_EXIT_REGISTERED = False
+
+
+def _close_at_exit_once() -> None:
+    """Registers, once per process, the handler that closes trackers the program left open."""
+    global _AT_EXIT_REGISTERED
+    if not _AT_EXIT_REGISTERED:
+        atexit.register(_close_at_exit)
+        _AT_EXIT_REGISTERED = True
+
+
+def _close_at_exit() -> None:
+    """Closes every tracker still open when the interpreter exits, saying how the run ended.
+
+    An uncaught exception is what ended it (Python keeps it as
+    ``sys.last_exc``, ``sys.last_value`` before 3.12): an OOM is recorded
+    as one; anything else is named in the end record. A kill by a signal
+    such as the kernel's OOM killer runs no Python: ``oomkit run`` writes
+    that end record instead.
+    """
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    for t in list(_LIVE):
+        if t.closed:
+            continue
+        with contextlib.suppress(Exception):
+            if isinstance(exc, BaseException):
+                t.record_oom(exc)
+                t._ended = {"ended": "exception", "exception": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            else:
+                t._ended = {"ended": "exit"}
+            t.close()
 
 
 @contextlib.contextmanager

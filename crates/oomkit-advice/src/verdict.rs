@@ -136,6 +136,67 @@ impl Verdict {
         }
     }
 
+    /// The verdict on a process the kernel's OOM killer ended (SIGKILL, no
+    /// Python left to say so): host memory ran out; `in_use` is the last
+    /// figure its records hold, `limit` the memory cgroup's limit where one was set.
+    pub fn killed(place: Place, in_use: Option<u64>, limit: Option<u64>) -> Verdict {
+        let on = place.text();
+        let headline = if on.is_empty() {
+            "KILLED FOR MEMORY: the kernel's OOM killer ended the process (SIGKILL)".to_string()
+        } else {
+            format!("KILLED FOR MEMORY {on}: the kernel's OOM killer ended the process (SIGKILL)")
+        };
+        let limit_words = limit
+            .map(|l| format!(" (the memory cgroup's limit is {})", human_bytes(l)))
+            .unwrap_or_default();
+        let last = in_use
+            .map(|b| format!("; the last records show {} in use", human_bytes(b)))
+            .unwrap_or_default();
+        let fix = "lower the micro-batch, and keep host copies small: fewer DataLoader workers and a lower prefetch_factor, data loaded lazily or memory-mapped, checkpoints loaded with mmap=True".to_string();
+        Verdict {
+            failed: true,
+            headline,
+            detail: format!("cause: host memory ran out{limit_words}{last}; first fix: {fix}"),
+            place,
+            requested_bytes: None,
+            site: None,
+            cause: Some(Cause::Capacity),
+            fix: Some(fix),
+            peak_bytes: in_use,
+            finding: None,
+            role: None,
+        }
+    }
+
+    /// The verdict on a run whose records do not say it failed but do not
+    /// say it finished either, or in which nothing was measured: `headline`
+    /// says what the log shows, `detail` why and what would tell more.
+    pub fn inconclusive(
+        place: Place,
+        headline: String,
+        detail: String,
+        peak: Option<u64>,
+    ) -> Verdict {
+        let on = place.text();
+        Verdict {
+            failed: false,
+            headline: if on.is_empty() {
+                headline
+            } else {
+                format!("{headline} {on}")
+            },
+            detail,
+            place,
+            requested_bytes: None,
+            site: None,
+            cause: None,
+            fix: None,
+            peak_bytes: peak,
+            finding: None,
+            role: None,
+        }
+    }
+
     /// The verdict on a run that did not fail: its peak, where, and its most urgent finding.
     pub fn healthy(peak: u64, place: Place, findings: &[Finding]) -> Verdict {
         let on = place.text();

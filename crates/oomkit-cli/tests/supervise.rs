@@ -656,6 +656,58 @@ fn find_batch_refuses_to_recommend_what_it_never_measured() {
     assert!(!err.contains("recommended"), "{err}");
 }
 
+/// A retry reruns the command in the same place: an output folder the
+/// first attempt made stops the second, unless the command names it with
+/// `{attempt}` (docs/commands.md, "Each attempt in its own place").
+#[test]
+fn attempt_in_the_command_gives_each_retry_its_own_output_folder() {
+    let s = Sandbox::new("attemptdir");
+    s.gpus(&[(80, 80)]);
+    let job = s.script(
+        "outdir_job.sh",
+        r#"mkdir "$1" || exit 3
+if [ "$OOMKIT_ATTEMPT" = 1 ]; then
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free." >&2
+  exit 1
+fi"#,
+    );
+    let same = s.run(&[
+        "run",
+        "--batch-size",
+        "8",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "out",
+    ]);
+    let v: Value = serde_json::from_slice(&same.stdout).unwrap();
+    assert_eq!(
+        v["outcome"], "failed",
+        "the second attempt finds the first one's folder"
+    );
+    assert_eq!(v["attempts"][1]["exit_code"], 3);
+    let own = s.run(&[
+        "run",
+        "--batch-size",
+        "8",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "each{attempt}",
+    ]);
+    let v: Value = serde_json::from_slice(&own.stdout).unwrap();
+    assert_eq!(v["outcome"], "succeeded", "{}", text(&own.stderr));
+    assert!(s.path("each1").is_dir() && s.path("each2").is_dir());
+}
+
+#[test]
+fn run_help_gives_the_exit_codes_it_uses() {
+    let s = Sandbox::new("runhelp");
+    let help = text(&s.run(&["run", "--help"]).stdout);
+    assert!(help.contains("(exit 125)"), "{help}");
+    assert!(!help.contains("exit 3"), "{help}");
+}
+
 #[test]
 fn run_usage_errors_are_125_and_the_commands_codes_pass_through() {
     let s = Sandbox::new("usage");

@@ -36,6 +36,10 @@ pub struct StageDelta {
     pub max_peak_bytes_b: Option<u64>,
     /// B minus A, counting a missing stage as 0.
     pub delta_bytes: i64,
+    /// True where A's largest peak is a lower bound (a peak under an earlier high-water mark could be above it).
+    pub at_least_a: bool,
+    /// The same for B.
+    pub at_least_b: bool,
 }
 
 /// Bytes of one role at each run's peak.
@@ -91,6 +95,10 @@ pub struct Diff {
     pub file_a: String,
     /// The second file, "after".
     pub file_b: String,
+    /// The attempt of `oomkit run` that wrote A, for a run log that says (null otherwise).
+    pub attempt_a: Option<u64>,
+    /// The same for B: two attempts of one job are two plans, not two ranks.
+    pub attempt_b: Option<u64>,
     /// Per device.
     pub devices: Vec<DeviceDelta>,
 }
@@ -123,7 +131,8 @@ impl Side {
     /// A run log's device.
     fn run(r: &oomkit_runlog::Analysis) -> Side {
         Side {
-            peak: r.peak_bytes,
+            // A log that measured nothing compares as nothing held.
+            peak: r.peak_bytes.unwrap_or(0),
             reserved: r.peak_reserved_bytes,
             ooms: r.ooms.len(),
             roles: r.roles_at_peak(),
@@ -235,6 +244,8 @@ pub fn diff_snapshots(a: &FileAnalysis, b: &FileAnalysis) -> Diff {
         kind: "snapshot",
         file_a: a.path.clone(),
         file_b: b.path.clone(),
+        attempt_a: None,
+        attempt_b: None,
         devices,
     }
 }
@@ -254,7 +265,7 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
         r.stages
             .iter()
             .find(|s| s.kind == k.0 && s.name == k.1)
-            .map(|s| s.max_peak_bytes)
+            .map(|s| (s.max_peak_bytes, s.max_peak_at_most_bytes.is_some()))
     };
     let stages = keys
         .iter()
@@ -263,9 +274,11 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
             StageDelta {
                 kind: k.0,
                 name: k.1.clone(),
-                max_peak_bytes_a: x,
-                max_peak_bytes_b: y,
-                delta_bytes: delta(x.unwrap_or(0), y.unwrap_or(0)),
+                max_peak_bytes_a: x.map(|v| v.0),
+                max_peak_bytes_b: y.map(|v| v.0),
+                delta_bytes: delta(x.map_or(0, |v| v.0), y.map_or(0, |v| v.0)),
+                at_least_a: x.is_some_and(|v| v.1),
+                at_least_b: y.is_some_and(|v| v.1),
             }
         })
         .collect();
@@ -278,6 +291,8 @@ pub fn diff_runs(a: &RunFile, b: &RunFile) -> Diff {
         kind: "run",
         file_a: a.path.clone(),
         file_b: b.path.clone(),
+        attempt_a: ra.attempt,
+        attempt_b: rb.attempt,
         devices: vec![DeviceDelta {
             stages,
             ..DeviceDelta::between(device, Side::run(ra), Side::run(rb))
@@ -314,6 +329,8 @@ pub fn diff_mixed(a: &Report, b: &Report) -> Option<Diff> {
         kind: "mixed",
         file_a: a.path().to_string(),
         file_b: b.path().to_string(),
+        attempt_a: if snap_first { None } else { ra.attempt },
+        attempt_b: if snap_first { ra.attempt } else { None },
         devices: vec![DeviceDelta::between(name, x, y)],
     })
 }

@@ -24,20 +24,24 @@ pub struct Job {
     pub attempts: Option<Vec<Attempt>>,
 }
 
+/// The attempts of the run logs among `reports`, where they ran more than one: only a job that stepped down has attempts worth a table.
+pub fn job_attempts(reports: &[&Report]) -> Option<Vec<Attempt>> {
+    let logs: Vec<&oomkit_runlog::Analysis> = reports
+        .iter()
+        .filter_map(|r| match r {
+            Report::Run(rf) => Some(&rf.analysis),
+            Report::Snapshot(_) => None,
+        })
+        .collect();
+    Some(oomkit_runlog::attempts(&logs)).filter(|a| a.len() > 1)
+}
+
 impl Job {
     /// Works out the rank table and the attempts of the files that were read.
     pub fn new(files: Vec<Result<Report, Unreadable>>) -> Job {
         let read: Vec<&Report> = files.iter().filter_map(|r| r.as_ref().ok()).collect();
         let ranks = rank_table(&read);
-        let logs: Vec<&oomkit_runlog::Analysis> = read
-            .iter()
-            .filter_map(|r| match r {
-                Report::Run(rf) => Some(&rf.analysis),
-                Report::Snapshot(_) => None,
-            })
-            .collect();
-        // Only a job that stepped down has attempts worth a table.
-        let attempts = Some(oomkit_runlog::attempts(&logs)).filter(|a| a.len() > 1);
+        let attempts = job_attempts(&read);
         Job {
             files,
             ranks,

@@ -12,5 +12,5 @@ pub use diff::{
     diff_mixed, diff_runs, diff_snapshots, DeviceDelta, Diff, RoleDelta, SiteDelta, StageDelta,
 };
 pub use input::{FileAnalysis, Report, RunFile};
-pub use job::{Job, Unreadable};
+pub use job::{job_attempts, Job, Unreadable};
 pub use ranks::{rank_table, RankRow, IMBALANCE_FRACTION};

@@ -20,8 +20,8 @@ pub struct RankRow {
     pub device: String,
     /// The attempt the log's last plan belongs to, for a job that stepped down; null for snapshots.
     pub attempt: Option<u64>,
-    /// Peak bytes in use (active bytes for a snapshot, the largest step peak for a run log).
-    pub peak_bytes: u64,
+    /// Peak bytes in use (active bytes for a snapshot, the run's peak for a run log); null for a log that measured nothing.
+    pub peak_bytes: Option<u64>,
     /// Peak bytes reserved by the allocator.
     pub reserved_bytes: u64,
     /// OOMs recorded.
@@ -74,7 +74,7 @@ pub fn rank_table(sources: &[&Report]) -> Vec<RankRow> {
                         rank: rank_in_name(&fa.path),
                         device: format!("cuda:{}", d.device),
                         attempt: None,
-                        peak_bytes: d.peak_active_bytes,
+                        peak_bytes: Some(d.peak_active_bytes),
                         reserved_bytes: d.peak_reserved_bytes.max(d.reserved_bytes),
                         ooms: d.ooms.len(),
                         first_oom: first.map(|o| format!("event {}", o.event_index)),
@@ -93,14 +93,20 @@ pub fn rank_table(sources: &[&Report]) -> Vec<RankRow> {
                     file: rf.path.clone(),
                     rank: Some(a.rank),
                     device: a.device.clone(),
-                    attempt: a.plan.as_ref().and_then(|p| p.attempt),
+                    attempt: a.attempt,
                     peak_bytes: a.peak_bytes,
                     reserved_bytes: a.peak_reserved_bytes,
                     ooms: a.ooms.len(),
                     first_oom: first.map(|o| {
-                        let mut s = o
-                            .step
-                            .map_or("outside a step".into(), |s| format!("step {s}"));
+                        let mut s = match (o.step, o.killed_by_kernel) {
+                            (Some(s), _) => format!("step {s}"),
+                            // A kill before the first record: no step is known.
+                            (None, true) => "before any record".into(),
+                            (None, false) => "outside a step".into(),
+                        };
+                        if o.killed_by_kernel {
+                            s.push_str(", killed (host memory)");
+                        }
                         if let Some(stage) = &o.stage {
                             s.push_str(&format!(", {stage}"));
                         }
@@ -115,27 +121,57 @@ pub fn rank_table(sources: &[&Report]) -> Vec<RankRow> {
             }
         }
     }
-    let min = rows.iter().map(|r| r.peak_bytes).min().unwrap_or(0);
-    let max = rows.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
-    for r in &mut rows {
-        r.above_smallest = if min > 0 {
-            (r.peak_bytes - min) as f64 / min as f64
-        } else {
-            0.0
+    // Rows are compared only with the rows of the same attempt: a job that
+    // stepped down holds each rank once per attempt, and two attempts of one
+    // rank are not two ranks.
+    let mut groups: Vec<Option<u64>> = rows.iter().map(|r| r.attempt).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    for g in groups {
+        let members: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].attempt == g).collect();
+        mark_group(&mut rows, &members);
+    }
+    rows
+}
+
+/// Marks the spread and the first failure among the rows `members` (one attempt's).
+///
+/// Files of one rank (two logs of one process: `trainer.fit()` then
+/// `trainer.test()`) are not ranks of a job: the spread and the first
+/// failure are told only between distinct ranks, or between files whose
+/// rank is unknown.
+fn mark_group(rows: &mut [RankRow], members: &[usize]) {
+    let mut ranks: Vec<Option<u32>> = members.iter().map(|&i| rows[i].rank).collect();
+    ranks.sort_unstable();
+    let distinct = ranks.windows(2).all(|w| w[0] != w[1] || w[0].is_none());
+    if members.len() < 2 || !distinct {
+        return;
+    }
+    // A log that measured nothing has no peak to compare.
+    let peaks: Vec<u64> = members.iter().filter_map(|&i| rows[i].peak_bytes).collect();
+    let min = peaks.iter().copied().min().unwrap_or(0);
+    let max = peaks.iter().copied().max().unwrap_or(0);
+    for &i in members {
+        let r = &mut rows[i];
+        r.above_smallest = match r.peak_bytes {
+            Some(p) if min > 0 => (p - min) as f64 / min as f64,
+            _ => 0.0,
         };
     }
-    let flagged = rows.len() > 1
+    let flagged = peaks.len() > 1
         && max - min >= IMBALANCE_MIN_BYTES
         && (min == 0 || (max - min) as f64 / min as f64 > IMBALANCE_FRACTION);
     if flagged {
-        for r in rows.iter_mut().filter(|r| r.peak_bytes == max) {
-            r.imbalanced = true;
+        for &i in members {
+            if rows[i].peak_bytes == Some(max) {
+                rows[i].imbalanced = true;
+            }
         }
     }
-    if let Some(i) = first_failure(&rows) {
-        rows[i].failed_first = true;
+    let group: Vec<RankRow> = members.iter().map(|&i| rows[i].clone()).collect();
+    if let Some(k) = first_failure(&group) {
+        rows[members[k]].failed_first = true;
     }
-    rows
 }
 
 /// The row that ran out first: by time where every failed row has one,
@@ -185,7 +221,7 @@ mod tests {
             rank: None,
             device: "cuda:0".into(),
             attempt: None,
-            peak_bytes: peak,
+            peak_bytes: Some(peak),
             reserved_bytes: peak,
             ooms,
             first_oom: None,
@@ -195,6 +231,34 @@ mod tests {
             imbalanced: false,
             failed_first: false,
         }
+    }
+
+    #[test]
+    fn attempts_of_one_rank_are_never_compared_as_ranks() {
+        let at = |rank: u32, attempt: u64, peak: u64, ooms: usize| RankRow {
+            rank: Some(rank),
+            attempt: Some(attempt),
+            ..row(peak, ooms, None, Some(1))
+        };
+        // Rank 0's three attempts: 13% apart, the first two ran out.
+        let mut rows = vec![
+            at(0, 1, 800 << 20, 1),
+            at(0, 2, 760 << 20, 1),
+            at(0, 3, 700 << 20, 0),
+        ];
+        for g in [1, 2, 3] {
+            let members: Vec<usize> = (0..3).filter(|&i| rows[i].attempt == Some(g)).collect();
+            mark_group(&mut rows, &members);
+        }
+        assert!(rows.iter().all(|r| !r.imbalanced && !r.failed_first));
+        // Two ranks of one attempt are ranks: the spread and the only failure are told.
+        let mut rows = vec![at(0, 1, 700 << 20, 0), at(1, 1, 900 << 20, 1)];
+        mark_group(&mut rows, &[0, 1]);
+        assert!(rows[1].imbalanced && rows[1].failed_first);
+        // Two logs of one process (fit, then test) are not ranks either.
+        let mut rows = vec![at(0, 1, 700 << 20, 0), at(0, 1, 900 << 20, 1)];
+        mark_group(&mut rows, &[0, 1]);
+        assert!(!rows[1].imbalanced && !rows[1].failed_first);
     }
 
     #[test]

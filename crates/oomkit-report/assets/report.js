@@ -722,13 +722,49 @@
 
   // ---- ranks --------------------------------------------------------------
 
+  // The attempts of a job that stepped down: the plan each ran and how it ended.
+  function attemptOutcome(a) {
+    var text;
+    if (a.outcome === "finished") text = "finished";
+    else if (a.outcome === "ended") text = "ended without an OOM of its own";
+    else if (a.first_oom) {
+      var f = a.first_oom;
+      var at = f.step != null ? "step " + f.step : f.killed_by_kernel ? "before any record" : "outside a step";
+      if (f.stage) at += ", " + f.stage;
+      text = "rank " + f.rank + (f.killed_by_kernel ? " was killed for host memory" : " ran out of memory") + (a.ranks.length > 1 ? " first" : "") + " (" + at + ")";
+    } else text = a.ooms + (a.ooms === 1 ? " OOM" : " OOMs") + " recorded; the logs do not tell which rank was first";
+    if (a.applied === false) text += " (the plan was not applied)";
+    return text;
+  }
+
+  function renderAttempts(root, attempts) {
+    root.appendChild(el("h2", { text: "Attempts" }));
+    var grid = el("div", { class: "grid" });
+    root.appendChild(grid);
+    var p = section(grid, attempts.length + " attempts of one job", "wide");
+    p.appendChild(table([
+      { name: "attempt", num: true },
+      { name: "micro-batch", num: true },
+      { name: "accumulation", num: true },
+      { name: "effective", num: true },
+      { name: "ranks" },
+      { name: "outcome" },
+    ], attempts.map(function (a) {
+      return [a.attempt, a.micro_batch, a.grad_accum, a.effective_batch, a.ranks.join(","), attemptOutcome(a)];
+    })));
+  }
+
   function renderRanks(root, rows) {
     root.appendChild(el("h2", { text: "Ranks" }));
     var grid = el("div", { class: "grid" });
     root.appendChild(grid);
     var p = section(grid, rows.length + " files side by side", "wide");
-    p.appendChild(table([
+    var attempts = rows.some(function (r) { return r.attempt != null; });
+    var cols = [
       { name: "rank", num: true, fmt: function (v) { return v == null ? "?" : String(v); } },
+    ];
+    if (attempts) cols.push({ name: "attempt", num: true });
+    p.appendChild(table(cols.concat([
       { name: "device" },
       { name: "peak", num: true, bar: true, fmt: bytes },
       { name: "above smallest", num: true, fmt: function (v) { return (100 * v).toFixed(0) + "%"; } },
@@ -737,11 +773,12 @@
       { name: "first OOM" },
       { name: "flags" },
       { name: "file", cls: "site" },
-    ], rows.map(function (r) {
+    ]), rows.map(function (r) {
       var flags = [];
       if (r.imbalanced) flags.push("largest peak (imbalance)");
       if (r.failed_first) flags.push("failed first");
-      return [r.rank, r.device, r.peak_bytes, r.above_smallest, r.reserved_bytes, r.ooms, r.first_oom || "-", flags.join(", ") || "-", r.file];
+      var head = attempts ? [r.rank, r.attempt] : [r.rank];
+      return head.concat([r.device, r.peak_bytes, r.above_smallest, r.reserved_bytes, r.ooms, r.first_oom || "-", flags.join(", ") || "-", r.file]);
     })));
     var first = rows.filter(function (r) { return r.failed_first; })[0];
     if (first) p.appendChild(el("p", null, el("span", { class: "flag first", text: "failed first" }), " " + (first.rank != null ? "rank " + first.rank : first.file) + " ran out of memory first (" + first.first_oom + "); the other ranks' errors likely follow from it."));
@@ -762,7 +799,10 @@
     var v = first.analysis.verdict;
     if (!v) return;
     var box = el("div", { id: "verdict", class: "verdict " + (v.failed ? "failed" : "healthy") });
-    if (data.files.length > 1) box.appendChild(el("div", { class: "muted", text: v.failed ? first.file + " failed first" : "No OOM in any of the " + data.files.length + " files" }));
+    var attempts = data.attempts || [];
+    var last = attempts[attempts.length - 1];
+    if (last) box.appendChild(el("div", { class: "muted", text: "The last of " + attempts.length + " attempts, " + last.attempt + ": " + attemptOutcome(last) + " \u00b7 " + first.file }));
+    else if (data.files.length > 1) box.appendChild(el("div", { class: "muted", text: v.failed ? first.file + " failed first" : "No OOM in any of the " + data.files.length + " files" }));
     box.appendChild(el("div", { class: "verdict-headline", text: v.headline }));
     box.appendChild(el("div", { class: "verdict-detail", text: v.detail }));
     if (v.failed && first.kind === "snapshot" && v.place && v.place.device) {
@@ -785,10 +825,16 @@
     app.appendChild(el("div", { class: "muted", text: data.generator + " \u00b7 " + names.length + " file" + (names.length === 1 ? "" : "s") + " \u00b7 opens offline, nothing is fetched" }));
     // The file that failed first leads: by the rank table, else the first with an OOM.
     var firstRow = (data.ranks || []).filter(function (r) { return r.failed_first; })[0];
-    var lead = data.files.filter(function (f) { return firstRow && f.file === firstRow.file; })[0]
+    // Of a job that stepped down, the last attempt leads: its failing file, else any of its files.
+    var lastAttempt = data.attempts && data.attempts.length ? data.attempts[data.attempts.length - 1].attempt : null;
+    var ofLast = data.files.filter(function (f) { return lastAttempt != null && f.analysis.attempt === lastAttempt; });
+    var lead = ofLast.filter(function (f) { return f.analysis.verdict && f.analysis.verdict.failed; })[0]
+      || ofLast[0]
+      || data.files.filter(function (f) { return firstRow && f.file === firstRow.file; })[0]
       || data.files.filter(function (f) { return f.analysis.verdict && f.analysis.verdict.failed; })[0]
       || data.files[0];
     if (lead) banner(app, data, lead);
+    if (data.attempts && data.attempts.length) renderAttempts(app, data.attempts);
     if (data.ranks && data.ranks.length) renderRanks(app, data.ranks);
     var files = data.files.slice().sort(function (a, b) { return (b === lead) - (a === lead); });
     files.forEach(function (f) {

@@ -40,10 +40,13 @@ pub fn html_report(inputs: &[&Report], max_points: usize) -> Result<String, Stri
         });
     }
     let ranks: Vec<RankRow> = rank_table(inputs);
+    // The attempts of a job that stepped down, as the terminal shows them.
+    let attempts = oomkit_compare::job_attempts(inputs);
     let doc = json!({
         "generator": format!("oomkit {}", env!("CARGO_PKG_VERSION")),
         "files": files,
         "ranks": ranks,
+        "attempts": attempts,
     });
     let data = script_safe(&doc.to_string());
     // Each piece replaces a marker that occurs once in the template; the

@@ -1,7 +1,7 @@
 //! What a run log says: stage table, leaks, eval spikes, gradients, components.
 
 use crate::findings;
-use crate::record::{Components, MeasureKind, Plan, Run, LOG_VERSION};
+use crate::record::{Components, MeasureKind, Plan, Run, Seen, LOG_VERSION};
 use oomkit_advice::{Cause, Finding};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -25,6 +25,11 @@ pub struct StageStats {
     pub mean_rise_bytes: u64,
     /// Mean wall time in seconds.
     pub mean_seconds: f64,
+    /// How many of its peaks are lower bounds: it ran while the process
+    /// stayed under an earlier high-water mark, which the tracker does not reset.
+    pub peaks_bounded: u64,
+    /// Where a bounded peak could lie above `max_peak_bytes`, the most it could be.
+    pub max_peak_at_most_bytes: Option<u64>,
 }
 
 /// The stage that needs the most memory on top of what was there when it began.
@@ -38,6 +43,26 @@ pub struct StageGrowth {
     pub mean_rise_bytes: u64,
     /// Share of the step's peak it accounts for, 0 to 1.
     pub share_of_peak: f64,
+    /// True when its rise is a lower bound (some of its peaks are).
+    pub at_least: bool,
+}
+
+/// How a run ended, as its log tells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ending {
+    /// The tracker was closed (`tracker.close()`, a `with` block, an integration).
+    Closed,
+    /// The interpreter exited with the tracker open; it closed itself on the way out.
+    Exit,
+    /// An uncaught exception ended the program.
+    Exception,
+    /// The kernel's OOM killer ended the process: SIGKILL while the kernel recorded an OOM kill (`oomkit run` wrote the end record).
+    KilledForMemory,
+    /// A signal ended the process, with no OOM kill recorded (`oomkit run` wrote the end record).
+    Killed,
+    /// The log stops without an end record: the process was killed outside `oomkit run`, crashed, or is still running.
+    Unfinished,
 }
 
 /// Sustained growth of end-of-step memory.
@@ -78,6 +103,10 @@ pub struct OomSummary {
     pub cause: Cause,
     /// The snapshot dumped at the OOM, if any.
     pub snapshot: Option<String>,
+    /// True where the kernel's OOM killer ended the process (SIGKILL: no
+    /// error was raised, `oomkit run` wrote the end record): host memory ran
+    /// out; `allocated_bytes` is what the last record held.
+    pub killed_by_kernel: bool,
 }
 
 /// A limit of the evidence.
@@ -104,8 +133,10 @@ pub struct Analysis {
     pub device: String,
     /// Device capacity in bytes, when known.
     pub capacity_bytes: Option<u64>,
-    /// Largest step peak.
-    pub peak_bytes: u64,
+    /// The most memory measured in use: of any step, stage or phase, at an
+    /// OOM, or (with none of those) the tracker's last reading of the
+    /// process's high-water mark; null where nothing was measured.
+    pub peak_bytes: Option<u64>,
     /// The most bytes the allocator held reserved at the end of any stage, step or phase (0 on CPU).
     pub peak_reserved_bytes: u64,
     /// Per stage, step and phase.
@@ -126,6 +157,19 @@ pub struct Analysis {
     pub plans: Vec<Plan>,
     /// True when the tracker was closed (the log has an `end` record).
     pub closed: bool,
+    /// How the run ended.
+    pub ending: Ending,
+    /// The attempt of `oomkit run` (or `find-batch`) that wrote the log, where it says.
+    pub attempt: Option<u64>,
+    /// What the tracker's hooks saw over the whole run, inside steps or not, where the end record says.
+    pub seen: Option<Seen>,
+    /// True when the steps are the optimizer's steps, which the tracker counted because the code marks none.
+    pub steps_from_optimizer: bool,
+    /// Why the log has no steps, and what would give it some; null where it has steps.
+    pub no_steps: Option<String>,
+    /// The attempt the `start` record names: a plan that names none belongs to it.
+    #[serde(skip)]
+    pub(crate) start_attempt: Option<u64>,
     /// Conclusions, most urgent first.
     pub findings: Vec<Finding>,
     /// Limits of the evidence.
@@ -243,6 +287,15 @@ fn stage_table(run: &Run) -> Vec<StageStats> {
                     .map(|m| m.peak_bytes.saturating_sub(m.start_bytes) as f64),
             ) as u64,
             mean_seconds: mean(ms.iter().map(|m| m.seconds)),
+            peaks_bounded: ms.iter().filter(|m| m.peak_is_bound()).count() as u64,
+            max_peak_at_most_bytes: {
+                let max = ms.iter().map(|m| m.peak_bytes).max().unwrap_or(0);
+                ms.iter()
+                    .filter(|m| m.peak_is_bound())
+                    .filter_map(|m| m.peak_at_most_bytes)
+                    .max()
+                    .filter(|&most| most > max)
+            },
             name,
         })
         .collect();
@@ -291,27 +344,204 @@ pub(crate) fn failure(
     }
 }
 
-/// The verdict on a run log: its first OOM, or its peak and most urgent finding.
+/// How the log says the run ended.
+fn ending(run: &Run) -> Ending {
+    let Some(end) = run.end.as_ref().filter(|_| run.closed) else {
+        return Ending::Unfinished;
+    };
+    match end.ended.as_deref() {
+        Some("killed") if end.killed_for_memory() => Ending::KilledForMemory,
+        Some("killed") => Ending::Killed,
+        Some("exception") => Ending::Exception,
+        Some("exit") => Ending::Exit,
+        _ => Ending::Closed,
+    }
+}
+
+/// The run's peak: its largest step peak; in a log with no step, the most
+/// any stage, phase or OOM record measured, or else the tracker's last
+/// reading of the process's high-water mark; `None` where nothing was measured.
+fn measured_peak(run: &Run) -> Option<u64> {
+    if let Some(p) = run.steps().map(|m| m.peak_bytes).max() {
+        return Some(p);
+    }
+    let measures = run
+        .measures
+        .iter()
+        .map(|(_, m)| m.peak_bytes.max(m.end_bytes));
+    let ooms = run
+        .ooms
+        .iter()
+        .map(|o| o.memory.peak_bytes.max(o.memory.allocated_bytes));
+    let peak = measures.chain(ooms).filter(|&b| b > 0).max();
+    // Only where no record measured anything, the process's high-water mark
+    // (which also counts what ran before the tracker) stands in.
+    peak.or_else(|| run.end.as_ref()?.peak_bytes.filter(|&b| b > 0))
+}
+
+/// Why a log has no steps, from what it did see, with the one change that gives it steps.
+fn no_steps(run: &Run, ooms: &[OomSummary]) -> Option<String> {
+    if run.steps().next().is_some() {
+        return None;
+    }
+    if let Some(o) = ooms.first().filter(|o| o.killed_by_kernel) {
+        return Some(format!(
+            "no step finished: the kernel's OOM killer ended the process in {}",
+            o.step
+                .map_or("its first step".to_string(), |s| format!("step {s}"))
+        ));
+    }
+    if let Some(o) = ooms.first() {
+        return Some(format!(
+            "no step finished: it ran out of memory in {}{}",
+            o.step
+                .map_or("its first step".to_string(), |s| format!("step {s}")),
+            o.stage
+                .as_ref()
+                .map(|st| format!(" ({st})"))
+                .unwrap_or_default()
+        ));
+    }
+    let phases: Vec<&str> = {
+        let mut v: Vec<&str> = run
+            .measures
+            .iter()
+            .filter(|(k, _)| *k == MeasureKind::Phase)
+            .map(|(_, m)| m.name.as_str())
+            .collect();
+        v.dedup();
+        v
+    };
+    if !phases.is_empty() {
+        let evaluation = phases.iter().all(|p| {
+            matches!(
+                *p,
+                "test" | "predict" | "eval" | "validate" | "sanity_check"
+            )
+        });
+        let names = phases
+            .iter()
+            .map(|p| format!("[{p}]"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Some(if evaluation {
+            format!("a {names}-only log: no training ran while it was open (Lightning's trainer.test() and trainer.predict() each write a log of their own)")
+        } else {
+            format!("only phases were measured ({names}), no training step: mark steps with `with tracker.step(i):`")
+        });
+    }
+    let fix = "wrap each training step in `with tracker.step(i):`, or give the tracker the optimizer (`oomkit.Tracker(model, optimizer=opt)`), whose steps then count as steps";
+    Some(match run.end.as_ref().and_then(|e| e.seen.as_ref()) {
+        Some(seen) if seen.forward + seen.backward + seen.optimizer > 0 => format!(
+            "the tracker saw {} forward, {} backward and {} optimizer {} but no training step: {fix}",
+            seen.forward,
+            seen.backward,
+            seen.optimizer,
+            if seen.optimizer == 1 { "step" } else { "steps" }
+        ),
+        Some(_) => format!(
+            "the tracker saw no forward pass of the model it was given (was it built on another model, or closed before training?): {fix}"
+        ),
+        None => format!("the log records no step, stage or phase: {fix}"),
+    })
+}
+
+/// The verdict on a run log: its first OOM, a kill, an end it does not
+/// record, or its peak and most urgent finding.
 fn verdict(
+    run: &Run,
     ooms: &[OomSummary],
     start: &crate::record::Start,
     capacity: Option<u64>,
-    peak: u64,
+    peak: Option<u64>,
     findings: &[oomkit_advice::Finding],
 ) -> oomkit_advice::Verdict {
+    use oomkit_advice::{Place, Verdict};
     let rank = Some(start.rank);
-    if let Some(o) = ooms.first() {
-        return oomkit_advice::Verdict::failed(&failure(o, &start.device, rank, capacity), o.cause);
+    if let Some(o) = ooms.first().filter(|o| !o.killed_by_kernel) {
+        return Verdict::failed(&failure(o, &start.device, rank, capacity), o.cause);
     }
-    oomkit_advice::Verdict::healthy(
-        peak,
-        oomkit_advice::Place {
-            device: (!start.device.is_empty()).then(|| start.device.clone()),
-            rank,
-            ..Default::default()
+    let device = (!start.device.is_empty()).then(|| start.device.clone());
+    let last = run.measures.last().map(|(_, m)| m);
+    let last_step = run.steps().last().and_then(|m| m.step);
+    let place = Place {
+        device: device.clone(),
+        rank,
+        ..Default::default()
+    };
+    let hb = oomkit_units::human_bytes;
+    let peak_words = |p: Option<u64>| {
+        p.map(|b| format!("peak {}", hb(b)))
+            .unwrap_or_else(|| "no memory figure".into())
+    };
+    let end = run.end.as_ref();
+    match ending(run) {
+        Ending::KilledForMemory => {
+            let limit = end
+                .and_then(|e| e.limit_bytes)
+                .or(capacity.filter(|_| start.capacity_source.as_deref() == Some("cgroup")));
+            Verdict::killed(
+                Place {
+                    step: ooms.last().and_then(|o| o.step),
+                    ..place
+                },
+                last.map(|m| m.end_bytes.max(m.peak_bytes)).or(peak),
+                limit,
+            )
+        }
+        Ending::Killed => Verdict::inconclusive(
+            place,
+            format!(
+                "no OOM recorded; signal {} ended the process{}",
+                end.and_then(|e| e.signal).unwrap_or(0),
+                last_step
+                    .map(|s| format!(" after step {s}"))
+                    .unwrap_or_default()
+            ),
+            format!(
+                "the kernel recorded no OOM kill while it ran, so something else ended it; its last records show {}",
+                peak_words(peak)
+            ),
+            peak,
+        ),
+        Ending::Unfinished => Verdict::inconclusive(
+            place,
+            format!(
+                "no OOM recorded, but the log stops without an 'end' record{}",
+                last_step
+                    .map(|s| format!(" after step {s}"))
+                    .unwrap_or_default()
+            ),
+            format!(
+                "the process was killed (exit code 137 is SIGKILL: the kernel's OOM killer, which `dmesg` names, kills that way; under `oomkit run` the log says which), crashed, or is still running; its last records are the evidence: {}{}",
+                peak_words(peak),
+                capacity
+                    .map(|c| format!(" of {}", hb(c)))
+                    .unwrap_or_default()
+            ),
+            peak,
+        ),
+        Ending::Exception => Verdict::inconclusive(
+            place,
+            "no OOM; an uncaught exception ended the run".into(),
+            format!(
+                "{}; {}",
+                end.and_then(|e| e.exception.clone())
+                    .unwrap_or_else(|| "the exception is not recorded".into()),
+                peak_words(peak)
+            ),
+            peak,
+        ),
+        Ending::Closed | Ending::Exit => match peak {
+            Some(p) => Verdict::healthy(p, place, findings),
+            None => Verdict::inconclusive(
+                place,
+                "nothing measured".into(),
+                no_steps(run, ooms).unwrap_or_else(|| "the log records no memory figure".into()),
+                None,
+            ),
         },
-        findings,
-    )
+    }
 }
 
 /// Analyzes a run log.
@@ -320,7 +550,7 @@ pub fn analyze(run: &Run) -> Analysis {
     let cuda = start.device.starts_with("cuda");
     let capacity = start.capacity_bytes.filter(|&c| c > 0);
     let stages = stage_table(run);
-    let step_peak = run.steps().map(|m| m.peak_bytes).max().unwrap_or(0);
+    let peak = measured_peak(run);
     let train_peak = run
         .measures
         .iter()
@@ -341,7 +571,10 @@ pub fn analyze(run: &Run) -> Analysis {
             } else {
                 0.0
             },
-        });
+            at_least: s.peaks_bounded > 0,
+        })
+        // Without a peak to share, there is no growth to tell.
+        .filter(|g| g.mean_rise_bytes > 0 && train_peak > 0);
     let components = run
         .components
         .last()
@@ -365,8 +598,30 @@ pub fn analyze(run: &Run) -> Analysis {
                 o.memory.capacity_bytes,
             ),
             snapshot: o.snapshot.clone(),
+            killed_by_kernel: false,
         })
         .collect();
+    let mut ooms = ooms;
+    if ending(run) == Ending::KilledForMemory {
+        // The kill is the run's OOM: every table that counts OOMs counts it.
+        let last = run.measures.last().map(|(_, m)| m);
+        ooms.push(OomSummary {
+            time: run.end.as_ref().and_then(|e| e.time),
+            // The step in progress: the last stage's, or the one after the last step that finished.
+            step: match run.measures.last() {
+                Some((MeasureKind::Step, m)) => m.step.map(|s| s + 1),
+                Some((_, m)) => m.step,
+                None => None,
+            },
+            stage: None,
+            requested_bytes: None,
+            allocated_bytes: last.map_or(0, |m| m.end_bytes),
+            reserved_bytes: last.map_or(0, |m| m.reserved_bytes),
+            cause: Cause::Capacity,
+            snapshot: None,
+            killed_by_kernel: true,
+        });
+    }
 
     let nonfinite_checks = run
         .grads
@@ -431,19 +686,27 @@ pub fn analyze(run: &Run) -> Analysis {
     if !cuda && !start.device.is_empty() {
         warnings.push(Warning {
             kind: "cpu_memory",
-            message: "on CPU, memory is the process's resident set (RSS), which also holds \
-                      Python, libraries and the allocator's caches"
-                .into(),
+            message: if start.capacity_source.as_deref() == Some("cgroup") {
+                "on CPU, memory is the process's resident set (RSS), which also holds \
+                 Python, libraries and the allocator's caches; shared library pages count in \
+                 it but not always against the memory cgroup's limit, so it can read above that limit"
+                    .into()
+            } else {
+                "on CPU, memory is the process's resident set (RSS), which also holds \
+                 Python, libraries and the allocator's caches"
+                    .into()
+            },
         });
     }
+    let no_steps = no_steps(run, &ooms);
     Analysis {
-        verdict: verdict(&ooms, &start, capacity, step_peak, &findings),
+        verdict: verdict(run, &ooms, &start, capacity, peak, &findings),
         kind: "run",
         steps: run.steps().count() as u64,
         rank: start.rank,
         device: start.device.clone(),
         capacity_bytes: capacity,
-        peak_bytes: step_peak,
+        peak_bytes: peak,
         peak_reserved_bytes: run
             .measures
             .iter()
@@ -459,6 +722,14 @@ pub fn analyze(run: &Run) -> Analysis {
         plan: run.plans.last().cloned(),
         plans: run.plans.clone(),
         closed: run.closed,
+        ending: ending(run),
+        attempt: start
+            .attempt
+            .or_else(|| run.plans.last().and_then(|p| p.attempt)),
+        seen: run.end.as_ref().and_then(|e| e.seen.clone()),
+        steps_from_optimizer: run.steps().next().is_some() && run.steps().all(|m| m.auto),
+        no_steps,
+        start_attempt: start.attempt,
         findings,
         warnings,
     }
@@ -596,6 +867,101 @@ mod tests {
         ends.extend(std::iter::repeat_n(500 * MIB, 20));
         let a = analyze(&Run::parse(log(&ends).as_bytes()).unwrap());
         assert!(a.leak.is_none());
+    }
+
+    #[test]
+    fn a_log_the_kernel_killed_is_an_oom_of_host_memory_with_its_last_records() {
+        // As `oomkit run` closes it: a line torn by the kill, then its end record.
+        let text = "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\",\"capacity_bytes\":1288490188,\"capacity_source\":\"cgroup\",\"attempt\":2}\n\
+            {\"type\":\"step\",\"step\":0,\"start_bytes\":900,\"end_bytes\":1000,\"peak_bytes\":1100}\n\
+            {\"type\":\"stage\",\"step\":1,\"name\":\"forward\",\"start_bytes\":1000,\"end_bytes\":1200,\"peak_bytes\":1200}\n\
+            {\"type\":\"st\n\
+            {\"type\":\"end\",\"ended\":\"killed\",\"signal\":9,\"oom_kill\":true,\"limit_bytes\":1288490188,\"written_by\":\"oomkit run\"}\n";
+        let run = Run::parse(text.as_bytes()).unwrap();
+        assert!(run.torn_last_line);
+        let a = analyze(&run);
+        assert_eq!(a.ending, Ending::KilledForMemory);
+        assert!(a.verdict.failed && a.verdict.headline.starts_with("KILLED FOR MEMORY"));
+        assert_eq!(a.verdict.place.step, Some(1), "the step in progress");
+        let [kill] = &a.ooms[..] else {
+            panic!("{:?}", a.ooms)
+        };
+        assert!(kill.killed_by_kernel && kill.cause == Cause::Capacity);
+        assert_eq!(kill.allocated_bytes, 1200);
+        assert_eq!(a.attempt, Some(2));
+        assert!(a
+            .findings
+            .iter()
+            .any(|f| f.kind == FindingKind::Oom && f.message.contains("killed by the kernel")));
+        // The same log without `oomkit run`'s end record stops: no verdict of health.
+        let stopped: String = text.lines().take(3).map(|l| format!("{l}\n")).collect();
+        let b = analyze(&Run::parse(stopped.as_bytes()).unwrap());
+        assert_eq!(b.ending, Ending::Unfinished);
+        assert!(
+            b.verdict.headline.contains("stops without an 'end' record"),
+            "{}",
+            b.verdict.headline
+        );
+        assert!(!b.verdict.detail.contains("nothing here calls for a change"));
+    }
+
+    #[test]
+    fn a_log_without_steps_says_what_it_saw_and_never_reads_zero() {
+        let seen = "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\"}\n\
+            {\"type\":\"end\",\"steps\":0,\"ended\":\"closed\",\"seen\":{\"forward\":8,\"backward\":8,\"optimizer\":8}}\n";
+        let a = analyze(&Run::parse(seen.as_bytes()).unwrap());
+        assert_eq!(a.peak_bytes, None);
+        let why = a.no_steps.expect("why");
+        assert!(
+            why.contains("8 forward, 8 backward and 8 optimizer steps")
+                && why.contains("tracker.step(i)"),
+            "{why}"
+        );
+        assert_eq!(a.verdict.headline, "nothing measured on rank 0 (cpu)");
+        let test_only = "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\"}\n\
+            {\"type\":\"phase\",\"name\":\"test\",\"start_bytes\":700,\"end_bytes\":710,\"peak_bytes\":800}\n\
+            {\"type\":\"end\"}\n";
+        let a = analyze(&Run::parse(test_only.as_bytes()).unwrap());
+        assert_eq!(a.peak_bytes, Some(800));
+        assert!(a.no_steps.unwrap().contains("[test]-only"));
+        assert_eq!(a.verdict.peak_bytes, Some(800));
+    }
+
+    #[test]
+    fn a_peak_under_an_earlier_high_water_mark_is_a_bound() {
+        let text = "{\"type\":\"start\",\"version\":1,\"device\":\"cuda:0\"}\n\
+            {\"type\":\"stage\",\"step\":0,\"name\":\"forward\",\"start_bytes\":100,\"end_bytes\":500,\"peak_bytes\":600}\n\
+            {\"type\":\"stage\",\"step\":1,\"name\":\"forward\",\"start_bytes\":100,\"end_bytes\":500,\"peak_bytes\":500,\"peak_at_most_bytes\":600}\n\
+            {\"type\":\"stage\",\"step\":1,\"name\":\"optimizer\",\"start_bytes\":100,\"end_bytes\":150,\"peak_bytes\":150,\"peak_at_most_bytes\":600}\n\
+            {\"type\":\"end\"}\n";
+        let a = analyze(&Run::parse(text.as_bytes()).unwrap());
+        let stage = |n: &str| a.stages.iter().find(|s| s.name == n).unwrap();
+        // The forward's largest peak is exact: the bounded one cannot pass 600.
+        assert_eq!(
+            (
+                stage("forward").peaks_bounded,
+                stage("forward").max_peak_at_most_bytes
+            ),
+            (1, None)
+        );
+        assert_eq!(stage("optimizer").max_peak_at_most_bytes, Some(600));
+    }
+
+    #[test]
+    fn the_handed_down_plan_and_an_integrations_plan_are_one_attempt() {
+        let text = "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\",\"attempt\":2}\n\
+            {\"type\":\"plan\",\"time\":10,\"micro_batch\":16,\"grad_accum\":2,\"attempt\":2,\"source\":\"oomkit run\",\"applied\":null}\n\
+            {\"type\":\"plan\",\"time\":12,\"micro_batch\":20,\"grad_accum\":1,\"source\":\"trainer arguments\",\"applied\":false,\"not_applied\":\"own batch_sampler\"}\n\
+            {\"type\":\"end\"}\n";
+        let run = Run::parse(text.as_bytes()).unwrap();
+        let [plan] = &run.plans[..] else {
+            panic!("{:?}", run.plans)
+        };
+        assert_eq!(
+            (plan.attempt, plan.time, plan.micro_batch),
+            (Some(2), Some(10.0), Some(20))
+        );
+        assert_eq!(plan.applied, Some(false));
     }
 
     #[test]

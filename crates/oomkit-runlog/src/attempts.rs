@@ -33,6 +33,8 @@ pub struct FirstOom {
     pub stage: Option<String>,
     /// Seconds since the epoch, where recorded.
     pub time: Option<f64>,
+    /// True where the kernel's OOM killer ended the rank (host memory).
+    pub killed_by_kernel: bool,
 }
 
 /// One attempt, across every log that ran it.
@@ -48,6 +50,8 @@ pub struct Attempt {
     pub effective_batch: Option<u64>,
     /// Who chose the plan (`auto_batch`, `oomkit run`, `torch elastic restart`, a framework's arguments).
     pub source: String,
+    /// Whether the plan was applied, where an integration checked (false: the training ran another batch).
+    pub applied: Option<bool>,
     /// The ranks whose logs ran it, in order.
     pub ranks: Vec<u32>,
     /// OOMs recorded in it, over all ranks.
@@ -70,13 +74,19 @@ pub fn attempts(logs: &[&Analysis]) -> Vec<Attempt> {
     let mut by_number: BTreeMap<u64, (Attempt, Vec<Share<'_>>)> = BTreeMap::new();
     for a in logs {
         // A plan without a number (a trainer's own arguments) is the attempt
-        // after the log's last numbered one: the first, in a job's first run.
+        // the log's start record names, when it is the log's first plan;
+        // otherwise the attempt after the log's last numbered one: the
+        // first, in a job's first run.
         let mut last = 0;
         let numbers: Vec<u64> = a
             .plans
             .iter()
-            .map(|p| {
-                last = p.attempt.unwrap_or(last + 1);
+            .enumerate()
+            .map(|(i, p)| {
+                last = p.attempt.unwrap_or(match (i, a.start_attempt) {
+                    (0, Some(n)) => n,
+                    _ => last + 1,
+                });
                 last
             })
             .collect();
@@ -103,6 +113,7 @@ pub fn attempts(logs: &[&Analysis]) -> Vec<Attempt> {
                         grad_accum: plan.grad_accum,
                         effective_batch: plan.effective_batch,
                         source: plan.source.clone(),
+                        applied: plan.applied,
                         ranks: Vec::new(),
                         ooms: 0,
                         first_oom: None,
@@ -114,7 +125,12 @@ pub fn attempts(logs: &[&Analysis]) -> Vec<Attempt> {
             entry.1.push(Share {
                 rank: a.rank,
                 ooms,
-                finished: last && a.closed,
+                // Closed by the tracker, not by `oomkit run` after a kill or by an uncaught exception.
+                finished: last
+                    && matches!(
+                        a.ending,
+                        crate::analysis::Ending::Closed | crate::analysis::Ending::Exit
+                    ),
             });
         }
     }
@@ -164,6 +180,7 @@ fn first_oom(shares: &[Share<'_>]) -> Option<FirstOom> {
         step: pick.1.step,
         stage: pick.1.stage.clone(),
         time: pick.1.time,
+        killed_by_kernel: pick.1.killed_by_kernel,
     })
 }
 

@@ -79,6 +79,28 @@ pub(crate) fn findings(f: &Facts<'_>) -> Vec<Finding> {
 
 /// An OOM record, with advice for the stage it happened in.
 fn oom(o: &OomSummary, device: &str, capacity: Option<u64>) -> Finding {
+    if o.killed_by_kernel {
+        return Finding::new(
+            FindingKind::Oom,
+            format!(
+                "killed by the kernel's OOM killer on {} {}: host memory ran out{}; {}",
+                if device.is_empty() { "the host" } else { device },
+                o.step
+                    .map_or("before its first record".to_string(), |n| format!("in step {n}")),
+                capacity
+                    .map(|c| format!(" (capacity {})", human_bytes(c)))
+                    .unwrap_or_default(),
+                // No record before the kill: no figure, rather than a zero.
+                if o.allocated_bytes > 0 {
+                    format!("the last records show {} in use", human_bytes(o.allocated_bytes))
+                } else {
+                    "no record before the kill holds a memory figure".to_string()
+                }
+            ),
+            "lower the micro-batch (`oomkit run` steps it down after such a kill), and keep host copies small: fewer DataLoader workers and a lower prefetch_factor, data loaded lazily or memory-mapped, checkpoints loaded with mmap=True",
+        )
+        .at_step(o.step);
+    }
     let asked = o
         .requested_bytes
         .map(|r| format!("asking for {}", human_bytes(r)))

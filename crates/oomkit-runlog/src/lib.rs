@@ -1,7 +1,7 @@
 //! The run log of oomkit's Python tracker: one JSON object per line.
 //!
 //! The tracker hands each record to [`Writer`], which appends it and
-//! flushes at every step boundary, so a run killed by SIGKILL still leaves a
+//! flushes at every stage and step boundary, so a run killed by SIGKILL still leaves a
 //! log whose complete lines can be read. [`Run::read`] reads a log back,
 //! tolerating a torn last line, and [`analyze`] turns it into a stage table,
 //! leak detection, eval spikes, gradient anomalies, the component breakdown
@@ -16,12 +16,12 @@ mod record;
 mod roles;
 mod writer;
 
-pub use analysis::{analyze, Analysis, Leak, OomSummary, StageGrowth, StageStats, Warning};
+pub use analysis::{analyze, Analysis, Ending, Leak, OomSummary, StageGrowth, StageStats, Warning};
 pub use attempts::{attempts, Attempt, AttemptOutcome, FirstOom};
 pub use error::{Error, Result};
 pub use oomkit_advice::{Finding, FindingKind};
 pub use record::{
-    is_run_log, Components, DuplicateGroup, Duplicates, Grad, Measure, MeasureKind, ModuleCost,
-    Oom, OomMemory, Plan, Run, Start, LOG_VERSION,
+    is_run_log, Components, DuplicateGroup, Duplicates, End, Grad, Measure, MeasureKind,
+    ModuleCost, Oom, OomMemory, Plan, Run, Seen, Start, LOG_VERSION,
 };
 pub use writer::Writer;

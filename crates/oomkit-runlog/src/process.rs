@@ -53,6 +53,9 @@ struct ProcFiles {
     /// The least `getrusage` peak read right after a reset: at least the
     /// peak the kernel kept at exec, which it never resets.
     inherited: u64,
+    /// The `getrusage` peak at the first sample: at least the peak kept at
+    /// exec, so a later reading above it can only be the process's own.
+    first: Option<u64>,
 }
 
 /// The handles, kept open so that a sample costs a read and a write instead of opens and closes.
@@ -93,11 +96,12 @@ fn statm_rss(statm: &std::fs::File) -> Option<u64> {
 /// bytes, and resets the peak when `reset` is true; `None` where `/proc` cannot be read.
 ///
 /// The peak comes from `getrusage`, which costs no file read, whenever it
-/// can only be this interval's: the kernel reports the larger of the
+/// can only be the process's own: the kernel reports the larger of the
 /// resettable peak (VmHWM) and a peak it keeps from exec on (that of the
 /// image the process was exec'ed from: its parent's, after vfork), and only
-/// changes at exec. Where the second may hide the interval's peak, the peak
-/// is read from `/proc/self/status` instead.
+/// changes at exec. Where the second may hide the process's own, the peak
+/// is read from `/proc/self/status` instead. Without `reset` the process's
+/// peak is never touched: other tools read it too.
 #[cfg(unix)]
 pub fn sample_rss(reset: bool) -> Option<(u64, u64)> {
     use std::io::Write;
@@ -114,12 +118,19 @@ pub fn sample_rss(reset: bool) -> Option<(u64, u64)> {
                 .open("/proc/self/clear_refs")
                 .ok(),
             inherited: u64::MAX,
+            first: None,
         });
     }
     let files = guard.as_mut()?;
     let ru = getrusage_peak();
     let now = statm_rss(&files.statm)?;
-    let peak = if ru > files.inherited {
+    // getrusage reports the larger of the process's high-water mark and the
+    // peak the kernel kept at exec; above any bound on the second, it is the
+    // first, read for free. The first sample's reading is such a bound
+    // whether or not peaks are ever reset, so an unreset process that grows
+    // past its first reading never needs the status file again.
+    let first = *files.first.get_or_insert(ru);
+    let peak = if ru > files.inherited || ru > first {
         ru
     } else {
         status_peak(&files.status)?

@@ -23,6 +23,19 @@ pub struct Measure {
     pub reserved_bytes: u64,
     /// Wall time in seconds.
     pub seconds: f64,
+    /// Where part of it ran while the process stayed under an earlier
+    /// high-water mark, that mark: its true peak lies between `peak_bytes`
+    /// and this (the tracker never resets the process's peak counters).
+    pub peak_at_most_bytes: Option<u64>,
+    /// A step the tracker opened itself from the optimizer's steps, in a loop that marks none.
+    pub auto: bool,
+}
+
+impl Measure {
+    /// True when `peak_bytes` is only a lower bound of its peak.
+    pub fn peak_is_bound(&self) -> bool {
+        self.peak_at_most_bytes.is_some_and(|m| m > self.peak_bytes)
+    }
 }
 
 /// Whether a measure is a stage inside a step, a whole step, or a named phase.
@@ -183,6 +196,65 @@ pub struct Plan {
     pub framework: String,
     /// When the try with this plan started, seconds since the epoch.
     pub time: Option<f64>,
+    /// Whether the plan was applied: true or false where an integration
+    /// checked what the training really runs, null where nothing could tell
+    /// (the tracker's record of what `oomkit run` handed a plain loop).
+    pub applied: Option<bool>,
+    /// Why the plan handed down could not be applied, where it was not.
+    pub not_applied: Option<String>,
+}
+
+impl Plan {
+    /// True for the record the tracker writes of `oomkit run`'s attempt before any integration speaks (`applied` null).
+    pub fn is_handed_down_only(&self) -> bool {
+        self.applied.is_none() && self.source == "oomkit run"
+    }
+}
+
+/// What the tracker's hooks saw over the whole run, inside steps or not.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct Seen {
+    /// Forward passes of the tracked model.
+    pub forward: u64,
+    /// Backward passes through its outputs.
+    pub backward: u64,
+    /// Steps of the tracked optimizer.
+    pub optimizer: u64,
+}
+
+/// The `end` record: how the run ended, written by the tracker when it closes, or by `oomkit run` after a kill.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct End {
+    /// When it was written, seconds since the epoch.
+    pub time: Option<f64>,
+    /// Steps the tracker counted.
+    pub steps: Option<u64>,
+    /// `closed` (tracker.close()), `exit` (the interpreter exited with the tracker open),
+    /// `exception` (an uncaught exception ended the program), or `killed` (a signal, written by `oomkit run`).
+    pub ended: Option<String>,
+    /// The uncaught exception's type and message, for `exception`.
+    pub exception: Option<String>,
+    /// The signal that ended the process, for `killed`.
+    pub signal: Option<i32>,
+    /// True when the kernel recorded an OOM kill while the process ran, for `killed`.
+    pub oom_kill: Option<bool>,
+    /// The memory cgroup's limit at the kill, where one was set.
+    pub limit_bytes: Option<u64>,
+    /// What the hooks saw.
+    pub seen: Option<Seen>,
+    /// The process's high-water mark as the tracker last read it.
+    pub peak_bytes: Option<u64>,
+    /// Who wrote it, where not the tracker (`oomkit run`).
+    pub written_by: Option<String>,
+}
+
+impl End {
+    /// True when the kernel's OOM killer ended the process.
+    pub fn killed_for_memory(&self) -> bool {
+        self.ended.as_deref() == Some("killed") && self.oom_kill == Some(true)
+    }
 }
 
 /// The newest run-log format this reader knows (`version` in the `start`
@@ -202,8 +274,14 @@ pub struct Start {
     pub world_size: u32,
     /// `cuda:N` or `cpu`.
     pub device: String,
-    /// Device memory in bytes (for CPU, the machine's memory).
+    /// Device memory in bytes (for CPU, the machine's memory, or the memory cgroup's limit where lower).
     pub capacity_bytes: Option<u64>,
+    /// Where the capacity came from: `device`, `physical` or `cgroup`.
+    pub capacity_source: Option<String>,
+    /// `high_water` where stage peaks come from the process's high-water mark, unreset; `reset` where the tracker reset it at every boundary.
+    pub peaks: Option<String>,
+    /// The attempt `oomkit run` (or `find-batch`) ran the process as.
+    pub attempt: Option<u64>,
     /// Seconds since the epoch.
     pub time: f64,
     /// torch's version.
@@ -233,12 +311,37 @@ pub struct Run {
     pub plans: Vec<Plan>,
     /// Messages of failures inside the tracker, which it logged instead of raising.
     pub tracker_errors: Vec<String>,
+    /// The `end` record, where the log has one.
+    pub end: Option<End>,
     /// True when the log has an `end` record (the tracker was closed).
     pub closed: bool,
     /// True when the last line was cut short, as by a crash mid-write.
     pub torn_last_line: bool,
     /// Records of types this reader does not know.
     pub unknown_records: u64,
+}
+
+/// Folds the tracker's record of `oomkit run`'s attempt into the plan an
+/// integration wrote after it for the same attempt: one attempt, one plan.
+///
+/// Under `oomkit run` the tracker writes what it was handed (with `applied`
+/// null); an integration then writes what it applied. Both describe one
+/// try, so the integration's record stands, keeping the attempt's number
+/// and the time the try started.
+fn merge_handed_down(plans: Vec<Plan>) -> Vec<Plan> {
+    let mut out: Vec<Plan> = Vec::with_capacity(plans.len());
+    for mut p in plans {
+        if let Some(prev) = out.last() {
+            let same = p.attempt.is_none() || p.attempt == prev.attempt;
+            if prev.is_handed_down_only() && same {
+                let prev = out.pop().expect("checked");
+                p.attempt = p.attempt.or(prev.attempt);
+                p.time = prev.time.or(p.time);
+            }
+        }
+        out.push(p);
+    }
+    out
 }
 
 /// Returns true when `head` (the start of a file) looks like a run log.
@@ -269,6 +372,18 @@ impl Run {
         let mut run = Run::default();
         let lines: Vec<&[u8]> = text.split(|&b| b == b'\n').collect();
         let last_nonempty = lines.iter().rposition(|l| !l.trim_ascii().is_empty());
+        // A line torn by a kill, behind which `oomkit run` wrote the end record
+        // (and only `oomkit run`, which says so: any other bad line is an error).
+        let torn_before_end = last_nonempty.and_then(|last| {
+            let v: Value = serde_json::from_slice(lines[last].trim_ascii()).ok()?;
+            let by_run = v.get("type").and_then(Value::as_str) == Some("end")
+                && v.get("written_by").and_then(Value::as_str) == Some("oomkit run");
+            by_run.then(|| {
+                lines[..last]
+                    .iter()
+                    .rposition(|l| !l.trim_ascii().is_empty())
+            })?
+        });
         let mut records = 0usize;
         for (i, raw) in lines.iter().enumerate() {
             let line = raw.trim_ascii();
@@ -279,6 +394,10 @@ impl Run {
                 Ok(v) => v,
                 // A crash mid-write leaves a torn last line; the rest is good.
                 Err(_) if Some(i) == last_nonempty && !text.ends_with(b"\n") && records > 0 => {
+                    run.torn_last_line = true;
+                    continue;
+                }
+                Err(_) if Some(i) == torn_before_end && records > 0 => {
                     run.torn_last_line = true;
                     continue;
                 }
@@ -326,7 +445,11 @@ impl Run {
                         .unwrap_or("")
                         .to_string(),
                 ),
-                "end" => run.closed = true,
+                "end" => {
+                    // Older logs' end records may lack every field: they still close the log.
+                    run.end = Some(serde_json::from_value(value).unwrap_or_default());
+                    run.closed = true;
+                }
                 _ => run.unknown_records += 1,
             }
         }
@@ -335,6 +458,7 @@ impl Run {
                 "no 'start', 'stage' or 'step' record".into(),
             ));
         }
+        run.plans = merge_handed_down(std::mem::take(&mut run.plans));
         Ok(run)
     }
 

@@ -33,7 +33,7 @@ impl Analysis {
         let mut r = self.components.as_ref()?.roles();
         // Counted after a step, the components can exceed a peak measured
         // before them; the roles then keep the components and no unknown.
-        r.unknown = self.peak_bytes.saturating_sub(r.total());
+        r.unknown = self.peak_bytes.unwrap_or(0).saturating_sub(r.total());
         Some(r)
     }
 }

@@ -6,10 +6,13 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-/// Record types after which the log is flushed: a crash loses at most the
-/// stages of the step in progress.
+/// Record types after which the log is flushed: a crash, or the kernel's
+/// OOM killer, loses at most the stage in progress, so that a killed run's
+/// last records are as near its death as they can be (a write per stage
+/// costs microseconds against a step's milliseconds).
 const FLUSH_AFTER: &[&str] = &[
     "start",
+    "stage",
     "step",
     "phase",
     "oom",
@@ -57,7 +60,7 @@ impl Writer {
         self.records
     }
 
-    /// Appends one record (a JSON object with a string `type`), flushing at step boundaries.
+    /// Appends one record (a JSON object with a string `type`), flushing at stage and step boundaries.
     pub fn write(&mut self, record: &Value) -> Result<()> {
         let kind = record
             .get("type")

@@ -10,7 +10,7 @@ import contextlib
 from typing import Any, Callable, Optional
 
 from oomkit import _plan
-from oomkit.tracker import Tracker
+from oomkit.tracker import Tracker, _integration_writes_plan
 
 FRAMEWORK = "lightning"
 
@@ -45,6 +45,10 @@ class OomkitLightningMixin:
         self.automatic = False
         self._disabled = False
         self._stepped = False
+        # Why the plan could not be applied, where oomkit found out; and what the script asked for.
+        self._not_applied: Optional[str] = None
+        self._batch_before: Optional[int] = None
+        self._accum_before: Any = None
 
     # ----- set-up ------------------------------------------------------------
 
@@ -63,29 +67,89 @@ class OomkitLightningMixin:
                 raise BatchSizeError(stop)
             plan = _plan.handed_down()
             if plan is not None:
+                self._batch_before = _module_batch_size(self._parsing, pl_module)
                 self._apply(trainer, pl_module, plan)
 
     def _apply(self, trainer: Any, pl_module: Any, plan: _plan.Plan) -> None:
-        """Sets the micro-batch where Lightning's batch-size finder would, and accumulate_grad_batches."""
+        """Sets the micro-batch where Lightning's batch-size finder would and in the training DataLoader, and accumulate_grad_batches.
+
+        Lightning users keep the batch size on the module, its hparams or the
+        datamodule (where Lightning's own finder looks), or only in the
+        DataLoader they build: that loader is rebuilt with the new batch
+        size as Lightning loads it. Whether it took is checked when training
+        starts (``on_train_start``), from the loader Lightning really uses.
+        """
         parsing = self._parsing
-        attempt = f" attempt {plan.attempt}" if plan.attempt else ""
-        try:
-            before = parsing.lightning_getattr(pl_module, "batch_size")
-            parsing.lightning_setattr(pl_module, "batch_size", plan.micro_batch)
-        except Exception:  # noqa: BLE001 - no batch_size anywhere Lightning looks
-            _plan.say(
-                f"{plan.source}{attempt} chose micro-batch {plan.micro_batch}, but neither the LightningModule, "
-                "its hparams nor the datamodule has a batch_size attribute to set: give the command "
-                "{batch_size} instead"
-            )
-            return
-        accum_before = trainer.accumulate_grad_batches
+        with contextlib.suppress(Exception):
+            if parsing.lightning_hasattr(pl_module, "batch_size"):
+                parsing.lightning_setattr(pl_module, "batch_size", plan.micro_batch)
+        self._wrap_train_source(trainer, plan.micro_batch)
+        self._accum_before = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = plan.grad_accum
         self.plan = plan
-        _plan.say(
-            f"{plan.source}{attempt}: training with micro-batch {plan.micro_batch} x accumulation "
-            f"{plan.grad_accum} (the script asked for {before} x {accum_before})"
-        )
+
+    def _wrap_train_source(self, trainer: Any, micro: int) -> None:
+        """Has Lightning's training DataLoaders rebuilt with ``micro`` samples a batch when it loads them."""
+        source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+        load = getattr(source, "dataloader", None)
+        if source is None or load is None:
+            self._not_applied = "this Lightning version keeps its training data where oomkit does not look"
+            return
+
+        def dataloader() -> Any:
+            loaders = load()
+            if self._batch_before is None:
+                self._batch_before = _first_batch_size(loaders)
+            try:
+                rebuilt = _with_batch_size(loaders, micro)
+            except _CannotRebuild as why:
+                self._not_applied = str(why)
+                return loaders
+            return rebuilt
+
+        source.dataloader = dataloader
+
+    def _check_plan(self, trainer: Any) -> None:
+        """Writes the plan the training really runs, and tells `oomkit run` whether its own was applied."""
+        tracker = self.tracker
+        micro = _train_batch_size(trainer)
+        accum = int(trainer.accumulate_grad_batches)
+        plan = self.plan
+        if plan is not None:
+            if micro != plan.micro_batch and self._accum_before is not None:
+                # Half a plan changes the effective batch: the script's own accumulation stays.
+                trainer.accumulate_grad_batches = self._accum_before
+                accum = int(self._accum_before)
+            applied = micro == plan.micro_batch and accum == plan.grad_accum
+            reason = None
+            if not applied:
+                reason = self._not_applied or (
+                    f"the training DataLoader yields {micro if micro is not None else 'batches of unknown size'}"
+                    f" x accumulation {accum}"
+                )
+                _plan.say(
+                    f"{plan.source} chose micro-batch {plan.micro_batch} x accumulation {plan.grad_accum}, "
+                    f"but it could not be applied ({reason}): give the command {{batch_size}} and {{grad_accum}} instead"
+                )
+            else:
+                _plan.say(
+                    f"{plan.source}{f' attempt {plan.attempt}' if plan.attempt else ''}: training with micro-batch "
+                    f"{plan.micro_batch} x accumulation {plan.grad_accum} (the script asked for "
+                    f"{self._batch_before if self._batch_before is not None else '?'} x {self._accum_before})"
+                )
+            _plan.report_plan(plan, applied, reason, by="lightning callback")
+            record = plan.record(FRAMEWORK) if applied else _plan.Plan(
+                micro_batch=micro or 0, grad_accum=accum, attempt=plan.attempt, source="trainer arguments"
+            ).record(FRAMEWORK)
+            record["applied"] = applied
+            if reason:
+                record["not_applied"] = reason
+        else:
+            record = _plan.Plan(micro_batch=micro or 0, grad_accum=accum, source="trainer arguments").record(FRAMEWORK)
+        if not record["micro_batch"]:
+            record["micro_batch"] = record["effective_batch"] = None
+        if tracker is not None and not self._disabled:
+            tracker.note("plan", **record)
 
     def _ensure_tracker(self, trainer: Any, pl_module: Any) -> Optional[Tracker]:
         if self._disabled:
@@ -96,36 +160,19 @@ class OomkitLightningMixin:
                 options = dict(self.tracker_options)
                 options.setdefault("rank", trainer.global_rank)
                 optimizers = list(getattr(trainer, "optimizers", None) or [])
-                self.tracker = Tracker(
-                    pl_module,
-                    optimizer=optimizers[0] if optimizers else None,
-                    log_dir=log_dir,
-                    stage_hooks=False,
-                    **options,
-                )
-                self.log_path = self.tracker.log_path
-                record = (
-                    self.plan
-                    or _plan.Plan(
-                        micro_batch=self._batch_size(pl_module) or 0,
-                        grad_accum=int(trainer.accumulate_grad_batches),
-                        source="trainer arguments",
+                with _integration_writes_plan():
+                    self.tracker = Tracker(
+                        pl_module,
+                        optimizer=optimizers[0] if optimizers else None,
+                        log_dir=log_dir,
+                        stage_hooks=False,
+                        **options,
                     )
-                ).record(FRAMEWORK)
-                if not record["micro_batch"]:
-                    record["micro_batch"] = record["effective_batch"] = None
-                self.tracker.note("plan", **record)
+                self.log_path = self.tracker.log_path
             except Exception as exc:  # noqa: BLE001 - the tracker never stops training
                 self._disabled = True
                 _plan.say(f"the tracker could not start (training continues): {exc}")
         return self.tracker
-
-    def _batch_size(self, pl_module: Any) -> Optional[int]:
-        with contextlib.suppress(Exception):
-            if self._parsing.lightning_hasattr(pl_module, "batch_size"):
-                value = self._parsing.lightning_getattr(pl_module, "batch_size")
-                return value if isinstance(value, int) else None
-        return None
 
     def _with_tracker(self, call: Callable[[Tracker], Any]) -> None:
         if self.tracker is not None and not self._disabled:
@@ -135,6 +182,14 @@ class OomkitLightningMixin:
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._ensure_tracker(trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # The training DataLoaders exist from here on: the plan is what they yield.
+        if not self._disabled:
+            try:
+                self._check_plan(trainer)
+            except Exception as exc:  # noqa: BLE001 - the tracker never stops training
+                _plan.say(f"the plan could not be checked (training continues): {exc}")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         tracker = self._ensure_tracker(trainer, pl_module)
@@ -218,3 +273,94 @@ def factory(callback_class: Any) -> Callable[[], list]:
         return [cb]
 
     return callbacks_factory
+
+
+class _CannotRebuild(Exception):
+    """Why a training DataLoader cannot be rebuilt with another batch size."""
+
+
+def _with_batch_size(loaders: Any, micro: int) -> Any:
+    """``loaders`` (a DataLoader, or a list, tuple or dict of them) with every DataLoader rebuilt to yield ``micro`` samples a batch."""
+    if isinstance(loaders, dict):
+        return {k: _with_batch_size(v, micro) for k, v in loaders.items()}
+    if isinstance(loaders, (list, tuple)):
+        return type(loaders)(_with_batch_size(v, micro) for v in loaders)
+    flattened = getattr(loaders, "flattened", None)
+    if isinstance(flattened, list):  # Lightning's CombinedLoader
+        loaders.flattened = [_with_batch_size(v, micro) for v in flattened]
+        return loaders
+    return _rebuilt(loaders, micro)
+
+
+def _rebuilt(loader: Any, micro: int) -> Any:
+    """A plain ``torch.utils.data.DataLoader`` like ``loader`` that yields ``micro`` samples a batch.
+
+    Its dataset, sampler (so shuffling and its generator), workers, collate
+    function and the rest are kept; a DataLoader subclass or one given its
+    own batch sampler cannot be rebuilt without knowing what it adds.
+    """
+    import inspect
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(loader, DataLoader):
+        raise _CannotRebuild(f"the training data is a {type(loader).__name__}, not a DataLoader")
+    if loader.batch_size == micro:
+        return loader
+    if type(loader) is not DataLoader:
+        raise _CannotRebuild(f"the training DataLoader is a {type(loader).__name__}, whose arguments oomkit cannot know")
+    if loader.batch_size is None:
+        raise _CannotRebuild("the training DataLoader has its own batch_sampler")
+    wanted = {
+        "batch_size": micro,
+        "drop_last": loader.drop_last,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": getattr(loader, "pin_memory_device", ""),
+        "in_order": getattr(loader, "in_order", True),
+    }
+    if loader.num_workers > 0:
+        wanted["prefetch_factor"] = loader.prefetch_factor
+    if not isinstance(loader.dataset, IterableDataset):
+        wanted["sampler"] = loader.sampler
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    return DataLoader(loader.dataset, **{k: v for k, v in wanted.items() if k in accepted})
+
+
+def _train_batch_size(trainer: Any) -> Optional[int]:
+    """The batch size of the first training DataLoader Lightning loaded, where it says."""
+    with contextlib.suppress(Exception):
+        return _first_batch_size(trainer.train_dataloader)
+    return None
+
+
+def _first_batch_size(loaders: Any) -> Optional[int]:
+    """The batch size of the first DataLoader in ``loaders``, where it says."""
+    with contextlib.suppress(Exception):
+        flattened = getattr(loaders, "flattened", None)
+        if isinstance(flattened, list):
+            loaders = flattened
+        while isinstance(loaders, (list, tuple)) and loaders:
+            loaders = loaders[0]
+        if isinstance(loaders, dict) and loaders:
+            loaders = next(iter(loaders.values()))
+        size = getattr(loaders, "batch_size", None)
+        if size is None:
+            size = getattr(getattr(loaders, "batch_sampler", None), "batch_size", None)
+        return size if isinstance(size, int) else None
+    return None
+
+
+def _module_batch_size(parsing: Any, pl_module: Any) -> Optional[int]:
+    """The batch size on the module, its hparams or the datamodule, where Lightning's finder looks."""
+    with contextlib.suppress(Exception):
+        if parsing.lightning_hasattr(pl_module, "batch_size"):
+            value = parsing.lightning_getattr(pl_module, "batch_size")
+            return value if isinstance(value, int) else None
+    return None

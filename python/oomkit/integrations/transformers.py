@@ -38,7 +38,7 @@ import transformers
 from transformers import TrainerCallback
 
 from oomkit import _plan
-from oomkit.tracker import Tracker
+from oomkit.tracker import Tracker, _integration_writes_plan
 
 __all__ = ["OomkitCallback", "train"]
 
@@ -122,6 +122,19 @@ class OomkitCallback(TrainerCallback):
             tracker = self.tracker
             retry = tracker is not None and not tracker.closed
             record: dict[str, Any]
+            offered = self.plan or (_plan.handed_down() if self.apply_plan else None)
+            if offered is not None and not retry:
+                # What the Trainer really runs decides whether the plan was applied.
+                accum = int(args.gradient_accumulation_steps)
+                applied = self.plan is not None and micro == offered.micro_batch and accum == offered.grad_accum
+                reason = None
+                if not applied:
+                    reason = (
+                        "the Trainer was not found to apply it"
+                        if self.plan is None
+                        else f"the Trainer trains with micro-batch {micro} x accumulation {accum}"
+                    )
+                _plan.report_plan(offered, applied, reason, by="transformers callback")
             if self.plan is not None and self.plan.micro_batch == micro:
                 record = self.plan.record(FRAMEWORK)
             else:
@@ -139,7 +152,8 @@ class OomkitCallback(TrainerCallback):
                 log_dir = self.log_dir or _plan.default_log_dir(args.output_dir)
                 options = dict(self.tracker_options)
                 options.setdefault("rank", args.process_index)
-                self.tracker = Tracker(model, optimizer=optimizer, log_dir=log_dir, **options)
+                with _integration_writes_plan():
+                    self.tracker = Tracker(model, optimizer=optimizer, log_dir=log_dir, **options)
                 self._chain_excepthook()
             if self.tracker is not None:
                 self.tracker.note("plan", **record)

@@ -26,13 +26,22 @@ pub fn attempts(attempts: &[Attempt]) -> String {
             AttemptOutcome::Ended => "ended without an OOM of its own".to_string(),
             AttemptOutcome::RanOut => match &a.first_oom {
                 Some(f) => {
-                    let mut at = f
-                        .step
-                        .map_or("outside a step".into(), |s| format!("step {s}"));
+                    let mut at = match (f.step, f.killed_by_kernel) {
+                        (Some(s), _) => format!("step {s}"),
+                        (None, true) => "before any record".into(),
+                        (None, false) => "outside a step".into(),
+                    };
                     if let Some(stage) = &f.stage {
                         let _ = write!(at, ", {stage}");
                     }
-                    format!("rank {} ran out of memory first ({at})", f.rank)
+                    let what = if f.killed_by_kernel {
+                        "was killed for host memory"
+                    } else {
+                        "ran out of memory"
+                    };
+                    // "First" only says something where several ranks ran.
+                    let first = if a.ranks.len() > 1 { " first" } else { "" };
+                    format!("rank {} {what}{first} ({at})", f.rank)
                 }
                 None => format!(
                     "{} {} recorded; the logs do not tell which rank was first",
@@ -40,6 +49,11 @@ pub fn attempts(attempts: &[Attempt]) -> String {
                     if a.ooms == 1 { "OOM" } else { "OOMs" }
                 ),
             },
+        };
+        let outcome = if a.applied == Some(false) {
+            format!("{outcome} (the plan was not applied)")
+        } else {
+            outcome
         };
         let _ = writeln!(
             out,

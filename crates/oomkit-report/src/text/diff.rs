@@ -25,7 +25,19 @@ fn relative(a: u64, d: i64) -> String {
 /// Renders a comparison for a terminal, listing at most `top` sites per device.
 pub fn diff(diff: &Diff, top: usize) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "== A: {}\n== B: {}", diff.file_a, diff.file_b);
+    let of = |attempt: Option<u64>| {
+        attempt
+            .map(|n| format!(" (attempt {n})"))
+            .unwrap_or_default()
+    };
+    let _ = writeln!(
+        out,
+        "== A: {}{}\n== B: {}{}",
+        diff.file_a,
+        of(diff.attempt_a),
+        diff.file_b,
+        of(diff.attempt_b)
+    );
     for d in &diff.devices {
         let _ = write!(
             out,
@@ -99,7 +111,12 @@ pub fn diff(diff: &Diff, top: usize) -> String {
                 "kind", "stage", "max peak A", "max peak B", "delta"
             );
             for s in &d.stages {
-                let show = |v: Option<u64>| v.map_or("-".into(), human_bytes);
+                // A peak under an earlier high-water mark is a lower bound.
+                let show = |v: Option<u64>, at_least: bool| {
+                    v.map_or("-".into(), |b| {
+                        format!("{}{}", if at_least { ">=" } else { "" }, human_bytes(b))
+                    })
+                };
                 let kind = match s.kind {
                     MeasureKind::Stage => "stage",
                     MeasureKind::Step => "step",
@@ -110,8 +127,8 @@ pub fn diff(diff: &Diff, top: usize) -> String {
                     "  {:<6} {:<12} {:>11} {:>11} {:>11}",
                     kind,
                     s.name,
-                    show(s.max_peak_bytes_a),
-                    show(s.max_peak_bytes_b),
+                    show(s.max_peak_bytes_a, s.at_least_a),
+                    show(s.max_peak_bytes_b, s.at_least_b),
                     signed(s.delta_bytes)
                 );
             }

@@ -221,6 +221,18 @@ pub fn snapshot(file: &FileAnalysis) -> String {
     out
 }
 
+/// A share as a percentage that never rounds a real part to nothing: 12%, 0.4%, <0.1%.
+fn share(fraction: f64) -> String {
+    let pct = 100.0 * fraction;
+    if pct >= 1.0 {
+        format!("{pct:.0}%")
+    } else if pct >= 0.1 {
+        format!("{pct:.1}%")
+    } else {
+        "<0.1%".to_string()
+    }
+}
+
 /// One line saying which micro-batch plan the run used and who chose it.
 fn plan_line(p: &oomkit_runlog::Plan) -> String {
     let n = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |x| x.to_string());
@@ -234,8 +246,13 @@ fn plan_line(p: &oomkit_runlog::Plan) -> String {
     } else {
         format!(" in {}", p.framework)
     };
+    let not_applied = match (p.applied, &p.not_applied) {
+        (Some(false), Some(why)) => format!("; the plan handed down was not applied: {why}"),
+        (Some(false), None) => "; the plan handed down was not applied".to_string(),
+        _ => String::new(),
+    };
     format!(
-        "plan: micro-batch {} x accumulation {} = {} samples per optimizer step{by}{on}",
+        "plan: micro-batch {} x accumulation {} = {} samples per optimizer step{by}{on}{not_applied}",
         n(p.micro_batch),
         n(p.grad_accum),
         n(p.effective_batch)
@@ -257,12 +274,29 @@ pub fn run(run: &RunFile) -> String {
         .capacity_bytes
         .map(|c| format!(" of {}", human_bytes(c)))
         .unwrap_or_default();
-    let _ = writeln!(
-        out,
-        "{}, peak {}{cap}",
-        count(a.steps, "step", "steps"),
-        human_bytes(a.peak_bytes)
-    );
+    let peak = match a.peak_bytes {
+        Some(p) => format!("peak {}{cap}", human_bytes(p)),
+        None => "no memory figure recorded".to_string(),
+    };
+    if a.steps > 0 {
+        let _ = writeln!(
+            out,
+            "{}{}, {peak}",
+            count(a.steps, "step", "steps"),
+            if a.steps_from_optimizer {
+                " (the optimizer's steps: the code marks none)"
+            } else {
+                ""
+            }
+        );
+    } else if let (Some(why), false) = (&a.no_steps, a.ooms.is_empty()) {
+        let _ = writeln!(out, "{why}; {peak}");
+    } else {
+        let _ = writeln!(out, "no training step; {peak}");
+        if let Some(why) = &a.no_steps {
+            let _ = writeln!(out, "  {why}");
+        }
+    }
     if let Some(p) = &a.plan {
         let _ = writeln!(out, "{}", plan_line(p));
     }
@@ -282,25 +316,44 @@ pub fn run(run: &RunFile) -> String {
             } else {
                 format!("+{}", human_bytes(s.mean_delta_bytes as u64))
             };
+            // A peak reached under an earlier high-water mark is a lower bound.
+            let mean_peak = if s.peaks_bounded > 0 {
+                format!(">={}", human_bytes(s.mean_peak_bytes))
+            } else {
+                human_bytes(s.mean_peak_bytes)
+            };
+            let max_peak = if s.max_peak_at_most_bytes.is_some() {
+                format!(">={}", human_bytes(s.max_peak_bytes))
+            } else {
+                human_bytes(s.max_peak_bytes)
+            };
             let _ = writeln!(
                 out,
                 "  {:<14} {:>6} {:>10} {:>10} {:>11} {:>8.1}ms",
                 label,
                 s.count,
-                human_bytes(s.mean_peak_bytes),
-                human_bytes(s.max_peak_bytes),
+                mean_peak,
+                max_peak,
                 delta,
                 s.mean_seconds * 1000.0
             );
         }
     }
+    if a.stages.iter().any(|s| s.peaks_bounded > 0) {
+        let _ = writeln!(
+            out,
+            "\n  >= a lower bound: the tracker reads the process's high-water mark without resetting it (other tools read it too), so a stage that stays under an earlier peak is known only from its start and end up to that peak"
+        );
+    }
     if let Some(g) = &a.largest_growth {
         let _ = writeln!(
             out,
-            "\n  Largest growth: {} adds {} on top of what was there ({:.0}% of the peak)",
+            "\n  Largest growth: {} adds {}{} on top of what was there ({}{} of the peak)",
             g.name,
+            if g.at_least { "at least " } else { "" },
             human_bytes(g.mean_rise_bytes),
-            g.share_of_peak * 100.0
+            if g.at_least { "at least " } else { "" },
+            share(g.share_of_peak)
         );
     }
     if let Some(c) = &a.components {

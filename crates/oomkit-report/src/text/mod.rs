@@ -43,8 +43,12 @@ pub fn report(r: &Report) -> String {
 pub fn job(job: &Job) -> String {
     let mut out = String::new();
     let order = job.in_report_order();
-    if order.len() > 1 {
-        out.push_str(&job_verdict(&order, job.failed_first().is_some()));
+    match &job.attempts {
+        Some(a) => out.push_str(&attempts_verdict(&order, a)),
+        None if order.len() > 1 => {
+            out.push_str(&job_verdict(&order, job.failed_first().is_some()));
+        }
+        None => {}
     }
     for (i, r) in order.iter().enumerate() {
         if i > 0 {
@@ -58,6 +62,62 @@ pub fn job(job: &Job) -> String {
     if let Some(a) = &job.attempts {
         let _ = write!(out, "\n{}", attempts(a));
     }
+    out
+}
+
+/// The lines that head a report of a job that ran several attempts: how the
+/// last one ended and which ran out before it; where the last ran out, the
+/// verdict of its first failing file.
+fn attempts_verdict(order: &[&Report], attempts: &[oomkit_runlog::Attempt]) -> String {
+    use oomkit_runlog::AttemptOutcome;
+    let mut out = format!(
+        "== verdict ({} files, {} attempts)\n",
+        order.len(),
+        attempts.len()
+    );
+    let Some(last) = attempts.last() else {
+        return out;
+    };
+    let plan = |a: &oomkit_runlog::Attempt| match (a.micro_batch, a.grad_accum) {
+        (Some(m), Some(g)) => format!(" (micro-batch {m} x accumulation {g})"),
+        _ => String::new(),
+    };
+    let before: Vec<String> = attempts[..attempts.len() - 1]
+        .iter()
+        .filter(|a| a.outcome == AttemptOutcome::RanOut)
+        .map(|a| a.attempt.to_string())
+        .collect();
+    let before = match before.len() {
+        0 => String::new(),
+        1 => format!("; attempt {} ran out of memory before it", before[0]),
+        _ => format!(
+            "; attempts {} ran out of memory before it",
+            before.join(", ")
+        ),
+    };
+    let how = match last.outcome {
+        AttemptOutcome::Finished => "finished",
+        AttemptOutcome::RanOut => "ran out of memory",
+        AttemptOutcome::Ended => {
+            "ended without closing its logs (killed, crashed, or still running)"
+        }
+    };
+    let _ = writeln!(
+        out,
+        "the last attempt, {}{}, {how}{before}",
+        last.attempt,
+        plan(last)
+    );
+    if last.outcome == AttemptOutcome::RanOut {
+        let failing = order.iter().find(|r| {
+            matches!(r, Report::Run(rf) if rf.analysis.attempt == Some(last.attempt))
+                && r.verdict().failed
+        });
+        if let Some(r) = failing {
+            let _ = write!(out, "{}: {}", r.path(), verdict(r.verdict()));
+        }
+    }
+    out.push('\n');
     out
 }
 

@@ -41,7 +41,7 @@ pub fn ranks(rows: &[RankRow]) -> String {
             r.rank.map_or("?".into(), |r| r.to_string()),
             attempt,
             r.device,
-            human_bytes(r.peak_bytes),
+            r.peak_bytes.map_or("-".into(), human_bytes),
             human_bytes(r.reserved_bytes),
             r.ooms,
             r.first_oom.as_deref().unwrap_or("-"),
@@ -49,29 +49,42 @@ pub fn ranks(rows: &[RankRow]) -> String {
             flags
         );
     }
-    let min = rows.iter().min_by_key(|r| r.peak_bytes);
-    if let (Some(top), Some(min)) = (rows.iter().find(|r| r.imbalanced), min) {
-        let _ = writeln!(
-            out,
-            "  * [imbalance] {} peaks at {}, {:.0}% above {} ({}): uneven sequence lengths, \
-             a rank that does extra work (logging, eval, checkpoints on rank 0) or an uneven \
-             model split; the largest rank sets the memory every rank needs",
-            who(top),
-            human_bytes(top.peak_bytes),
-            100.0 * top.above_smallest,
-            who(min),
-            human_bytes(min.peak_bytes)
-        );
+    if let Some(top) = rows.iter().find(|r| r.imbalanced) {
+        // The smallest peak of the same attempt: the spread is told within one.
+        let min = rows
+            .iter()
+            .filter(|r| r.attempt == top.attempt && r.peak_bytes.is_some())
+            .min_by_key(|r| r.peak_bytes);
+        if let Some(min) = min {
+            let _ = writeln!(
+                out,
+                "  * [imbalance] {} peaks at {}, {:.0}% above {} ({}): uneven sequence lengths, \
+                 a rank that does extra work (logging, eval, checkpoints on rank 0) or an uneven \
+                 model split; the largest rank sets the memory every rank needs",
+                who(top),
+                top.peak_bytes.map_or("-".into(), human_bytes),
+                100.0 * top.above_smallest,
+                who(min),
+                min.peak_bytes.map_or("-".into(), human_bytes)
+            );
+        }
     }
-    if let Some(r) = rows.iter().find(|r| r.failed_first) {
+    let firsts: Vec<&RankRow> = rows.iter().filter(|r| r.failed_first).collect();
+    for r in &firsts {
+        // One per attempt: each attempt's ranks are compared apart.
+        let attempt = match (firsts.len() > 1, r.attempt) {
+            (true, Some(a)) => format!(" in attempt {a}"),
+            _ => String::new(),
+        };
         let _ = writeln!(
             out,
-            "  * [failed_first] {} ran out of memory first ({}); the other ranks' errors are \
+            "  * [failed_first] {} ran out of memory first{attempt} ({}); the other ranks' errors are \
              likely its consequence, so analyze this one",
             who(r),
             r.first_oom.as_deref().unwrap_or("-")
         );
-    } else if rows.iter().filter(|r| r.ooms > 0).count() > 1 {
+    }
+    if firsts.is_empty() && several_ranks_failed_in_one_attempt(rows) {
         let _ = writeln!(
             out,
             "  * several ranks ran out of memory and the files do not tell which was first"
@@ -85,4 +98,13 @@ fn who(r: &RankRow) -> String {
         Some(n) => format!("rank {n} ({})", r.device),
         None => format!("{} ({})", r.file, r.device),
     }
+}
+
+/// Whether two different ranks of one attempt ran out of memory (attempts of one rank are not ranks).
+fn several_ranks_failed_in_one_attempt(rows: &[RankRow]) -> bool {
+    rows.iter().filter(|r| r.ooms > 0).any(|a| {
+        rows.iter()
+            .filter(|b| b.ooms > 0 && b.attempt == a.attempt && !std::ptr::eq(a, *b))
+            .any(|b| b.rank != a.rank || a.rank.is_none())
+    })
 }
