@@ -6,14 +6,17 @@
 //! ranking. Each reader fills [`Figures`] or builds [`Finding`]s with what it
 //! knows, so the same numbers get the same words in `oomkit explain`,
 //! `oomkit analyze` and `oomkit run`; and what memory is for ([`Role`]),
-//! in the terms a snapshot's blocks and a run log's components share.
+//! in the terms a snapshot's blocks and a run log's components share, with
+//! the [`Optimizer`]s whose state sizes both count.
 
 mod cause;
 mod finding;
+mod optimizer;
 mod role;
 mod verdict;
 
 pub use cause::{decide, Cause, Figures, LARGEST_DEVICE_BYTES};
 pub use finding::{rank, Finding, FindingKind};
+pub use optimizer::Optimizer;
 pub use role::{Evidence, PerRole, Role, RoleBytes, RoleEvidence, RolesAt, Told};
 pub use verdict::{first_fix, Failure, Place, Verdict};

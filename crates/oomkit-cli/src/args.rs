@@ -1,6 +1,7 @@
 //! Value parsers and the flags several commands share.
 
 use oomkit_gpu::Wait;
+use oomkit_report::Output;
 use std::time::Duration;
 
 /// A size as people write it (`80GiB`, `512MB`).
@@ -47,9 +48,9 @@ impl WaitArgs {
     }
 }
 
-/// How a command prints its result.
+/// The formats the commands that render files offer (`--format`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Format {
+enum FileFormat {
     /// A report for people.
     Text,
     /// JSON alone on standard output, the contract for scripts (docs/json.md lists its fields).
@@ -81,17 +82,17 @@ pub(crate) struct FormatArgs {
 }
 
 impl FormatArgs {
-    /// The format asked for, by either flag.
-    pub(crate) fn format(&self) -> Format {
+    /// The output these flags choose: the one place it is decided.
+    pub(crate) fn output(&self) -> Output {
         match (self.json, self.format) {
-            (true, _) | (false, Plain::Json) => Format::Json,
-            (false, Plain::Text) => Format::Text,
+            (true, _) | (false, Plain::Json) => Output::Json,
+            (false, Plain::Text) => Output::Text,
         }
     }
 
-    /// True when the result is to be printed as JSON.
+    /// True when the result is to be printed as JSON (the command's own output then goes to stderr).
     pub(crate) fn json(&self) -> bool {
-        self.format() == Format::Json
+        self.output() == Output::Json
     }
 }
 
@@ -100,19 +101,28 @@ impl FormatArgs {
 pub(crate) struct FileFormatArgs {
     /// How to print the result.
     #[arg(long, value_enum, value_name = "FORMAT", default_value = "text")]
-    format: Format,
+    format: FileFormat,
     /// Print JSON: the same as --format json.
     #[arg(long)]
     json: bool,
 }
 
 impl FileFormatArgs {
-    /// The format asked for, by either flag.
-    pub(crate) fn format(&self) -> Format {
+    /// The output these flags choose: the one place it is decided. The page
+    /// and the trace keep their commands' default number of samples.
+    pub(crate) fn output(&self) -> Output {
         if self.json {
-            Format::Json
-        } else {
-            self.format
+            return Output::Json;
+        }
+        match self.format {
+            FileFormat::Text => Output::Text,
+            FileFormat::Json => Output::Json,
+            FileFormat::Html => Output::Html {
+                max_points: oomkit_report::PAGE_MAX_POINTS,
+            },
+            FileFormat::Perfetto => Output::Perfetto {
+                max_points: oomkit_report::TRACE_MAX_POINTS,
+            },
         }
     }
 }

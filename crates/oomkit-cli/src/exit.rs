@@ -1,8 +1,22 @@
-//! Which exit code each failure gets (the README's table, docs/commands.md#exit-codes).
+//! Every exit code oomkit gives, and which failure gets which (docs/commands.md#exit-codes).
 
-use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_NO_GPU, EXIT_UNMEASURED, EXIT_WAIT_TIMEOUT};
 use oomkit_gpu::GpuError;
 use oomkit_supervise::SuperviseError;
+
+/// Exit code for success.
+pub const EXIT_OK: u8 = 0;
+/// Exit code for a bug in oomkit.
+pub const EXIT_INTERNAL: u8 = 1;
+/// Exit code for bad input or usage.
+pub const EXIT_INPUT: u8 = 2;
+/// Exit code when a GPU is needed and the machine has none (or no driver).
+pub const EXIT_NO_GPU: u8 = 3;
+/// Exit code when no GPU qualified before `--wait` ran out.
+pub const EXIT_WAIT_TIMEOUT: u8 = 4;
+/// Exit code from `find-batch` when not even the smallest micro-batch fits.
+pub const EXIT_NOTHING_FITS: u8 = 5;
+/// Exit code from `find-batch` when a run finished with no peak measured, so no batch is recommended.
+pub const EXIT_UNMEASURED: u8 = 6;
 
 /// Exit code when the command could not be started (the shell's "command not found").
 pub(crate) const EXIT_SPAWN: u8 = 127;

@@ -12,20 +12,10 @@ mod output;
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 
-/// Exit code for success.
-pub const EXIT_OK: u8 = 0;
-/// Exit code for a bug in oomkit.
-pub const EXIT_INTERNAL: u8 = 1;
-/// Exit code for bad input or usage.
-pub const EXIT_INPUT: u8 = 2;
-/// Exit code when a GPU is needed and the machine has none (or no driver).
-pub const EXIT_NO_GPU: u8 = 3;
-/// Exit code when no GPU qualified before `--wait` ran out.
-pub const EXIT_WAIT_TIMEOUT: u8 = 4;
-/// Exit code from `find-batch` when not even the smallest micro-batch fits.
-pub const EXIT_NOTHING_FITS: u8 = 5;
-/// Exit code from `find-batch` when a run finished with no peak measured, so no batch is recommended.
-pub const EXIT_UNMEASURED: u8 = 6;
+pub use exit::{
+    EXIT_INPUT, EXIT_INTERNAL, EXIT_NOTHING_FITS, EXIT_NO_GPU, EXIT_OK, EXIT_UNMEASURED,
+    EXIT_WAIT_TIMEOUT,
+};
 
 #[derive(Parser)]
 #[command(

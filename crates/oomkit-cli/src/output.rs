@@ -1,25 +1,64 @@
 //! Everything oomkit writes: JSON and messages on the standard streams, and
 //! files written whole or not at all, never over one that exists unless asked.
 
-use crate::args::Format;
-use oomkit_report::Render;
+use crate::exit::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
+use oomkit_compare::Job;
+use oomkit_report::{Output, Render};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Prints a value as pretty JSON on standard output, alone.
-pub(crate) fn print_json(value: &impl serde::Serialize) {
-    let text = serde_json::to_string_pretty(value).unwrap_or_else(|_| "null".into());
-    let _ = writeln!(std::io::stdout().lock(), "{text}");
+/// Prints a result on standard output in the output chosen (text or JSON,
+/// the two every command offers; JSON alone on stdout).
+pub(crate) fn print(output: Output, result: &dyn Render) {
+    // A closed pipe (`oomkit ... | head`) is the reader's choice, not a failure to report.
+    let _ = output.write(result, &mut std::io::stdout().lock());
 }
 
-/// Prints a command's result on standard output as text or JSON, the two
-/// formats every command offers; the formats that render files are
-/// written by the commands that offer them.
-pub(crate) fn print(format: Format, result: &dyn Render) {
-    match format {
-        Format::Json => print_json(&result.json()),
-        Format::Text | Format::Html | Format::Perfetto => {
-            let _ = write!(std::io::stdout().lock(), "{}", result.text());
+/// Where a command writes a document.
+#[derive(Clone, Copy)]
+pub(crate) enum Dest<'a> {
+    /// Standard output.
+    Stdout,
+    /// A file, written whole or not at all; an existing one only with `force`.
+    File {
+        /// The file, or `-` for standard output.
+        path: &'a Path,
+        /// Replace the file if it exists.
+        force: bool,
+    },
+}
+
+/// Writes the files of one command line in the output chosen, to `dest`;
+/// returns the exit code for what writing them took: 0, 2 where a file
+/// cannot be written (it exists, the folder is missing), 1 for anything else.
+pub(crate) fn emit_job(job: &Job, output: Output, dest: Dest<'_>) -> u8 {
+    let (path, force) = match dest {
+        Dest::Stdout if !output.is_document() => {
+            return match output.write_job(job, &mut std::io::stdout().lock()) {
+                Ok(()) => EXIT_OK,
+                Err(e) => {
+                    say(&e.to_string());
+                    EXIT_INTERNAL
+                }
+            };
+        }
+        Dest::Stdout => (Path::new("-"), false),
+        Dest::File { path, force } => (path, force),
+    };
+    let written = write_output_with(path, force, &mut |w| {
+        output
+            .write_job(job, w)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    });
+    match written {
+        Ok(()) => EXIT_OK,
+        Err(msg) => {
+            say(&msg);
+            if matches!(dest, Dest::File { .. }) {
+                EXIT_INPUT
+            } else {
+                EXIT_INTERNAL
+            }
         }
     }
 }
@@ -38,11 +77,6 @@ pub(crate) fn must_be_new(path: &Option<PathBuf>) -> Result<(), String> {
         )),
         _ => Ok(()),
     }
-}
-
-/// Writes a document to `path`, or to standard output for `-`.
-pub(crate) fn write_output(path: &Path, text: &[u8], force: bool) -> Result<(), String> {
-    write_output_with(path, force, &mut |w| w.write_all(text))
 }
 
 /// Writes what `fill` produces to `path`, or to standard output for `-`.

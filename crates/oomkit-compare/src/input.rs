@@ -1,6 +1,7 @@
 //! The one input every format renders: a snapshot or a run log, analyzed,
 //! with its raw data kept where a format draws from it.
 
+use crate::CompareError;
 use oomkit_snapshot::{analyze, Analysis, Layout, Options, Snapshot};
 
 /// The analysis of one input file, with what is needed to present it.
@@ -39,7 +40,7 @@ impl FileAnalysis {
 
     /// The snapshot kept for a format that draws from it; an internal error
     /// naming the file when it was loaded without it.
-    pub fn kept(&self) -> Result<&Snapshot, String> {
+    pub fn kept(&self) -> Result<&Snapshot, CompareError> {
         self.snapshot.as_ref().ok_or_else(|| not_kept(&self.path))
     }
 }
@@ -47,14 +48,16 @@ impl FileAnalysis {
 impl RunFile {
     /// The records kept for a format that draws from them; an internal error
     /// naming the file when it was loaded without them.
-    pub fn kept(&self) -> Result<&oomkit_runlog::Run, String> {
+    pub fn kept(&self) -> Result<&oomkit_runlog::Run, CompareError> {
         self.run.as_ref().ok_or_else(|| not_kept(&self.path))
     }
 }
 
 /// The error for a file loaded without the raw data a format draws from.
-fn not_kept(path: &str) -> String {
-    format!("{path}: internal error: loaded without the raw data this format draws from")
+fn not_kept(path: &str) -> CompareError {
+    CompareError::NotKept {
+        file: path.to_string(),
+    }
 }
 
 /// The analysis of one run log written by the Python tracker.

@@ -4,6 +4,7 @@
 //! ([`rank_table`]) and a command line's files taken together ([`Job`]).
 
 mod diff;
+mod error;
 mod input;
 mod job;
 mod ranks;
@@ -11,6 +12,7 @@ mod ranks;
 pub use diff::{
     diff_mixed, diff_runs, diff_snapshots, DeviceDelta, Diff, RoleDelta, SiteDelta, StageDelta,
 };
+pub use error::CompareError;
 pub use input::{FileAnalysis, Report, RunFile};
 pub use job::{job_attempts, Job, Unreadable};
 pub use ranks::{rank_table, RankRow, IMBALANCE_FRACTION};

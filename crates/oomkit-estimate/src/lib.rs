@@ -487,6 +487,9 @@ const DROPOUT_FIELDS: &[&str] = &[
 /// Families with SiLU activations but a plain two-matrix MLP.
 const NOT_GATED: &[&str] = &["starcoder2", "phi", "gpt_neox", "falcon"];
 
+/// The optimizer vocabulary lives with the roles it sizes; the estimate names it from here too.
+pub use oomkit_advice::Optimizer;
+
 /// The dtype the weights are kept and computed in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -505,35 +508,6 @@ impl Dtype {
         match self {
             Dtype::Fp32 => 4,
             Dtype::Fp16 | Dtype::Bf16 => 2,
-        }
-    }
-}
-
-/// The optimizer, which sets the state kept per trainable parameter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Optimizer {
-    /// Adam or AdamW: two moments.
-    AdamW,
-    /// bitsandbytes 8-bit AdamW: two one-byte moments.
-    AdamW8bit,
-    /// SGD with momentum: one buffer.
-    Sgd,
-    /// Adafactor without momentum: factored second moments, a row and a column per matrix.
-    Adafactor,
-}
-
-impl Optimizer {
-    /// Bytes of state per trainable parameter whose weights are stored in
-    /// `store` bytes each; 0 for Adafactor, whose factored state depends on
-    /// the matrix shapes (see [`estimate`]).
-    pub fn state_bytes_per_param(self, store: u64) -> u64 {
-        match self {
-            Optimizer::AdamW => 2 * store,
-            // Two one-byte moments, whatever the weights' dtype.
-            Optimizer::AdamW8bit => 2,
-            Optimizer::Sgd => store,
-            Optimizer::Adafactor => 0,
         }
     }
 }

@@ -31,7 +31,7 @@ const MAX_SEGMENTS: usize = 200;
 /// The page draws the timelines from the raw data, so every input must have
 /// been loaded keeping it ([`FileAnalysis::keeping`], [`RunFile::run`]);
 /// one that was not is named in the error.
-pub fn html_report(inputs: &[&Report], max_points: usize) -> Result<String, String> {
+pub fn html_report(inputs: &[&Report], max_points: usize) -> Result<String, crate::ReportError> {
     let mut files: Vec<Value> = Vec::new();
     for input in inputs {
         files.push(match input {

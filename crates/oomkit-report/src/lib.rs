@@ -3,15 +3,20 @@
 //! self-contained HTML page ([`html_report`]) and Perfetto's trace
 //! ([`trace`]). They render the analyses below them: the one input type
 //! ([`oomkit_compare::Report`]: a snapshot or a run log) and what is worked
-//! out across files, and every other command's result. [`Render`] is the
-//! seam every command prints through.
+//! out across files, and every other command's result. [`Output`] is the
+//! one decision of which format a command writes, and [`Render`] the seam
+//! every result with a text and a JSON form prints through.
 
+mod error;
 mod html;
 pub mod json;
+mod output;
 mod perfetto;
 pub mod text;
 
+pub use error::ReportError;
 pub use html::{html_report, PAGE_MAX_POINTS};
+pub use output::{Needs, Output};
 pub use perfetto::{run_trace, snapshot_trace, trace, Trace, TRACE_MAX_POINTS};
 
 use oomkit_compare::{Diff, Job};

@@ -245,7 +245,7 @@ pub fn snapshot_trace(
 
 /// The trace of one input: a snapshot's (which must have been loaded keeping
 /// it) or a run log's.
-pub fn trace(report: &Report, max_points: usize) -> Result<Trace, String> {
+pub fn trace(report: &Report, max_points: usize) -> Result<Trace, crate::ReportError> {
     Ok(match report {
         Report::Snapshot(fa) => snapshot_trace(&fa.path, fa.kept()?, &fa.analysis, max_points),
         Report::Run(rf) => run_trace(&rf.path, rf.kept()?),

@@ -6,7 +6,7 @@
 //! retry adds a record to the same log. Each OOM belongs to the latest plan
 //! its log recorded before it.
 
-use crate::analysis::{Analysis, OomSummary};
+use crate::report::{Analysis, Ending, OomSummary};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -126,11 +126,7 @@ pub fn attempts(logs: &[&Analysis]) -> Vec<Attempt> {
                 rank: a.rank,
                 ooms,
                 // Closed by the tracker, not by `oomkit run` after a kill or by an uncaught exception.
-                finished: last
-                    && matches!(
-                        a.ending,
-                        crate::analysis::Ending::Closed | crate::analysis::Ending::Exit
-                    ),
+                finished: last && matches!(a.ending, Ending::Closed | Ending::Exit),
             });
         }
     }

@@ -2,8 +2,8 @@
 //! rule, each with its thresholds named and the numbers it rests on carried
 //! into the finding's message and bytes.
 
-use crate::analysis::{Leak, OomSummary};
 use crate::record::{Components, MeasureKind, Run};
+use crate::report::{Leak, OomSummary};
 use oomkit_advice::{Cause, Finding, FindingKind};
 use oomkit_units::human_bytes;
 use std::collections::BTreeMap;
@@ -114,10 +114,7 @@ fn oom(o: &OomSummary, device: &str, capacity: Option<u64>) -> Finding {
     let fitted;
     let advice = if o.cause == Cause::RequestExceedsCapacity {
         // No batch change helps a request larger than the device.
-        fitted = oomkit_advice::first_fix(
-            o.cause,
-            &crate::analysis::failure(o, device, None, capacity),
-        );
+        fitted = oomkit_advice::first_fix(o.cause, &o.failure(device, None, capacity));
         fitted.as_str()
     } else if o.cause == Cause::Fragmentation {
         "the allocator had enough reserved but unallocated memory in pieces too small: set \

@@ -13,10 +13,11 @@ mod error;
 mod findings;
 pub mod process;
 mod record;
+mod report;
 mod roles;
 mod writer;
 
-pub use analysis::{analyze, Analysis, Ending, Leak, OomSummary, StageGrowth, StageStats, Warning};
+pub use analysis::analyze;
 pub use attempts::{attempts, Attempt, AttemptOutcome, FirstOom};
 pub use error::{Error, Result};
 pub use oomkit_advice::{Finding, FindingKind};
@@ -24,4 +25,5 @@ pub use record::{
     is_run_log, Components, DuplicateGroup, Duplicates, End, Grad, Measure, MeasureKind,
     ModuleCost, Oom, OomMemory, Plan, Run, Seen, Start, LOG_VERSION,
 };
+pub use report::{Analysis, Ending, Leak, OomSummary, StageGrowth, StageStats, Warning};
 pub use writer::Writer;

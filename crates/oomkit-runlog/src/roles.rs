@@ -1,8 +1,8 @@
 //! A run log's memory in the roles a snapshot's blocks are told by, so that
 //! a run log and a snapshot compare role by role.
 
-use crate::analysis::Analysis;
 use crate::record::Components;
+use crate::report::Analysis;
 use oomkit_advice::RoleBytes;
 
 impl Components {

@@ -6,11 +6,12 @@ use crate::model::{Action, BlockState, Snapshot};
 use crate::replay::{
     exact_totals, live_at, relative_totals, scan_trace, windows, Totals, TraceScan, WindowStats,
 };
+use crate::report::UnknownReason;
 use crate::report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
     Warning,
 };
-use crate::roles::{kinds, Context, DeviceRoles, Kinds, Moment, UnknownReason, UNKNOWN_WARN_SHARE};
+use crate::roles::{kinds, Context, DeviceRoles, Kinds, Moment, UNKNOWN_WARN_SHARE};
 use crate::sites::{group, label, site_key, Live};
 use oomkit_advice::{Role, RoleBytes};
 use oomkit_units::human_bytes;
@@ -591,7 +592,7 @@ fn unknown_warning(device: i64, peak: &Moment) -> Option<Warning> {
     }
     let why = peak.main_reason()?;
     let fix = match why {
-        crate::roles::UnknownReason::NoEvidence => format!("record with stacks from before the model is built, so that parameters and optimizer state have frames: {RECORD_CALL}"),
+        crate::report::UnknownReason::NoEvidence => format!("record with stacks from before the model is built, so that parameters and optimizer state have frames: {RECORD_CALL}"),
         _ => "record a whole training step (forward, backward and optimizer step) with stacks: torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=\"all\")".into(),
     };
     Some(Warning {

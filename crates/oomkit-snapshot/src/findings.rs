@@ -3,8 +3,8 @@
 //! rests on carried into the finding's message and bytes.
 
 use crate::report::{DeviceReport, OomReport, PhaseReport};
+use oomkit_advice::Optimizer;
 use oomkit_advice::{Cause, Finding, FindingKind, Role, RoleBytes};
-use oomkit_estimate::Optimizer;
 use oomkit_units::human_bytes;
 
 /// Most OOM entries of a trace that get their holders of memory and a

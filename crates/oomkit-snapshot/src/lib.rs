@@ -29,9 +29,8 @@ pub use model::{
 pub use oomkit_advice::{Finding, FindingKind, Role, RoleBytes, RoleEvidence, Verdict};
 pub use report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
-    Warning,
+    UnknownReason, Warning,
 };
-pub use roles::UnknownReason;
 pub use sites::stack_label;
 pub use stacks::{classify, Frame, FrameClass, FrameId, Site, StackId, Stacks};
 pub use timeline::{phase_ranges, timeline, PhaseRange, Point, Timeline};

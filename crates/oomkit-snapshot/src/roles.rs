@@ -7,10 +7,10 @@
 use crate::hash::FastState;
 use crate::model::{Action, TraceEvent};
 use crate::replay::{TraceScan, Window};
+use crate::report::UnknownReason;
 use crate::sites::Live;
 use crate::stacks::{Frame, FrameId, StackId, Stacks};
 use oomkit_advice::{Evidence, Role, RolesAt};
-use serde::Serialize;
 use std::collections::HashMap;
 
 /// The most state tensors the size match gives a parameter: Adam's two moments.
@@ -251,65 +251,6 @@ fn is_parameter(f: &Frame) -> bool {
         || (p.contains("/torch/nn/modules/") && f.name == "__init__")
         || p.ends_with("/torch/nn/init.py")
         || p.ends_with("/torch/nn/parameter.py")
-}
-
-/// Why bytes stayed `unknown`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UnknownReason {
-    /// No frames, and no gradient of their size to match them with.
-    NoEvidence,
-    /// Made in forward and still held after the backward that followed.
-    HeldPastBackward,
-    /// Made in forward in a trace without backward, and never freed.
-    NoBackward,
-    /// Made in backward, with no trace to tell when it was freed.
-    Backward,
-    /// Alive through a forward-only trace like parameters, but as many per
-    /// size as parameters with two optimizer states each.
-    ParamsOrState,
-    /// Made in an evaluation range and still held after it.
-    HeldAfterEval,
-    /// An OOM entry past those whose live set the analysis replays.
-    NotExamined,
-}
-
-impl UnknownReason {
-    const ALL: [UnknownReason; 7] = [
-        UnknownReason::NoEvidence,
-        UnknownReason::HeldPastBackward,
-        UnknownReason::NoBackward,
-        UnknownReason::Backward,
-        UnknownReason::ParamsOrState,
-        UnknownReason::HeldAfterEval,
-        UnknownReason::NotExamined,
-    ];
-
-    /// The reason in a few words, for a table.
-    pub fn brief(self) -> &'static str {
-        match self {
-            UnknownReason::NoEvidence => "no frames, and no gradient of their size",
-            UnknownReason::HeldPastBackward => "made in forward, held past backward",
-            UnknownReason::NoBackward => "made in forward, no backward recorded",
-            UnknownReason::Backward => "made in backward, no trace to say when freed",
-            UnknownReason::ParamsOrState => "parameters or optimizer state: sizes fit both",
-            UnknownReason::HeldAfterEval => "made in evaluation, held after it",
-            UnknownReason::NotExamined => "not examined: past the OOM entries replayed",
-        }
-    }
-
-    /// The reason in words.
-    pub fn words(self) -> &'static str {
-        match self {
-            UnknownReason::NoEvidence => "they have no frames (allocated before recording started, or recorded with stacks off) and no gradient of their size to match them with",
-            UnknownReason::HeldPastBackward => "they were made in forward and are still held after the backward that followed (returned outputs, metrics, or a retained graph)",
-            UnknownReason::NoBackward => "they were made in forward in a trace without backward or optimizer and never freed (outputs, caches, or activations whose backward was not recorded)",
-            UnknownReason::Backward => "they were made in backward and the snapshot has no trace to tell whether they outlived it",
-            UnknownReason::NotExamined => "the OOM entry comes after those whose live set is replayed (the first 32 per device)",
-            UnknownReason::HeldAfterEval => "they were made in an evaluation range and are still held after it (outputs or metrics kept on the device)",
-            UnknownReason::ParamsOrState => "they were allocated before recording and outlive a forward-only trace, as parameters do, but come three of each size, as parameters with Adam's two states do",
-        }
-    }
 }
 
 /// What one block is, before the blocks matched by size are counted.

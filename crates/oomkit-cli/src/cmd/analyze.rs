@@ -1,14 +1,16 @@
 //! `oomkit analyze`: the report of snapshots and run logs, with the verdict
 //! first and, for several files, the ranks and attempts; as text, JSON, the
-//! HTML page or a Perfetto trace.
+//! HTML page or a Perfetto trace. `report` and `export` are this command
+//! with another output and a file to write it to ([`analyze_files`]).
 
-use crate::args::{FileFormatArgs, Format};
+use crate::args::FileFormatArgs;
+use crate::exit::EXIT_INPUT;
 use crate::load::{load, Keep};
-use crate::output::{print, say, write_output, write_output_with};
-use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
+use crate::output::{emit_job, say, Dest};
 use oomkit_compare::{Job, Unreadable};
+use oomkit_report::{Needs, Output};
 use oomkit_snapshot::Options;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Flags of `oomkit analyze`.
 #[derive(clap::Args)]
@@ -43,65 +45,57 @@ pub(crate) fn options(r: &ReportArgs) -> Options {
 
 /// `oomkit analyze`.
 pub(crate) fn run(a: Args) -> u8 {
-    let format = a.report.format.format();
-    if format == Format::Perfetto && a.files.len() > 1 {
-        say("--format perfetto: a trace is one file's timeline; give one file, or run `oomkit export FILE -o TRACE.json` for each");
+    analyze_files(
+        &a.files,
+        &options(&a.report),
+        a.report.format.output(),
+        Dest::Stdout,
+    )
+}
+
+/// Reads, analyzes and writes `files` in `output` to `dest`: the body of
+/// `analyze`, `report` and `export`.
+///
+/// A file that cannot be read is named in one line and the exit code is 2;
+/// to standard output the others are still reported, while a file is
+/// written only when every input was read, so that a page or trace never
+/// silently leaves one out.
+pub(crate) fn analyze_files(
+    files: &[PathBuf],
+    opts: &Options,
+    output: Output,
+    dest: Dest<'_>,
+) -> u8 {
+    if let Err(e) = output.check_files(files.len()) {
+        say(&e.to_string());
         return EXIT_INPUT;
     }
-    // The page and the trace draw from the raw data; the other formats need only the analysis.
-    let keep = match format {
-        Format::Html | Format::Perfetto => Keep::Raw,
-        Format::Text | Format::Json => Keep::Analysis,
+    let keep = match output.needs() {
+        Needs::Raw => Keep::Raw,
+        Needs::Analysis => Keep::Analysis,
     };
-    let mut files = Vec::new();
+    let mut read = Vec::new();
     let mut failed = false;
-    for path in &a.files {
-        match load(path, &options(&a.report), keep) {
-            Ok(report) => files.push(Ok(report)),
+    for path in files {
+        match load(path, opts, keep) {
+            Ok(report) => read.push(Ok(report)),
             Err(msg) => {
                 say(&msg);
                 failed = true;
-                files.push(Err(Unreadable {
+                read.push(Err(Unreadable {
                     file: path.display().to_string(),
                     error: msg,
                 }));
             }
         }
     }
-    let code = emit(&Job::new(files), &a.report);
+    if failed && matches!(dest, Dest::File { .. }) {
+        return EXIT_INPUT;
+    }
+    let code = emit_job(&Job::new(read), output, dest);
     if failed {
         EXIT_INPUT
     } else {
         code
-    }
-}
-
-/// Prints the files of one command line in the format asked for, returning
-/// the exit code for what printing them took.
-pub(crate) fn emit(job: &Job, report: &ReportArgs) -> u8 {
-    let stdout = Path::new("-");
-    let written = match report.format.format() {
-        format @ (Format::Text | Format::Json) => {
-            print(format, job);
-            Ok(())
-        }
-        Format::Html => oomkit_report::html_report(&job.read(), oomkit_report::PAGE_MAX_POINTS)
-            .and_then(|page| write_output(stdout, page.as_bytes(), false)),
-        Format::Perfetto => match job.read().first() {
-            Some(r) => oomkit_report::trace(r, oomkit_report::TRACE_MAX_POINTS).and_then(|t| {
-                write_output_with(stdout, false, &mut |w| {
-                    serde_json::to_writer(&mut *w, &t).map_err(std::io::Error::from)
-                })
-            }),
-            // The one file given could not be read; that was said already.
-            None => Ok(()),
-        },
-    };
-    match written {
-        Ok(()) => EXIT_OK,
-        Err(msg) => {
-            say(&msg);
-            EXIT_INTERNAL
-        }
     }
 }

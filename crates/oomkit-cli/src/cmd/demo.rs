@@ -1,10 +1,10 @@
 //! `oomkit demo`: the bundled snapshot, analyzed, to see a report with no set-up.
 
-use super::analyze::{emit, options, ReportArgs};
-use crate::args::Format;
-use crate::output::write_file;
-use crate::{EXIT_INPUT, EXIT_INTERNAL};
+use super::analyze::{options, ReportArgs};
+use crate::exit::{EXIT_INPUT, EXIT_INTERNAL};
+use crate::output::{emit_job, write_file, Dest};
 use oomkit_compare::{FileAnalysis, Job, Report};
+use oomkit_report::Needs;
 use oomkit_snapshot::Snapshot;
 use std::path::PathBuf;
 
@@ -37,13 +37,15 @@ pub(crate) fn run(a: Args) -> u8 {
     match Snapshot::from_bytes(DEMO) {
         Ok(snap) => {
             let (name, size, opts) = (DEMO_NAME.into(), DEMO.len() as u64, options(&a.report));
-            let fa = match a.report.format.format() {
-                Format::Html | Format::Perfetto => FileAnalysis::keeping(name, size, snap, &opts),
-                Format::Text | Format::Json => FileAnalysis::new(name, size, &snap, &opts),
+            let output = a.report.format.output();
+            let fa = match output.needs() {
+                Needs::Raw => FileAnalysis::keeping(name, size, snap, &opts),
+                Needs::Analysis => FileAnalysis::new(name, size, &snap, &opts),
             };
-            emit(
+            emit_job(
                 &Job::new(vec![Ok(Report::Snapshot(Box::new(fa)))]),
-                &a.report,
+                output,
+                Dest::Stdout,
             )
         }
         Err(e) => {

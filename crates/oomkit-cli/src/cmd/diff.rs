@@ -1,9 +1,9 @@
 //! `oomkit diff`: two snapshots or two run logs compared, before and after a fix.
 
 use crate::args::FormatArgs;
+use crate::exit::{EXIT_INPUT, EXIT_OK};
 use crate::load::{load, Keep};
 use crate::output::print;
-use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_compare::Report;
 use oomkit_snapshot::Options;
 use std::path::PathBuf;
@@ -52,7 +52,7 @@ pub(crate) fn run(args: Args) -> u8 {
         },
     };
     print(
-        args.format.format(),
+        args.format.output(),
         &oomkit_report::Compared {
             diff: &diff,
             top: args.top,

@@ -2,9 +2,9 @@
 
 use crate::args::FormatArgs;
 use crate::args::{count, positive, size};
+use crate::exit::{EXIT_INPUT, EXIT_OK};
 use crate::load::{load, Keep};
 use crate::output::{print, say};
-use crate::{EXIT_INPUT, EXIT_OK};
 use oomkit_compare::Report;
 use oomkit_estimate::calibrate::{calibrate, Measured};
 use oomkit_estimate::{Architecture, Dtype, Inputs, Optimizer, Sharding};
@@ -263,7 +263,7 @@ pub(crate) fn run(a: Args) -> u8 {
                 }
             };
             print(
-                a.format.format(),
+                a.format.output(),
                 &oomkit_report::Budget {
                     estimate: &e,
                     calibration: calibration.as_ref(),

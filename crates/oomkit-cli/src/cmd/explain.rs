@@ -1,8 +1,8 @@
 //! `oomkit explain`: why a PyTorch OOM message says memory ran out, and what to change.
 
 use crate::args::FormatArgs;
+use crate::exit::{EXIT_INPUT, EXIT_OK};
 use crate::output::{print, say};
-use crate::{EXIT_INPUT, EXIT_OK};
 use std::io::{IsTerminal, Read};
 
 /// Flags of `oomkit explain`.
@@ -57,7 +57,7 @@ pub(crate) fn run(a: Args) -> u8 {
     });
     match oomkit_supervise::oom::explain(&text, conf.as_deref()) {
         Some(ex) => {
-            print(a.format.format(), &ex);
+            print(a.format.output(), &ex);
             EXIT_OK
         }
         None => {

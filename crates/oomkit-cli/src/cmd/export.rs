@@ -1,10 +1,10 @@
-//! `oomkit export --perfetto`: a snapshot or run log as a trace another viewer opens.
+//! `oomkit export --perfetto`: `analyze` as a trace another viewer opens, written to a file.
 
-use crate::load::{load, Keep};
-use crate::output::write_output_with;
-use crate::{EXIT_INPUT, EXIT_OK};
+use super::analyze::analyze_files;
+use crate::output::Dest;
+use oomkit_report::Output;
 use oomkit_snapshot::Options;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The trace formats `export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -38,25 +38,19 @@ pub(crate) struct Args {
 /// `oomkit export`.
 pub(crate) fn run(a: Args) -> u8 {
     // --perfetto names the one format there is, which --format also names.
-    let TraceFormat::Perfetto = a.format;
+    let output = match a.format {
+        TraceFormat::Perfetto => Output::Perfetto {
+            max_points: a.max_points,
+        },
+    };
     let _ = a.perfetto;
-    match export(&a.file, a.max_points).and_then(|trace| {
-        // Written as it is encoded: a trace that keeps every entry of a
-        // large snapshot runs to hundreds of megabytes.
-        write_output_with(&a.output, a.force, &mut |w| {
-            serde_json::to_writer(&mut *w, &trace).map_err(std::io::Error::from)
-        })
-    }) {
-        Ok(()) => EXIT_OK,
-        Err(msg) => {
-            eprintln!("oomkit: {msg}");
-            EXIT_INPUT
-        }
-    }
-}
-
-/// Builds the Perfetto trace of a snapshot or run log.
-fn export(path: &Path, max_points: usize) -> Result<oomkit_report::Trace, String> {
-    let report = load(path, &Options::default(), Keep::Raw)?;
-    oomkit_report::trace(&report, max_points)
+    analyze_files(
+        std::slice::from_ref(&a.file),
+        &Options::default(),
+        output,
+        Dest::File {
+            path: &a.output,
+            force: a.force,
+        },
+    )
 }

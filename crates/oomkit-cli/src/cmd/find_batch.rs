@@ -3,8 +3,8 @@
 use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
 use crate::exit::supervise_exit;
+use crate::exit::{EXIT_NOTHING_FITS, EXIT_OK};
 use crate::output::{print, say};
-use crate::{EXIT_NOTHING_FITS, EXIT_OK};
 use oomkit_gpu::ClaimDir;
 use oomkit_supervise::find_batch::FindBatchOptions;
 use std::ffi::OsString;
@@ -51,7 +51,7 @@ pub(crate) fn run(a: Args) -> u8 {
     };
     match oomkit_supervise::find_batch::find_batch(&opts, &mut |m| say(m)) {
         Ok(report) => {
-            print(a.format.format(), &report);
+            print(a.format.output(), &report);
             if report.recommended_batch.is_some() {
                 EXIT_OK
             } else {

@@ -2,8 +2,8 @@
 
 use crate::args::FormatArgs;
 use crate::exit::gpu_exit;
+use crate::exit::EXIT_OK;
 use crate::output::{print, say};
-use crate::EXIT_OK;
 
 /// Flags of `oomkit gpus`.
 #[derive(clap::Args)]
@@ -16,7 +16,7 @@ pub(crate) struct Args {
 pub(crate) fn run(a: Args) -> u8 {
     match oomkit_gpu::probe() {
         Ok(gpus) => {
-            print(a.format.format(), &oomkit_report::Gpus(&gpus));
+            print(a.format.output(), &oomkit_report::Gpus(&gpus));
             EXIT_OK
         }
         Err(e) => {

@@ -1,8 +1,8 @@
-//! `oomkit report`: one self-contained HTML page of snapshots and run logs.
+//! `oomkit report`: `analyze` as one self-contained HTML page, written to a file.
 
-use crate::load::{load, Keep};
-use crate::output::write_output;
-use crate::{EXIT_INPUT, EXIT_INTERNAL, EXIT_OK};
+use super::analyze::analyze_files;
+use crate::output::Dest;
+use oomkit_report::Output;
 use oomkit_snapshot::Options;
 use std::path::PathBuf;
 
@@ -18,7 +18,7 @@ pub(crate) struct Args {
     /// Most memory samples per device in the page; more are thinned by min/max buckets (0 keeps all).
     #[arg(long, default_value_t = oomkit_report::PAGE_MAX_POINTS, value_name = "N")]
     max_points: usize,
-    /// How many allocation sites to list.
+    /// How many allocation sites to list (the page has room for more than the terminal's 10).
     #[arg(long, default_value_t = 20, value_name = "N")]
     top: usize,
     /// Only this CUDA device index.
@@ -35,28 +35,15 @@ pub(crate) fn run(a: Args) -> u8 {
         top: a.top,
         device: a.device,
     };
-    let mut loaded = Vec::new();
-    for path in &a.files {
-        match load(path, &opts, Keep::Raw) {
-            Ok(l) => loaded.push(l),
-            Err(msg) => {
-                eprintln!("oomkit: {msg}");
-                return EXIT_INPUT;
-            }
-        }
-    }
-    let page = match oomkit_report::html_report(&loaded.iter().collect::<Vec<_>>(), a.max_points) {
-        Ok(p) => p,
-        Err(msg) => {
-            eprintln!("oomkit: {msg}");
-            return EXIT_INTERNAL;
-        }
-    };
-    match write_output(&a.output, page.as_bytes(), a.force) {
-        Ok(()) => EXIT_OK,
-        Err(msg) => {
-            eprintln!("oomkit: {msg}");
-            EXIT_INPUT
-        }
-    }
+    analyze_files(
+        &a.files,
+        &opts,
+        Output::Html {
+            max_points: a.max_points,
+        },
+        Dest::File {
+            path: &a.output,
+            force: a.force,
+        },
+    )
 }

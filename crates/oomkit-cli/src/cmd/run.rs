@@ -1,10 +1,10 @@
 //! `oomkit run`: a training command supervised, on the freest GPU, retried after an OOM by its cause.
 
+use crate::args::FormatArgs;
 use crate::args::{positive, size, WaitArgs};
-use crate::args::{Format, FormatArgs};
 use crate::output::{must_be_new, print, say};
 use oomkit_gpu::ClaimDir;
-use oomkit_report::Render;
+use oomkit_report::{Output, Render};
 use oomkit_supervise::RunOptions;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -101,7 +101,7 @@ pub(crate) fn run(a: Args) -> u8 {
         }
     }
     if a.format.json() {
-        print(Format::Json, &summary);
+        print(Output::Json, &summary);
     }
     (summary.exit_code & 0xff) as u8
 }
