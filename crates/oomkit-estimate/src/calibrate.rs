@@ -187,7 +187,7 @@ fn describe(measured: &[Measured]) -> String {
         .map(|m| {
             format!(
                 "{} at micro-batch {}",
-                crate::gib(m.peak_bytes),
+                crate::budget::gib(m.peak_bytes),
                 m.micro_batch
             )
         })
