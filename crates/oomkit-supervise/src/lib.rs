@@ -6,6 +6,7 @@
 pub mod child;
 pub mod child_env;
 pub mod events;
+pub mod explain;
 pub mod find_batch;
 pub mod fit;
 pub mod oom;
