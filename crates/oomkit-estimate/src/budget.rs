@@ -290,6 +290,13 @@ fn activations_per_sample(i: &Inputs) -> Option<u64> {
 }
 
 /// Works out the budget for `inputs`.
+///
+/// Long on purpose: it is the budget read top to bottom, one term after
+/// another (weights, gradients, optimizer state, EMA, what sharding gathers,
+/// activations, overhead, the range and the verdict), each term commented
+/// with its source; the terms share the inputs' derived sizes, and the
+/// formulas that are reused (activations per sample, a Llama layer) are
+/// functions of their own.
 pub fn estimate(inputs: Inputs) -> Result<Estimate, EstimateError> {
     if inputs.batch == 0 || inputs.seq == 0 {
         return Err(EstimateError::Invalid(

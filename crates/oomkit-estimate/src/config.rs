@@ -4,6 +4,10 @@ use crate::{Architecture, EstimateError};
 
 impl Architecture {
     /// Reads the shape from a Hugging Face `config.json` (GPT-2, Llama, Mistral, T5, BART and most others).
+    ///
+    /// Long on purpose: each field is read in turn under the names the
+    /// families give it, with the family tables below deciding what a name
+    /// cannot; the reads share the config and the sizes read before them.
     pub fn from_hf_config(text: &str) -> Result<Architecture, EstimateError> {
         let v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| EstimateError::NotAConfig(e.to_string()))?;

@@ -470,6 +470,12 @@ impl<'a> Machine<'a, '_> {
         }
     }
 
+    /// The stack machine: one loop over the opcodes, one arm each.
+    ///
+    /// Long on purpose: it is the reader's hot loop (a gigabyte snapshot is
+    /// hundreds of millions of opcodes), whose arms share the stack, the memo
+    /// and the position, and one match over the opcode keeps the dispatch in
+    /// one place; each arm is a few lines that read on their own.
     fn run(&mut self, progress: &mut dyn FnMut(usize, &Ahead)) -> Result<()> {
         let data = self.doc.data;
         let mut next_progress = PROGRESS_STEP;

@@ -115,6 +115,13 @@ impl Table {
     }
 }
 
+/// A snapshot's part of the page's document: per device its analysis, the
+/// thinned timeline, the role bands, the segments, the phases and the sites'
+/// stacks, in the shape `report.js` reads.
+///
+/// Long on purpose: it builds one JSON document whose parts share the
+/// string tables and the thinned points; each part is a few lines in the
+/// order the page draws them.
 fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value {
     let devices: Vec<Value> = fa
         .analysis

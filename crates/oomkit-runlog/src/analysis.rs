@@ -342,21 +342,9 @@ fn verdict(
     }
 }
 
-/// Analyzes a run log.
-pub fn analyze(run: &Run) -> Analysis {
-    let start = run.start.clone().unwrap_or_default();
-    let cuda = start.device.starts_with("cuda");
-    let capacity = start.capacity_bytes.filter(|&c| c > 0);
-    let stages = stage_table(run);
-    let peak = measured_peak(run);
-    let train_peak = run
-        .measures
-        .iter()
-        .filter(|(k, _)| *k != MeasureKind::Phase)
-        .map(|(_, m)| m.peak_bytes)
-        .max()
-        .unwrap_or(0);
-    let largest_growth = stages
+/// The stage that needs the most on top of what was there when it began; none without a peak to share.
+fn largest_growth(stages: &[StageStats], train_peak: u64) -> Option<StageGrowth> {
+    stages
         .iter()
         .filter(|s| s.kind != MeasureKind::Step)
         .max_by_key(|s| s.mean_rise_bytes)
@@ -372,14 +360,12 @@ pub fn analyze(run: &Run) -> Analysis {
             at_least: s.peaks_bounded > 0,
         })
         // Without a peak to share, there is no growth to tell.
-        .filter(|g| g.mean_rise_bytes > 0 && train_peak > 0);
-    let components = run
-        .components
-        .last()
-        .cloned()
-        .or_else(|| run.start.as_ref().map(|s| s.components.clone()));
-    let leak = leak(run, capacity, cuda);
-    let ooms: Vec<OomSummary> = run
+        .filter(|g| g.mean_rise_bytes > 0 && train_peak > 0)
+}
+
+/// The log's OOMs, each with its cause; a kill by the kernel's OOM killer is one too, so that every table that counts OOMs counts it.
+fn oom_summaries(run: &Run) -> Vec<OomSummary> {
+    let mut ooms: Vec<OomSummary> = run
         .ooms
         .iter()
         .map(|o| OomSummary {
@@ -399,9 +385,7 @@ pub fn analyze(run: &Run) -> Analysis {
             killed_by_kernel: false,
         })
         .collect();
-    let mut ooms = ooms;
     if ending(run) == Ending::KilledForMemory {
-        // The kill is the run's OOM: every table that counts OOMs counts it.
         let last = run.measures.last().map(|(_, m)| m);
         ooms.push(OomSummary {
             time: run.end.as_ref().and_then(|e| e.time),
@@ -420,23 +404,11 @@ pub fn analyze(run: &Run) -> Analysis {
             killed_by_kernel: true,
         });
     }
+    ooms
+}
 
-    let nonfinite_checks = run
-        .grads
-        .iter()
-        .filter(|g| g.nan_params + g.inf_params > 0)
-        .count() as u64;
-    let findings = findings::findings(&findings::Facts {
-        run,
-        device: &start.device,
-        cuda,
-        train_peak,
-        capacity,
-        ooms: &ooms,
-        leak: leak.as_ref(),
-        components: components.as_ref(),
-    });
-
+/// The limits of the evidence in a log.
+fn warnings(run: &Run, start: &crate::record::Start, cuda: bool) -> Vec<Warning> {
     let mut warnings = Vec::new();
     if run.start.is_none() {
         warnings.push(Warning {
@@ -496,6 +468,48 @@ pub fn analyze(run: &Run) -> Analysis {
             },
         });
     }
+    warnings
+}
+
+/// Analyzes a run log.
+pub fn analyze(run: &Run) -> Analysis {
+    let start = run.start.clone().unwrap_or_default();
+    let cuda = start.device.starts_with("cuda");
+    let capacity = start.capacity_bytes.filter(|&c| c > 0);
+    let stages = stage_table(run);
+    let peak = measured_peak(run);
+    let train_peak = run
+        .measures
+        .iter()
+        .filter(|(k, _)| *k != MeasureKind::Phase)
+        .map(|(_, m)| m.peak_bytes)
+        .max()
+        .unwrap_or(0);
+    let largest_growth = largest_growth(&stages, train_peak);
+    let components = run
+        .components
+        .last()
+        .cloned()
+        .or_else(|| run.start.as_ref().map(|s| s.components.clone()));
+    let leak = leak(run, capacity, cuda);
+    let ooms = oom_summaries(run);
+    let nonfinite_checks = run
+        .grads
+        .iter()
+        .filter(|g| g.nan_params + g.inf_params > 0)
+        .count() as u64;
+    let findings = findings::findings(&findings::Facts {
+        run,
+        device: &start.device,
+        cuda,
+        train_peak,
+        capacity,
+        ooms: &ooms,
+        leak: leak.as_ref(),
+        components: components.as_ref(),
+    });
+
+    let warnings = warnings(run, &start, cuda);
     let no_steps = no_steps(run, &ooms);
     Analysis {
         verdict: verdict(run, &ooms, &start, capacity, peak, &findings),

@@ -8,7 +8,7 @@ use crate::search::{search, SearchConfig, SearchResult, Trial};
 use crate::{fill_placeholders, BatchPlan, SuperviseError};
 use oomkit_gpu::host;
 use oomkit_gpu::procinfo::process_group;
-use oomkit_gpu::{acquire, probe, ClaimDir, GpuError, Request, Wait};
+use oomkit_gpu::{acquire, probe, ClaimDir, Gpu, GpuError, Request, Wait};
 use oomkit_units::human_bytes;
 use serde::Serialize;
 use std::ffi::OsString;
@@ -144,22 +144,7 @@ pub fn find_batch(
         ));
     }
     child::catch_signals();
-    let req = Request {
-        count: 1,
-        min_free: None,
-        exclude: Vec::new(),
-    };
-    let acquired = match acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &|| false) {
-        Ok(a) => Some(a),
-        Err(e) if e.is_absent() && opts.capacity.is_some() => None,
-        Err(e) if e.is_absent() => {
-            return Err(GpuError::Unsatisfiable(format!(
-                "{e}; give --capacity to search against a stated memory size"
-            ))
-            .into())
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let acquired = take_gpu(opts, say)?;
     let gpu = acquired.as_ref().and_then(|a| a.gpus.first().cloned());
     let capacity = match (opts.capacity, &gpu) {
         (Some(c), _) => c,
@@ -198,133 +183,16 @@ pub fn find_batch(
         if failure.is_some() {
             return bad;
         }
-        let n = reports.len() + 1;
-        let probe_path =
-            std::env::temp_dir().join(format!("oomkit-probe-{}-{n}.json", std::process::id()));
-        let _ = std::fs::remove_file(&probe_path);
-        let baseline = gpu
-            .as_ref()
-            .and_then(|g| probe().ok()?.into_iter().find(|x| x.index == g.index))
-            .map(|g| g.used_bytes)
-            .unwrap_or(0);
-        let plan = BatchPlan::new(b, opts.effective.unwrap_or(b));
-        let mut env = vec![
-            (
-                OsString::from(child_env::PROBE_FILE),
-                probe_path.clone().into_os_string(),
-            ),
-            (child_env::MICRO_BATCH.into(), b.to_string().into()),
-            (
-                child_env::GRAD_ACCUM.into(),
-                plan.grad_accum.to_string().into(),
-            ),
-            (
-                child_env::BASELINE_USED_BYTES.into(),
-                baseline.to_string().into(),
-            ),
-            (child_env::ATTEMPT.into(), n.to_string().into()),
-        ];
-        if let Some(g) = &gpu {
-            env.extend(child::visible_devices(&[g.index]));
-        }
-        let spec = Spec {
-            argv: opts
-                .command
-                .iter()
-                .map(|a| fill_placeholders(a, Some(&plan), n as u32))
-                .collect(),
-            env,
-            stdout_to_stderr: opts.child_stdout_to_stderr,
-            data_limit: None,
-        };
-        let mut sampled: Option<u64> = None;
-        let mut last = Instant::now() - SAMPLE_EVERY;
-        let gpu_index = gpu.as_ref().map(|g| g.index);
-        let outcome = child::run(&spec, &mut |pgid| {
-            if last.elapsed() >= SAMPLE_EVERY {
-                last = Instant::now();
-                let s = match gpu_index {
-                    Some(idx) => sample(idx, pgid, baseline),
-                    // Every process of the command's group: DataLoader workers hold host memory too.
-                    None => Some(host::group_rss_bytes(pgid)).filter(|b| *b > 0),
-                };
-                if let Some(s) = s {
-                    sampled = Some(sampled.unwrap_or(0).max(s));
-                }
+        match trial(opts, gpu.as_ref(), cfg.budget(), b, reports.len() + 1, say) {
+            Ok((t, report)) => {
+                reports.push(report);
+                t
             }
-        });
-        let out = match outcome {
-            Ok(o) => o,
             Err(e) => {
                 failure = Some(e);
-                return bad;
+                bad
             }
-        };
-        if let Some(sig) = out.interrupted_by {
-            failure = Some(SuperviseError::Interrupted(sig));
-            return bad;
         }
-        let probed = read_probe(&probe_path);
-        let _ = std::fs::remove_file(&probe_path);
-        let (peak, source) = match (&gpu, probed) {
-            (Some(_), Some(p)) => (Some(p), Some("probe")),
-            (Some(_), None) => (sampled, sampled.map(|_| "nvml")),
-            // No GPU: the command's host memory, read from outside (the group's
-            // resident sets, sampled, and the kernel's own peak at exit), or the
-            // tracker's own figure where it is higher.
-            (None, probed) => {
-                let rss = sampled.max(out.max_rss_bytes);
-                match (probed, rss) {
-                    (Some(p), Some(r)) if p > r => (Some(p), Some("probe")),
-                    (_, Some(r)) => (Some(r), Some("rss")),
-                    (Some(p), None) => (Some(p), Some("probe")),
-                    (None, None) => (None, None),
-                }
-            }
-        };
-        let ran = out.exit_code == 0;
-        if ran && peak.is_none() {
-            // A run that finished with no figure says nothing about the budget.
-            failure = Some(SuperviseError::Unmeasured(format!(
-                "trial {n} (micro-batch {b}) finished, but no peak was measured: NVML saw none of its memory and the command wrote no probe; add an oomkit.Tracker to the training script (it writes the peak to $OOMKIT_PROBE_FILE), or run it longer than {} ms, so that find-batch has a figure to compare with the budget",
-                SAMPLE_EVERY.as_millis()
-            )));
-            return bad;
-        }
-        let fits_budget = peak.is_some_and(|p| p <= cfg.budget());
-        let t = Trial {
-            batch: b,
-            ok: ran && fits_budget,
-            oom: !ran,
-            peak_bytes: peak,
-        };
-        let verdict = if !ran && out.oom_line.is_some() {
-            "out of memory".to_string()
-        } else if !ran {
-            format!(
-                "failed with exit code {} (counted as too large)",
-                out.exit_code
-            )
-        } else if !fits_budget {
-            "ran, but over the budget".to_string()
-        } else {
-            "fits".to_string()
-        };
-        say(&format!(
-            "trial {n}: micro-batch {b}: {verdict}{}",
-            peak.map(|p| format!(", peak {}", human_bytes(p)))
-                .unwrap_or_default()
-        ));
-        reports.push(TrialReport {
-            batch: b,
-            ok: t.ok,
-            oom: t.oom,
-            peak_bytes: peak,
-            peak_source: source,
-            exit_code: out.exit_code,
-            seconds: out.duration.as_secs_f64(),
-        });
-        t
     };
     let result: SearchResult = search(&cfg, &mut run_one);
     if let Some(e) = failure {
@@ -364,6 +232,165 @@ pub fn find_batch(
         fit_max_error: fit.as_ref().map(|f| f.max_error),
         method: result.method,
     })
+}
+
+/// The GPU the trials run on, claimed; `None` where there is none and `--capacity` was given.
+fn take_gpu(
+    opts: &FindBatchOptions,
+    say: &mut dyn FnMut(&str),
+) -> Result<Option<oomkit_gpu::Acquired>, SuperviseError> {
+    let req = Request {
+        count: 1,
+        min_free: None,
+        exclude: Vec::new(),
+    };
+    match acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &|| false) {
+        Ok(a) => Ok(Some(a)),
+        Err(e) if e.is_absent() && opts.capacity.is_some() => Ok(None),
+        Err(e) if e.is_absent() => Err(GpuError::Unsatisfiable(format!(
+            "{e}; give --capacity to search against a stated memory size"
+        ))
+        .into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Runs the command once at micro-batch `b` (trial `n`), measures its peak,
+/// and says how it went; an error ends the search (a command that cannot
+/// start, a signal, or a run that finished with nothing measured).
+fn trial(
+    opts: &FindBatchOptions,
+    gpu: Option<&Gpu>,
+    budget: u64,
+    b: u64,
+    n: usize,
+    say: &mut dyn FnMut(&str),
+) -> Result<(Trial, TrialReport), SuperviseError> {
+    let probe_path =
+        std::env::temp_dir().join(format!("oomkit-probe-{}-{n}.json", std::process::id()));
+    let _ = std::fs::remove_file(&probe_path);
+    let baseline = gpu
+        .and_then(|g| probe().ok()?.into_iter().find(|x| x.index == g.index))
+        .map(|g| g.used_bytes)
+        .unwrap_or(0);
+    let plan = BatchPlan::new(b, opts.effective.unwrap_or(b));
+    let mut env = vec![
+        (
+            OsString::from(child_env::PROBE_FILE),
+            probe_path.clone().into_os_string(),
+        ),
+        (child_env::MICRO_BATCH.into(), b.to_string().into()),
+        (
+            child_env::GRAD_ACCUM.into(),
+            plan.grad_accum.to_string().into(),
+        ),
+        (
+            child_env::BASELINE_USED_BYTES.into(),
+            baseline.to_string().into(),
+        ),
+        (child_env::ATTEMPT.into(), n.to_string().into()),
+    ];
+    if let Some(g) = gpu {
+        env.extend(child::visible_devices(&[g.index]));
+    }
+    let spec = Spec {
+        argv: opts
+            .command
+            .iter()
+            .map(|a| fill_placeholders(a, Some(&plan), n as u32))
+            .collect(),
+        env,
+        stdout_to_stderr: opts.child_stdout_to_stderr,
+        data_limit: None,
+    };
+    let mut sampled: Option<u64> = None;
+    let mut last = Instant::now() - SAMPLE_EVERY;
+    let gpu_index = gpu.map(|g| g.index);
+    let out = child::run(&spec, &mut |pgid| {
+        if last.elapsed() >= SAMPLE_EVERY {
+            last = Instant::now();
+            let s = match gpu_index {
+                Some(idx) => sample(idx, pgid, baseline),
+                // Every process of the command's group: DataLoader workers hold host memory too.
+                None => Some(host::group_rss_bytes(pgid)).filter(|b| *b > 0),
+            };
+            if let Some(s) = s {
+                sampled = Some(sampled.unwrap_or(0).max(s));
+            }
+        }
+    })?;
+    if let Some(sig) = out.interrupted_by {
+        return Err(SuperviseError::Interrupted(sig));
+    }
+    let probed = read_probe(&probe_path);
+    let _ = std::fs::remove_file(&probe_path);
+    let (peak, source) = measured_peak(gpu.is_some(), probed, sampled, out.max_rss_bytes);
+    let ran = out.exit_code == 0;
+    if ran && peak.is_none() {
+        // A run that finished with no figure says nothing about the budget.
+        return Err(SuperviseError::Unmeasured(format!(
+            "trial {n} (micro-batch {b}) finished, but no peak was measured: NVML saw none of its memory and the command wrote no probe; add an oomkit.Tracker to the training script (it writes the peak to $OOMKIT_PROBE_FILE), or run it longer than {} ms, so that find-batch has a figure to compare with the budget",
+            SAMPLE_EVERY.as_millis()
+        )));
+    }
+    let fits_budget = peak.is_some_and(|p| p <= budget);
+    let t = Trial {
+        batch: b,
+        ok: ran && fits_budget,
+        oom: !ran,
+        peak_bytes: peak,
+    };
+    let verdict = if !ran && out.oom_line.is_some() {
+        "out of memory".to_string()
+    } else if !ran {
+        format!(
+            "failed with exit code {} (counted as too large)",
+            out.exit_code
+        )
+    } else if !fits_budget {
+        "ran, but over the budget".to_string()
+    } else {
+        "fits".to_string()
+    };
+    say(&format!(
+        "trial {n}: micro-batch {b}: {verdict}{}",
+        peak.map(|p| format!(", peak {}", human_bytes(p)))
+            .unwrap_or_default()
+    ));
+    let report = TrialReport {
+        batch: b,
+        ok: t.ok,
+        oom: t.oom,
+        peak_bytes: peak,
+        peak_source: source,
+        exit_code: out.exit_code,
+        seconds: out.duration.as_secs_f64(),
+    };
+    Ok((t, report))
+}
+
+/// A trial's peak and where it came from: on a GPU the tracker's probe, else
+/// NVML's samples; without one the command's host memory, read from outside
+/// (the group's resident sets, sampled, and the kernel's own peak at exit),
+/// or the tracker's own figure where it is higher.
+fn measured_peak(
+    on_gpu: bool,
+    probed: Option<u64>,
+    sampled: Option<u64>,
+    max_rss: Option<u64>,
+) -> (Option<u64>, Option<&'static str>) {
+    if on_gpu {
+        return match probed {
+            Some(p) => (Some(p), Some("probe")),
+            None => (sampled, sampled.map(|_| "nvml")),
+        };
+    }
+    match (probed, sampled.max(max_rss)) {
+        (Some(p), Some(r)) if p > r => (Some(p), Some("probe")),
+        (_, Some(r)) => (Some(r), Some("rss")),
+        (Some(p), None) => (Some(p), Some("probe")),
+        (None, None) => (None, None),
+    }
 }
 
 /// A line through the measured peaks, with the batches it rests on and how far it misses them.

@@ -65,6 +65,12 @@ pub struct SearchResult {
 }
 
 /// Runs `probe` at chosen batch sizes and returns the largest batch within the budget.
+///
+/// Long on purpose: its phases (step down to a first fit, the provably safe
+/// second point, the line's prediction and one refit, geometric growth,
+/// then false position and bisection) share the bracket between the largest
+/// fit and the smallest failure, and read in the order the module's
+/// documentation gives them.
 pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> SearchResult {
     let budget = cfg.budget();
     let max = cfg.max.max(1);
