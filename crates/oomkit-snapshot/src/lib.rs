@@ -9,10 +9,13 @@
 //! annotated phases, and findings with advice.
 
 mod analysis;
+mod claim;
+mod dump;
 mod error;
 mod findings;
 mod hash;
 mod model;
+mod read;
 mod replay;
 mod report;
 mod roles;
@@ -21,10 +24,11 @@ mod stacks;
 mod timeline;
 
 pub use analysis::{analyze, role_timeline};
+pub use dump::{to_json, TO_JSON_MAX_VALUES};
 pub use error::{Error, Result};
 pub use model::{
-    to_json, Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
-    TraceEvent, TO_JSON_MAX_VALUES,
+    Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
+    TraceEvent,
 };
 pub use oomkit_advice::{Finding, FindingKind, Role, RoleBytes, RoleEvidence, Verdict};
 pub use report::{

@@ -1,0 +1,211 @@
+//! Turning trace entries into events while the pickle is parsed, so that a
+//! million-entry trace never exists as a million generic dicts.
+
+use crate::hash::FastHasher;
+use crate::model::{Action, TraceEvent};
+use crate::read::StackReader;
+use oomkit_pickle::{Claim, Document, Slot};
+
+/// Which field of a trace entry a key names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntryField {
+    Action,
+    Addr,
+    Size,
+    TimeUs,
+    Frames,
+    DeviceFree,
+    Other,
+}
+
+impl EntryField {
+    pub(crate) fn of(key: &[u8]) -> EntryField {
+        match key {
+            b"action" => EntryField::Action,
+            b"addr" => EntryField::Addr,
+            b"size" => EntryField::Size,
+            b"time_us" => EntryField::TimeUs,
+            b"frames" => EntryField::Frames,
+            b"device_free" => EntryField::DeviceFree,
+            _ => EntryField::Other,
+        }
+    }
+}
+
+/// Turns trace entries into [`TraceEvent`]s while the pickle is parsed, so
+/// that a million-entry trace never exists as a million generic dicts.
+///
+/// Entries it cannot read exactly (an unknown action, a field of the wrong
+/// type) are left to the generic reader, which counts or reports them.
+/// Where each field sits in the dicts of one key sequence.
+///
+/// Every entry of a trace repeats the same memoized keys in the same order,
+/// so one comparison per key finds the fields, with no lookup or branch per
+/// field.
+#[derive(Default)]
+struct Shape {
+    keys: Vec<Slot>,
+    /// Index of the value of each field in the items, the last if repeated.
+    action: Option<usize>,
+    addr: Option<usize>,
+    size: Option<usize>,
+    time_us: Option<usize>,
+    frames: Option<usize>,
+    device_free: Option<usize>,
+}
+
+pub(crate) struct EntryClaim {
+    pub(crate) stacks: StackReader,
+    pub(crate) events: Vec<TraceEvent>,
+    shape: Shape,
+    keys: SlotCache<EntryField>,
+    actions: SlotCache<Action>,
+}
+
+/// Size of the direct-mapped caches of key and action strings.
+const KEY_BUCKETS: usize = 64;
+/// How much of the events' spare capacity one parse step names as about to be filled.
+const EVENTS_AHEAD: usize = 2 << 20;
+/// Size of the direct-mapped cache in front of the stack table.
+pub(crate) const STACK_BUCKETS: usize = 4096;
+
+/// A direct-mapped cache from slots to small values: one probe, no
+/// collision chains, a colliding slot simply replaces the older one.
+pub(crate) struct SlotCache<T: Copy> {
+    buckets: Vec<Option<(Slot, T)>>,
+}
+
+impl<T: Copy> SlotCache<T> {
+    /// Makes a cache of `n` buckets, a power of two.
+    pub(crate) fn new(n: usize) -> Self {
+        debug_assert!(n.is_power_of_two());
+        SlotCache {
+            buckets: vec![None; n],
+        }
+    }
+
+    fn bucket(&self, slot: Slot) -> usize {
+        let mut h = FastHasher::default();
+        std::hash::Hash::hash(&slot, &mut h);
+        std::hash::Hasher::finish(&h) as usize & (self.buckets.len() - 1)
+    }
+
+    pub(crate) fn get(&self, slot: Slot) -> Option<T> {
+        match self.buckets[self.bucket(slot)] {
+            Some((s, v)) if s == slot => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn put(&mut self, slot: Slot, value: T) {
+        let at = self.bucket(slot);
+        self.buckets[at] = Some((slot, value));
+    }
+}
+
+impl EntryClaim {
+    pub(crate) fn new(file_len: usize) -> Self {
+        let events = Vec::with_capacity(file_len / 32);
+        oomkit_pickle::advise_huge_pages(&events);
+        EntryClaim {
+            stacks: StackReader::default(),
+            // An entry takes at least 32 bytes of pickle; reserved pages that
+            // are never touched cost no resident memory, while growing by
+            // doubling would briefly hold two copies of the events.
+            events,
+            shape: Shape::default(),
+            keys: SlotCache::new(KEY_BUCKETS),
+            actions: SlotCache::new(KEY_BUCKETS),
+        }
+    }
+
+    fn field(&mut self, doc: &Document<'_>, key: Slot) -> Option<EntryField> {
+        if let Some(f) = self.keys.get(key) {
+            return Some(f);
+        }
+        let f = EntryField::of(doc.str_bytes(key)?);
+        // Keys are shared through the memo, so a few slots cover a whole trace.
+        self.keys.put(key, f);
+        Some(f)
+    }
+
+    fn action(&mut self, doc: &Document<'_>, slot: Slot) -> Option<Action> {
+        if let Some(a) = self.actions.get(slot) {
+            return Some(a);
+        }
+        let a = Action::parse(doc.str_bytes(slot)?);
+        self.actions.put(slot, a);
+        Some(a)
+    }
+
+    /// Makes the cached shape that of `items`, returning `None` if a key is not a string.
+    fn shape(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<()> {
+        let same = self.shape.keys.len() * 2 == items.len()
+            && items
+                .iter()
+                .step_by(2)
+                .zip(&self.shape.keys)
+                .all(|(a, b)| a == b);
+        if same {
+            return Some(());
+        }
+        let mut shape = Shape::default();
+        for (i, &k) in items.iter().step_by(2).enumerate() {
+            let at = Some(2 * i + 1);
+            match self.field(doc, k)? {
+                EntryField::Action => shape.action = at,
+                EntryField::Addr => shape.addr = at,
+                EntryField::Size => shape.size = at,
+                EntryField::TimeUs => shape.time_us = at,
+                EntryField::Frames => shape.frames = at,
+                EntryField::DeviceFree => shape.device_free = at,
+                EntryField::Other => {}
+            }
+            shape.keys.push(k);
+        }
+        self.shape = shape;
+        Some(())
+    }
+
+    fn read(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<TraceEvent> {
+        self.shape(doc, items)?;
+        let uint = |at: Option<usize>| match at {
+            Some(i) => doc.as_i128(items[i]).and_then(|v| u64::try_from(v).ok()),
+            None => Some(0),
+        };
+        let mut ev = TraceEvent::BLANK;
+        ev.action = self.action(doc, items[self.shape.action?])?;
+        if ev.action == Action::Unknown {
+            return None;
+        }
+        ev.addr = uint(self.shape.addr)?;
+        ev.size = uint(self.shape.size)?;
+        if let Some(i) = self.shape.time_us {
+            ev.set_time(doc.as_i64(items[i]));
+        }
+        if let Some(i) = self.shape.frames {
+            ev.stack = self.stacks.stack(doc, items[i], String::new).ok()?;
+        }
+        if let (Action::Oom, Some(_)) = (ev.action, self.shape.device_free) {
+            ev.addr = uint(self.shape.device_free)?;
+        }
+        Some(ev)
+    }
+}
+
+impl Claim for EntryClaim {
+    fn ahead(&self, ahead: &mut oomkit_pickle::Ahead) {
+        ahead.add(&self.events, EVENTS_AHEAD);
+    }
+
+    fn claim(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        let id = u32::try_from(self.events.len()).ok()?;
+        let ev = self.read(doc, items)?;
+        self.events.push(ev);
+        Some(id)
+    }
+
+    fn claim_list(&mut self, doc: &Document<'_>, items: &[Slot]) -> Option<u32> {
+        self.stacks.claim_list(doc, items)
+    }
+}
