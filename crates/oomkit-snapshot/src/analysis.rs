@@ -2,16 +2,18 @@
 //! set at the peak by allocation site, OOM events, phases, and advice.
 
 use crate::findings::{findings, OOMS_DETAILED};
-use crate::model::{Action, BlockState, Snapshot};
+use crate::frame_kinds::{kinds, Kinds};
+use crate::model::{Action, BlockState, Snapshot, TraceEvent};
 use crate::replay::{
-    exact_totals, live_at, relative_totals, scan_trace, windows, Totals, TraceScan, WindowStats,
+    exact_totals, live_at, relative_totals, scan_trace, windows, Totals, TraceScan, Window,
+    WindowStats,
 };
 use crate::report::UnknownReason;
 use crate::report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
     Warning,
 };
-use crate::roles::{kinds, Context, DeviceRoles, Kinds, Moment, UNKNOWN_WARN_SHARE};
+use crate::roles::{Context, DeviceRoles, Moment, UNKNOWN_WARN_SHARE};
 use crate::sites::{group, label, site_key, Live};
 use oomkit_advice::{Role, RoleBytes};
 use oomkit_units::human_bytes;
@@ -93,6 +95,13 @@ fn verdict(
 /// Traces at least this long get their first two passes on two cores.
 pub(crate) const PARALLEL_MIN_EVENTS: usize = 100_000;
 
+/// One device's report: the state at snapshot time, the first pass (the
+/// trace's scan and running totals, on two cores for a long trace), the
+/// totals from before the trace, pass 2 ([`live_sets`]), the OOMs
+/// ([`oom_reports`]) and the warnings.
+///
+/// Long on purpose: it is the order of the analysis, each step a call, and
+/// a quarter of it the report's fields set from what the steps found.
 fn analyze_device(
     snap: &Snapshot,
     device: i64,
@@ -109,31 +118,14 @@ fn analyze_device(
     let events = snap.events(device);
 
     // State at snapshot time, as the allocator reported it.
-    let reserved: u64 = segs.iter().map(|s| s.total_size).sum();
-    let active: u64 = segs.iter().map(|s| s.active_size).sum();
-    let allocated: u64 = segs.iter().map(|s| s.allocated_size).sum();
-    let requested: u64 = segs.iter().map(|s| s.requested_size).sum();
-    let mut frag = Fragmentation::default();
-    let mut pending = 0;
-    for b in segs.iter().flat_map(|s| &s.blocks) {
-        match b.state {
-            BlockState::Inactive => {
-                frag.external_bytes += b.size;
-                frag.free_blocks += 1;
-                frag.largest_free_block_bytes = frag.largest_free_block_bytes.max(b.size);
-            }
-            s if s.is_active() => {
-                frag.internal_bytes += b.size.saturating_sub(b.requested_size);
-                if s == BlockState::ActivePendingFree {
-                    pending += b.size;
-                }
-            }
-            _ => {}
-        }
-    }
-    if reserved > 0 {
-        frag.external_fraction = frag.external_bytes as f64 / reserved as f64;
-    }
+    let AtSnapshot {
+        reserved,
+        active,
+        allocated,
+        requested,
+        pending,
+        mut frag,
+    } = at_snapshot(&segs);
 
     // Blocks active at the end, from the blocks themselves (the replay's ground truth).
     let final_blocks = final_blocks(snap, device);
@@ -168,24 +160,13 @@ fn analyze_device(
             Some(l.size.saturating_sub(events[a as usize].size))
         })
         .sum();
-    let mut base_active = final_active as i128 - rounding as i128 - scan.net_active;
-    let mut base_reserved = reserved as i128 - scan.net_reserved;
-    if !events.is_empty() && (base_active < 0 || base_reserved < 0) {
-        warnings.push(Warning {
-            kind: "inconsistent_trace",
-            device: Some(device),
-            message: format!(
-                "cuda:{device}: the trace frees more than the segments can account for ({} active, {} reserved); the timeline starts at zero",
-                human_bytes(base_active.unsigned_abs() as u64),
-                human_bytes(base_reserved.unsigned_abs() as u64)
-            ),
-            fix: "record the snapshot with one _dump_snapshot() call, without editing it".into(),
-        });
-        base_active = base_active.max(0);
-        base_reserved = base_reserved.max(0);
-    }
-    let base_active = base_active as u64;
-    let base_reserved = base_reserved as u64;
+    let (base_active, base_reserved) = starting_totals(
+        device,
+        !events.is_empty(),
+        final_active as i128 - rounding as i128 - scan.net_active,
+        reserved as i128 - scan.net_reserved,
+        warnings,
+    );
 
     // Running totals, the peaks, and active bytes after each entry.
     let Totals {
@@ -200,93 +181,32 @@ fn analyze_device(
         .absolute(base_active, base_reserved)
         .unwrap_or_else(|| exact_totals(events, &windows, base_active, base_reserved));
 
-    // Pass 2: the live set at the peak and at every OOM.
-    let (before, end) = before_and_end(&final_blocks, &scan);
-    let mut top_sites = Vec::new();
-    let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
-    // The live set at the peak, where its roles are counted after pass 2.
-    let mut peak_live: Option<Vec<Live>> = None;
-    // Each OOM's holders cost a pass over the live set, so a trace that
-    // records an OOM at every step would take quadratic time, and a finding
-    // per OOM would bury the rest.
-    let mut targets: Vec<usize> = oom_idx.iter().take(OOMS_DETAILED).copied().collect();
-    if oom_idx.len() > OOMS_DETAILED {
-        warnings.push(Warning {
-            kind: "many_ooms",
-            device: Some(device),
-            message: format!(
-                "cuda:{device}: the trace records {} OOM entries; the holders of memory and the findings cover the first {OOMS_DETAILED}",
-                oom_idx.len()
-            ),
-            fix: "fix the first OOM: a loop that retries after each one records the same failure again".into(),
-        });
-    }
-    if let Some(p) = peak_idx {
-        targets.push(p);
-    }
-    targets.sort_unstable();
-    targets.dedup();
-    let oom_holders_top = opts.top.min(5);
-    if peak_idx.is_none() && !events.is_empty() {
-        // The peak is the start: what predates the trace.
-        let orphans = scan.orphans.iter().map(|(_, l)| *l);
-        let live: Vec<Live> = orphans.chain(before.iter().copied()).collect();
-        top_sites = group(stacks, live.iter().copied(), opts.top);
-        peak_live = Some(live);
-    }
-    let decide = || {
-        let context = context(snap, device, &ranges, &windows);
-        DeviceRoles::new(kinds, events, &scan, &context, &before, &end)
-    };
-    // Pass 2 counts each live set's roles on the spot when the roles are
-    // decided; otherwise it keeps the peak's live set for later.
-    let mut oom_roles: Vec<Moment> = Vec::new();
-    let mut peak_roles: Option<Moment> = None;
-    let mut pass2 = |roles: Option<&DeviceRoles>, peak_live: &mut Option<Vec<Live>>| {
-        live_at(events, &scan, &before, &targets, |i, live| {
-            let live: Vec<Live> = live.collect();
-            let oom = Some(i) != peak_idx
-                || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
-            if oom {
-                holders.push(group(stacks, live.iter().copied(), oom_holders_top));
-                if let Some(r) = roles {
-                    oom_roles.push(r.at(live.iter().copied()));
-                }
-            }
-            if Some(i) == peak_idx {
-                top_sites = group(stacks, live.iter().copied(), opts.top);
-                match roles {
-                    Some(r) => peak_roles = Some(r.at(live.into_iter())),
-                    None => *peak_live = Some(live),
-                }
-            }
-        })
-    };
-    // Deciding the roles reads the whole trace again; on a long one without
-    // OOM entries (whose live sets would have to wait in memory) it runs on
-    // the second core while the live set at the peak is rebuilt.
-    let roles = if events.len() >= PARALLEL_MIN_EVENTS && oom_idx.is_empty() {
-        std::thread::scope(|sc| {
-            let roles = sc.spawn(decide);
-            pass2(None, &mut peak_live);
-            // A panic in the roles thread is a bug; rethrowing it keeps it one.
-            roles
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
-    } else {
-        let roles = decide();
-        pass2(Some(&roles), &mut peak_live);
-        roles
-    };
-    if let Some(l) = peak_live.take() {
-        peak_roles = Some(roles.at(l.into_iter()));
-    }
-    let mut end_roles = roles.at(end.iter().copied());
+    // Pass 2: the live set at the peak and at every OOM, and their roles.
+    let LiveSets {
+        mut top_sites,
+        holders,
+        oom_roles,
+        peak_roles,
+        mut end_roles,
+    } = live_sets(
+        &Traced {
+            snap,
+            device,
+            kinds,
+            events,
+            scan: &scan,
+            final_blocks: &final_blocks,
+            ranges: &ranges,
+            windows: &windows,
+        },
+        peak_idx,
+        &oom_idx,
+        opts,
+        warnings,
+    );
     // A file whose segments count more active bytes than their blocks list
     // (edited, or written mid-update) has bytes no block accounts for.
     end_roles.add_unlisted(active.saturating_sub(final_active));
-    let peak_roles = peak_roles.unwrap_or_else(|| roles.at(end.iter().copied()));
     let top_sites_at = if events.is_empty() {
         // No trace: the live set now is all there is.
         // The replay started from final_active, so that is already the peak.
@@ -301,62 +221,18 @@ fn analyze_device(
     let phases = phases(&ranges, &window_stats);
     let peak_phase = peak_time.and_then(|pt| innermost_phase(&ranges, pt));
 
-    // OOM events.
-    let mut ooms = Vec::new();
-    for (k, &i) in oom_idx.iter().enumerate() {
-        let e = &events[i];
-        let live_bytes = oom_live[k];
-        let res = reserved_after[k];
-        let unalloc = res.saturating_sub(live_bytes);
-        // A snapshot records neither the device's capacity nor other processes.
-        let cause = oomkit_advice::decide(&oomkit_advice::Figures {
-            requested: Some(e.size),
-            free: Some(e.addr),
-            reserved_unallocated: Some(unalloc),
-            ..Default::default()
-        });
-        let key = site_key(
-            stacks,
-            &Live {
-                size: e.size,
-                requested: e.size,
-                stack: e.stack,
-                before_recording: false,
-                private_pool: false,
-                at: Live::UNTRACED,
-            },
-        );
-        let (site, label_text) = label(stacks, &key);
-        ooms.push(OomReport {
-            event_index: i as u64,
-            time_us: e.time_us(),
-            requested_bytes: e.size,
-            free_bytes: e.addr,
-            live_bytes,
-            reserved_bytes: res,
-            reserved_unallocated_bytes: unalloc,
-            cause,
-            site,
-            label: label_text,
-            phase: e.time_us().and_then(|t| innermost_phase(&ranges, t)),
-            top_holders: holders.get(k).cloned().unwrap_or_default(),
-            roles: oom_roles
-                .get(k)
-                .map(|m| m.roles.bytes)
-                .unwrap_or(RoleBytes {
-                    unknown: live_bytes,
-                    ..Default::default()
-                }),
-            roles_evidence: oom_roles
-                .get(k)
-                .map(|m| m.roles.evidence)
-                .unwrap_or_default(),
-            roles_unknown_reason: match oom_roles.get(k) {
-                Some(m) => m.main_reason(),
-                None => Some(UnknownReason::NotExamined),
-            },
-        });
-    }
+    let ooms = oom_reports(
+        stacks,
+        events,
+        &ranges,
+        &OomFigures {
+            at: &oom_idx,
+            live: &oom_live,
+            reserved_after: &reserved_after,
+            holders: &holders,
+            roles: &oom_roles,
+        },
+    );
 
     warnings.extend(unknown_warning(device, &peak_roles));
     warnings.extend(evidence_warnings(
@@ -412,6 +288,285 @@ fn analyze_device(
             end: end_roles.main_reason(),
         },
     }
+}
+
+/// One device's trace and what the first pass made of it.
+#[derive(Clone, Copy)]
+struct Traced<'a> {
+    snap: &'a Snapshot,
+    device: i64,
+    kinds: &'a Kinds,
+    events: &'a [TraceEvent],
+    scan: &'a TraceScan,
+    final_blocks: &'a [(u64, Live)],
+    ranges: &'a [(String, i64, i64)],
+    windows: &'a [Window],
+}
+
+/// What the live sets at the peak and at the OOMs hold: the sites, and the roles.
+struct LiveSets {
+    top_sites: Vec<SiteBytes>,
+    holders: Vec<Vec<SiteBytes>>,
+    oom_roles: Vec<Moment>,
+    peak_roles: Moment,
+    end_roles: Moment,
+}
+
+/// Pass 2: rebuilds the live set at the peak and at each OOM (the first
+/// [`OOMS_DETAILED`]), groups them by site, and counts their roles, deciding
+/// the roles on a second core where the trace is long.
+fn live_sets(
+    t: &Traced<'_>,
+    peak_idx: Option<usize>,
+    oom_idx: &[usize],
+    opts: &Options,
+    warnings: &mut Vec<Warning>,
+) -> LiveSets {
+    let Traced {
+        snap,
+        device,
+        kinds,
+        events,
+        scan,
+        final_blocks,
+        ranges,
+        windows,
+    } = *t;
+    let stacks = &snap.stacks;
+    let (before, end) = before_and_end(final_blocks, scan);
+    let mut top_sites = Vec::new();
+    let mut holders: Vec<Vec<SiteBytes>> = Vec::new();
+    // The live set at the peak, where its roles are counted after pass 2.
+    let mut peak_live: Option<Vec<Live>> = None;
+    // Each OOM's holders cost a pass over the live set, so a trace that
+    // records an OOM at every step would take quadratic time, and a finding
+    // per OOM would bury the rest.
+    let mut targets: Vec<usize> = oom_idx.iter().take(OOMS_DETAILED).copied().collect();
+    if oom_idx.len() > OOMS_DETAILED {
+        warnings.push(Warning {
+            kind: "many_ooms",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: the trace records {} OOM entries; the holders of memory and the findings cover the first {OOMS_DETAILED}",
+                oom_idx.len()
+            ),
+            fix: "fix the first OOM: a loop that retries after each one records the same failure again".into(),
+        });
+    }
+    if let Some(p) = peak_idx {
+        targets.push(p);
+    }
+    targets.sort_unstable();
+    targets.dedup();
+    let oom_holders_top = opts.top.min(5);
+    if peak_idx.is_none() && !events.is_empty() {
+        // The peak is the start: what predates the trace.
+        let orphans = scan.orphans.iter().map(|(_, l)| *l);
+        let live: Vec<Live> = orphans.chain(before.iter().copied()).collect();
+        top_sites = group(stacks, live.iter().copied(), opts.top);
+        peak_live = Some(live);
+    }
+    let decide = || {
+        let context = context(snap, device, ranges, windows);
+        DeviceRoles::new(kinds, events, scan, &context, &before, &end)
+    };
+    // Pass 2 counts each live set's roles on the spot when the roles are
+    // decided; otherwise it keeps the peak's live set for later.
+    let mut oom_roles: Vec<Moment> = Vec::new();
+    let mut peak_roles: Option<Moment> = None;
+    let mut pass2 = |roles: Option<&DeviceRoles>, peak_live: &mut Option<Vec<Live>>| {
+        live_at(events, scan, &before, &targets, |i, live| {
+            let live: Vec<Live> = live.collect();
+            let oom = Some(i) != peak_idx
+                || (events[i].action == Action::Oom && holders.len() < OOMS_DETAILED);
+            if oom {
+                holders.push(group(stacks, live.iter().copied(), oom_holders_top));
+                if let Some(r) = roles {
+                    oom_roles.push(r.at(live.iter().copied()));
+                }
+            }
+            if Some(i) == peak_idx {
+                top_sites = group(stacks, live.iter().copied(), opts.top);
+                match roles {
+                    Some(r) => peak_roles = Some(r.at(live.into_iter())),
+                    None => *peak_live = Some(live),
+                }
+            }
+        })
+    };
+    // Deciding the roles reads the whole trace again; on a long one without
+    // OOM entries (whose live sets would have to wait in memory) it runs on
+    // the second core while the live set at the peak is rebuilt.
+    let roles = if events.len() >= PARALLEL_MIN_EVENTS && oom_idx.is_empty() {
+        std::thread::scope(|sc| {
+            let roles = sc.spawn(decide);
+            pass2(None, &mut peak_live);
+            // A panic in the roles thread is a bug; rethrowing it keeps it one.
+            roles
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    } else {
+        let roles = decide();
+        pass2(Some(&roles), &mut peak_live);
+        roles
+    };
+    if let Some(l) = peak_live.take() {
+        peak_roles = Some(roles.at(l.into_iter()));
+    }
+    let end_roles = roles.at(end.iter().copied());
+    let peak_roles = peak_roles.unwrap_or_else(|| roles.at(end.iter().copied()));
+    LiveSets {
+        top_sites,
+        holders,
+        oom_roles,
+        peak_roles,
+        end_roles,
+    }
+}
+
+/// What the segments say at snapshot time: the allocator's own totals, the
+/// active blocks pending a free, and the fragmentation.
+struct AtSnapshot {
+    reserved: u64,
+    active: u64,
+    allocated: u64,
+    requested: u64,
+    pending: u64,
+    frag: Fragmentation,
+}
+
+/// Sums the segments of one device as the allocator reported them.
+fn at_snapshot(segs: &[&crate::model::Segment]) -> AtSnapshot {
+    let reserved: u64 = segs.iter().map(|s| s.total_size).sum();
+    let mut frag = Fragmentation::default();
+    let mut pending = 0;
+    for b in segs.iter().flat_map(|s| &s.blocks) {
+        match b.state {
+            BlockState::Inactive => {
+                frag.external_bytes += b.size;
+                frag.free_blocks += 1;
+                frag.largest_free_block_bytes = frag.largest_free_block_bytes.max(b.size);
+            }
+            s if s.is_active() => {
+                frag.internal_bytes += b.size.saturating_sub(b.requested_size);
+                if s == BlockState::ActivePendingFree {
+                    pending += b.size;
+                }
+            }
+            _ => {}
+        }
+    }
+    if reserved > 0 {
+        frag.external_fraction = frag.external_bytes as f64 / reserved as f64;
+    }
+    AtSnapshot {
+        reserved,
+        active: segs.iter().map(|s| s.active_size).sum(),
+        allocated: segs.iter().map(|s| s.allocated_size).sum(),
+        requested: segs.iter().map(|s| s.requested_size).sum(),
+        pending,
+        frag,
+    }
+}
+
+/// The active and reserved bytes live before the trace's first entry, from
+/// what the segments hold at its end less the trace's net effect; a trace
+/// that frees more than the segments account for starts at zero, with a
+/// warning.
+fn starting_totals(
+    device: i64,
+    traced: bool,
+    active: i128,
+    reserved: i128,
+    warnings: &mut Vec<Warning>,
+) -> (u64, u64) {
+    if traced && (active < 0 || reserved < 0) {
+        warnings.push(Warning {
+            kind: "inconsistent_trace",
+            device: Some(device),
+            message: format!(
+                "cuda:{device}: the trace frees more than the segments can account for ({} active, {} reserved); the timeline starts at zero",
+                human_bytes(active.unsigned_abs() as u64),
+                human_bytes(reserved.unsigned_abs() as u64)
+            ),
+            fix: "record the snapshot with one _dump_snapshot() call, without editing it".into(),
+        });
+    }
+    (active.max(0) as u64, reserved.max(0) as u64)
+}
+
+/// What the replay and pass 2 found at each OOM entry, in order.
+struct OomFigures<'a> {
+    /// The entries.
+    at: &'a [usize],
+    /// Active bytes at each.
+    live: &'a [u64],
+    /// Reserved bytes at each.
+    reserved_after: &'a [u64],
+    /// The sites holding the memory, for the first few.
+    holders: &'a [Vec<SiteBytes>],
+    /// The roles of the live set, for the first few.
+    roles: &'a [Moment],
+}
+
+/// One report per OOM entry: the request, what was free and held, the cause, the site and the holders.
+fn oom_reports(
+    stacks: &crate::stacks::Stacks,
+    events: &[TraceEvent],
+    ranges: &[(String, i64, i64)],
+    f: &OomFigures<'_>,
+) -> Vec<OomReport> {
+    let mut ooms = Vec::new();
+    for (k, &i) in f.at.iter().enumerate() {
+        let e = &events[i];
+        let live_bytes = f.live[k];
+        let res = f.reserved_after[k];
+        let unalloc = res.saturating_sub(live_bytes);
+        // A snapshot records neither the device's capacity nor other processes.
+        let cause = oomkit_advice::decide(&oomkit_advice::Figures {
+            requested: Some(e.size),
+            free: Some(e.addr),
+            reserved_unallocated: Some(unalloc),
+            ..Default::default()
+        });
+        let key = site_key(
+            stacks,
+            &Live {
+                size: e.size,
+                requested: e.size,
+                stack: e.stack,
+                before_recording: false,
+                private_pool: false,
+                at: Live::UNTRACED,
+            },
+        );
+        let (site, label_text) = label(stacks, &key);
+        ooms.push(OomReport {
+            event_index: i as u64,
+            time_us: e.time_us(),
+            requested_bytes: e.size,
+            free_bytes: e.addr,
+            live_bytes,
+            reserved_bytes: res,
+            reserved_unallocated_bytes: unalloc,
+            cause,
+            site,
+            label: label_text,
+            phase: e.time_us().and_then(|t| innermost_phase(ranges, t)),
+            top_holders: f.holders.get(k).cloned().unwrap_or_default(),
+            roles: f.roles.get(k).map(|m| m.roles.bytes).unwrap_or(RoleBytes {
+                unknown: live_bytes,
+                ..Default::default()
+            }),
+            roles_evidence: f.roles.get(k).map(|m| m.roles.evidence).unwrap_or_default(),
+            roles_unknown_reason: match f.roles.get(k) {
+                Some(m) => m.main_reason(),
+                None => Some(UnknownReason::NotExamined),
+            },
+        });
+    }
+    ooms
 }
 
 /// The blocks active at snapshot time on a device, by address.

@@ -13,6 +13,7 @@ mod claim;
 mod dump;
 mod error;
 mod findings;
+mod frame_kinds;
 mod hash;
 mod model;
 mod read;

@@ -4,12 +4,13 @@
 //! blocks allocated before recording, by matching their sizes with the
 //! gradients'.
 
+use crate::frame_kinds::{FreedBy, Kind, Kinds};
 use crate::hash::FastState;
 use crate::model::{Action, TraceEvent};
 use crate::replay::{TraceScan, Window};
 use crate::report::UnknownReason;
 use crate::sites::Live;
-use crate::stacks::{Frame, FrameId, StackId, Stacks};
+use crate::stacks::StackId;
 use oomkit_advice::{Evidence, Role, RolesAt};
 use std::collections::HashMap;
 
@@ -18,240 +19,6 @@ pub(crate) const MAX_STATES_PER_PARAM: u32 = 2;
 
 /// Above this share of a moment's bytes in `unknown`, the analysis warns and says why.
 pub(crate) const UNKNOWN_WARN_SHARE: f64 = 0.25;
-
-/// What the frames of a stack say its allocation was for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// `AccumulateGrad`: a gradient.
-    Gradient,
-    /// cuBLAS workspaces, NCCL and c10d (DDP's buckets), CUDA graphs.
-    Library,
-    /// An optimizer's code: its step or its state's initialisation.
-    Optimizer,
-    /// Autograd's engine or a backward node, or `loss.backward()` itself.
-    Backward,
-    /// The data loader or a trainer moving the batch to the device.
-    Input,
-    /// Building, moving or loading the model: `Module._apply`, `load_state_dict`, `nn` constructors.
-    Parameter,
-    /// Any other Python frame or operator: forward, loss, metrics.
-    Forward,
-    /// No frame that says anything: stacks were off, or only the allocator's own frames.
-    Bare,
-}
-
-/// The kind of every stack of a snapshot.
-pub(crate) struct Kinds {
-    /// By [`StackId`].
-    of: Vec<Kind>,
-    /// The file has Python stacks and no native frame at all (recorded
-    /// with `stacks="python"`, or on Windows): a traced allocation without
-    /// frames then came from a thread that runs no Python, which during
-    /// training is autograd's engine running backward.
-    empty_is_backward: bool,
-    /// What freeing a block from a stack says it was, by [`StackId`]:
-    /// the free's own frames.
-    freed_by: Vec<FreedBy>,
-}
-
-/// What the code that freed a block says it was.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum FreedBy {
-    /// Nothing in particular.
-    Other,
-    /// `Optimizer.zero_grad`: a gradient.
-    ZeroGrad,
-    /// The optimizer's step: its state, replaced by new tensors.
-    Optimizer,
-}
-
-/// Finds the kind of every stack of a snapshot. Each distinct frame is
-/// looked at once (a file has hundreds of frames in thousands of stacks).
-pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
-    let flags: Vec<u16> = (0..stacks.frame_count())
-        .map(|f| frame_flags(stacks.frame(f as FrameId)))
-        .collect();
-    let (mut python, mut native) = (false, false);
-    let mut freed_by = Vec::with_capacity(stacks.len());
-    let of = (0..stacks.len())
-        .map(|i| {
-            let all = stacks
-                .stack(StackId(i as u32))
-                .iter()
-                .fold(0u16, |acc, &f| acc | flags[f as usize]);
-            python |= all & PYTHON != 0;
-            native |= all & NATIVE != 0;
-            freed_by.push(if all & ZERO_GRAD != 0 {
-                FreedBy::ZeroGrad
-            } else if all & OPTIMIZER != 0 {
-                FreedBy::Optimizer
-            } else {
-                FreedBy::Other
-            });
-            kind_of(all)
-        })
-        .collect();
-    Kinds {
-        of,
-        empty_is_backward: python && !native,
-        freed_by,
-    }
-}
-
-// What one frame says, as bits: its language and the kinds it names.
-const PYTHON: u16 = 1;
-const NATIVE: u16 = 1 << 1;
-const GRADIENT: u16 = 1 << 2;
-const LIBRARY: u16 = 1 << 3;
-const OPTIMIZER: u16 = 1 << 4;
-const BACKWARD: u16 = 1 << 5;
-const INPUT: u16 = 1 << 6;
-const PARAMETER: u16 = 1 << 7;
-/// A native frame naming an operator (`at::_ops::mm`): forward work where
-/// nothing else claims the stack.
-const OPERATOR: u16 = 1 << 8;
-/// `Optimizer.zero_grad` (or a model's): what frees there is a gradient.
-const ZERO_GRAD: u16 = 1 << 9;
-
-fn frame_flags(f: &Frame) -> u16 {
-    let mut b = if is_python(f) { PYTHON } else { NATIVE };
-    let set = |b: &mut u16, bit: u16, on: bool| {
-        if on {
-            *b |= bit
-        }
-    };
-    set(&mut b, GRADIENT, f.name.contains("AccumulateGrad"));
-    set(&mut b, LIBRARY, is_library_buffer(f));
-    set(
-        &mut b,
-        OPTIMIZER,
-        is_python(f) && is_optimizer_path(&f.filename),
-    );
-    set(&mut b, BACKWARD, is_backward(f));
-    set(&mut b, INPUT, is_input(f));
-    set(&mut b, PARAMETER, is_parameter(f));
-    set(
-        &mut b,
-        OPERATOR,
-        !is_python(f) && f.name.contains("at::_ops::"),
-    );
-    set(&mut b, ZERO_GRAD, is_python(f) && f.name == "zero_grad");
-    b
-}
-
-/// Decides a stack's kind from its frames' bits; the order matters: an
-/// optimizer step run from a backward hook is the optimizer's, a
-/// recomputation under activation checkpointing is backward work.
-fn kind_of(all: u16) -> Kind {
-    if all & GRADIENT != 0 {
-        Kind::Gradient
-    } else if all & LIBRARY != 0 {
-        Kind::Library
-    } else if all & OPTIMIZER != 0 {
-        Kind::Optimizer
-    } else if all & BACKWARD != 0 {
-        Kind::Backward
-    } else if all & INPUT != 0 {
-        Kind::Input
-    } else if all & PARAMETER != 0 {
-        Kind::Parameter
-    } else if all & (PYTHON | OPERATOR) != 0 {
-        Kind::Forward
-    } else {
-        Kind::Bare
-    }
-}
-
-fn is_python(f: &Frame) -> bool {
-    f.filename.ends_with(".py")
-}
-
-fn path(f: &Frame) -> String {
-    f.filename.replace('\\', "/")
-}
-
-fn is_library_buffer(f: &Frame) -> bool {
-    const NAMES: [&str; 7] = [
-        "getNewWorkspace",
-        "BlasLtWorkspace",
-        "getCurrentCUDABlasHandle",
-        "c10d::",
-        "ProcessGroupNCCL",
-        "ncclComm",
-        "CUDAGraph",
-    ];
-    !is_python(f) && NAMES.iter().any(|n| f.name.contains(n))
-}
-
-/// A file of an optimizer: `torch/optim/`, `bitsandbytes/optim/`, a
-/// project's own `optimizer.py`, DeepSpeed's `fused_adam.py`.
-fn is_optimizer_path(filename: &str) -> bool {
-    filename
-        .replace('\\', "/")
-        .to_ascii_lowercase()
-        .split('/')
-        .any(|seg| {
-            let stem = seg.strip_suffix(".py").unwrap_or(seg);
-            (stem.starts_with("optim") && !stem.starts_with("optimum"))
-                || stem.ends_with("_optim")
-                || stem.ends_with("optimizer")
-                || stem.ends_with("optimizers")
-                || stem.contains("adam")
-        })
-}
-
-fn is_backward(f: &Frame) -> bool {
-    if is_python(f) {
-        return matches!(
-            f.name.as_str(),
-            "backward" | "_make_grads" | "_engine_run_backward"
-        );
-    }
-    let n = &f.name;
-    n.contains("torch::autograd::Engine::")
-        || (n.contains("torch::autograd::")
-            && n.contains("Backward")
-            && !n.contains("VariableType"))
-}
-
-fn is_input(f: &Frame) -> bool {
-    const CALLS: [&str; 6] = [
-        "_prepare_input",
-        "_prepare_inputs",
-        "send_to_device",
-        "move_data_to_device",
-        "transfer_batch_to_device",
-        "pin_memory",
-    ];
-    is_python(f) && (path(f).contains("/torch/utils/data/") || CALLS.contains(&f.name.as_str()))
-}
-
-fn is_parameter(f: &Frame) -> bool {
-    // PyTorch's own loading and moving, and the model loaders above it
-    // (transformers', diffusers' and PEFT's `from_pretrained`, accelerate's
-    // big-model loading), which allocate the weights wherever they put them.
-    const CALLS: [&str; 11] = [
-        "_apply",
-        "load_state_dict",
-        "_load_from_state_dict",
-        "to_empty",
-        "reset_parameters",
-        "_load_state_dict_into_meta_model",
-        "set_module_tensor_to_device",
-        "from_pretrained",
-        "load_checkpoint_in_model",
-        "load_checkpoint_and_dispatch",
-        "dispatch_model",
-    ];
-    if !is_python(f) {
-        return false;
-    }
-    let p = path(f);
-    CALLS.contains(&f.name.as_str())
-        || (p.contains("/torch/nn/modules/") && f.name == "__init__")
-        || p.ends_with("/torch/nn/init.py")
-        || p.ends_with("/torch/nn/parameter.py")
-}
 
 /// What one block is, before the blocks matched by size are counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -394,8 +161,189 @@ struct Marks {
 /// The end of an allocation that is never freed.
 const NEVER: u32 = u32::MAX;
 
-/// Decides the allocation at one entry, given its end and the marks then.
-type Decide<'d> = dyn FnMut(&mut Vec<u8>, u32, u32, &Marks) + 'd;
+/// What deciding an allocation's role needs of the whole trace, and what it
+/// has decided so far.
+struct Decider<'a> {
+    events: &'a [TraceEvent],
+    kinds: &'a Kinds,
+    context: &'a Context,
+    /// Whether the file's stacks show training (an optimizer, a backward, gradients).
+    trains_by_stacks: bool,
+    /// Per trace entry: the packed [`Told`] of each allocation.
+    told: Vec<u8>,
+    /// The gradients the trace allocates: (entry, end, size).
+    grad_allocs: Vec<(u32, u32, u64)>,
+    /// Per size, the most backward results one pass freed within it.
+    pass_results: HashMap<u64, u32, FastState>,
+}
+
+/// What walking the trace saw, besides each allocation's role.
+struct Walked {
+    marks: Marks,
+    forward_work: bool,
+    optimizer_work: bool,
+}
+
+impl Decider<'_> {
+    /// The kind of the stack that allocated entry `i`.
+    fn kind(&self, i: usize) -> Kind {
+        match self.events[i].stack {
+            StackId::EMPTY if self.kinds.empty_is_backward => Kind::Backward,
+            s => self.kinds.of[s.0 as usize],
+        }
+    }
+
+    /// Decides the allocation at entry `a`, ended at `f` (or [`NEVER`]),
+    /// from the latest marks of each kind of work at its end.
+    fn decide(&mut self, a: u32, f: u32, marks: &Marks) {
+        let i = a as usize;
+        let within = |w: &[Window]| w.iter().any(|&(s, e)| s <= i && i < e);
+        let trains = self.trains_by_stacks || marks.backward.is_some();
+        let after = |m: Option<u32>| m.is_some_and(|m| m > a);
+        let outlives_step = f == NEVER || after(marks.model);
+        let addr = self.events[i].addr;
+        let private = &self.context.private;
+        // A CUDA graph's pool: the graph's own memory, whatever ran in it.
+        let in_private = !private.is_empty() && {
+            let k = private.partition_point(|&(start, _)| start <= addr);
+            k > 0 && addr < private[k - 1].1
+        };
+        let in_eval = within(&self.context.evals);
+        let in_optimizer = within(&self.context.optimizer_steps);
+        let t = match self.kind(i) {
+            _ if in_private => Told::Known(Role::Other, Evidence::Frames),
+            Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
+            Kind::Library => Told::Known(Role::Other, Evidence::Frames),
+            Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
+            Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
+            Kind::Optimizer if outlives_step => Told::Known(Role::OptimizerState, Evidence::Frames),
+            Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+            // A backward result that outlives its backward pass was
+            // taken over as a gradient (an embedding's, or every one
+            // under torch.compile, whose backward hands its outputs
+            // over); `Marks::outlives_pass` says whether it did.
+            Kind::Backward if f == NEVER || marks.outlives_pass => {
+                Told::Known(Role::Gradients, Evidence::Lifetimes)
+            }
+            Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+            Kind::Forward if f == NEVER => {
+                if in_eval {
+                    Told::Unknown(UnknownReason::HeldAfterEval)
+                } else if after(marks.backward) {
+                    Told::Unknown(UnknownReason::HeldPastBackward)
+                } else if trains {
+                    // The forward in progress when the snapshot was taken.
+                    Told::Known(Role::Activations, Evidence::Lifetimes)
+                } else {
+                    Told::Unknown(UnknownReason::NoBackward)
+                }
+            }
+            // Kept for a backward, or for one an OOM cancelled: the
+            // step's tensors are freed only as the error unwinds.
+            Kind::Forward if after(marks.backward) || (trains && !in_eval && after(marks.oom)) => {
+                Told::Known(Role::Activations, Evidence::Lifetimes)
+            }
+            Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+            Kind::Bare if in_optimizer && outlives_step => {
+                Told::Known(Role::OptimizerState, Evidence::Lifetimes)
+            }
+            Kind::Bare if in_optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+            Kind::Bare => Told::BySize {
+                survives: f == NEVER,
+            },
+        };
+        if let Told::Known(Role::Gradients, _) = t {
+            self.grad_allocs.push((a, f, self.events[i].size));
+        }
+        self.told[i] = pack(t);
+    }
+
+    /// Decides the backward allocations that ended within the pass that
+    /// ends now (`pass_last` its last backward allocation): they outlived it
+    /// if no backward allocation came after them.
+    fn end_pass(&mut self, pending: &mut Vec<(u32, u32)>, pass_last: Option<u32>, marks: &Marks) {
+        let mut this_pass: HashMap<u64, u32, FastState> = HashMap::default();
+        for (a, f) in pending.drain(..) {
+            let m = Marks {
+                outlives_pass: pass_last.is_none_or(|l| f > l),
+                ..*marks
+            };
+            self.decide(a, f, &m);
+            if unpack(self.told[a as usize]) == Told::Known(Role::Temporaries, Evidence::Lifetimes)
+            {
+                *this_pass.entry(self.events[a as usize].size).or_default() += 1;
+            }
+        }
+        for (size, n) in this_pass {
+            let most = self.pass_results.entry(size).or_default();
+            *most = (*most).max(n);
+        }
+    }
+
+    /// One pass over the trace: each allocation is decided when it ends,
+    /// from what happened between its start and its end, which the latest
+    /// marks tell (a mark after the start means one in between). No table
+    /// of ends or of marks, which on a long trace would be megabytes of
+    /// fresh pages.
+    fn walk(&mut self, scan: &TraceScan) -> Walked {
+        let mut marks = Marks::default();
+        let (mut optimizer_work, mut forward_work) = (false, false);
+        // Backward allocations that ended within their pass, decided when it ends.
+        let mut pending: Vec<(u32, u32)> = Vec::new();
+        let mut pass_last: Option<u32> = None;
+        for (i, e) in self.events.iter().enumerate() {
+            let i32 = i as u32;
+            // What ends here: a free, or an allocation over a held address.
+            if let Some(a) = scan.link[i].checked_sub(1) {
+                if self.kind(a as usize) == Kind::Backward && marks.other.is_none_or(|o| o <= a) {
+                    pending.push((a, i32));
+                } else {
+                    // Other work came between: it outlived its pass.
+                    let m = Marks {
+                        outlives_pass: true,
+                        ..marks
+                    };
+                    self.decide(a, i32, &m);
+                }
+            }
+            match e.action {
+                Action::Oom => marks.oom = Some(i32),
+                Action::Alloc => match self.kind(i) {
+                    Kind::Backward | Kind::Gradient => {
+                        marks.model = Some(i32);
+                        marks.backward = Some(i32);
+                        pass_last = Some(i32);
+                    }
+                    // Other work ends the backward pass in progress.
+                    k @ (Kind::Forward | Kind::Input | Kind::Optimizer) => {
+                        forward_work |= k == Kind::Forward;
+                        optimizer_work |= k == Kind::Optimizer;
+                        self.end_pass(&mut pending, pass_last, &marks);
+                        pass_last = None;
+                        marks.other = Some(i32);
+                        if k != Kind::Optimizer {
+                            marks.model = Some(i32);
+                        }
+                    }
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+        self.end_pass(&mut pending, pass_last, &marks);
+        // What never ended, against everything after it.
+        let mut open: Vec<u32> = scan.open.values().copied().collect();
+        open.sort_unstable();
+        for a in open {
+            self.decide(a, NEVER, &marks);
+        }
+        Walked {
+            marks,
+            forward_work,
+            optimizer_work,
+        }
+    }
+}
 
 impl<'a> DeviceRoles<'a> {
     /// Decides every allocation of a trace. `before` are the blocks alive
@@ -409,183 +357,38 @@ impl<'a> DeviceRoles<'a> {
         before: &[Live],
         end: &[Live],
     ) -> Self {
-        let Context {
-            optimizer_steps: optimizer_windows,
-            evals: eval_windows,
-            has_optimizer,
-            private,
-        } = context;
-        let has_optimizer = *has_optimizer;
         let kinds = &all_kinds.of[..];
-        let kind = |i: usize| match events[i].stack {
-            StackId::EMPTY if all_kinds.empty_is_backward => Kind::Backward,
-            s => kinds[s.0 as usize],
-        };
-        let within = |w: &[Window], i: usize| w.iter().any(|&(s, e)| s <= i && i < e);
         // A run with an optimizer or a backward trains, so its forward
         // keeps activations: known from the file's stacks (the blocks' as
         // well as the trace's) and ranges before the pass, and from the
         // trace's own backward as it goes.
-        let trains_by_stacks = has_optimizer
+        let trains_by_stacks = context.has_optimizer
             || kinds
                 .iter()
                 .any(|k| matches!(k, Kind::Backward | Kind::Gradient | Kind::Optimizer));
-
-        // Each allocation is decided when it ends, from what happened
-        // between its start and its end, which the latest marks below tell
-        // (a mark after the start means one in between): one pass, and no
-        // table of ends or of marks, which on a long trace would be
-        // megabytes of fresh pages.
-        let mut told = vec![0u8; events.len()];
-        // The gradients the trace allocates: (entry, end, size).
-        let mut grad_allocs: Vec<(u32, u32, u64)> = Vec::new();
-        let mut decide = |told: &mut Vec<u8>, a: u32, f: u32, marks: &Marks| {
-            let i = a as usize;
-            let trains = trains_by_stacks || marks.backward.is_some();
-            let after = |m: Option<u32>| m.is_some_and(|m| m > a);
-            let outlives_step = f == NEVER || after(marks.model);
-            let addr = events[i].addr;
-            // A CUDA graph's pool: the graph's own memory, whatever ran in it.
-            let in_private = !private.is_empty() && {
-                let k = private.partition_point(|&(start, _)| start <= addr);
-                k > 0 && addr < private[k - 1].1
-            };
-            let t = match kind(i) {
-                _ if in_private => Told::Known(Role::Other, Evidence::Frames),
-                Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
-                Kind::Library => Told::Known(Role::Other, Evidence::Frames),
-                Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
-                Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
-                Kind::Optimizer if outlives_step => {
-                    Told::Known(Role::OptimizerState, Evidence::Frames)
-                }
-                Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-                // A backward result that outlives its backward pass was
-                // taken over as a gradient (an embedding's, or every one
-                // under torch.compile, whose backward hands its outputs
-                // over); `Marks::outlives_pass` says whether it did.
-                Kind::Backward if f == NEVER || marks.outlives_pass => {
-                    Told::Known(Role::Gradients, Evidence::Lifetimes)
-                }
-                Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-                Kind::Forward if f == NEVER => {
-                    if within(eval_windows, i) {
-                        Told::Unknown(UnknownReason::HeldAfterEval)
-                    } else if after(marks.backward) {
-                        Told::Unknown(UnknownReason::HeldPastBackward)
-                    } else if trains {
-                        // The forward in progress when the snapshot was taken.
-                        Told::Known(Role::Activations, Evidence::Lifetimes)
-                    } else {
-                        Told::Unknown(UnknownReason::NoBackward)
-                    }
-                }
-                // Kept for a backward, or for one an OOM cancelled: the
-                // step's tensors are freed only as the error unwinds.
-                Kind::Forward
-                    if after(marks.backward)
-                        || (trains && !within(eval_windows, i) && after(marks.oom)) =>
-                {
-                    Told::Known(Role::Activations, Evidence::Lifetimes)
-                }
-                Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-                Kind::Bare if within(optimizer_windows, i) && outlives_step => {
-                    Told::Known(Role::OptimizerState, Evidence::Lifetimes)
-                }
-                Kind::Bare if within(optimizer_windows, i) => {
-                    Told::Known(Role::Temporaries, Evidence::Lifetimes)
-                }
-                Kind::Bare => Told::BySize {
-                    survives: f == NEVER,
-                },
-            };
-            if let Told::Known(Role::Gradients, _) = t {
-                grad_allocs.push((a, f, events[i].size));
-            }
-            told[i] = pack(t);
+        let mut decider = Decider {
+            events,
+            kinds: all_kinds,
+            context,
+            trains_by_stacks,
+            told: vec![0u8; events.len()],
+            grad_allocs: Vec::new(),
+            pass_results: HashMap::default(),
         };
-        let mut marks = Marks::default();
-        let (mut optimizer_work, mut forward_work) = (false, false);
-        // Backward allocations that ended within their pass, decided when
-        // it ends: they outlived it if no backward allocation came after them.
-        let mut pending: Vec<(u32, u32)> = Vec::new();
-        let mut pass_last: Option<u32> = None;
-        // Per size, the most backward results one pass freed within it.
-        let mut pass_results: HashMap<u64, u32, FastState> = HashMap::default();
-        let mut end_pass = |told: &mut Vec<u8>,
-                            pending: &mut Vec<(u32, u32)>,
-                            pass_last: Option<u32>,
-                            decide: &mut Decide,
-                            marks: &Marks| {
-            let mut this_pass: HashMap<u64, u32, FastState> = HashMap::default();
-            for (a, f) in pending.drain(..) {
-                let m = Marks {
-                    outlives_pass: pass_last.is_none_or(|l| f > l),
-                    ..*marks
-                };
-                decide(told, a, f, &m);
-                if unpack(told[a as usize]) == Told::Known(Role::Temporaries, Evidence::Lifetimes) {
-                    *this_pass.entry(events[a as usize].size).or_default() += 1;
-                }
-            }
-            for (size, n) in this_pass {
-                let most = pass_results.entry(size).or_default();
-                *most = (*most).max(n);
-            }
-        };
-        for (i, e) in events.iter().enumerate() {
-            let i32 = i as u32;
-            // What ends here: a free, or an allocation over a held address.
-            if let Some(a) = scan.link[i].checked_sub(1) {
-                if kind(a as usize) == Kind::Backward && marks.other.is_none_or(|o| o <= a) {
-                    pending.push((a, i32));
-                } else {
-                    // Other work came between: it outlived its pass.
-                    let m = Marks {
-                        outlives_pass: true,
-                        ..marks
-                    };
-                    decide(&mut told, a, i32, &m);
-                }
-            }
-            match e.action {
-                Action::Oom => marks.oom = Some(i32),
-                Action::Alloc => match kind(i) {
-                    Kind::Backward | Kind::Gradient => {
-                        marks.model = Some(i32);
-                        marks.backward = Some(i32);
-                        pass_last = Some(i32);
-                    }
-                    // Other work ends the backward pass in progress.
-                    k @ (Kind::Forward | Kind::Input | Kind::Optimizer) => {
-                        forward_work |= k == Kind::Forward;
-                        optimizer_work |= k == Kind::Optimizer;
-                        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
-                        pass_last = None;
-                        marks.other = Some(i32);
-                        if k != Kind::Optimizer {
-                            marks.model = Some(i32);
-                        }
-                    }
-                    _ => {}
-                },
-                _ => {}
-            }
-        }
-        end_pass(&mut told, &mut pending, pass_last, &mut decide, &marks);
-        // What never ended, against everything after it.
-        let mut open: Vec<u32> = scan.open.values().copied().collect();
-        open.sort_unstable();
-        for a in open {
-            decide(&mut told, a, NEVER, &marks);
-        }
-        let backward_work = marks.backward.is_some();
+        let walked = decider.walk(scan);
+        let backward_work = walked.marks.backward.is_some();
         let trains = trains_by_stacks || backward_work;
-        let optimizer_seen = !optimizer_windows.is_empty()
-            || optimizer_work
+        let optimizer_seen = !context.optimizer_steps.is_empty()
+            || walked.optimizer_work
             || end
                 .iter()
                 .any(|l| kinds[l.stack.0 as usize] == Kind::Optimizer);
+        let Decider {
+            told,
+            mut grad_allocs,
+            pass_results,
+            ..
+        } = decider;
         let mut roles = DeviceRoles {
             kinds: all_kinds,
             events,
@@ -598,18 +401,42 @@ impl<'a> DeviceRoles<'a> {
             state_like: false,
             in_place: HashMap::default(),
         };
+        roles.grads = roles.most_gradients(before, scan, &mut grad_allocs, end);
+        roles.states_per_param = roles.states_from(end);
+        roles.forward_only = roles.grads.is_empty()
+            && !backward_work
+            && !roles.optimizer_seen
+            && walked.forward_work;
+        roles.state_like = roles.forward_only
+            && in_threes(
+                end.iter()
+                    .filter(|l| matches!(roles.told(l), Told::BySize { survives: true })),
+            );
+        if trains {
+            roles.in_place = in_place(&roles, end, &pass_results);
+        }
+        roles
+    }
 
-        // The most gradients of each size alive at once: the blocks from
-        // before the trace, then the trace's own as they come and go.
+    /// The most gradients of each size alive at once: the blocks from before
+    /// the trace, then the trace's own (`grad_allocs`) as they come and go;
+    /// without a trace, the blocks alive now.
+    fn most_gradients(
+        &self,
+        before: &[Live],
+        scan: &TraceScan,
+        grad_allocs: &mut Vec<(u32, u32, u64)>,
+        end: &[Live],
+    ) -> HashMap<u64, u32, FastState> {
         let is_grad = |t: Told| matches!(t, Told::Known(Role::Gradients, _));
         let mut live: HashMap<u64, u32, FastState> = HashMap::default();
         for l in before {
-            if is_grad(roles.untraced(l)) {
+            if is_grad(self.untraced(l)) {
                 *live.entry(l.requested).or_default() += 1;
             }
         }
         for &(freed, l) in &scan.orphans {
-            if is_grad(roles.untraced(&l)) {
+            if is_grad(self.untraced(&l)) {
                 *live.entry(l.requested).or_default() += 1;
                 grad_allocs.push((NEVER, freed as u32, l.requested));
             }
@@ -639,27 +466,15 @@ impl<'a> DeviceRoles<'a> {
             }
         }
         // Without a trace the blocks alive now are all there is.
-        if events.is_empty() {
+        if self.events.is_empty() {
             most.clear();
             for l in end {
-                if is_grad(roles.told(l)) {
+                if is_grad(self.told(l)) {
                     *most.entry(l.requested).or_default() += 1;
                 }
             }
         }
-        roles.grads = most;
-        roles.states_per_param = roles.states_from(end);
-        roles.forward_only =
-            roles.grads.is_empty() && !backward_work && !roles.optimizer_seen && forward_work;
-        roles.state_like = roles.forward_only
-            && in_threes(
-                end.iter()
-                    .filter(|l| matches!(roles.told(l), Told::BySize { survives: true })),
-            );
-        if trains {
-            roles.in_place = in_place(&roles, end, &pass_results);
-        }
-        roles
+        most
     }
 
     /// The role of the trace's allocation at entry `i`, as a chart draws it:
@@ -915,6 +730,8 @@ fn in_place(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frame_kinds::kinds;
+    use crate::stacks::{Frame, Stacks};
 
     fn frame(filename: &str, name: &str) -> Frame {
         Frame {
@@ -922,93 +739,6 @@ mod tests {
             line: 1,
             name: name.into(),
         }
-    }
-
-    fn kind(frames: &[(&str, &str)]) -> Kind {
-        kind_of(
-            frames
-                .iter()
-                .fold(0, |acc, (p, n)| acc | frame_flags(&frame(p, n))),
-        )
-    }
-
-    #[test]
-    fn frames_name_the_kind() {
-        let engine = ("??", "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)");
-        assert_eq!(
-            kind(&[
-                (
-                    "accumulate_grad.cpp",
-                    "torch::autograd::AccumulateGrad::apply(std::vector<at::Tensor>&&)"
-                ),
-                engine
-            ]),
-            Kind::Gradient
-        );
-        assert_eq!(
-            kind(&[("Functions.cpp", "torch::autograd::generated::MulBackward0_apply_functional(std::vector<at::Tensor>)"), engine]),
-            Kind::Backward
-        );
-        // A forward op dispatches through VariableType, which is not backward work.
-        assert_eq!(
-            kind(&[
-                ("VariableType_0.cpp", "torch::autograd::VariableType::(anonymous namespace)::mul_Tensor(c10::DispatchKeySet)"),
-                ("/home/me/model.py", "forward"),
-            ]),
-            Kind::Forward
-        );
-        assert_eq!(
-            kind(&[
-                ("/home/me/cs336_basics/optimizer.py", "step"),
-                (
-                    "/venv/lib/python3.12/site-packages/torch/optim/optimizer.py",
-                    "wrapper"
-                ),
-            ]),
-            Kind::Optimizer
-        );
-        assert_eq!(
-            kind(&[
-                ("/venv/site-packages/torch/nn/modules/module.py", "_apply"),
-                ("/home/me/train.py", "main"),
-            ]),
-            Kind::Parameter
-        );
-        assert_eq!(
-            kind(&[(
-                "/venv/site-packages/torch/utils/data/_utils/pin_memory.py",
-                "pin_memory"
-            ),]),
-            Kind::Input
-        );
-        // A model loaded straight onto the GPU, by whatever the loader calls below it.
-        assert_eq!(
-            kind(&[
-                ("/venv/site-packages/safetensors/torch.py", "load_file"),
-                (
-                    "/venv/site-packages/transformers/modeling_utils.py",
-                    "from_pretrained"
-                ),
-                ("/home/me/train.py", "main"),
-            ]),
-            Kind::Parameter
-        );
-        assert_eq!(
-            kind(&[
-                ("??", "at::cuda::getCurrentCUDABlasHandle()"),
-                ("/home/me/model.py", "forward")
-            ]),
-            Kind::Library
-        );
-        assert_eq!(kind(&[("CUDACachingAllocator.cpp", "malloc")]), Kind::Bare);
-        assert_eq!(kind(&[]), Kind::Bare);
-        // HF optimum is not an optimizer.
-        assert!(!is_optimizer_path(
-            "/venv/site-packages/optimum/exporters/onnx.py"
-        ));
-        assert!(is_optimizer_path(
-            "/venv/site-packages/deepspeed/ops/adam/fused_adam.py"
-        ));
     }
 
     /// A snapshot in miniature: stacks by kind, a trace, and the blocks
