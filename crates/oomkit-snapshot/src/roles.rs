@@ -208,8 +208,9 @@ impl Decider<'_> {
             let k = private.partition_point(|&(start, _)| start <= addr);
             k > 0 && addr < private[k - 1].1
         };
-        let in_eval = within(&self.context.evals);
-        let in_optimizer = within(&self.context.optimizer_steps);
+        // Asked only in the arms that need them: each is a scan of the ranges.
+        let in_eval = || within(&self.context.evals);
+        let in_optimizer = || within(&self.context.optimizer_steps);
         let t = match self.kind(i) {
             _ if in_private => Told::Known(Role::Other, Evidence::Frames),
             Kind::Gradient => Told::Known(Role::Gradients, Evidence::Frames),
@@ -227,7 +228,7 @@ impl Decider<'_> {
             }
             Kind::Backward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
             Kind::Forward if f == NEVER => {
-                if in_eval {
+                if in_eval() {
                     Told::Unknown(UnknownReason::HeldAfterEval)
                 } else if after(marks.backward) {
                     Told::Unknown(UnknownReason::HeldPastBackward)
@@ -240,14 +241,14 @@ impl Decider<'_> {
             }
             // Kept for a backward, or for one an OOM cancelled: the
             // step's tensors are freed only as the error unwinds.
-            Kind::Forward if after(marks.backward) || (trains && !in_eval && after(marks.oom)) => {
+            Kind::Forward if after(marks.backward) || (trains && !in_eval() && after(marks.oom)) => {
                 Told::Known(Role::Activations, Evidence::Lifetimes)
             }
             Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),
-            Kind::Bare if in_optimizer && outlives_step => {
+            Kind::Bare if in_optimizer() && outlives_step => {
                 Told::Known(Role::OptimizerState, Evidence::Lifetimes)
             }
-            Kind::Bare if in_optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
+            Kind::Bare if in_optimizer() => Told::Known(Role::Temporaries, Evidence::Lifetimes),
             Kind::Bare => Told::BySize {
                 survives: f == NEVER,
             },
