@@ -1,16 +1,19 @@
-"""The in-training memory tracker: stages by hooks, components, gradients, duplicates, OOM capture.
+"""The in-training memory tracker: its public API, the measures of steps, stages and phases, and its run log.
 
 The tracker keeps numbers only, never a reference to a tensor, and every
 hook body is guarded: a failure inside the tracker is logged and reported
 once, never raised into the training loop. Records go to the Rust run-log
-writer, which flushes at every stage boundary.
+writer, which flushes at every stage boundary. Its parts live beside it:
+how memory is read (``_measure.py``), the hooks that find the stages
+(``_hooks.py``), what the model holds (``_holdings.py``) and the writing of
+OOMs (``_oom_capture.py``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
+import functools
 import json
 import os
 import sys
@@ -19,16 +22,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from oomkit import _native, _plan
+from oomkit import _holdings, _hooks, _native, _oom_capture, _plan
+from oomkit._holdings import unwrap_optimizer
+from oomkit._measure import _Meter, _Open, _torch
 from oomkit._oom import find_oom, requested_bytes
+from oomkit._oom_capture import _forget_tracker, _watch_allocator_ooms, record_history
 
 LOG_VERSION = 1
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def _rank() -> tuple[int, int]:
@@ -39,142 +39,6 @@ def _rank() -> tuple[int, int]:
     except Exception:  # noqa: BLE001
         pass
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _storage_key(t: Any) -> tuple[str, int]:
-    try:
-        return (str(t.device), t.untyped_storage().data_ptr())
-    except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
-        return (str(t.device), id(t))
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
-
-
-def _add_unique(t: Any, seen: set) -> int:
-    """Returns the tensor's bytes the first time its storage is seen, else 0."""
-    k = _storage_key(t)
-    if k in seen:
-        return 0
-    seen.add(k)
-    return _nbytes(t)
-
-
-class _Meter:
-    """Reads memory in use, reserved, and the process's high-water mark, on CUDA or CPU.
-
-    The high-water mark is the process-wide counter other tools read too
-    (``torch.cuda.max_memory_allocated()``; on CPU the kernel's VmHWM, which
-    ``getrusage`` and ``/usr/bin/time`` report), so it is never reset unless
-    the user asks for exact per-stage peaks with ``reset_peaks=True``.
-    """
-
-    def __init__(self, device: Any, reset_peaks: bool = False) -> None:
-        torch = _torch()
-        self.cuda = device is not None and device.type == "cuda"
-        self.device = device
-        self.capacity_source: Optional[str] = None
-        if self.cuda:
-            self.index = device.index if device.index is not None else torch.cuda.current_device()
-            self.capacity: Optional[int] = torch.cuda.get_device_properties(self.index).total_memory
-            self.capacity_source = "device"
-            self.resets = bool(reset_peaks)
-        else:
-            # The memory cgroup's limit where one is set below the machine's
-            # memory: in containers and SLURM jobs that is where the kernel kills.
-            host = _native.host_capacity()
-            self.capacity = host[0] if host else None
-            self.capacity_source = host[1] if host else None
-            self.resets = bool(reset_peaks) and _native.reset_process_peak_rss()
-
-    def sample(self) -> tuple[int, int, int]:
-        """Returns (the high-water mark, in use now, reserved now); with resets, the mark starts again from now.
-
-        One call per boundary between stages: on CUDA one query of the
-        allocator's statistics; on CPU one native call (statm and status
-        through open handles, see oomkit_runlog::process::sample_rss).
-        """
-        if self.cuda:
-            torch = _torch()
-            try:
-                # The allocator's own nested statistics: what memory_allocated(),
-                # max_memory_allocated() and memory_reserved() each rebuild and flatten.
-                stats = torch._C._cuda_memoryStats(self.index)
-                allocated = stats["allocated_bytes"]["all"]
-                peak, now = allocated["peak"], allocated["current"]
-                reserved = stats["reserved_bytes"]["all"]["current"]
-            except Exception:  # noqa: BLE001 - a torch without the private call
-                flat = torch.cuda.memory_stats(self.index)
-                peak = flat.get("allocated_bytes.all.peak", 0)
-                now = flat.get("allocated_bytes.all.current", 0)
-                reserved = flat.get("reserved_bytes.all.current", 0)
-            if self.resets:
-                torch.cuda.reset_peak_memory_stats(self.index)
-            return peak, now, reserved
-        peak, now = _native.process_sample(self.resets)
-        return peak, now, 0
-
-    def now(self) -> int:
-        """Memory in use now, without touching the peak."""
-        if self.cuda:
-            return _torch().cuda.memory_allocated(self.index)
-        return _native.process_rss()
-
-    def reserved(self) -> int:
-        """Memory the allocator holds now (0 on CPU)."""
-        if self.cuda:
-            return _torch().cuda.memory_reserved(self.index)
-        return 0
-
-
-class _Open:
-    """A measure in progress: stage, step or phase.
-
-    ``peak`` is the most memory seen in use while it ran; ``at_most`` is set
-    where part of it ran while the process stayed under an earlier
-    high-water mark, so its true peak lies between ``peak`` and that mark.
-    """
-
-    __slots__ = ("at_most", "auto", "kind", "name", "peak", "start", "step", "t0")
-
-    def __init__(self, kind: str, name: str, step: Optional[int], start: int) -> None:
-        self.kind = kind
-        self.name = name
-        self.step = step
-        self.start = start
-        self.peak = start
-        self.at_most = 0
-        # A step the tracker opened itself, in a loop that marks none.
-        self.auto = False
-        self.t0 = time.perf_counter()
-
-
-# Attributes through which wrappers reach the optimizer they wrap:
-# accelerate's AcceleratedOptimizer and DeepSpeed's wrappers (`optimizer`),
-# Lightning's LightningOptimizer (`_optimizer`), ZeroRedundancyOptimizer (`optim`).
-_INNER_OPTIMIZER = ("optimizer", "_optimizer", "optim")
-# How many wrappers deep an optimizer is looked for.
-_WRAPPER_DEPTH = 8
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """Returns the torch optimizer inside framework wrappers (accelerate, Lightning, DeepSpeed), or the object itself."""
-    opt = optimizer
-    for _ in range(_WRAPPER_DEPTH):
-        inner = None
-        for attr in _INNER_OPTIMIZER:
-            try:
-                cand = opt.__dict__.get(attr) if hasattr(opt, "__dict__") else None
-            except Exception:  # noqa: BLE001
-                cand = None
-            if cand is not None and cand is not opt and hasattr(cand, "param_groups"):
-                inner = cand
-                break
-        if inner is None:
-            return opt
-        opt = inner
-    return opt
 
 
 class Tracker:
@@ -265,7 +129,7 @@ class Tracker:
         self._log = _native.RunLog(self.log_path)
         self._history = False
         if record_history:
-            self._start_history(max_entries)
+            _oom_capture.start_history(self, max_entries)
         if self._meter.cuda:
             _watch_allocator_ooms(self)
         # Before the start record, so that a resumed optimizer's state is counted in it.
@@ -273,7 +137,7 @@ class Tracker:
         components: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                components = self._components()
+                components = _holdings.components(self)
         except Exception as exc:  # noqa: BLE001 - an exotic model or optimizer: log it, count nothing
             self._error("components", exc)
         self._write(
@@ -306,7 +170,7 @@ class Tracker:
         _plan.report_event({"log": os.path.abspath(self.log_path), "rank": self.rank})
         _LIVE.add(self)
         _close_at_exit_once()
-        self._install_model_hooks(model)
+        _hooks.install_model_hooks(self, model)
         if check_duplicates:
             self.find_duplicates(when="start")
 
@@ -338,8 +202,8 @@ class Tracker:
             # A new optimizer's state appears after its own first step.
             self._components_after_first_step = False
             if self.stage_hooks if hooks is None else hooks:
-                self._opt_hooks.append(inner.register_step_pre_hook(self._on_opt_pre))
-                self._opt_hooks.append(inner.register_step_post_hook(self._on_opt_post))
+                self._opt_hooks.append(inner.register_step_pre_hook(functools.partial(_hooks.on_opt_pre, self)))
+                self._opt_hooks.append(inner.register_step_post_hook(functools.partial(_hooks.on_opt_post, self)))
         except Exception as exc:  # noqa: BLE001
             self._error("optimizer hooks", exc)
 
@@ -409,8 +273,8 @@ class Tracker:
         if self._step_open is None or self._phases:
             return
         try:
-            if name == "optimizer" and self._due():
-                self._grad_health()
+            if name == "optimizer" and _hooks.due(self):
+                _holdings.grad_health(self)
             now, reserved = self._sample()
             if self._stage is not None:
                 self._close(self._stage, now, reserved)
@@ -497,7 +361,7 @@ class Tracker:
                 self._observed_oom = False
                 _plan.report_oom(message, self._current_step, self.current_phase)
                 return True
-            self._write_oom(message, requested_bytes(text))
+            _oom_capture.write_oom(self, message, requested_bytes(text))
         except Exception as e:  # noqa: BLE001
             self._error("oom capture", e)
         return True
@@ -521,7 +385,7 @@ class Tracker:
         try:
             torch = _torch()
             with torch.no_grad():
-                result = self._duplicates(when)
+                result = _holdings.duplicates(self, when)
             self._write(result)
         except Exception as exc:  # noqa: BLE001
             self._error("find_duplicates", exc)
@@ -644,7 +508,7 @@ class Tracker:
     def _write_components(self) -> None:
         try:
             with _torch().no_grad():
-                rec = self._components()
+                rec = _holdings.components(self)
             rec["type"] = "components"
             rec["step"] = self._current_step
             self._write(rec)
@@ -673,385 +537,6 @@ class Tracker:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(record, f)
         os.replace(tmp, probe)
-
-    def _hooks_mark(self) -> bool:
-        """Whether stage hooks should mark a stage now: inside a step, outside any phase."""
-        return self.stage_hooks and self._step_open is not None and not self._phases
-
-    # ----- hooks ------------------------------------------------------------
-
-    def _install_model_hooks(self, model: Any) -> None:
-        try:
-            if self.stage_hooks:
-                self._model_hooks.append(model.register_forward_pre_hook(self._on_forward_pre))
-            try:
-                # Called also when the forward raises, so an OOM there is
-                # recorded before anything unwinds, even if a framework
-                # catches it (accelerate's batch finder does).
-                self._model_hooks.append(model.register_forward_hook(self._on_forward, always_call=True))
-            except TypeError:  # torch without always_call
-                self._model_hooks.append(model.register_forward_hook(self._on_forward))
-        except Exception as exc:  # noqa: BLE001
-            self._error("model hooks", exc)
-
-    def _on_forward_pre(self, module: Any, args: Any) -> None:
-        self._auto_step(module)
-        if self._hooks_mark():
-            self.begin_stage("forward")
-
-    def _auto_step(self, module: Any) -> None:
-        """Opens a step at a training forward when the code marks none, so that its optimizer steps count as steps.
-
-        The step ends at the optimizer's step (``_on_opt_post``); with no
-        optimizer tracked, where the next training forward starts after a
-        backward. Forwards in eval mode or without gradients open nothing.
-        """
-        if self._user_steps or self._phases or self._closed:
-            return
-        try:
-            if not getattr(module, "training", True) or not _torch().is_grad_enabled():
-                return
-            step = self._step_open
-            if step is not None and step.auto and self._opt_ref is None and self._auto_backward:
-                self.end_step()
-                step = None
-            if step is None:
-                self._begin_step(self._steps_done, auto=True)
-        except Exception as exc:  # noqa: BLE001
-            self._error("automatic step", exc)
-
-    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
-        failing = sys.exc_info()[1]
-        if failing is not None and output is None:
-            self.record_oom(failing)
-            return
-        self._seen["forward"] += 1
-        # A new forward means any backward before it has ended, even one that raised.
-        self._backward_pending = False
-        if self._hooks_mark() and self._stage is not None and self._stage.name == "forward":
-            self.end_stage()
-        # The backward is watched inside steps, and everywhere while the code
-        # marks no step (it may be the only sign of training); a loop that
-        # marks its own steps pays nothing for forwards outside them.
-        if not self.stage_hooks or (self._user_steps and self._step_open is None):
-            return
-        try:
-            if _torch().is_grad_enabled():
-                for t in _grad_tensors(output):
-                    t.register_hook(self._on_backward_start)
-        except Exception as exc:  # noqa: BLE001
-            self._error("forward hook", exc)
-
-    def _on_backward_start(self, grad: Any) -> None:
-        try:
-            # Each output's hook fires; the first one of a backward pass marks it.
-            if self._backward_pending:
-                return None
-            self._backward_pending = True
-            if self._hooks_mark() and self._stage is None:
-                self.begin_stage("backward")
-            from torch.autograd import Variable
-
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-        except Exception as exc:  # noqa: BLE001
-            self._error("backward hook", exc)
-        return None
-
-    def _on_backward_end(self) -> None:
-        self._backward_pending = False
-        self._seen["backward"] += 1
-        self._auto_backward = True
-        if self._stage is not None and self._stage.name == "backward":
-            self.end_stage()
-            if self._opt_ref is None and self._due():
-                self._grad_health()
-
-    def _on_opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._hooks_mark():
-            self.begin_stage("optimizer")
-
-    def _on_opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._seen["optimizer"] += 1
-        if self._stage is not None and self._stage.name == "optimizer":
-            self.end_stage()
-        if self._step_open is not None and self._step_open.auto:
-            self.end_step()
-
-    def _due(self) -> bool:
-        return self._step_open is not None and (self._step_open.step or 0) % self.grad_every == 0
-
-    # ----- accounting -------------------------------------------------------
-
-    def _params(self) -> list[Any]:
-        model = self._model_ref()
-        return list(model.parameters()) if model is not None else []
-
-    def _components(self) -> dict[str, Any]:
-        model = self._model_ref()
-        seen: set = set()
-        params_bytes = trainable = frozen = count = 0
-        for p in model.parameters() if model is not None else []:
-            b = _add_unique(p, seen)
-            params_bytes += b
-            count += p.numel() if b else 0
-            if p.requires_grad:
-                trainable += b
-            else:
-                frozen += b
-        buffers = sum(_add_unique(b, seen) for b in (model.buffers() if model is not None else []))
-        grads_seen: set = set()
-        grads = sum(_add_unique(p.grad, grads_seen) for p in self._params() if p.grad is not None)
-        opt_seen: set = set()
-        opt_bytes = sum(_add_unique(t, opt_seen) for t in self._optimizer_tensors())
-        ema_bytes, ema_device = self._ema_cost()
-        by_module = []
-        if model is not None:
-            for name, child in model.named_children():
-                ps = list(child.parameters())
-                mseen: set = set()
-                pb = sum(_add_unique(p, mseen) for p in ps)
-                tb = sum(_nbytes(p) for p in ps if p.requires_grad)
-                by_module.append(
-                    {
-                        "name": name,
-                        "params_bytes": pb,
-                        "trainable_bytes": tb,
-                        "frozen": bool(ps) and not any(p.requires_grad for p in ps),
-                    }
-                )
-        return {
-            "params_bytes": params_bytes,
-            "params_count": count,
-            "trainable_bytes": trainable,
-            "frozen_bytes": frozen,
-            "buffers_bytes": buffers,
-            "grads_bytes": grads,
-            "optimizer_state_bytes": opt_bytes,
-            "ema_bytes": ema_bytes,
-            "ema_device": ema_device,
-            "by_module": by_module,
-        }
-
-    def _ema_tensors(self) -> list[Any]:
-        ema = self._ema_ref() if self._ema_ref is not None else None
-        if ema is None:
-            return []
-        torch = _torch()
-        if isinstance(ema, torch.nn.Module):
-            return list(ema.parameters()) + list(ema.buffers())
-        out: list[Any] = []
-        for v in vars(ema).values():
-            _collect_tensors(v, out, 3)
-        return out
-
-    def _ema_cost(self) -> tuple[int, Optional[str]]:
-        tensors = self._ema_tensors()
-        seen: set = set()
-        total = sum(_add_unique(t, seen) for t in tensors)
-        return total, (str(tensors[0].device) if tensors else None)
-
-    def _optimizer_tensors(self) -> list[Any]:
-        opt = self._opt_ref() if self._opt_ref is not None else None
-        if opt is None:
-            return []
-        out: list[Any] = []
-        states = getattr(opt, "state", None)
-        if not isinstance(states, dict):  # an optimizer-like object without torch's state table
-            return out
-        for state in states.values():
-            if isinstance(state, dict):
-                out.extend(v for v in state.values() if _is_tensor(v))
-        return out
-
-    def _tracked_storages(self) -> set:
-        keys = set()
-        model = self._model_ref()
-        if model is not None:
-            for t in list(model.parameters()) + list(model.buffers()):
-                keys.add(_storage_key(t))
-                if t.grad is not None:
-                    keys.add(_storage_key(t.grad))
-        for t in self._optimizer_tensors():
-            keys.add(_storage_key(t))
-        for t in self._ema_tensors():
-            keys.add(_storage_key(t))
-        return keys
-
-    def _duplicates(self, when: str) -> dict[str, Any]:
-        params = self._params()
-        want: dict[tuple[int, ...], int] = {}
-        for p in params:
-            want[tuple(p.shape)] = want.get(tuple(p.shape), 0) + 1
-        # Tiny shapes (biases of 10 classes) match stray tensors by chance,
-        # so only larger parameters decide whether a group is a copy.
-        large = {tuple(p.shape) for p in params if p.numel() >= 64}
-        n_large = sum(1 for p in params if p.numel() >= 64)
-        tracked = self._tracked_storages()
-        groups: dict[tuple[str, str], dict[str, Any]] = {}
-        torch = _torch()
-        for obj in gc.get_objects():
-            try:
-                if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
-                    continue
-                shape = tuple(obj.shape)
-                if shape not in want:
-                    continue
-                key = _storage_key(obj)
-                if key in tracked:
-                    continue
-                size = _nbytes(obj)
-            except Exception:  # noqa: BLE001 - exotic tensor subclasses
-                continue
-            g = groups.setdefault((str(obj.dtype), str(obj.device)), {"storages": set(), "shapes": {}})
-            if key in g["storages"]:
-                continue
-            g["storages"].add(key)
-            g["shapes"].setdefault(shape, []).append(size)
-        out = []
-        for (dtype, device), g in groups.items():
-            matched = sum(min(len(v), want[s]) for s, v in g["shapes"].items() if s in large)
-            if matched < max(2, (n_large + 1) // 2):
-                continue
-            kept = [sorted(v, reverse=True)[: want[s]] for s, v in g["shapes"].items()]
-            out.append(
-                {
-                    "dtype": dtype,
-                    "device": device,
-                    "tensors": sum(len(k) for k in kept),
-                    "bytes": sum(sum(k) for k in kept),
-                    "params_matched": sum(min(len(v), want[s]) for s, v in g["shapes"].items()),
-                    "params_total": len(params),
-                }
-            )
-        return {
-            "type": "duplicates",
-            "when": when,
-            "step": self._current_step,
-            "bytes": sum(g["bytes"] for g in out),
-            "groups": out,
-        }
-
-    def _grad_health(self) -> None:
-        try:
-            torch = _torch()
-            with torch.no_grad():
-                grads = [p.grad for p in self._params() if p.grad is not None]
-                rec: dict[str, Any] = {
-                    "type": "grad",
-                    "step": self._current_step,
-                    "params_with_grad": len(grads),
-                    "grad_bytes": sum(_nbytes(g) for g in grads),
-                }
-                if grads:
-                    by_dev: dict[tuple[Any, Any], list[Any]] = {}
-                    for g in grads:
-                        by_dev.setdefault((g.device, g.dtype), []).append(g)
-                    norms: list[Any] = []
-                    for gs in by_dev.values():
-                        norms.extend(n.float() for n in torch._foreach_norm(gs))
-                    dev = grads[0].device
-                    stacked = torch.stack([n.to(dev) for n in norms])
-                    summary = torch.stack(
-                        [
-                            stacked.norm(),
-                            stacked.isnan().sum().float(),
-                            stacked.isinf().sum().float(),
-                        ]
-                    ).tolist()  # the one host sync
-                    rec["total_norm"] = summary[0]
-                    rec["nan_params"] = int(summary[1])
-                    rec["inf_params"] = int(summary[2])
-                self._write(rec)
-        except Exception as exc:  # noqa: BLE001
-            self._error("gradient health", exc)
-
-    # ----- OOM capture ------------------------------------------------------
-
-    def _start_history(self, max_entries: int) -> None:
-        torch = _torch()
-        if not self._meter.cuda:
-            self._say("record_history needs CUDA; not recording on this device")
-            return
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
-        self._history = True
-
-    def _write_oom(self, message: str, requested: Optional[int]) -> None:
-        """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis."""
-        if self._writing_oom:
-            return
-        self._writing_oom = True
-        try:
-            self._write_oom_now(message, requested)
-        finally:
-            self._writing_oom = False
-
-    def _write_oom_now(self, message: str, requested: Optional[int]) -> None:
-        step = self._current_step
-        phase = self.current_phase
-        stage = self._stage.name if self._stage is not None else None
-        snapshot = None
-        if self._history:
-            snapshot = os.path.join(
-                os.path.dirname(str(self.log_path)),
-                f"oom-step{step}-rank{self.rank}-{int(time.time())}.pickle",
-            )
-            try:
-                _torch().cuda.memory._dump_snapshot(snapshot)
-            except Exception as e:  # noqa: BLE001
-                self._error("dump snapshot", e)
-                snapshot = None
-        with contextlib.suppress(Exception):
-            # What the failing stage reached up to now, into its open measures.
-            self._sample()
-        peak = max([o.peak for o in self._open] + [0])
-        self._write(
-            {
-                "type": "oom",
-                "time": time.time(),
-                "step": step,
-                "stage": stage or phase,
-                "phase": phase,
-                "requested_bytes": requested,
-                "message": message[:2000],
-                "memory": {
-                    "allocated_bytes": self._meter.now(),
-                    "reserved_bytes": self._meter.reserved(),
-                    "peak_bytes": peak,
-                    "capacity_bytes": self._meter.capacity,
-                },
-                "snapshot": snapshot,
-            }
-        )
-        _plan.report_oom(message, step, stage or phase)
-        # Under torchrun, a trainer's plan steps down for every rank's restart
-        # (auto_batch does its own, from the exception it sees).
-        if _plan.active() is None and self._plan_fields:
-            _plan.elastic_step_down(self._plan_fields, message, self.rank)
-        self.find_duplicates(when="oom")
-        self._log.flush()
-        report = _native.analyze_run_text(self.log_path)
-        sys.stderr.write(f"\noomkit (rank {self.rank}): out of memory, diagnosis\n{report}\n")
-        sys.stderr.flush()
-
-    def _on_allocator_oom(self, device: int, alloc: int, device_limit: int, device_free: int) -> None:
-        """Records an OOM the CUDA allocator reports, at the failing allocation, even if a framework swallows the error.
-
-        The allocator passes the device, the bytes asked for, the memory the
-        process may use (the device's, or the cap a memory fraction sets)
-        and the bytes the driver reports free; it releases its lock first.
-        """
-        try:
-            if self._closed or device != getattr(self._meter, "index", None):
-                return
-            self._write_oom(
-                f"CUDA out of memory (seen by the allocator): tried to allocate {alloc} bytes "
-                f"with {device_free} bytes free of {device_limit} on GPU {device}",
-                int(alloc),
-            )
-            # The exception that follows is this same OOM.
-            self._observed_oom = True
-        except Exception as e:  # noqa: BLE001
-            self._error("allocator oom observer", e)
 
     # ----- plumbing ---------------------------------------------------------
 
@@ -1082,59 +567,6 @@ class Tracker:
         if self._errors == 1:
             with contextlib.suppress(Exception):
                 self._say(f"tracker error in {where} (training continues): {exc}")
-
-
-def _is_tensor(v: Any) -> bool:
-    try:
-        return isinstance(v, _torch().Tensor)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _collect_tensors(v: Any, out: list[Any], depth: int) -> None:
-    if depth < 0:
-        return
-    if _is_tensor(v):
-        out.append(v)
-    elif isinstance(v, dict):
-        for x in v.values():
-            _collect_tensors(x, out, depth - 1)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            _collect_tensors(x, out, depth - 1)
-
-
-# How many tensors of a model's output get a hook that marks the start of backward.
-_BACKWARD_MARKS = 4
-
-
-def _grad_tensors(output: Any, depth: int = 4, out: Optional[list[Any]] = None) -> list[Any]:
-    """Finds up to a few tensors in a model's output through which backward may pass.
-
-    Several, because the loss a framework backpropagates is not always the
-    first tensor of the output (a custom loss on the logits, say); the first
-    hook to fire starts the backward stage.
-    """
-    found: list[Any] = [] if out is None else out
-    if depth < 0 or len(found) >= _BACKWARD_MARKS:
-        return found
-    if _is_tensor(output):
-        if output.requires_grad:
-            found.append(output)
-        return found
-    if isinstance(output, dict):
-        items = list(output.values())
-    elif isinstance(output, (list, tuple)):
-        items = list(output)
-    elif hasattr(output, "__dict__"):
-        items = list(vars(output).values())
-    else:
-        return found
-    for v in items:
-        _grad_tensors(v, depth - 1, found)
-        if len(found) >= _BACKWARD_MARKS:
-            break
-    return found
 
 
 # Set while an integration builds its tracker: it writes the plan it applied
@@ -1174,36 +606,6 @@ def note_oom(exc: BaseException) -> None:
             return
 
 
-# Trackers on CUDA that hear the allocator's OOM observer; the observer
-# cannot be removed once attached, so one is attached per process.
-_WATCHERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
-_OBSERVER_ATTACHED = False
-
-
-def _allocator_oom(device: int, alloc: int, device_limit: int, device_free: int) -> None:
-    for t in list(_WATCHERS):
-        t._on_allocator_oom(device, alloc, device_limit, device_free)
-
-
-def _watch_allocator_ooms(tracker: Tracker) -> None:
-    """Has the CUDA allocator tell ``tracker`` of every OOM, where torch offers the (private) observer."""
-    global _OBSERVER_ATTACHED
-    _WATCHERS.add(tracker)
-    if _OBSERVER_ATTACHED:
-        return
-    try:
-        attach = getattr(_torch()._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is not None:
-            attach(_allocator_oom)
-            _OBSERVER_ATTACHED = True
-    except Exception as exc:  # noqa: BLE001
-        tracker._error("allocator oom observer", exc)
-
-
-def _forget_tracker(tracker: Tracker) -> None:
-    _WATCHERS.discard(tracker)
-
-
 _AT_EXIT_REGISTERED = False
 
 
@@ -1237,19 +639,5 @@ def _close_at_exit() -> None:
             t.close()
 
 
-@contextlib.contextmanager
-def record_history(path: str | os.PathLike[str], max_entries: int = 100_000) -> Iterator[None]:
-    """Records CUDA allocation history inside the block and dumps a snapshot to `path` when it ends."""
-    torch = _torch()
-    if not torch.cuda.is_available():
-        sys.stderr.write("oomkit: record_history needs CUDA; nothing is recorded\n")
-        yield
-        return
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
-    try:
-        yield
-    finally:
-        try:
-            torch.cuda.memory._dump_snapshot(os.fspath(path))
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+
+__all__ = ["LOG_VERSION", "PLAIN_FRAMEWORK", "Tracker", "note_oom", "note_plan", "record_history", "unwrap_optimizer"]

@@ -37,9 +37,11 @@ def analyze(*paths: Path) -> object:
     return json.loads(p.stdout)
 
 
-def result_of(stdout: str) -> dict:
-    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+def result_of(output: str) -> dict:
+    """The script's RESULT object; under `oomkit run --json` its stdout and stderr share one stream, so text may follow it on its line."""
+    line = [ln for ln in output.splitlines() if ln.startswith("RESULT ")][-1]
+    result, _ = json.JSONDecoder().raw_decode(line[len("RESULT "):])
+    return result
 
 
 # ----- find-batch ------------------------------------------------------------
@@ -65,7 +67,7 @@ def test_find_batch_measures_an_unmodified_script_and_recommends_only_what_fits(
     # the figure read from outside is at least that.
     for line in p.stderr.splitlines():
         if line.startswith("RESULT "):
-            res = json.loads(line[len("RESULT "):])
+            res, _ = json.JSONDecoder().raw_decode(line[len("RESULT "):])
             t = next(t for t in trials if t["batch"] == res["micro_batch"])
             assert t["peak_bytes"] >= res["peak_bytes"] * 0.99, (t, res["peak_bytes"])
     if r["fixed_bytes"] is not None:

@@ -18,6 +18,7 @@ import oomkit
 import pytest
 import torch
 from models import MLP, TinyTransformer
+from oomkit import _oom_capture
 
 MIB = 1 << 20
 # The console script installed beside this interpreter.
@@ -478,8 +479,8 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     tracker.begin_step(5)
     tracker.begin_stage("backward")
     # What torch's CUDA allocator calls, with (device, alloc, device_limit, device_free).
-    tracker._on_allocator_oom(1, 1 << 30, 0, 0)  # another device: not ours
-    tracker._on_allocator_oom(0, 3 << 30, 70 << 30, 1 << 29)
+    _oom_capture.on_allocator_oom(tracker, 1, 1 << 30, 0, 0)  # another device: not ours
+    _oom_capture.on_allocator_oom(tracker, 0, 3 << 30, 70 << 30, 1 << 29)
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
     assert tracker.record_oom(exc) is True
     tracker.close()
@@ -498,13 +499,13 @@ def test_an_allocation_failing_while_an_oom_is_written_is_not_written_again(tmp_
     inner = tracker.find_duplicates
 
     def failing_inside(when: str = "manual") -> dict:
-        tracker._on_allocator_oom(0, 1 << 20, 70 << 30, 0)
+        _oom_capture.on_allocator_oom(tracker, 0, 1 << 20, 70 << 30, 0)
         return inner(when)
 
     tracker.find_duplicates = failing_inside
-    tracker._on_allocator_oom(0, 3 << 30, 70 << 30, 1 << 29)
+    _oom_capture.on_allocator_oom(tracker, 0, 3 << 30, 70 << 30, 1 << 29)
     tracker.find_duplicates = inner
-    tracker._on_allocator_oom(0, 5 << 30, 70 << 30, 1 << 29)  # a later OOM is written
+    _oom_capture.on_allocator_oom(tracker, 0, 5 << 30, 70 << 30, 1 << 29)  # a later OOM is written
     tracker.close()
     ooms = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert [o["requested_bytes"] for o in ooms] == [3 << 30, 5 << 30]
