@@ -8,6 +8,20 @@
 //! `oomkit analyze` and `oomkit run`; and what memory is for ([`Role`]),
 //! in the terms a snapshot's blocks and a run log's components share, with
 //! the [`Optimizer`]s whose state sizes both count.
+//!
+//! ```
+//! use oomkit_advice::{decide, Cause, Figures};
+//! // 2 GiB asked for, 1 GiB free, but 3 GiB reserved and unused: fragmentation.
+//! let f = Figures {
+//!     requested: Some(2 << 30),
+//!     capacity: Some(80 << 30),
+//!     free: Some(1 << 30),
+//!     reserved_unallocated: Some(3 << 30),
+//!     ..Figures::default()
+//! };
+//! assert_eq!(decide(&f), Cause::Fragmentation);
+//! assert_eq!(decide(&Figures { reserved_unallocated: None, ..f }), Cause::Capacity);
+//! ```
 
 mod cause;
 mod finding;

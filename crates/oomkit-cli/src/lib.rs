@@ -1,6 +1,12 @@
 //! The `oomkit` command: a thin shell over the oomkit libraries.
 //!
 //! The binary and the Python package's console script both call [`main`].
+//!
+//! ```
+//! // The bundled example, analyzed as `oomkit demo --json` would (output on stdout).
+//! let code = oomkit_cli::main(["oomkit", "demo", "--json", "--top", "1"].map(Into::into));
+//! assert_eq!(code, oomkit_cli::EXIT_OK);
+//! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod args;

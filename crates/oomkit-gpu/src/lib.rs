@@ -5,6 +5,24 @@
 //! binary works with and without a driver. Setting `OOMKIT_FAKE_GPUS` to a JSON
 //! file replaces NVML with that file's contents, which is how every GPU code
 //! path is tested on machines without one.
+//!
+//! ```
+//! use oomkit_gpu::{choose, Gpu, Request};
+//! let gpu = |index: u32, free_gib: u64| Gpu {
+//!     index,
+//!     name: "NVIDIA H100 80GB HBM3".into(),
+//!     uuid: None,
+//!     total_bytes: 80 << 30,
+//!     free_bytes: free_gib << 30,
+//!     used_bytes: (80 - free_gib) << 30,
+//!     utilization_percent: None,
+//!     processes: Vec::new(),
+//! };
+//! let gpus = [gpu(0, 10), gpu(1, 70)];
+//! let req = Request { count: 1, min_free: Some(40 << 30), exclude: Vec::new() };
+//! // The freest GPU with at least 40 GiB free.
+//! assert_eq!(choose(&gpus, &[], &req).unwrap()[0].index, 1);
+//! ```
 
 mod claim;
 mod fake;

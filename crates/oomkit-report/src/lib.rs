@@ -6,6 +6,22 @@
 //! out across files, and every other command's result. [`Output`] is the
 //! one decision of which format a command writes, and [`Render`] the seam
 //! every result with a text and a JSON form prints through.
+//!
+//! ```
+//! use oomkit_report::Output;
+//! let log = "{\"type\":\"start\",\"version\":1,\"device\":\"cpu\"}\n\
+//!            {\"type\":\"step\",\"step\":0,\"start_bytes\":0,\"end_bytes\":0,\"peak_bytes\":1048576}\n";
+//! let run = oomkit_runlog::Run::parse(log.as_bytes()).unwrap();
+//! let report = oomkit_compare::Report::Run(Box::new(oomkit_compare::RunFile {
+//!     path: "run.jsonl".into(),
+//!     analysis: oomkit_runlog::analyze(&run),
+//!     run: None,
+//! }));
+//! let job = oomkit_compare::Job::new(vec![Ok(report)]);
+//! let mut out = Vec::new();
+//! Output::Text.write_job(&job, &mut out).unwrap();
+//! assert!(String::from_utf8(out).unwrap().contains("1 step, peak 1.00 MiB"));
+//! ```
 
 mod error;
 mod html;

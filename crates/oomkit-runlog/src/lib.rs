@@ -6,6 +6,18 @@
 //! tolerating a torn last line, and [`analyze`] turns it into a stage table,
 //! leak detection, eval spikes, gradient anomalies, the component breakdown
 //! and findings that carry their evidence in numbers.
+//!
+//! ```
+//! use oomkit_runlog::{analyze, Run};
+//! let log = concat!(
+//!     r#"{"type":"start","version":1,"rank":0,"device":"cuda:0","capacity_bytes":85899345920}"#, "\n",
+//!     r#"{"type":"step","step":0,"start_bytes":100,"end_bytes":200,"peak_bytes":900}"#, "\n",
+//!     r#"{"type":"end","steps":1}"#, "\n",
+//! );
+//! let a = analyze(&Run::parse(log.as_bytes()).unwrap());
+//! assert_eq!((a.steps, a.peak_bytes), (1, Some(900)));
+//! assert!(!a.verdict.failed);
+//! ```
 
 mod analysis;
 mod attempts;

@@ -7,6 +7,15 @@
 //! device: the state at snapshot time, the peak with the live set grouped by
 //! the user's line that allocated it, every OOM with its cause, the peaks of
 //! annotated phases, and findings with advice.
+//!
+//! ```
+//! use oomkit_snapshot::{analyze, Options, Snapshot};
+//! // pickle.dumps({"segments": [], "device_traces": []}, protocol=4)
+//! let bytes = b"\x80\x04\x95$\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x08segments\x94]\x94\x8c\rdevice_traces\x94]\x94u.";
+//! let snap = Snapshot::from_bytes(bytes).unwrap();
+//! let report = analyze(&snap, &Options::default());
+//! assert!(report.devices.is_empty());
+//! ```
 
 mod analysis;
 mod claim;

@@ -241,7 +241,9 @@ impl Decider<'_> {
             }
             // Kept for a backward, or for one an OOM cancelled: the
             // step's tensors are freed only as the error unwinds.
-            Kind::Forward if after(marks.backward) || (trains && !in_eval() && after(marks.oom)) => {
+            Kind::Forward
+                if after(marks.backward) || (trains && !in_eval() && after(marks.oom)) =>
+            {
                 Told::Known(Role::Activations, Evidence::Lifetimes)
             }
             Kind::Forward => Told::Known(Role::Temporaries, Evidence::Lifetimes),

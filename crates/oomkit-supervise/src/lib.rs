@@ -2,6 +2,20 @@
 //! an OOM from other failures, and rerunning it with a smaller micro-batch
 //! and more gradient accumulation so the effective batch stays the same.
 //! Also the batch-size search behind `oomkit find-batch`.
+//!
+//! ```
+//! use oomkit_supervise::oom::{explain, Cause};
+//! let e = explain(
+//!     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
+//!      capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process \
+//!      has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and \
+//!      6.08 GiB is reserved by PyTorch but unallocated.",
+//!     None,
+//! )
+//! .unwrap();
+//! assert_eq!(e.cause, Cause::Fragmentation);
+//! assert_eq!(e.message.requested_bytes, Some(2 << 30));
+//! ```
 
 pub mod child;
 pub mod child_env;

@@ -4,6 +4,14 @@
 //! binary suffixes (`KiB`, `MiB`, `GiB`) and the bare letters (`K`, `M`, `G`)
 //! are powers of 1024, while `KB`, `MB` and `GB` are powers of 1000, because
 //! that is what the spec sheets of GPUs and model cards mean by them.
+//!
+//! ```
+//! use oomkit_units::{human_bytes, parse_bytes, parse_duration};
+//! assert_eq!(parse_bytes("80GiB").unwrap(), 80 << 30);
+//! assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
+//! assert_eq!(human_bytes(3 << 29), "1.50 GiB");
+//! assert_eq!(parse_duration("10m").unwrap().as_secs(), 600);
+//! ```
 
 use std::time::Duration;
 
