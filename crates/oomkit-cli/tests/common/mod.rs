@@ -61,6 +61,39 @@ pub(crate) fn oomkit(args: &[&str], cwd: Option<&std::path::Path>) -> Output {
     c.output().expect("run oomkit")
 }
 
+/// Runs oomkit in `cwd` with `env` added and returns its whole result as
+/// one text for a snapshot: the exit code, then standard output, then
+/// standard error, so that a changed message or exit code shows in review
+/// (as uv's `uv_snapshot!` does). The scratch folder reads `[DIR]` and the
+/// repository `[REPO]`.
+pub(crate) fn whole(
+    args: &[&str],
+    cwd: &std::path::Path,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> String {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_oomkit"));
+    c.args(args).env("NO_COLOR", "1").current_dir(cwd);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run oomkit");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = repo.canonicalize().unwrap_or(repo);
+    let clean = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .replace(&cwd.display().to_string(), "[DIR]")
+            .replace(&repo.display().to_string(), "[REPO]")
+    };
+    format!(
+        "exit code: {}\n----- stdout -----\n{}\n----- stderr -----\n{}",
+        out.status
+            .code()
+            .map_or("killed by a signal".to_string(), |c| c.to_string()),
+        clean(&out.stdout),
+        clean(&out.stderr)
+    )
+}
+
 /// Runs oomkit, which must succeed, and parses what it printed as JSON.
 pub(crate) fn run_json(args: &[&str]) -> serde_json::Value {
     success_json(&oomkit(args, None), &format!("{args:?}"))

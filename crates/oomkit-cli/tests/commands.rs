@@ -1,0 +1,296 @@
+//! Every command's main case and its error cases, each snapshotted whole:
+//! exit code, standard output and standard error together (`whole`), so
+//! that a changed message or exit code shows in review.
+
+mod common;
+use common::*;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+/// What differs from run to run in the commands' output: wall times.
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\b\d+\.\ds\b", "[TIME]");
+    s.add_filter(r"\(\d+(\.\d+)? (KiB|MiB)\)", "([SIZE])");
+    s
+}
+
+/// Snapshots `args` run in `dir` with `env`, under the name `name`.
+fn check(name: &str, args: &[&str], dir: &Path, env: &[(&str, &OsStr)]) {
+    let text = whole(args, dir, env);
+    settings().bind(|| insta::assert_snapshot!(name, text));
+}
+
+fn repo(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path)
+        .canonicalize()
+        .expect("in the repository")
+}
+
+/// The environment of a GPU command: the fake backend's two H100s, and claims and plans in `dir`.
+fn gpu_env(dir: &Path, gpus: &Path) -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![
+        ("OOMKIT_FAKE_GPUS", gpus.as_os_str().to_os_string()),
+        ("OOMKIT_CLAIMS_DIR", dir.join("claims").into_os_string()),
+        ("OOMKIT_CACHE_DIR", dir.join("cache").into_os_string()),
+    ]
+}
+
+fn as_env<'a>(v: &'a [(&'static str, std::ffi::OsString)]) -> Vec<(&'static str, &'a OsStr)> {
+    v.iter().map(|(k, v)| (*k, v.as_os_str())).collect()
+}
+
+#[test]
+fn analyze() {
+    let dir = tempdir("cmd-analyze");
+    std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();
+    std::fs::write(dir.join("notes.txt"), "hello").unwrap();
+    check(
+        "analyze_main",
+        &["analyze", "--top", "1", "demo.pickle"],
+        &dir,
+        &[],
+    );
+    check(
+        "analyze_missing_file",
+        &["analyze", "nope.pickle"],
+        &dir,
+        &[],
+    );
+    check(
+        "analyze_not_a_snapshot",
+        &["analyze", "notes.txt"],
+        &dir,
+        &[],
+    );
+    check(
+        "analyze_one_bad_among_good",
+        &[
+            "analyze",
+            "--json",
+            "--top",
+            "1",
+            "demo.pickle",
+            "notes.txt",
+        ],
+        &dir,
+        &[],
+    );
+    check(
+        "analyze_perfetto_two_files",
+        &[
+            "analyze",
+            "--format",
+            "perfetto",
+            "demo.pickle",
+            "demo.pickle",
+        ],
+        &dir,
+        &[],
+    );
+    check(
+        "analyze_device_not_held",
+        &["analyze", "--device", "3", "demo.pickle"],
+        &dir,
+        &[],
+    );
+}
+
+#[test]
+fn demo_report_export() {
+    let dir = tempdir("cmd-files");
+    std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();
+    check(
+        "demo_save_existing",
+        &["demo", "--save", "demo.pickle"],
+        &dir,
+        &[],
+    );
+    check(
+        "report_main",
+        &["report", "demo.pickle", "-o", "page.html"],
+        &dir,
+        &[],
+    );
+    check(
+        "report_existing_without_force",
+        &["report", "demo.pickle", "-o", "page.html"],
+        &dir,
+        &[],
+    );
+    check(
+        "report_missing_input",
+        &["report", "nope.pickle", "-o", "other.html"],
+        &dir,
+        &[],
+    );
+    assert!(
+        !dir.join("other.html").exists(),
+        "nothing written for bad input"
+    );
+    check(
+        "export_main",
+        &["export", "--perfetto", "demo.pickle", "-o", "trace.json"],
+        &dir,
+        &[],
+    );
+    check(
+        "export_existing_without_force",
+        &["export", "--perfetto", "demo.pickle", "-o", "trace.json"],
+        &dir,
+        &[],
+    );
+}
+
+#[test]
+fn diff() {
+    let dir = tempdir("cmd-diff");
+    std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();
+    check(
+        "diff_main",
+        &["diff", "demo.pickle", "demo.pickle"],
+        &dir,
+        &[],
+    );
+    check(
+        "diff_missing_file",
+        &["diff", "demo.pickle", "nope.pickle"],
+        &dir,
+        &[],
+    );
+}
+
+#[test]
+fn gpus() {
+    let dir = tempdir("cmd-gpus");
+    let env = gpu_env(&dir, &repo("examples/gpus/two_h100.json"));
+    check("gpus_main", &["gpus"], &dir, &as_env(&env));
+    std::fs::write(dir.join("none.json"), "[]").unwrap();
+    let none = gpu_env(&dir, &dir.join("none.json"));
+    check("gpus_none", &["gpus"], &dir, &as_env(&none));
+    std::fs::write(dir.join("broken.json"), "{").unwrap();
+    let broken = gpu_env(&dir, &dir.join("broken.json"));
+    check("gpus_broken_fake_file", &["gpus"], &dir, &as_env(&broken));
+}
+
+#[test]
+fn run() {
+    let dir = tempdir("cmd-run");
+    let env = gpu_env(&dir, &repo("examples/gpus/two_h100.json"));
+    let script = dir.join("train.sh");
+    std::fs::write(
+        &script,
+        "if [ \"$1\" -gt 4 ]; then echo \"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 77.44 GiB is allocated by PyTorch, and 200.00 MiB is reserved by PyTorch but unallocated.\" >&2; exit 1; fi\necho trained with $1\n",
+    )
+    .unwrap();
+    check(
+        "run_main",
+        &[
+            "run",
+            "--batch-size",
+            "16",
+            "--effective-batch",
+            "32",
+            "--",
+            "sh",
+            "train.sh",
+            "{batch_size}",
+        ],
+        &dir,
+        &as_env(&env),
+    );
+    check(
+        "run_placeholder_without_batch_size",
+        &["run", "--", "sh", "train.sh", "{batch_size}"],
+        &dir,
+        &as_env(&env),
+    );
+    check(
+        "run_command_not_found",
+        &["run", "--", "no-such-command-here"],
+        &dir,
+        &as_env(&env),
+    );
+}
+
+#[test]
+fn find_batch() {
+    let dir = tempdir("cmd-find-batch");
+    let env = gpu_env(&dir, &repo("examples/gpus/two_h100.json"));
+    let standin = repo("examples/find_batch_standin.sh");
+    check(
+        "find_batch_main",
+        &[
+            "find-batch",
+            "--effective",
+            "256",
+            "--",
+            "sh",
+            standin.to_str().unwrap(),
+            "{batch_size}",
+        ],
+        &dir,
+        &as_env(&env),
+    );
+    check(
+        "find_batch_nothing_measured",
+        &["find-batch", "--", "true", "{batch_size}"],
+        &dir,
+        &as_env(&env),
+    );
+    check(
+        "find_batch_bad_margin",
+        &["find-batch", "--margin", "2", "--", "true", "{batch_size}"],
+        &dir,
+        &as_env(&env),
+    );
+}
+
+#[test]
+fn explain() {
+    let dir = tempdir("cmd-explain");
+    check(
+        "explain_main",
+        &["explain", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated."],
+        &dir,
+        &[],
+    );
+    check(
+        "explain_no_oom",
+        &["explain", "step 10 loss 2.1"],
+        &dir,
+        &[],
+    );
+}
+
+#[test]
+fn estimate() {
+    let dir = tempdir("cmd-estimate");
+    check(
+        "estimate_main",
+        &[
+            "estimate", "--params", "7B", "--batch", "4", "--seq", "512", "--gpu", "80GiB",
+        ],
+        &dir,
+        &[],
+    );
+    check(
+        "estimate_missing_config",
+        &["estimate", "--config", "nope.json"],
+        &dir,
+        &[],
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "gpt2", "n_embd": 64}"#,
+    )
+    .unwrap();
+    check(
+        "estimate_config_without_layers",
+        &["estimate", "--config", "config.json"],
+        &dir,
+        &[],
+    );
+}
