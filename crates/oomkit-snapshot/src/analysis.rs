@@ -725,6 +725,30 @@ pub fn role_timeline(
     (series, entry_roles)
 }
 
+/// The role of each allocation of a device's trace, by entry: what the
+/// analysis tells from the allocating frames and the block's lifetime
+/// (`Role::Unknown` for entries that allocate nothing, and for frameless
+/// allocations, which the analysis only matches by size moment by moment).
+pub fn traced_roles(snap: &Snapshot, device: i64) -> Vec<Role> {
+    let events = snap.events(device);
+    let kinds = kinds(&snap.stacks);
+    let scan = scan_trace(events);
+    let ranges = ranges(snap, device);
+    let windows = windows(&ranges, events);
+    let final_blocks = final_blocks(snap, device);
+    let (before, end) = before_and_end(&final_blocks, &scan);
+    let context = context(snap, device, &ranges, &windows);
+    let roles = DeviceRoles::new(&kinds, events, &scan, &context, &before, &end);
+    events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| match e.action {
+            Action::Alloc => roles.traced_role(i),
+            _ => Role::Unknown,
+        })
+        .collect()
+}
+
 /// The name PyTorch's optimizers give their step's `record_function` range.
 const OPTIMIZER_STEP_RANGE: &str = "Optimizer.step";
 /// The start of every range PyTorch's optimizers record (`step`, `zero_grad`).
@@ -920,6 +944,7 @@ mod tests {
             segment_type: "small".into(),
             is_expandable: false,
             private_pool,
+            pool: private_pool as u8,
             blocks,
         };
         let snap = Snapshot {
@@ -943,6 +968,8 @@ mod tests {
             annotations: Vec::new(),
             stacks,
             layout: Default::default(),
+            streams: vec![0],
+            pools: vec![(0, 0)],
         };
         let a = analyze(&snap, &Options::default());
         let end = a.devices[0].roles.end;
@@ -999,6 +1026,7 @@ mod tests {
                 segment_type: "large".into(),
                 is_expandable: false,
                 private_pool: false,
+                pool: 0,
                 blocks,
             }],
             traces: vec![DeviceTrace {
@@ -1009,6 +1037,8 @@ mod tests {
             annotations: Vec::new(),
             stacks,
             layout: Default::default(),
+            streams: vec![0],
+            pools: vec![(0, 0)],
         };
         assert!(events.len() >= PARALLEL_MIN_EVENTS);
         let a = analyze(&snap, &Options::default());

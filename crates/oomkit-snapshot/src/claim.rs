@@ -2,7 +2,7 @@
 //! million-entry trace never exists as a million generic dicts.
 
 use crate::hash::FastHasher;
-use crate::model::{Action, TraceEvent};
+use crate::model::{Action, Interned, TraceEvent};
 use crate::read::StackReader;
 use oomkit_pickle::{Claim, Document, Slot};
 
@@ -15,6 +15,8 @@ pub(crate) enum EntryField {
     TimeUs,
     Frames,
     DeviceFree,
+    Stream,
+    Pool,
     Other,
 }
 
@@ -27,6 +29,8 @@ impl EntryField {
             b"time_us" => EntryField::TimeUs,
             b"frames" => EntryField::Frames,
             b"device_free" => EntryField::DeviceFree,
+            b"stream" => EntryField::Stream,
+            b"segment_pool_id" => EntryField::Pool,
             _ => EntryField::Other,
         }
     }
@@ -52,11 +56,14 @@ struct Shape {
     time_us: Option<usize>,
     frames: Option<usize>,
     device_free: Option<usize>,
+    stream: Option<usize>,
+    pool: Option<usize>,
 }
 
 pub(crate) struct EntryClaim {
     pub(crate) stacks: StackReader,
     pub(crate) events: Vec<TraceEvent>,
+    pub(crate) interned: Interned,
     shape: Shape,
     keys: SlotCache<EntryField>,
     actions: SlotCache<Action>,
@@ -113,6 +120,7 @@ impl EntryClaim {
             // are never touched cost no resident memory, while growing by
             // doubling would briefly hold two copies of the events.
             events,
+            interned: Interned::default(),
             shape: Shape::default(),
             keys: SlotCache::new(KEY_BUCKETS),
             actions: SlotCache::new(KEY_BUCKETS),
@@ -159,6 +167,8 @@ impl EntryClaim {
                 EntryField::TimeUs => shape.time_us = at,
                 EntryField::Frames => shape.frames = at,
                 EntryField::DeviceFree => shape.device_free = at,
+                EntryField::Stream => shape.stream = at,
+                EntryField::Pool => shape.pool = at,
                 EntryField::Other => {}
             }
             shape.keys.push(k);
@@ -186,10 +196,25 @@ impl EntryClaim {
         if let Some(i) = self.shape.frames {
             ev.stack = self.stacks.stack(doc, items[i], String::new).ok()?;
         }
+        if let Some(i) = self.shape.stream {
+            // An odd stream value costs the model its stream, not the entry.
+            ev.stream = self.interned.stream(doc.as_i64(items[i]).unwrap_or(0));
+        }
+        if let Some(i) = self.shape.pool {
+            ev.pool = self.interned.pool(pool_id(doc, items[i])?);
+        }
         if let (Action::Oom, Some(_)) = (ev.action, self.shape.device_free) {
             ev.addr = uint(self.shape.device_free)?;
         }
         Some(ev)
+    }
+}
+
+/// Reads a `segment_pool_id`: a pair of integers, as a tuple or a list.
+pub(crate) fn pool_id(doc: &Document<'_>, slot: Slot) -> Option<(i64, i64)> {
+    match doc.seq(slot)? {
+        [a, b] => Some((doc.as_i64(*a)?, doc.as_i64(*b)?)),
+        _ => None,
     }
 }
 

@@ -6,11 +6,11 @@ use std::hash::{BuildHasher, Hasher};
 /// the program made or read, SipHash's resistance to chosen keys buys nothing
 /// and costs a third of the replay's time.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct FastState;
+pub struct FastState;
 
 /// A multiply-and-fold hasher in the manner of rustc's FxHasher.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct FastHasher(u64);
+pub struct FastHasher(u64);
 
 const SEED: u64 = 0xf135_7aea_2e62_a9c5;
 

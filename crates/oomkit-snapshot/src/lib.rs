@@ -33,12 +33,13 @@ mod sites;
 mod stacks;
 mod timeline;
 
-pub use analysis::{analyze, role_timeline};
+pub use analysis::{analyze, role_timeline, traced_roles};
 pub use dump::{to_json, TO_JSON_MAX_VALUES};
 pub use error::{Error, Result};
+pub use hash::{FastHasher, FastState};
 pub use model::{
     Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
-    TraceEvent,
+    TraceEvent, MAX_POOLS, MAX_STREAMS,
 };
 pub use oomkit_advice::{Finding, FindingKind, Role, RoleBytes, RoleEvidence, Verdict};
 pub use report::{

@@ -69,6 +69,8 @@ pub struct Segment {
     /// The segment belongs to a private pool (`segment_pool_id` other than
     /// `(0, 0)`): a CUDA graph's, or one a `torch.cuda.MemPool` made.
     pub private_pool: bool,
+    /// The memory pool, as an index into [`Snapshot::pools`] (0 is the default pool).
+    pub pool: u8,
     /// The blocks, in address order.
     pub blocks: Vec<Block>,
 }
@@ -162,6 +164,12 @@ pub struct TraceEvent {
     pub size: u64,
     /// Stack of the call, or the empty stack.
     pub stack: StackId,
+    /// The CUDA stream, as an index into [`Snapshot::streams`] (0 is the
+    /// default stream); a `u16` so that the event stays 32 bytes.
+    pub stream: u16,
+    /// The memory pool, as an index into [`Snapshot::pools`] (0 is the
+    /// default pool), where the entry records one (`segment_pool_id`, torch 2.8 on).
+    pub pool: u8,
     /// Microseconds since the epoch, or [`NO_TIME`]; an `Option<i64>` would
     /// make every event 40 bytes instead of 32.
     time_us: i64,
@@ -175,6 +183,8 @@ impl std::fmt::Debug for TraceEvent {
             .field("size", &self.size)
             .field("time_us", &self.time_us())
             .field("stack", &self.stack)
+            .field("stream", &self.stream)
+            .field("pool", &self.pool)
             .finish()
     }
 }
@@ -189,8 +199,21 @@ impl TraceEvent {
         addr: 0,
         size: 0,
         stack: StackId::EMPTY,
+        stream: 0,
+        pool: 0,
         time_us: NO_TIME,
     };
+
+    /// An entry with no stack and no time, on the default stream and pool
+    /// (for building traces by hand, as tests and simulations do).
+    pub fn new(action: Action, addr: u64, size: u64) -> TraceEvent {
+        TraceEvent {
+            action,
+            addr,
+            size,
+            ..TraceEvent::BLANK
+        }
+    }
 
     /// Returns when the entry was recorded, in microseconds since the epoch; absent before torch 2.2.
     pub fn time_us(&self) -> Option<i64> {
@@ -262,9 +285,69 @@ pub struct Snapshot {
     pub stacks: Stacks,
     /// What layout the file used.
     pub layout: Layout,
+    /// The CUDA streams the trace and the segments name, by the index
+    /// [`TraceEvent::stream`] holds; the first is always the default stream, 0.
+    pub streams: Vec<i64>,
+    /// The memory pools the trace names, by the index [`TraceEvent::pool`]
+    /// holds; the first is always the default pool, `(0, 0)`.
+    pub pools: Vec<(i64, i64)>,
+}
+
+/// Most streams a snapshot's events tell apart; any beyond share the last index.
+pub const MAX_STREAMS: usize = u16::MAX as usize + 1;
+/// Most memory pools a snapshot's events tell apart; any beyond share the last index.
+pub const MAX_POOLS: usize = u8::MAX as usize + 1;
+
+/// The streams and pools of a snapshot, each numbered in the order first seen.
+#[derive(Clone, Debug)]
+pub(crate) struct Interned {
+    pub(crate) streams: Vec<i64>,
+    pub(crate) pools: Vec<(i64, i64)>,
+}
+
+impl Default for Interned {
+    fn default() -> Self {
+        Interned {
+            streams: vec![0],
+            pools: vec![(0, 0)],
+        }
+    }
+}
+
+impl Interned {
+    /// The index of a stream, numbering it if new.
+    pub(crate) fn stream(&mut self, raw: i64) -> u16 {
+        // A trace names one to a few streams, so a scan beats a map.
+        if let Some(i) = self.streams.iter().position(|&s| s == raw) {
+            return i as u16;
+        }
+        if self.streams.len() < MAX_STREAMS {
+            self.streams.push(raw);
+        }
+        (self.streams.len() - 1) as u16
+    }
+
+    /// The index of a memory pool, numbering it if new.
+    pub(crate) fn pool(&mut self, id: (i64, i64)) -> u8 {
+        if let Some(i) = self.pools.iter().position(|&p| p == id) {
+            return i as u8;
+        }
+        if self.pools.len() < MAX_POOLS {
+            self.pools.push(id);
+        }
+        (self.pools.len() - 1) as u8
+    }
 }
 
 impl Snapshot {
+    /// Returns the index of a raw stream handle in [`Snapshot::streams`], if the snapshot names it.
+    pub fn stream_index(&self, raw: i64) -> Option<u16> {
+        self.streams
+            .iter()
+            .position(|&s| s == raw)
+            .map(|i| i as u16)
+    }
+
     /// Returns the trace entries of a device, empty where it has none.
     pub fn events(&self, device: i64) -> &[TraceEvent] {
         usize::try_from(device)
@@ -284,5 +367,29 @@ impl Snapshot {
         d.sort_unstable();
         d.dedup();
         d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_stays_32_bytes() {
+        // A million-entry trace is held whole; each byte more is a megabyte.
+        assert_eq!(std::mem::size_of::<TraceEvent>(), 32);
+    }
+
+    #[test]
+    fn streams_and_pools_are_numbered_in_the_order_seen() {
+        let mut i = Interned::default();
+        assert_eq!(i.stream(0), 0);
+        assert_eq!(i.stream(94_000_000), 1);
+        assert_eq!(i.stream(7), 2);
+        assert_eq!(i.stream(94_000_000), 1);
+        assert_eq!(i.pool((0, 0)), 0);
+        assert_eq!(i.pool((1, 0)), 1);
+        assert_eq!(i.pool((0, 3)), 2);
+        assert_eq!(i.pool((1, 0)), 1);
     }
 }

@@ -41,6 +41,7 @@ impl Snapshot {
             doc: &doc,
             stacks: claim.stacks,
             claimed: claim.events,
+            interned: claim.interned,
         }
         .read()
     }
@@ -234,6 +235,7 @@ struct Reader<'d, 'a> {
     doc: &'d Document<'a>,
     stacks: StackReader,
     claimed: Vec<TraceEvent>,
+    interned: Interned,
 }
 
 impl<'d, 'a> Reader<'d, 'a> {
@@ -242,6 +244,7 @@ impl<'d, 'a> Reader<'d, 'a> {
             doc,
             stacks: StackReader::default(),
             claimed: Vec::new(),
+            interned: Interned::default(),
         }
     }
 
@@ -331,6 +334,8 @@ impl<'d, 'a> Reader<'d, 'a> {
             annotations,
             stacks: self.stacks.stacks,
             layout,
+            streams: self.interned.streams,
+            pools: self.interned.pools,
         })
     }
 
@@ -351,6 +356,7 @@ impl<'d, 'a> Reader<'d, 'a> {
             segment_type: String::new(),
             is_expandable: false,
             private_pool: false,
+            pool: 0,
             blocks: Vec::new(),
         };
         let (mut allocated, mut active, mut requested) = (None, None, None);
@@ -363,13 +369,19 @@ impl<'d, 'a> Reader<'d, 'a> {
                 b"allocated_size" => allocated = Some(self.uint(v, || at("allocated_size"))?),
                 b"active_size" => active = Some(self.uint(v, || at("active_size"))?),
                 b"requested_size" => requested = Some(self.uint(v, || at("requested_size"))?),
-                b"stream" => seg.stream = self.doc.as_i128(v).unwrap_or(0) as u64,
+                b"stream" => {
+                    seg.stream = self.doc.as_i128(v).unwrap_or(0) as u64;
+                    self.interned.stream(seg.stream as i64);
+                }
                 b"segment_type" => seg.segment_type = doc.as_str(v).unwrap_or("").to_string(),
                 b"is_expandable" => seg.is_expandable = doc.as_i64(v).unwrap_or(0) != 0,
                 b"segment_pool_id" => {
                     seg.private_pool = doc
                         .seq(v)
-                        .is_some_and(|ids| ids.iter().any(|&id| doc.as_i64(id).unwrap_or(0) != 0))
+                        .is_some_and(|ids| ids.iter().any(|&id| doc.as_i64(id).unwrap_or(0) != 0));
+                    if let Some(id) = crate::claim::pool_id(doc, v) {
+                        seg.pool = self.interned.pool(id);
+                    }
                 }
                 b"blocks" => blocks_slot = Some(v),
                 _ => {}
@@ -498,6 +510,14 @@ impl<'d, 'a> Reader<'d, 'a> {
                     EntryField::Frames => ev.stack = self.stack(v, || at("frames"))?,
                     EntryField::DeviceFree => {
                         device_free = Some(self.uint(v, || at("device_free"))?)
+                    }
+                    EntryField::Stream => {
+                        ev.stream = self.interned.stream(doc.as_i64(v).unwrap_or(0));
+                    }
+                    EntryField::Pool => {
+                        if let Some(id) = crate::claim::pool_id(doc, v) {
+                            ev.pool = self.interned.pool(id);
+                        }
                     }
                     EntryField::Other => {}
                 }

@@ -790,6 +790,8 @@ mod tests {
             annotations: Vec::new(),
             stacks: Stacks::default(),
             layout: crate::model::Layout::default(),
+            streams: vec![0],
+            pools: vec![(0, 0)],
         };
         let a = analyze(&snap, &Options::default());
         let d = &a.devices[0];

@@ -1,0 +1,701 @@
+//! Replaying a device's trace through the model, as recorded and under
+//! each scenario: allocations and frees are fed in trace order, the
+//! model's own segments, peaks and failures are collected, and the
+//! trace's own segment entries are kept to check the model against.
+
+use crate::config::AllocatorConfig;
+use crate::error::AllocatorError;
+use crate::model::{Allocator, BlockId, Failure, SegmentOp, State};
+use crate::report::{
+    Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,
+    WhatIf,
+};
+use crate::rules::{round_size, PoolKind};
+use crate::scenario::Scenario;
+use crate::start::{start_state, Start};
+use oomkit_snapshot::{Action, FastState, Role, Snapshot, TraceEvent};
+use std::collections::{HashMap, HashSet};
+
+/// How to replay.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Only this device.
+    pub device: Option<i64>,
+    /// Trace entries after which to sample reserved bytes (sorted), for drawing.
+    pub samples: Vec<usize>,
+}
+
+/// The entry index the model is at while it lays out the start.
+const BEFORE_TRACE: usize = usize::MAX;
+
+/// OOMs that imply capacities further apart than this share are noted:
+/// something else on the device changed what it had free.
+const CAPACITY_SPREAD: f64 = 0.01;
+
+/// Replays every device's trace as recorded and under each scenario.
+pub fn what_if(
+    snap: &Snapshot,
+    scenarios: &[Scenario],
+    opts: &Options,
+) -> Result<WhatIf, AllocatorError> {
+    let (mut recorded, unknown) = match &snap.allocator_settings {
+        Some(s) => AllocatorConfig::from_settings(s),
+        None => (AllocatorConfig::default(), Vec::new()),
+    };
+    // Without recorded settings, expandable segments in the end state still
+    // say how the run was set.
+    let inferred =
+        snap.allocator_settings.is_none() && snap.segments.iter().any(|s| s.is_expandable);
+    if inferred {
+        recorded.expandable_segments = true;
+    }
+    // Settings are checked before anything is replayed, so a typo costs no time.
+    let mut configs = Vec::with_capacity(scenarios.len());
+    for s in scenarios {
+        let mut c = recorded.clone();
+        if let Some(conf) = &s.alloc_conf {
+            c.apply(conf)?;
+        }
+        configs.push(c);
+    }
+    let mut devices = Vec::new();
+    for (d, t) in snap.traces.iter().enumerate() {
+        let device = d as i64;
+        if t.events.is_empty() || opts.device.is_some_and(|want| want != device) {
+            continue;
+        }
+        let mut out = device_what_if(snap, device, &recorded, scenarios, &configs, opts);
+        if snap.allocator_settings.is_none() {
+            let assumed = if inferred {
+                "PyTorch's defaults with expandable_segments:True (its segments are expandable) are assumed"
+            } else {
+                "PyTorch's defaults are assumed"
+            };
+            out.notes.insert(0, format!("the snapshot does not record its allocator settings (torch before 2.5); {assumed}"));
+        }
+        if !unknown.is_empty() {
+            out.notes.push(format!(
+                "recorded settings the model does not follow: {}",
+                unknown.join(", ")
+            ));
+        }
+        devices.push(out);
+    }
+    Ok(WhatIf {
+        recorded_settings: recorded.describe(),
+        settings_recorded: snap.allocator_settings.is_some(),
+        devices,
+    })
+}
+
+/// What every replay of one device shares.
+struct Device<'a> {
+    events: &'a [TraceEvent],
+    start: Start,
+    /// For each entry, the next entry that is not a `free_completed`.
+    after_completes: Vec<u32>,
+    /// For each entry, the next entry that is not a `segment_free` or `segment_unmap`.
+    after_releases: Vec<u32>,
+    /// The private pool of each allocation, where any segment is private.
+    private: Option<Vec<u8>>,
+    /// Above every address the snapshot names, where fresh segments go.
+    fresh_base: u64,
+    samples: &'a [usize],
+}
+
+fn device_what_if(
+    snap: &Snapshot,
+    device: i64,
+    recorded: &AllocatorConfig,
+    scenarios: &[Scenario],
+    configs: &[AllocatorConfig],
+    opts: &Options,
+) -> DeviceWhatIf {
+    let events = snap.events(device);
+    let start = start_state(snap, device, recorded);
+    let mut notes = start.notes.clone();
+    let n = events.len();
+    let mut after_completes = vec![n as u32; n + 1];
+    let mut after_releases = vec![n as u32; n + 1];
+    for i in (0..n).rev() {
+        after_completes[i] = match events[i].action {
+            Action::FreeCompleted => after_completes[i + 1],
+            _ => i as u32,
+        };
+        after_releases[i] = match events[i].action {
+            Action::SegmentFree | Action::SegmentUnmap => after_releases[i + 1],
+            _ => i as u32,
+        };
+    }
+    let mut top = 0u64;
+    for s in snap.segments.iter().filter(|s| s.device == device) {
+        top = top.max(s.address.saturating_add(s.total_size));
+    }
+    for e in events {
+        if matches!(
+            e.action,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap
+        ) {
+            top = top.max(e.addr.saturating_add(e.size));
+        }
+    }
+    let d = Device {
+        events,
+        private: private_pools(snap, device),
+        start,
+        after_completes,
+        after_releases,
+        fresh_base: top.div_ceil(1 << 30).saturating_add(1) << 30,
+        samples: &opts.samples,
+    };
+
+    // What the trace shows by itself: its segments, its peak, the
+    // capacity its OOMs imply.
+    let recorded_segments = recorded_segments(events, recorded);
+    let (recorded_peak, capacities) = recorded_reserved(events, d.start.reserved());
+    let trace_capacity = capacities.first().copied();
+    if let (Some(lo), Some(hi)) = (capacities.iter().min(), capacities.iter().max()) {
+        if (*hi - *lo) as f64 > CAPACITY_SPREAD * *hi as f64 {
+            notes.push(format!(
+                "the trace's OOMs imply capacities from {} to {}: something else on the device changed what was free; the first is used",
+                oomkit_units::human_bytes(*lo),
+                oomkit_units::human_bytes(*hi)
+            ));
+        }
+    }
+    let roles = scenarios
+        .iter()
+        .any(|s| s.batch_scale.is_some())
+        .then(|| oomkit_snapshot::traced_roles(snap, device));
+    if roles.is_some() {
+        notes.push("a micro-batch scenario scales the allocations the analysis tells as activations, temporaries or inputs, and keeps the rest as recorded: an approximation, since a smaller batch can also change which kernels run and their workspaces".into());
+    }
+
+    let mut outs = Vec::new();
+    let (as_recorded, checks) = run(
+        &d,
+        recorded.clone(),
+        trace_capacity,
+        StartKind::AsRecorded,
+        None,
+    );
+    let agreement = agree(&recorded_segments, &as_recorded.segments, checks.placed);
+    if checks.outside > 0 {
+        notes.push(format!(
+            "{} of the trace's allocations lie in no segment it shows: the trace and the segments cannot come from one run of PyTorch's allocator (a generated sample?), so the figures do not describe a run",
+            checks.outside
+        ));
+    }
+    outs.push(ScenarioOut {
+        name: "as recorded".into(),
+        capacity_source: source(trace_capacity.is_some(), false),
+        ..as_recorded
+    });
+    let empty_start = d.start.segments.is_empty();
+    let mut fresh_baseline = false;
+    for (s, c) in scenarios.iter().zip(configs) {
+        let kind = if c == recorded || empty_start {
+            StartKind::AsRecorded
+        } else {
+            StartKind::Fresh
+        };
+        if kind == StartKind::Fresh && !fresh_baseline {
+            // Compared with a fresh start under the recorded settings, so
+            // that dropping the cache from before the trace is not credited to the change.
+            fresh_baseline = true;
+            let (b, _) = run(&d, recorded.clone(), trace_capacity, StartKind::Fresh, None);
+            outs.push(ScenarioOut {
+                name: "as recorded, fresh start".into(),
+                capacity_source: source(trace_capacity.is_some(), false),
+                ..b
+            });
+        }
+        let capacity = s.capacity.or(trace_capacity);
+        let scaled = match (s.batch_scale, &roles) {
+            (Some(f), Some(r)) => Some((f, r.as_slice())),
+            _ => None,
+        };
+        let (o, _) = run(&d, c.clone(), capacity, kind, scaled);
+        outs.push(ScenarioOut {
+            name: s.label.clone(),
+            capacity_source: source(capacity.is_some(), s.capacity.is_some()),
+            batch_scale: s.batch_scale,
+            ..o
+        });
+    }
+    DeviceWhatIf {
+        device,
+        events: events.len(),
+        reserved_at_start_bytes: d.start.reserved(),
+        cached_at_start_bytes: d.start.cached(),
+        recorded_segments,
+        recorded_peak_reserved_bytes: recorded_peak,
+        agreement,
+        scenarios: outs,
+        notes,
+    }
+}
+
+fn source(known: bool, given: bool) -> &'static str {
+    match (known, given) {
+        (_, true) => "given",
+        (true, false) => "trace_oom",
+        (false, false) => "none",
+    }
+}
+
+/// The private pool of each allocation entry, where the snapshot has
+/// private segments: the entry's own pool id (torch 2.8 on), else the
+/// private segment at the end that holds its address.
+fn private_pools(snap: &Snapshot, device: i64) -> Option<Vec<u8>> {
+    let events = snap.events(device);
+    let mut ranges: Vec<(u64, u64, u8)> = snap
+        .segments
+        .iter()
+        .filter(|s| s.device == device && s.private_pool)
+        .map(|s| (s.address, s.address + s.total_size, s.pool.max(1)))
+        .collect();
+    if ranges.is_empty() && events.iter().all(|e| e.pool == 0) {
+        return None;
+    }
+    ranges.sort_unstable();
+    Some(
+        events
+            .iter()
+            .map(|e| {
+                if e.pool != 0 || !matches!(e.action, Action::Alloc | Action::Oom) {
+                    return e.pool;
+                }
+                let i = ranges.partition_point(|r| r.0 <= e.addr);
+                match i.checked_sub(1).map(|i| ranges[i]) {
+                    Some((a, b, p)) if e.addr >= a && e.addr < b => p,
+                    _ => 0,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The trace's own segment allocations, each with the entry it served:
+/// the allocation (or OOM) that follows it.
+fn recorded_segments(events: &[TraceEvent], config: &AllocatorConfig) -> Vec<SegmentOut> {
+    let mut out = Vec::new();
+    let mut waiting: Vec<(usize, &TraceEvent)> = Vec::new();
+    let flush = |out: &mut Vec<SegmentOut>,
+                 waiting: &mut Vec<(usize, &TraceEvent)>,
+                 at: usize,
+                 served: Option<&TraceEvent>| {
+        for (i, s) in waiting.drain(..) {
+            let kind = match (s.action, served) {
+                (Action::SegmentAlloc, _) if s.size == crate::rules::K_SMALL_BUFFER => {
+                    PoolKind::Small
+                }
+                (Action::SegmentAlloc, _) => PoolKind::Large,
+                (_, Some(a)) => PoolKind::of(round_size(a.size, config)),
+                (_, None) => PoolKind::Large,
+            };
+            out.push(SegmentOut {
+                event: if served.is_some() { at } else { i },
+                size: s.size,
+                stream: s.stream,
+                pool: kind,
+                private: s.pool != 0,
+                action: s.action.name(),
+            });
+        }
+    };
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            Action::SegmentAlloc | Action::SegmentMap => waiting.push((i, e)),
+            Action::Alloc | Action::Oom => flush(&mut out, &mut waiting, i, Some(e)),
+            _ => {}
+        }
+    }
+    flush(&mut out, &mut waiting, 0, None);
+    out
+}
+
+/// The most reserved the trace shows, and the capacity each of its OOMs
+/// implies: reserved when it failed plus what the driver had free.
+fn recorded_reserved(events: &[TraceEvent], start: u64) -> (u64, Vec<u64>) {
+    let mut r = start;
+    let mut peak = r;
+    let mut caps = Vec::new();
+    for e in events {
+        match e.action {
+            Action::SegmentAlloc | Action::SegmentMap => {
+                r += e.size;
+                peak = peak.max(r);
+            }
+            Action::SegmentFree | Action::SegmentUnmap => r = r.saturating_sub(e.size),
+            Action::Oom => caps.push(r.saturating_add(e.addr)),
+            _ => {}
+        }
+    }
+    (peak, caps)
+}
+
+/// One replay's running state besides the model.
+struct Run<'a, 'd> {
+    d: &'a Device<'d>,
+    m: Allocator,
+    /// The model's block for each trace address live now.
+    live: HashMap<u64, BlockId, FastState>,
+    /// Trace addresses whose allocation failed under the scenario.
+    failed: HashSet<u64, FastState>,
+    /// Trace addresses the model completed early; their `free_completed` is skipped.
+    early: HashSet<u64, FastState>,
+    /// `free_completed` entries held back because the allocation that
+    /// follows them flushes them itself.
+    deferred: Vec<u64>,
+    oom_details: Vec<OomOut>,
+    recorded_ooms: Vec<RecordedOom>,
+    unfollowed: u64,
+    placed: u64,
+    allocs: u64,
+    /// Allocations whose recorded address lies in no segment the model holds
+    /// (counted in the replay as recorded, where the two must agree).
+    outside: u64,
+    check_addresses: bool,
+}
+
+/// What a replay as recorded checks about the trace itself.
+struct Checks {
+    /// Share of the allocations the model placed at their recorded address.
+    placed: f64,
+    /// Allocations whose recorded address lies in no segment.
+    outside: u64,
+}
+
+/// Replays the trace under one setting; returns the figures and the checks.
+fn run(
+    d: &Device<'_>,
+    config: AllocatorConfig,
+    capacity: Option<u64>,
+    start: StartKind,
+    scaled: Option<(f64, &[Role])>,
+) -> (ScenarioOut, Checks) {
+    let settings = config.describe();
+    let mut r = Run {
+        d,
+        m: Allocator::new(config, capacity),
+        live: HashMap::default(),
+        failed: HashSet::default(),
+        early: HashSet::default(),
+        deferred: Vec::new(),
+        oom_details: Vec::new(),
+        recorded_ooms: Vec::new(),
+        unfollowed: 0,
+        placed: 0,
+        allocs: 0,
+        outside: 0,
+        check_addresses: start == StartKind::AsRecorded && scaled.is_none(),
+    };
+    r.m.addresses.fresh = d.fresh_base;
+    r.m.entry = BEFORE_TRACE;
+    match start {
+        StartKind::AsRecorded => crate::layout::lay_out(&mut r.m, &d.start, &mut r.live),
+        StartKind::Fresh => r.place_afresh(),
+    }
+    r.m.settle_peak();
+    r.m.totals.peak_allocated = r.m.totals.allocated;
+    let mut samples = d.samples.iter().peekable();
+    let mut reserved_samples = Vec::with_capacity(d.samples.len());
+    let mut hints: Vec<(u64, u64)> = Vec::new();
+    for (i, e) in d.events.iter().enumerate() {
+        r.m.entry = i;
+        r.step(i, e, &mut hints, scaled);
+        while samples.next_if(|&&s| s == i).is_some() {
+            reserved_samples.push(r.m.totals.reserved);
+        }
+    }
+    let m = &r.m;
+    let segments = m
+        .events
+        .iter()
+        .filter(|s| s.entry != BEFORE_TRACE && matches!(s.op, SegmentOp::Alloc | SegmentOp::Map))
+        .map(|s| SegmentOut {
+            event: s.entry,
+            size: s.size,
+            stream: s.stream,
+            pool: s.kind,
+            private: s.private,
+            action: if s.op == SegmentOp::Alloc {
+                "segment_alloc"
+            } else {
+                "segment_map"
+            },
+        })
+        .collect();
+    let segment_frees = m
+        .events
+        .iter()
+        .filter(|s| matches!(s.op, SegmentOp::Free | SegmentOp::Unmap))
+        .count();
+    let placed = if r.allocs == 0 {
+        1.0
+    } else {
+        r.placed as f64 / r.allocs as f64
+    };
+    (
+        ScenarioOut {
+            name: String::new(),
+            settings,
+            capacity_bytes: capacity,
+            capacity_source: "none",
+            batch_scale: None,
+            start,
+            segments,
+            segment_frees,
+            peak_reserved_bytes: m.totals.peak_reserved,
+            peak_allocated_bytes: m.totals.peak_allocated,
+            free_in_segments_at_peak_bytes: m.totals.free_at_peak,
+            peak_event: m.totals.peak_entry.filter(|&e| e != BEFORE_TRACE),
+            reserved_at_end_bytes: m.totals.reserved,
+            ooms: r.oom_details.iter().filter_map(|o| o.event).collect(),
+            oom_details: r.oom_details,
+            recorded_ooms: r.recorded_ooms,
+            unfollowed: r.unfollowed,
+            reserved_samples,
+        },
+        Checks {
+            placed,
+            outside: r.outside,
+        },
+    )
+}
+
+impl Run<'_, '_> {
+    /// Places the blocks live before the trace under the scenario's
+    /// settings, in address order, with nothing cached.
+    fn place_afresh(&mut self) {
+        for b in &self.d.start.blocks {
+            match self.m.malloc(b.requested, b.stream, b.private) {
+                Ok(id) => {
+                    self.m.bm(id).key = b.addr;
+                    self.live.insert(b.addr, id);
+                    if b.pending {
+                        self.m.free_requested(id);
+                    }
+                }
+                Err(f) => {
+                    self.fail(None, f, false);
+                    self.failed.insert(b.addr);
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, event: Option<usize>, f: Failure, recorded: bool) {
+        self.oom_details.push(OomOut {
+            event,
+            size: f.size,
+            segment_bytes: f.alloc_size,
+            reserved_bytes: f.reserved,
+            free_in_segments_bytes: f.reserved.saturating_sub(f.active),
+            largest_free_block_bytes: f.largest_free,
+            recorded,
+        });
+    }
+
+    fn private(&self, i: usize) -> u8 {
+        self.d.private.as_ref().map_or(0, |p| p[i])
+    }
+
+    /// Whether a `free_completed` at `i` is the flush inside the allocation
+    /// that follows: the frees run straight into that allocation's release of cached segments, or its OOM.
+    fn is_flush(&self, i: usize) -> bool {
+        let j = self.d.after_completes[i] as usize;
+        match self.d.events.get(j).map(|e| e.action) {
+            Some(Action::Oom) => true,
+            Some(Action::SegmentFree | Action::SegmentUnmap) => self.is_internal_release(j),
+            _ => false,
+        }
+    }
+
+    /// Whether a run of segment releases starting at `i` is an allocation
+    /// failing (an OOM follows), which the model repeats itself at the OOM.
+    ///
+    /// Any other run is replayed as a call of `torch.cuda.empty_cache()`:
+    /// it is one, or an allocation's flush that then succeeded, which
+    /// frees the same unsplit segments; where the trace shows no OOM there
+    /// is no capacity for the model to run into, so it could not flush by itself.
+    fn is_internal_release(&self, i: usize) -> bool {
+        let j = self.d.after_releases[i] as usize;
+        matches!(self.d.events.get(j).map(|e| e.action), Some(Action::Oom))
+    }
+
+    fn step(
+        &mut self,
+        i: usize,
+        e: &TraceEvent,
+        hints: &mut Vec<(u64, u64)>,
+        scaled: Option<(f64, &[Role])>,
+    ) {
+        match e.action {
+            Action::SegmentAlloc => hints.push((e.addr, e.size)),
+            Action::SegmentFree | Action::SegmentUnmap => {
+                let first = i == 0
+                    || !matches!(
+                        self.d.events[i - 1].action,
+                        Action::SegmentFree | Action::SegmentUnmap
+                    );
+                if first && !self.is_internal_release(i) {
+                    self.m.empty_cache();
+                    self.absorb_early();
+                }
+            }
+            Action::Alloc => {
+                self.m.addresses.offered = std::mem::take(hints);
+                self.early.remove(&e.addr);
+                if let Some(old) = self.live.remove(&e.addr) {
+                    // The trace allocates at an address the model still
+                    // holds: the free in between was not recorded.
+                    self.unfollowed += 1;
+                    self.m.free_completed(old);
+                }
+                self.failed.remove(&e.addr);
+                let size = match scaled {
+                    Some((f, roles)) if scales(roles[i]) => {
+                        ((e.size as f64 * f).round() as u64).max(1)
+                    }
+                    _ => e.size,
+                };
+                let got = self.m.malloc(size, e.stream, self.private(i));
+                // After the allocation, whose own new segment may hold it.
+                if self.check_addresses && !self.m.holds(e.addr) {
+                    self.outside += 1;
+                }
+                match got {
+                    Ok(id) => {
+                        self.m.bm(id).key = e.addr;
+                        self.live.insert(e.addr, id);
+                        self.allocs += 1;
+                        self.placed += (self.m.b(id).addr == e.addr) as u64;
+                    }
+                    Err(f) => {
+                        self.fail(Some(i), f, false);
+                        self.failed.insert(e.addr);
+                    }
+                }
+                self.after_allocation();
+            }
+            Action::FreeRequested => match self.live.get(&e.addr) {
+                Some(&id) => self.m.free_requested(id),
+                None if self.failed.contains(&e.addr) || self.early.contains(&e.addr) => {}
+                None => self.unfollowed += 1,
+            },
+            Action::FreeCompleted => {
+                if self.early.remove(&e.addr) || self.failed.remove(&e.addr) {
+                    return;
+                }
+                match self.live.get(&e.addr) {
+                    Some(&id) if self.m.b(id).state == State::Pending && self.is_flush(i) => {
+                        self.deferred.push(e.addr)
+                    }
+                    Some(&id) => {
+                        self.live.remove(&e.addr);
+                        self.m.free_completed(id);
+                    }
+                    None => self.unfollowed += 1,
+                }
+            }
+            Action::Oom => {
+                self.m.addresses.offered = std::mem::take(hints);
+                let happens = match self.m.malloc(e.size, e.stream, self.private(i)) {
+                    Ok(id) => {
+                        // The program would have gone on from here; the
+                        // trace only shows what it did after failing, so
+                        // the block is handed back at once.
+                        self.m.free_completed(id);
+                        false
+                    }
+                    Err(f) => {
+                        self.fail(Some(i), f, true);
+                        true
+                    }
+                };
+                self.recorded_ooms.push(RecordedOom {
+                    event: i,
+                    size: e.size,
+                    happens,
+                });
+                self.after_allocation();
+            }
+            Action::Unknown => self.unfollowed += 1,
+            _ => {}
+        }
+    }
+
+    /// Completes the held-back frees the allocation did not flush itself.
+    fn after_allocation(&mut self) {
+        self.absorb_early();
+        for addr in std::mem::take(&mut self.deferred) {
+            if let Some(id) = self.live.remove(&addr) {
+                self.m.free_completed(id);
+            }
+        }
+    }
+
+    /// Takes note of the pending frees the model completed early.
+    fn absorb_early(&mut self) {
+        for k in std::mem::take(&mut self.m.completed_early) {
+            self.live.remove(&k);
+            match self.deferred.iter().position(|&d| d == k) {
+                // Its `free_completed` entry has passed already.
+                Some(p) => {
+                    self.deferred.swap_remove(p);
+                }
+                None => {
+                    self.early.insert(k);
+                }
+            }
+        }
+    }
+}
+
+/// Whether a role grows and shrinks with the micro-batch.
+fn scales(r: Role) -> bool {
+    matches!(r, Role::Activations | Role::Temporaries | Role::Inputs)
+}
+
+/// The model's segments for the recorded run against the trace's own.
+fn agree(recorded: &[SegmentOut], simulated: &[SegmentOut], placed: f64) -> Agreement {
+    let mut want: HashMap<(usize, u64), usize> = HashMap::new();
+    for s in recorded {
+        *want.entry((s.event, s.size)).or_default() += 1;
+    }
+    let mut matched = 0;
+    for s in simulated {
+        if let Some(c) = want.get_mut(&(s.event, s.size)) {
+            if *c > 0 {
+                *c -= 1;
+                matched += 1;
+            }
+        }
+    }
+    let most = recorded.len().max(simulated.len());
+    let first_divergence = (0..most)
+        .find(|&i| {
+            let a = recorded.get(i).map(|s| (s.event, s.size));
+            let b = simulated.get(i).map(|s| (s.event, s.size));
+            a != b
+        })
+        .map(|i| Divergence {
+            index: i,
+            recorded: recorded.get(i).copied(),
+            simulated: simulated.get(i).copied(),
+        });
+    Agreement {
+        recorded: recorded.len(),
+        simulated: simulated.len(),
+        matched,
+        share: if most == 0 {
+            1.0
+        } else {
+            matched as f64 / most as f64
+        },
+        first_divergence,
+        placed_at_recorded_address: placed,
+    }
+}
