@@ -15,9 +15,9 @@ pub enum AllocatorError {
     #[error("{0}")]
     NotModelled(String),
     /// A capacity that is neither a size nor a GPU the model knows.
-    #[error("capacity {0:?}: not a size (80GiB) or a GPU it knows ({1})")]
+    #[error("--capacity {0:?}: not a size (80GiB) or a GPU oomkit knows ({1})")]
     Capacity(String, String),
     /// A batch scale that is not a fraction above 0.
-    #[error("batch scale {0:?}: give a number above 0 (0.5) or a fraction (4/8)")]
+    #[error("--batch-scale {0:?}: give a share above 0 (0.5) or a fraction (4/8)")]
     BatchScale(String),
 }

@@ -39,6 +39,7 @@
 mod config;
 mod error;
 mod expandable;
+mod free;
 mod layout;
 mod model;
 mod replay;

@@ -4,6 +4,7 @@
 //! `expandable.rs`.
 
 use crate::config::AllocatorConfig;
+use crate::free::{FreeKey, FreeSet};
 use crate::rules::{allocation_size, round_size, should_split, PoolKind, K_ROUND_LARGE};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -49,17 +50,13 @@ impl Block {
     }
 }
 
-/// A free block's place in its pool, ordered as `BlockComparatorSize`: by
-/// stream, then size, then address.
-pub(crate) type FreeKey = (u16, u64, u64, BlockId);
-
 /// One of the allocator's block pools (`BlockPool`).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Pool {
     pub(crate) kind: Option<PoolKind>,
     /// The private pool it belongs to (an index of the snapshot's pools; 0 is the default).
     pub(crate) private: u8,
-    pub(crate) blocks: BTreeSet<FreeKey>,
+    pub(crate) blocks: FreeSet,
     /// Unmapped address space of expandable segments, by stream and address.
     pub(crate) unmapped: BTreeSet<(u16, u64, BlockId)>,
     /// `get_free_blocks_call_count`, counted only while garbage collection is on.
@@ -231,24 +228,20 @@ impl Allocator {
         self.pools[pool as usize].kind.unwrap_or(PoolKind::Large)
     }
 
-    fn free_key(&self, id: BlockId) -> FreeKey {
-        let b = self.b(id);
-        (b.stream, b.size, b.addr, id)
-    }
-
     /// Caches a free block in its pool (`insert_into_blocks`).
     pub(crate) fn insert_free(&mut self, id: BlockId) {
         let pool = self.b(id).pool as usize;
         let calls = self.pools[pool].gc_calls;
-        let key = self.free_key(id);
-        self.bm(id).gc_base = calls;
-        self.pools[pool].blocks.insert(key);
+        let b = self.bm(id);
+        b.gc_base = calls;
+        let (stream, size, addr) = (b.stream, b.size, b.addr);
+        self.pools[pool].blocks.insert(stream, size, addr, id);
     }
 
     pub(crate) fn remove_free(&mut self, id: BlockId) {
-        let key = self.free_key(id);
-        let pool = self.b(id).pool as usize;
-        self.pools[pool].blocks.remove(&key);
+        let b = self.b(id);
+        let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
+        self.pools[pool].blocks.remove(stream, size, addr);
     }
 
     pub(crate) fn gc_enabled(&self) -> bool {
@@ -423,33 +416,7 @@ impl Allocator {
         if self.gc_enabled() {
             self.pools[pool as usize].gc_calls += 1;
         }
-        let p = &self.pools[pool as usize];
-        let mut it = p.blocks.range((stream, size, 0, 0)..);
-        let mut cur = *it.next()?;
-        if cur.0 != stream {
-            return None;
-        }
-        if self.segment_of(cur.3).page > 0 {
-            if self.config.expandable_segments {
-                // An expandable block counts as the size it can grow to, so
-                // a larger block that can grow less may be the better fit.
-                for next in it {
-                    if next.0 != stream
-                        || self.segment_of(cur.3).page == 0
-                        || self.expandable_size(next.3) >= self.expandable_size(cur.3)
-                    {
-                        break;
-                    }
-                    cur = *next;
-                }
-            } else {
-                // Expandable segments turned off later: only other blocks serve.
-                cur = *it.find(|k| k.0 != stream || self.segment_of(k.3).page == 0)?;
-                if cur.0 != stream {
-                    return None;
-                }
-            }
-        }
+        let cur = self.best_fit(pool, stream, size)?;
         let max_split = self.config.max_split_size;
         let bsize = cur.1;
         if size < max_split && bsize >= max_split {
@@ -458,8 +425,39 @@ impl Allocator {
         if size >= max_split && bsize >= size.saturating_add(self.config.max_non_split_rounding) {
             return None;
         }
-        self.pools[pool as usize].blocks.remove(&cur);
+        self.pools[pool as usize].blocks.remove(cur.0, cur.1, cur.2);
         Some(cur.3)
+    }
+
+    /// The smallest cached block of the stream with `size` bytes, where an
+    /// expandable block counts as the size it can grow to.
+    fn best_fit(&self, pool: u16, stream: u16, size: u64) -> Option<FreeKey> {
+        let mut it = self.pools[pool as usize].blocks.from(stream, size);
+        let mut cur = it.next()?;
+        if cur.0 != stream {
+            return None;
+        }
+        if self.segment_of(cur.3).page > 0 {
+            if self.config.expandable_segments {
+                // A larger block that can grow less may be the better fit.
+                for next in it {
+                    if next.0 != stream
+                        || self.segment_of(cur.3).page == 0
+                        || self.expandable_size(next.3) >= self.expandable_size(cur.3)
+                    {
+                        break;
+                    }
+                    cur = next;
+                }
+            } else {
+                // Expandable segments turned off later: only other blocks serve.
+                cur = it.find(|k| k.0 != stream || self.segment_of(k.3).page == 0)?;
+                if cur.0 != stream {
+                    return None;
+                }
+            }
+        }
+        Some(cur)
     }
 
     pub(crate) fn segment_of(&self, id: BlockId) -> &Segment {
@@ -646,7 +644,7 @@ impl Allocator {
         }
         let key = size.max(max_split);
         let p = &self.pools[pool as usize];
-        let fit = p.blocks.range((stream, key, 0, 0)..).next().copied();
+        let fit = p.blocks.from(stream, key).next();
         match fit {
             Some(k)
                 if k.0 == stream && self.segment_of(k.3).page == 0 && !self.b(k.3).is_split() =>
@@ -658,10 +656,8 @@ impl Allocator {
                 // The largest oversize blocks of the stream, largest first.
                 let below: Vec<FreeKey> = p
                     .blocks
-                    .range(..(stream, key, 0, 0))
-                    .rev()
+                    .below(stream, key)
                     .take_while(|k| k.0 == stream && k.1 >= max_split)
-                    .copied()
                     .collect();
                 let mut released = 0;
                 for k in below {
@@ -701,7 +697,7 @@ impl Allocator {
     /// `release_blocks`: frees the pool's unsplit cached segments and unmaps
     /// the free pages of its expandable ones.
     fn release_blocks(&mut self, pool: u16) {
-        let all: Vec<FreeKey> = self.pools[pool as usize].blocks.iter().copied().collect();
+        let all: Vec<FreeKey> = self.pools[pool as usize].blocks.iter().collect();
         let mut to_unmap = Vec::new();
         for k in all {
             let id = k.3;

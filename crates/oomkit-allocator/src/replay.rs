@@ -171,58 +171,66 @@ fn device_what_if(
         notes.push("a micro-batch scenario scales the allocations the analysis tells as activations, temporaries or inputs, and keeps the rest as recorded: an approximation, since a smaller batch can also change which kernels run and their workspaces".into());
     }
 
-    let mut outs = Vec::new();
-    let (as_recorded, checks) = run(
-        &d,
-        recorded.clone(),
-        trace_capacity,
-        StartKind::AsRecorded,
-        None,
-    );
-    let agreement = agree(&recorded_segments, &as_recorded.segments, checks.placed);
+    // Every replay to run, the trace as recorded first; each is independent,
+    // so a long trace's replays run side by side.
+    let mut jobs: Vec<Job<'_>> = vec![Job {
+        name: "as recorded".into(),
+        config: recorded.clone(),
+        capacity: trace_capacity,
+        given: false,
+        start: StartKind::AsRecorded,
+        scale: None,
+    }];
+    let empty_start = d.start.segments.is_empty();
+    for (s, c) in scenarios.iter().zip(configs) {
+        let start = if c == recorded || empty_start {
+            StartKind::AsRecorded
+        } else {
+            StartKind::Fresh
+        };
+        if start == StartKind::Fresh && !jobs.iter().any(|j| j.start == StartKind::Fresh) {
+            // Compared with a fresh start under the recorded settings, so
+            // that dropping the cache from before the trace is not credited to the change.
+            jobs.push(Job {
+                name: "as recorded, fresh start".into(),
+                config: recorded.clone(),
+                capacity: trace_capacity,
+                given: false,
+                start,
+                scale: None,
+            });
+        }
+        jobs.push(Job {
+            name: s.label.clone(),
+            config: c.clone(),
+            capacity: s.capacity.or(trace_capacity),
+            given: s.capacity.is_some(),
+            start,
+            scale: match (s.batch_scale, &roles) {
+                (Some(f), Some(r)) => Some((f, r.as_slice())),
+                _ => None,
+            },
+        });
+    }
+    let mut results = run_all(&d, &jobs).into_iter();
+    let (first, checks) = results.next().expect("the recorded replay is always run");
+    let agreement = agree(&recorded_segments, &first.segments, checks.placed);
     if checks.outside > 0 {
         notes.push(format!(
             "{} of the trace's allocations lie in no segment it shows: the trace and the segments cannot come from one run of PyTorch's allocator (a generated sample?), so the figures do not describe a run",
             checks.outside
         ));
     }
-    outs.push(ScenarioOut {
-        name: "as recorded".into(),
-        capacity_source: source(trace_capacity.is_some(), false),
-        ..as_recorded
-    });
-    let empty_start = d.start.segments.is_empty();
-    let mut fresh_baseline = false;
-    for (s, c) in scenarios.iter().zip(configs) {
-        let kind = if c == recorded || empty_start {
-            StartKind::AsRecorded
-        } else {
-            StartKind::Fresh
-        };
-        if kind == StartKind::Fresh && !fresh_baseline {
-            // Compared with a fresh start under the recorded settings, so
-            // that dropping the cache from before the trace is not credited to the change.
-            fresh_baseline = true;
-            let (b, _) = run(&d, recorded.clone(), trace_capacity, StartKind::Fresh, None);
-            outs.push(ScenarioOut {
-                name: "as recorded, fresh start".into(),
-                capacity_source: source(trace_capacity.is_some(), false),
-                ..b
-            });
-        }
-        let capacity = s.capacity.or(trace_capacity);
-        let scaled = match (s.batch_scale, &roles) {
-            (Some(f), Some(r)) => Some((f, r.as_slice())),
-            _ => None,
-        };
-        let (o, _) = run(&d, c.clone(), capacity, kind, scaled);
-        outs.push(ScenarioOut {
-            name: s.label.clone(),
-            capacity_source: source(capacity.is_some(), s.capacity.is_some()),
-            batch_scale: s.batch_scale,
+    let outs: Vec<ScenarioOut> = std::iter::once((first, checks))
+        .chain(results)
+        .zip(&jobs)
+        .map(|((o, _), j)| ScenarioOut {
+            name: j.name.clone(),
+            capacity_source: source(j.capacity.is_some(), j.given),
+            batch_scale: j.scale.map(|(f, _)| f),
             ..o
-        });
-    }
+        })
+        .collect();
     DeviceWhatIf {
         device,
         events: events.len(),
@@ -357,6 +365,40 @@ struct Run<'a, 'd> {
     /// (counted in the replay as recorded, where the two must agree).
     outside: u64,
     check_addresses: bool,
+}
+
+/// One replay to run.
+struct Job<'r> {
+    name: String,
+    config: AllocatorConfig,
+    capacity: Option<u64>,
+    /// The capacity was given rather than implied by the trace.
+    given: bool,
+    start: StartKind,
+    scale: Option<(f64, &'r [Role])>,
+}
+
+/// Traces at least this long replay their scenarios on several cores.
+const PARALLEL_MIN_EVENTS: usize = 100_000;
+
+/// Runs every job, on as many cores as there are jobs for a long trace.
+fn run_all(d: &Device<'_>, jobs: &[Job<'_>]) -> Vec<(ScenarioOut, Checks)> {
+    let one = |j: &Job<'_>| run(d, j.config.clone(), j.capacity, j.start, j.scale);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if jobs.len() < 2 || cores < 2 || d.events.len() < PARALLEL_MIN_EVENTS {
+        return jobs.iter().map(one).collect();
+    }
+    let per = jobs.len().div_ceil(cores);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = jobs
+            .chunks(per)
+            .map(|chunk| sc.spawn(move || chunk.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
 }
 
 /// What a replay as recorded checks about the trace itself.

@@ -12,7 +12,7 @@
 
 use crate::config::AllocatorConfig;
 use crate::rules::{round_size, PoolKind, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE};
-use oomkit_snapshot::{Action, BlockState, Snapshot};
+use oomkit_snapshot::{Action, BlockState, FastState, Snapshot};
 use std::collections::{BTreeMap, HashSet};
 
 /// A segment held when the trace begins.
@@ -82,8 +82,8 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
     // Which addresses the trace allocates and still holds, and which
     // blocks it frees without having allocated them.
     let any_requested = events.iter().any(|e| e.action == Action::FreeRequested);
-    let mut open: HashSet<u64> = HashSet::new();
-    let mut requested_before: HashSet<u64> = HashSet::new();
+    let mut open: HashSet<u64, FastState> = HashSet::default();
+    let mut requested_before: HashSet<u64, FastState> = HashSet::default();
     let mut orphans = Vec::new();
     for e in events {
         match e.action {
@@ -125,7 +125,7 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             }
         }
     }
-    let exact: HashSet<u64> = blocks.iter().map(|b| b.addr).collect();
+    let exact: HashSet<u64, FastState> = blocks.iter().map(|b| b.addr).collect();
     let seg_at: BTreeMap<u64, usize> = segments
         .iter()
         .enumerate()

@@ -42,7 +42,7 @@ fn check(m: &Allocator) {
     let mut allocated = 0;
     let mut seen = std::collections::HashSet::new();
     for pool in &m.pools {
-        for k in &pool.blocks {
+        for k in pool.blocks.iter() {
             assert!(seen.insert(k.3), "block {} cached twice", k.3);
             let b = m.b(k.3);
             assert_eq!((b.stream, b.size, b.addr), (k.0, k.1, k.2), "stale key");

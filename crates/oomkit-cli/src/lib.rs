@@ -62,6 +62,8 @@ enum Command {
     Report(cmd::report::Args),
     /// Analyze the snapshot bundled in oomkit, to see a report with no set-up.
     Demo(cmd::demo::Args),
+    /// Replay a snapshot's trace through a model of PyTorch's caching allocator: what other settings, a larger GPU or a smaller micro-batch would have done.
+    Whatif(cmd::whatif::Args),
 }
 
 /// Runs the command line `args` (program name first) and returns the exit code.
@@ -110,5 +112,6 @@ fn run(cli: Cli) -> u8 {
         Command::Diff(a) => cmd::diff::run(a),
         Command::Report(a) => cmd::report::run(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Whatif(a) => cmd::whatif::run(a),
     }
 }

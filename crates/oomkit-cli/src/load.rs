@@ -19,15 +19,23 @@ pub(crate) enum Keep {
     Raw,
 }
 
-/// Reads and analyzes one file, or says in one line why it cannot.
-pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, String> {
+/// What a file is, from its size and first bytes.
+struct Opened {
+    shown: String,
+    bytes: u64,
+    run_log: bool,
+}
+
+/// Looks at a file before reading it: a snapshot or a run log (`logs`), or one line saying what it is instead.
+fn open(path: &Path, logs: bool) -> Result<Opened, String> {
     let shown = path.display().to_string();
-    let file_bytes = match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() => {
-            return Err(format!(
-                "{shown}: is a directory, not a snapshot or run log"
-            ))
-        }
+    let what = if logs {
+        "a snapshot or run log"
+    } else {
+        "a snapshot"
+    };
+    let bytes = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => return Err(format!("{shown}: is a directory, not {what}")),
         Ok(m) => m.len(),
         Err(e) => return Err(format!("{shown}: {}", io_problem(&e))),
     };
@@ -35,12 +43,27 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
     let run_log = oomkit_runlog::is_run_log(&head);
     if !run_log && head.first() != Some(&PICKLE_PROTO) {
         return Err(format!(
-            "{shown}: not a PyTorch memory snapshot or an oomkit run log: it starts with {}; \
+            "{shown}: not a PyTorch memory snapshot{}: it starts with {}; \
              record a snapshot with torch.cuda.memory._dump_snapshot(\"snap.pickle\") \
              (README, \"Record a snapshot in PyTorch\")",
+            if logs { " or an oomkit run log" } else { "" },
             preview(&head)
         ));
     }
+    Ok(Opened {
+        shown,
+        bytes,
+        run_log,
+    })
+}
+
+/// Reads and analyzes one file, or says in one line why it cannot.
+pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, String> {
+    let Opened {
+        shown,
+        bytes: file_bytes,
+        run_log,
+    } = open(path, true)?;
     if run_log {
         let run = oomkit_runlog::Run::read(path).map_err(|e| format!("{shown}: {e}"))?;
         let analysis = oomkit_runlog::analyze(&run);
@@ -50,6 +73,22 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
             run: (keep == Keep::Raw).then_some(run),
         })));
     }
+    let snap = read_snapshot(path, &shown, file_bytes, opts.device)?;
+    let fa = match keep {
+        Keep::Raw => FileAnalysis::keeping(shown, file_bytes, snap, opts),
+        Keep::Analysis => FileAnalysis::new(shown, file_bytes, &snap, opts),
+    };
+    Ok(Report::Snapshot(Box::new(fa)))
+}
+
+/// Reads a snapshot, with a progress bar when large, and checks that it
+/// holds the device asked for.
+fn read_snapshot(
+    path: &Path,
+    shown: &str,
+    file_bytes: u64,
+    device: Option<i64>,
+) -> Result<Snapshot, String> {
     let bar = (file_bytes >= PROGRESS_MIN_BYTES && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::with_draw_target(Some(file_bytes), ProgressDrawTarget::stderr());
         b.set_style(
@@ -68,7 +107,7 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
         b.finish_and_clear();
     }
     let snap = snap.map_err(|e| format!("{shown}: {e}"))?;
-    if let Some(want) = opts.device {
+    if let Some(want) = device {
         let held = snap.devices();
         if !held.contains(&want) {
             let list: Vec<String> = held.iter().map(|d| d.to_string()).collect();
@@ -82,11 +121,21 @@ pub(crate) fn load(path: &Path, opts: &Options, keep: Keep) -> Result<Report, St
             ));
         }
     }
-    let fa = match keep {
-        Keep::Raw => FileAnalysis::keeping(shown, file_bytes, snap, opts),
-        Keep::Analysis => FileAnalysis::new(shown, file_bytes, &snap, opts),
-    };
-    Ok(Report::Snapshot(Box::new(fa)))
+    Ok(snap)
+}
+
+/// Reads a file that must be a snapshot (not a run log), or says in one
+/// line why it cannot; `why` says what a run log lacks for the command.
+pub(crate) fn load_snapshot(
+    path: &Path,
+    device: Option<i64>,
+    why: &str,
+) -> Result<Snapshot, String> {
+    let o = open(path, false)?;
+    if o.run_log {
+        return Err(format!("{}: is an oomkit run log; {why}", o.shown));
+    }
+    read_snapshot(path, &o.shown, o.bytes, device)
 }
 
 /// Every snapshot PyTorch writes is a pickle of protocol 2 or later, which starts with PROTO.

@@ -294,3 +294,63 @@ fn estimate() {
         &[],
     );
 }
+
+#[test]
+fn whatif() {
+    let dir = tempdir("cmd-whatif");
+    std::fs::copy(
+        repo("crates/oomkit-cli/tests/real/tinyllama_int8_lora_notebook_ftcourse.pickle"),
+        dir.join("tinyllama.pickle"),
+    )
+    .unwrap();
+    std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();
+    std::fs::copy(repo("examples/calibrate/b4.jsonl"), dir.join("run.jsonl")).unwrap();
+    // pickle.dumps({"segments": [], "device_traces": []}, protocol=4)
+    std::fs::write(
+        dir.join("no_trace.pickle"),
+        b"\x80\x04\x95$\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x08segments\x94]\x94\x8c\rdevice_traces\x94]\x94u.",
+    )
+    .unwrap();
+    check(
+        "whatif_main",
+        &[
+            "whatif",
+            "tinyllama.pickle",
+            "--alloc-conf",
+            "expandable_segments:True",
+            "--capacity",
+            "T4",
+            "--batch-scale",
+            "0.5",
+        ],
+        &dir,
+        &[],
+    );
+    check("whatif_demo", &["whatif", "demo.pickle"], &dir, &[]);
+    check("whatif_run_log", &["whatif", "run.jsonl"], &dir, &[]);
+    check("whatif_no_trace", &["whatif", "no_trace.pickle"], &dir, &[]);
+    check("whatif_missing_file", &["whatif", "nope.pickle"], &dir, &[]);
+    check(
+        "whatif_bad_settings",
+        &[
+            "whatif",
+            "tinyllama.pickle",
+            "--alloc-conf",
+            "max_split_size_mb:8",
+        ],
+        &dir,
+        &[],
+    );
+    check(
+        "whatif_bad_capacity",
+        &["whatif", "tinyllama.pickle", "--capacity", "B300"],
+        &dir,
+        &[],
+    );
+    check(
+        "whatif_bad_scale",
+        &["whatif", "tinyllama.pickle", "--batch-scale", "0"],
+        &dir,
+        &[],
+    );
+}

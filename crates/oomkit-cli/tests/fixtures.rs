@@ -64,6 +64,88 @@ fn check(path: &Path) {
             .sum();
         assert!(sites <= d["peak_active_bytes"].as_u64().unwrap());
     }
+    check_whatif(path, &theirs);
+}
+
+/// Real files that are not one allocator's record, where the model cannot
+/// agree (crates/oomkit-allocator/tests/real.rs says why); the files the
+/// tests generate (the demo, the pager's large file) are not runs either.
+const NOT_A_RUN: [&str; 1] = ["snapviewer_sample.pickle"];
+
+/// The first place two lists of (entry, size) differ, for a short message.
+fn first_difference(a: &[(u64, u64)], b: &[(u64, u64)]) -> Option<String> {
+    (0..a.len().max(b.len()))
+        .find(|&i| a.get(i) != b.get(i))
+        .map(|i| {
+            format!(
+                "{} against {} segments; at {i}: {:?} against {:?}",
+                a.len(),
+                b.len(),
+                a.get(i),
+                b.get(i)
+            )
+        })
+}
+
+/// `oomkit whatif` lists the segments CPython finds in the trace, and its
+/// model of the allocator makes the same ones, at the same entries.
+fn check_whatif(path: &Path, theirs: &Value) {
+    let out = oomkit(&["whatif", "--json", path.to_str().unwrap()], None);
+    let has_trace = theirs
+        .as_object()
+        .unwrap()
+        .values()
+        .any(|d| d["events"].as_u64() > Some(0));
+    if !has_trace {
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{}: no trace to replay",
+            path.display()
+        );
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ours: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let name = path.file_name().unwrap().to_string_lossy();
+    for d in ours["devices"].as_array().unwrap() {
+        let want = &theirs[d["device"].as_i64().unwrap().to_string()]["recorded_segments"];
+        let pairs = |v: &Value| -> Vec<(u64, u64)> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|s| match s {
+                    Value::Array(a) => (a[0].as_u64().unwrap(), a[1].as_u64().unwrap()),
+                    o => (o["event"].as_u64().unwrap(), o["size"].as_u64().unwrap()),
+                })
+                .collect()
+        };
+        let want = pairs(want);
+        if let Some(diff) = first_difference(&pairs(&d["recorded_segments"]), &want) {
+            panic!("{}: recorded segments: {diff}", path.display());
+        }
+        let real = fixture_files()
+            .iter()
+            .chain(&own_fixture_files())
+            .any(|f| f == path);
+        if real && !NOT_A_RUN.contains(&name.as_ref()) {
+            if let Some(diff) = first_difference(&pairs(&d["scenarios"][0]["segments"]), &want) {
+                panic!(
+                    "{}: the model's segments for the recorded run: {diff}",
+                    path.display()
+                );
+            }
+            assert_eq!(
+                d["scenarios"][0]["peak_reserved_bytes"],
+                theirs[d["device"].as_i64().unwrap().to_string()]["peak_reserved_bytes"]
+            );
+        }
+    }
 }
 
 #[test]

@@ -10,6 +10,10 @@ Definitions (README, "How the figures are computed"):
   and adds each alloc, subtracts each free_completed; the peak is the first
   maximum, and its index is null if nothing in the trace exceeds the start.
 
+- recorded segments (what `oomkit whatif` checks its model against): each
+  segment_alloc or segment_map entry with the index of the alloc or oom
+  entry after it, which it served, and its size.
+
 Prints one JSON object: {device: {...}}."""
 import json
 import pickle
@@ -67,6 +71,14 @@ for dev in sorted(devices):
         res_peak = max(res_peak, res)
     if not trace:
         peak = max(peak, active_blocks)
+    segments, waiting = [], []
+    for i, e in enumerate(trace):
+        if e["action"] in ("segment_alloc", "segment_map"):
+            waiting.append((i, e["size"]))
+        elif e["action"] in ("alloc", "oom"):
+            segments += [[i, size] for _, size in waiting]
+            waiting = []
+    segments += [[j, size] for j, size in waiting]
     out[str(dev)] = {
         "events": len(trace),
         "reserved_bytes": reserved,
@@ -76,5 +88,6 @@ for dev in sorted(devices):
         "peak_event_index": peak_index,
         "peak_reserved_bytes": res_peak,
         "ooms": ooms,
+        "recorded_segments": segments,
     }
 print(json.dumps(out))

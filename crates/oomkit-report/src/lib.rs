@@ -135,6 +135,27 @@ impl Render for RunSummary {
     }
 }
 
+/// The what-ifs of one snapshot, with the file they came from.
+pub struct WhatIfReport<'a> {
+    /// The file, as given.
+    pub file: &'a str,
+    /// The replays.
+    pub whatif: &'a oomkit_allocator::WhatIf,
+}
+
+impl Render for WhatIfReport<'_> {
+    fn text(&self) -> String {
+        text::whatif(self.file, self.whatif)
+    }
+    fn json(&self) -> Value {
+        let mut v = serde_json_of(self.whatif);
+        if let Value::Object(m) = &mut v {
+            m.insert("file".into(), Value::String(self.file.to_string()));
+        }
+        v
+    }
+}
+
 impl Render for FindBatchReport {
     fn text(&self) -> String {
         text::find_batch(self)

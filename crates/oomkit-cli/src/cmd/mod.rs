@@ -11,3 +11,4 @@ pub(crate) mod find_batch;
 pub(crate) mod gpus;
 pub(crate) mod report;
 pub(crate) mod run;
+pub(crate) mod whatif;

@@ -10,6 +10,7 @@ mod gpus;
 mod ranks;
 mod roles;
 mod supervise;
+mod whatif;
 
 pub use attempts::attempts;
 pub use diff::diff;
@@ -19,6 +20,7 @@ pub use file::{run, snapshot};
 pub use gpus::gpus;
 pub use ranks::ranks;
 pub use supervise::{find_batch, run_summary};
+pub use whatif::whatif;
 
 use oomkit_advice::Verdict;
 use oomkit_compare::{Job, Report};

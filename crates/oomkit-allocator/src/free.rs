@@ -1,0 +1,92 @@
+//! A pool's cached blocks in the order `BlockComparatorSize` keeps them: by
+//! stream, then size, then address. Each key is packed into one `u128`,
+//! which the B-tree compares in two instructions instead of a tuple's four.
+
+use crate::model::BlockId;
+use std::collections::BTreeMap;
+
+/// A cached block as the set orders it: stream, size, address, and the block.
+pub(crate) type FreeKey = (u16, u64, u64, BlockId);
+
+/// Sizes are kept in 48 bits (256 TiB), far above any device.
+const SIZE_BITS: u32 = 48;
+const SIZE_MAX: u64 = (1 << SIZE_BITS) - 1;
+
+fn pack(stream: u16, size: u64, addr: u64) -> u128 {
+    ((stream as u128) << (64 + SIZE_BITS)) | ((size.min(SIZE_MAX) as u128) << 64) | addr as u128
+}
+
+fn unpack(k: u128, id: BlockId) -> FreeKey {
+    (
+        (k >> (64 + SIZE_BITS)) as u16,
+        ((k >> 64) as u64) & SIZE_MAX,
+        k as u64,
+        id,
+    )
+}
+
+/// The cached blocks of one pool.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FreeSet {
+    map: BTreeMap<u128, BlockId>,
+}
+
+impl FreeSet {
+    pub(crate) fn insert(&mut self, stream: u16, size: u64, addr: u64, id: BlockId) {
+        self.map.insert(pack(stream, size, addr), id);
+    }
+
+    pub(crate) fn remove(&mut self, stream: u16, size: u64, addr: u64) -> bool {
+        self.map.remove(&pack(stream, size, addr)).is_some()
+    }
+
+    /// The blocks from the smallest of the stream with at least `size` bytes, in order.
+    pub(crate) fn from(&self, stream: u16, size: u64) -> impl Iterator<Item = FreeKey> + '_ {
+        self.map
+            .range(pack(stream, size, 0)..)
+            .map(|(&k, &id)| unpack(k, id))
+    }
+
+    /// The blocks before the smallest of the stream with at least `size` bytes, largest first.
+    pub(crate) fn below(&self, stream: u16, size: u64) -> impl Iterator<Item = FreeKey> + '_ {
+        self.map
+            .range(..pack(stream, size, 0))
+            .rev()
+            .map(|(&k, &id)| unpack(k, id))
+    }
+
+    /// Every block, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = FreeKey> + '_ {
+        self.map.iter().map(|(&k, &id)| unpack(k, id))
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_order_by_stream_then_size_then_address() {
+        let mut s = FreeSet::default();
+        s.insert(1, 10, 5, 0);
+        s.insert(0, 20, 1, 1);
+        s.insert(0, 10, 9, 2);
+        s.insert(0, 10, 3, 3);
+        let ids: Vec<BlockId> = s.iter().map(|k| k.3).collect();
+        assert_eq!(ids, [3, 2, 1, 0]);
+        assert_eq!(s.from(0, 11).next(), Some((0, 20, 1, 1)));
+        assert_eq!(s.from(0, 21).next(), Some((1, 10, 5, 0)));
+        assert_eq!(s.below(0, 20).next(), Some((0, 10, 9, 2)));
+        assert!(s.remove(0, 10, 9));
+        assert!(!s.remove(0, 10, 9));
+        assert_eq!(s.len(), 3);
+        let big = (1 << 47) + 512;
+        s.insert(7, big, u64::MAX, 9);
+        assert_eq!(s.iter().last(), Some((7, big, u64::MAX, 9)));
+    }
+}
