@@ -35,6 +35,7 @@ COMMANDS = {
     "explain": ["explain", "--json", str(EX / "messages" / "wekws-152.log")],
     "estimate": ["estimate", "--json", "--params", "3B", "--gpu", "80GiB", "--calibrate", str(EX / "calibrate" / "b4.jsonl"), str(EX / "calibrate" / "b8.jsonl")],
     "gpus": ["gpus", "--json"],
+    "whatif": ["whatif", "--json", str(REAL / "tinyllama_int8_lora_notebook_ftcourse.pickle"), "--capacity", "T4", "--batch-scale", "0.5"],
     "run": ["run", "--json", "--batch-size", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],
     "find-batch": ["find-batch", "--json", "--effective", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],
 }

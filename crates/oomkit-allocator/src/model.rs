@@ -334,14 +334,6 @@ impl Allocator {
         before.is_none_or(|(&a, &s)| a.saturating_add(s) <= addr)
     }
 
-    /// Whether a segment the model holds covers the address.
-    pub(crate) fn holds(&self, addr: u64) -> bool {
-        self.by_addr
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&a, &s)| addr < a.saturating_add(s))
-    }
-
     pub(crate) fn add_segment(&mut self, s: Segment) -> u32 {
         self.by_addr.insert(s.addr, s.size);
         let end = s.addr.saturating_add(s.size);

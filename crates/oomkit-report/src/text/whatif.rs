@@ -69,6 +69,11 @@ fn device(out: &mut String, file: &str, w: &WhatIf, d: &DeviceWhatIf) {
 fn model_check(a: &oomkit_allocator::Agreement) -> String {
     let segs = if a.recorded == 0 && a.simulated == 0 {
         "the trace took no new segment and neither does the model".to_string()
+    } else if a.recorded == 0 {
+        format!(
+            "the trace took no new segment, the model takes {}",
+            a.simulated
+        )
     } else if a.share == 1.0 {
         format!(
             "it makes the {} the trace recorded, at the same entries",
