@@ -136,9 +136,39 @@ pub struct Finding {
     /// The step it concerns, where one does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
+    /// The trace entry it concerns, for a snapshot's OOM: its index in the device's trace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<u64>,
     /// The role of the memory it is about, where one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<Role>,
+    /// What replaying the trace with the recommended fix showed, where a trace was replayed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replayed: Option<Replayed>,
+}
+
+/// What replaying a snapshot's trace through the model of the caching
+/// allocator, with the fix a finding recommends, showed (`oomkit whatif`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Replayed {
+    /// The allocator settings replayed, in `PYTORCH_CUDA_ALLOC_CONF`'s syntax.
+    pub settings: String,
+    /// The peak reserved with them.
+    pub peak_reserved_bytes: u64,
+    /// The peak reserved it is compared with: as recorded, or with the
+    /// blocks from before the trace placed afresh where the fix's are.
+    pub baseline_peak_reserved_bytes: u64,
+    /// The recorded OOM it is about, if any: the entry in the device's trace.
+    pub oom_event: Option<usize>,
+    /// Whether that OOM still happens with the fix.
+    pub oom_happens: Option<bool>,
+    /// Whether the fix helps: it avoids the OOM, or lowers the peak.
+    pub helps: bool,
+    /// Where the fix does not avoid the OOM: what the replay found that does, in words.
+    pub alternative: Option<String>,
+    /// Share of the trace's own segments the model made as recorded (1: all);
+    /// below 1 the figures are the model's more than the run's.
+    pub model_agreement: f64,
 }
 
 impl Finding {
@@ -152,7 +182,9 @@ impl Finding {
             bytes: None,
             bytes_per_step: None,
             step: None,
+            event: None,
             role: None,
+            replayed: None,
         }
     }
 
@@ -171,6 +203,12 @@ impl Finding {
     /// The same finding, with the bytes at stake.
     pub fn with_bytes(mut self, bytes: u64) -> Finding {
         self.bytes = Some(bytes);
+        self
+    }
+
+    /// The same finding, about the trace entry `event`.
+    pub fn at_event(mut self, event: u64) -> Finding {
+        self.event = Some(event);
         self
     }
 

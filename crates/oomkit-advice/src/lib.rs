@@ -30,7 +30,7 @@ mod role;
 mod verdict;
 
 pub use cause::{decide, Cause, Figures, LARGEST_DEVICE_BYTES};
-pub use finding::{rank, Finding, FindingKind};
+pub use finding::{rank, Finding, FindingKind, Replayed};
 pub use optimizer::Optimizer;
 pub use role::{Evidence, PerRole, Role, RoleBytes, RoleEvidence, RolesAt, Told};
 pub use verdict::{first_fix, Failure, Place, Verdict};

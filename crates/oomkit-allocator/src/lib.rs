@@ -39,6 +39,7 @@
 mod config;
 mod error;
 mod expandable;
+mod fixes;
 mod free;
 mod layout;
 mod model;
@@ -52,6 +53,7 @@ mod tests;
 
 pub use config::AllocatorConfig;
 pub use error::AllocatorError;
+pub use fixes::{peak_words, replay_fixes, SAME_PEAK};
 pub use replay::{what_if, Options};
 pub use report::{
     Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,

@@ -22,11 +22,14 @@ pub struct FileAnalysis {
 impl FileAnalysis {
     /// Analyzes a snapshot read from `path`, a file of `file_bytes` bytes.
     pub fn new(path: String, file_bytes: u64, snap: &Snapshot, opts: &Options) -> FileAnalysis {
+        let mut analysis = analyze(snap, opts);
+        // A fragmentation finding's fix is checked by replaying the trace with it.
+        oomkit_allocator::replay_fixes(snap, &mut analysis);
         FileAnalysis {
             path,
             file_bytes,
             layout: snap.layout.clone(),
-            analysis: analyze(snap, opts),
+            analysis,
             snapshot: None,
         }
     }

@@ -111,6 +111,7 @@ fn oom(device: i64, o: &OomReport, expandable: bool) -> Finding {
         advice,
     )
     .on_device(device)
+    .at_event(o.event_index)
     .with_bytes(o.requested_bytes)
 }
 

@@ -41,7 +41,7 @@ pub use model::{
     Action, Annotation, Block, BlockState, DeviceTrace, Layout, Segment, Snapshot, Stage,
     TraceEvent, MAX_POOLS, MAX_STREAMS,
 };
-pub use oomkit_advice::{Finding, FindingKind, Role, RoleBytes, RoleEvidence, Verdict};
+pub use oomkit_advice::{Finding, FindingKind, Replayed, Role, RoleBytes, RoleEvidence, Verdict};
 pub use report::{
     Analysis, DeviceReport, Fragmentation, OomReport, Options, PeakAndEnd, PhaseReport, SiteBytes,
     UnknownReason, Warning,

@@ -3,7 +3,7 @@
 //! one sentence per scenario with the answer.
 
 use oomkit_allocator::{DeviceWhatIf, ScenarioOut, StartKind, WhatIf};
-use oomkit_units::{count, human_bytes, human_delta};
+use oomkit_units::{count, human_bytes};
 use std::fmt::Write;
 
 /// The what-ifs of one snapshot for the terminal.
@@ -237,9 +237,6 @@ fn new_ooms(s: &ScenarioOut) -> usize {
     s.oom_details.iter().filter(|o| !o.recorded).count()
 }
 
-/// Peaks closer than this share read as the same: three digits cannot tell them apart.
-const SAME_PEAK: f64 = 0.005;
-
 /// One sentence per scenario: whether each recorded OOM still happens,
 /// whether new ones do, and the peak against its baseline.
 pub(crate) fn answers(d: &DeviceWhatIf) -> Vec<(String, bool)> {
@@ -286,21 +283,7 @@ pub(crate) fn answers(d: &DeviceWhatIf) -> Vec<(String, bool)> {
             (StartKind::Fresh, Some(f)) => f,
             _ => rec,
         };
-        let delta = s.peak_reserved_bytes as i64 - base.peak_reserved_bytes as i64;
-        let peak = if (delta.unsigned_abs() as f64) < SAME_PEAK * base.peak_reserved_bytes as f64 {
-            format!(
-                "peaks at about the same reserved ({}, {})",
-                human_bytes(s.peak_reserved_bytes),
-                human_delta(delta)
-            )
-        } else {
-            format!(
-                "peaks at {} reserved instead of {} ({})",
-                human_bytes(s.peak_reserved_bytes),
-                human_bytes(base.peak_reserved_bytes),
-                human_delta(delta)
-            )
-        };
+        let peak = oomkit_allocator::peak_words(s.peak_reserved_bytes, base.peak_reserved_bytes);
         let recorded: Vec<String> = s
             .recorded_ooms
             .iter()
