@@ -33,6 +33,7 @@ COMMANDS = {
     "diff (run logs)": ["diff", "--json", RANKS[1], RANKS[-1]],
     "diff (snapshots)": ["diff", "--json", str(REAL / "cs336_lm_train_magma27.pickle"), str(REAL / "cs336_lm_train_bcrafton.pickle")],
     "explain": ["explain", "--json", str(EX / "messages" / "wekws-152.log")],
+    "explain (a snapshot)": ["explain", "--json", str(ROOT / "crates" / "oomkit-cli" / "assets" / "demo_snapshot.pickle")],
     "estimate": ["estimate", "--json", "--params", "3B", "--gpu", "80GiB", "--calibrate", str(EX / "calibrate" / "b4.jsonl"), str(EX / "calibrate" / "b8.jsonl")],
     "gpus": ["gpus", "--json"],
     "whatif": ["whatif", "--json", str(REAL / "tinyllama_int8_lora_notebook_ftcourse.pickle"), "--capacity", "T4", "--batch-scale", "0.5"],

@@ -115,7 +115,9 @@ fn amend(analysis: &mut Analysis, d: &DeviceWhatIf, smaller: Option<&DeviceWhatI
     {
         let oom = match f.kind {
             FindingKind::OomFragmentation => f.event.map(|e| e as usize),
-            FindingKind::Fragmentation => None,
+            // Memory stranded on a device that ran out: whether the setting
+            // avoids that OOM is what matters most.
+            FindingKind::Fragmentation => rec.recorded_ooms.first().map(|r| r.event),
             _ => continue,
         };
         let r = replayed(d, fix, base, oom, smaller);

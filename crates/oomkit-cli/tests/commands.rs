@@ -354,3 +354,21 @@ fn whatif() {
         &[],
     );
 }
+
+#[test]
+fn explain_a_snapshot() {
+    let dir = tempdir("cmd-explain-snapshot");
+    std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();
+    std::fs::copy(
+        repo("crates/oomkit-cli/tests/real/cs336_lm_train_bcrafton.pickle"),
+        dir.join("healthy.pickle"),
+    )
+    .unwrap();
+    check("explain_snapshot", &["explain", "demo.pickle"], &dir, &[]);
+    check(
+        "explain_snapshot_without_oom",
+        &["explain", "healthy.pickle"],
+        &dir,
+        &[],
+    );
+}

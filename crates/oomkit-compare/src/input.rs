@@ -41,6 +41,25 @@ impl FileAnalysis {
         fa
     }
 
+    /// The OOM the verdict is about (its device and trace entry), else the
+    /// first OOM of any device; `None` for a file without one.
+    pub fn first_oom(&self) -> Option<(i64, &oomkit_snapshot::OomReport)> {
+        let v = &self.analysis.verdict;
+        let named = self.analysis.devices.iter().find_map(|d| {
+            let on = v.place.device.as_deref() == Some(format!("cuda:{}", d.device).as_str());
+            d.ooms
+                .iter()
+                .find(|o| on && v.place.event == Some(o.event_index))
+                .map(|o| (d.device, o))
+        });
+        named.or_else(|| {
+            self.analysis
+                .devices
+                .iter()
+                .find_map(|d| d.ooms.first().map(|o| (d.device, o)))
+        })
+    }
+
     /// The snapshot kept for a format that draws from it; an internal error
     /// naming the file when it was loaded without it.
     pub fn kept(&self) -> Result<&Snapshot, CompareError> {

@@ -135,6 +135,36 @@ impl Render for RunSummary {
     }
 }
 
+/// A snapshot's OOM explained (`oomkit explain SNAPSHOT`).
+pub struct SnapshotOom<'a>(pub &'a oomkit_compare::FileAnalysis);
+
+impl Render for SnapshotOom<'_> {
+    fn text(&self) -> String {
+        text::snapshot_oom(self.0)
+    }
+    fn json(&self) -> Value {
+        let a = &self.0.analysis;
+        let oom = self.0.first_oom();
+        let findings: Vec<&oomkit_advice::Finding> = match oom {
+            Some((d, o)) => a
+                .findings
+                .iter()
+                .filter(|f| {
+                    f.device == Some(d) && (f.event == Some(o.event_index) || f.replayed.is_some())
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        serde_json::json!({
+            "file": self.0.path,
+            "verdict": serde_json_of(&a.verdict),
+            "device": oom.map(|(d, _)| d),
+            "oom": oom.map(|(_, o)| serde_json_of(o)),
+            "findings": serde_json_of(&findings),
+        })
+    }
+}
+
 /// The what-ifs of one snapshot, with the file they came from.
 pub struct WhatIfReport<'a> {
     /// The file, as given.

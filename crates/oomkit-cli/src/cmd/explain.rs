@@ -8,7 +8,7 @@ use std::io::{IsTerminal, Read};
 /// Flags of `oomkit explain`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// The message, a log file holding it, or `-` (the default) for stdin.
+    /// The message, a log file holding it, a snapshot (its first OOM, with the fix checked by replaying the trace), or `-` (the default) for stdin.
     #[arg(value_name = "MESSAGE | FILE | -")]
     input: Option<String>,
     /// The PYTORCH_CUDA_ALLOC_CONF in force when it failed (default: this shell's).
@@ -16,6 +16,34 @@ pub(crate) struct Args {
     alloc_conf: Option<String>,
     #[command(flatten)]
     format: FormatArgs,
+}
+
+/// `oomkit explain SNAPSHOT`: its first OOM, the cause from the replayed
+/// figures, and the fix checked by replaying the trace with it.
+fn explain_snapshot(path: &std::path::Path, output: oomkit_report::Output) -> u8 {
+    let report = match crate::load::load(
+        path,
+        &oomkit_snapshot::Options::default(),
+        crate::load::Keep::Analysis,
+    ) {
+        Ok(r) => r,
+        Err(msg) => {
+            say(&msg);
+            return EXIT_INPUT;
+        }
+    };
+    let oomkit_compare::Report::Snapshot(fa) = report else {
+        unreachable!("a file that starts as a snapshot is read as one")
+    };
+    if fa.first_oom().is_none() {
+        say(&format!(
+            "{}: the snapshot records no out-of-memory error; `oomkit analyze {}` says where its memory went",
+            fa.path, fa.path
+        ));
+        return EXIT_INPUT;
+    }
+    print(output, &oomkit_report::SnapshotOom(&fa));
+    EXIT_OK
 }
 
 /// `oomkit explain`.
@@ -34,6 +62,13 @@ pub(crate) fn run(a: Args) -> u8 {
                 "stdin".to_string(),
                 String::from_utf8_lossy(&buf).into_owned(),
             )
+        }
+        Some(arg)
+            if !arg.contains('\n')
+                && std::path::Path::new(arg).is_file()
+                && crate::load::is_snapshot(std::path::Path::new(arg)) =>
+        {
+            return explain_snapshot(std::path::Path::new(arg), a.format.output());
         }
         Some(arg) if !arg.contains('\n') && std::path::Path::new(arg).is_file() => {
             match std::fs::read(arg) {

@@ -115,36 +115,7 @@ fn device_text(d: &DeviceReport, out: &mut String) {
         }
     }
     for o in d.ooms.iter().take(OOMS_SHOWN) {
-        let _ = writeln!(
-            out,
-            "\n  OOM at event {}: {} requested at {}",
-            o.event_index,
-            human_bytes(o.requested_bytes),
-            o.label
-        );
-        let _ = writeln!(
-            out,
-            "    cause: {} ({} live, {} reserved but unallocated, {} free on the device)",
-            o.cause,
-            human_bytes(o.live_bytes),
-            human_bytes(o.reserved_unallocated_bytes),
-            human_bytes(o.free_bytes)
-        );
-        let roles = super::roles::role_lines(
-            &o.roles,
-            &o.roles_evidence,
-            o.roles_unknown_reason,
-            "      ",
-        );
-        if !roles.is_empty() {
-            let _ = write!(out, "    by role:\n{roles}");
-        }
-        if !o.top_holders.is_empty() {
-            let _ = writeln!(out, "    largest holders:");
-        }
-        for h in &o.top_holders {
-            let _ = writeln!(out, "    {:>10}  {}", human_bytes(h.bytes), h.label);
-        }
+        oom_text(o, out);
     }
     if d.ooms.len() > OOMS_SHOWN {
         let _ = writeln!(
@@ -387,5 +358,69 @@ pub fn run(run: &RunFile) -> String {
             let _ = writeln!(out, "  ! {}", w.message);
         }
     }
+    out
+}
+
+/// One OOM entry of a snapshot: what was asked, the cause and its figures,
+/// the live bytes by role and the largest holders.
+pub(crate) fn oom_text(o: &oomkit_snapshot::OomReport, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "\n  OOM at event {}: {} requested at {}",
+        o.event_index,
+        human_bytes(o.requested_bytes),
+        o.label
+    );
+    let _ = writeln!(
+        out,
+        "    cause: {} ({} live, {} reserved but unallocated, {} free on the device)",
+        o.cause,
+        human_bytes(o.live_bytes),
+        human_bytes(o.reserved_unallocated_bytes),
+        human_bytes(o.free_bytes)
+    );
+    let roles = super::roles::role_lines(
+        &o.roles,
+        &o.roles_evidence,
+        o.roles_unknown_reason,
+        "      ",
+    );
+    if !roles.is_empty() {
+        let _ = write!(out, "    by role:\n{roles}");
+    }
+    if !o.top_holders.is_empty() {
+        let _ = writeln!(out, "    largest holders:");
+    }
+    for h in &o.top_holders {
+        let _ = writeln!(out, "    {:>10}  {}", human_bytes(h.bytes), h.label);
+    }
+}
+
+/// A snapshot's first OOM explained (`oomkit explain SNAPSHOT`): the
+/// verdict, the OOM in detail and the findings about it.
+pub fn snapshot_oom(file: &FileAnalysis) -> String {
+    let a = &file.analysis;
+    let mut out = super::verdict(&a.verdict);
+    if let Some((d, o)) = file.first_oom() {
+        oom_text(o, &mut out);
+        let about: Vec<_> = a
+            .findings
+            .iter()
+            .filter(|f| {
+                f.device == Some(d) && (f.event == Some(o.event_index) || f.replayed.is_some())
+            })
+            .collect();
+        if !about.is_empty() {
+            let _ = writeln!(out, "\nFindings about it");
+        }
+        for f in about {
+            let _ = writeln!(out, "  * {}\n    -> {}", f.message, f.advice);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\n`oomkit whatif {}` replays the trace under other allocator settings, capacities and micro-batches; `oomkit analyze {}` reports the whole file",
+        file.path, file.path
+    );
     out
 }

@@ -16,7 +16,7 @@ pub use attempts::attempts;
 pub use diff::diff;
 pub use estimate::{calibration, estimate};
 pub use explain::explanation;
-pub use file::{run, snapshot};
+pub use file::{run, snapshot, snapshot_oom};
 pub use gpus::gpus;
 pub use ranks::ranks;
 pub use supervise::{find_batch, run_summary};
