@@ -77,7 +77,7 @@ def write_oom_now(tracker: Tracker, message: str, requested: Optional[int]) -> N
             "snapshot": snapshot,
         }
     )
-    _plan.report_oom(message, step, stage or phase)
+    _plan.report_oom(message, step, stage or phase, snapshot)
     # Under torchrun, a trainer's plan steps down for every rank's restart
     # (auto_batch does its own, from the exception it sees).
     if _plan.active() is None and tracker._plan_fields:

@@ -214,9 +214,12 @@ def say(message: str) -> None:
         sys.stderr.flush()
 
 
-def report_oom(message: str, step: Optional[int], stage: Optional[str]) -> None:
-    """Tells `oomkit run` of an OOM, where it runs this process; never raises."""
-    report_event({"message": message[:2000], "step": step, "stage": stage})
+def report_oom(message: str, step: Optional[int], stage: Optional[str], snapshot: Optional[str] = None) -> None:
+    """Tells `oomkit run` of an OOM (and the snapshot dumped at it, which it can replay), where it runs this process; never raises."""
+    event: dict[str, Any] = {"message": message[:2000], "step": step, "stage": stage}
+    if snapshot:
+        event["snapshot"] = snapshot
+    report_event(event)
 
 
 def report_plan(plan: Plan, applied: bool, reason: Optional[str] = None, by: str = "") -> None:

@@ -1,6 +1,8 @@
 //! `oomkit gpus`, `run` and `find-batch` against the fake GPU backend, with
 //! small shell scripts standing in for training commands.
 
+mod common;
+use common::{demo_file, python_script};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -1110,4 +1112,88 @@ fi"#,
     // Without --json the command's output stays on stdout.
     let out = s.run(&["run", "--", train.to_str().unwrap(), "1"]);
     assert!(text(&out.stdout).contains("epoch 1 loss 2.31"));
+}
+
+/// Runs out of memory from fragmentation unless expandable segments are on,
+/// and tells `oomkit run` of the snapshot its tracker dumped at the OOM
+/// (`$SNAPSHOT`), as the tracker does through `OOMKIT_EVENTS_FILE`.
+const FRAGMENTED_WITH_SNAPSHOT: &str = r#"echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] micro=$1" >> log.txt
+case "$PYTORCH_CUDA_ALLOC_CONF" in *expandable_segments:True*) echo trained; exit 0;; esac
+[ "$1" -le 16 ] && { echo trained; exit 0; }
+msg="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 78.02 GiB memory in use. Of the allocated memory 71.44 GiB is allocated by PyTorch, and 6.08 GiB is reserved by PyTorch but unallocated."
+printf '{"message": "%s", "step": 3, "stage": "forward", "snapshot": "%s"}\n' "$msg" "$SNAPSHOT" >> "$OOMKIT_EVENTS_FILE"
+echo "$msg" >&2
+exit 1"#;
+
+#[test]
+fn a_fragmentation_oom_with_a_snapshot_retries_with_the_setting_only_if_its_replay_avoids_it() {
+    // The replay of a fragmentation OOM that expandable segments avoid: retried with them.
+    let s = Sandbox::new("fragmented-snapshot");
+    s.gpus(&[(80, 80)]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fragmented_snapshot.py");
+    python_script(script, &[s.path("frag.pickle").as_os_str()]);
+    let train = s.script("train.sh", FRAGMENTED_WITH_SNAPSHOT);
+    let out = s
+        .command(&[
+            "run",
+            "--batch-size",
+            "32",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train.to_str().unwrap(),
+            "{batch_size}",
+        ])
+        .env("SNAPSHOT", s.path("frag.pickle"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("retrying the same plan with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (replaying")
+            && err.contains("the OOM at event 15 does not happen"),
+        "{err}"
+    );
+    assert_eq!(
+        log_lines(&s),
+        [
+            "conf=[] micro=32",
+            "conf=[expandable_segments:True] micro=32"
+        ]
+    );
+    let summary = summary_of(&s);
+    assert_eq!(summary["attempts"][0]["replayed"]["avoided"], json!(true));
+    assert_eq!(summary["attempts"][0]["replayed"]["event"], json!(15));
+
+    // The demo's OOM is the device being full: its replay with expandable
+    // segments still runs out, so the setting is skipped for a smaller batch.
+    let s2 = Sandbox::new("fragmented-snapshot-full");
+    s2.gpus(&[(80, 80)]);
+    std::fs::copy(demo_file(), s2.path("demo.pickle")).unwrap();
+    let train2 = s2.script("train.sh", FRAGMENTED_WITH_SNAPSHOT);
+    let out = s2
+        .command(&[
+            "run",
+            "--batch-size",
+            "32",
+            "--summary-json",
+            "summary.json",
+            "--",
+            train2.to_str().unwrap(),
+            "{batch_size}",
+        ])
+        .env("SNAPSHOT", s2.path("demo.pickle"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("the OOM at event 7923 still happens")
+            && err.contains("stepping the micro-batch down instead"),
+        "{err}"
+    );
+    assert_eq!(log_lines(&s2), ["conf=[] micro=32", "conf=[] micro=16"]);
+    let summary = summary_of(&s2);
+    assert_eq!(summary["attempts"][0]["replayed"]["avoided"], json!(false));
+    assert_eq!(summary["attempts"][0]["action"], json!("step_down"));
 }

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 pub struct Events {
     /// The messages of the OOMs the tracker recorded, oldest first.
     pub ooms: Vec<String>,
+    /// The snapshots the tracker dumped at those OOMs (where it recorded history), oldest first.
+    pub snapshots: Vec<PathBuf>,
     /// The run logs the attempt's trackers opened.
     pub logs: Vec<PathBuf>,
     /// What the integrations said of the plan: applied or not, and why not.
@@ -46,6 +48,9 @@ pub fn read(path: &Path) -> Events {
     {
         if let Some(m) = v.get("message").and_then(Value::as_str) {
             events.ooms.push(m.to_string());
+            if let Some(s) = v.get("snapshot").and_then(Value::as_str) {
+                events.snapshots.push(PathBuf::from(s));
+            }
         }
         if let Some(log) = v.get("log").and_then(Value::as_str) {
             let log = PathBuf::from(log);
@@ -145,13 +150,17 @@ mod tests {
             "events.jsonl",
             "{\"log\": \"/runs/a.jsonl\", \"rank\": 0}\n\
              {\"plan\": {\"micro_batch\": 20}, \"applied\": true, \"by\": \"auto_batch\"}\n\
-             {\"message\": \"CUDA out of memory. Tried to allocate 2.00 GiB\", \"step\": 3}\n\
+             {\"message\": \"CUDA out of memory. Tried to allocate 2.00 GiB\", \"step\": 3, \"snapshot\": \"/runs/oom-step3-rank0-1.pickle\"}\n\
              {\"plan\": {\"micro_batch\": 20}, \"applied\": false, \"reason\": \"no batch_size\", \"by\": \"lightning callback\"}\n\
              {\"log\": \"/runs/a.jsonl\", \"rank\": 0}\n\
              {\"message\": \"torn",
         );
         let e = read(&p);
         assert_eq!(e.ooms.len(), 1);
+        assert_eq!(
+            e.snapshots,
+            vec![PathBuf::from("/runs/oom-step3-rank0-1.pickle")]
+        );
         assert_eq!(e.logs, vec![PathBuf::from("/runs/a.jsonl")]);
         let plan = e.plan.expect("reported");
         assert!(!plan.applied);

@@ -26,6 +26,7 @@ pub mod fit;
 pub mod oom;
 pub mod plan;
 pub mod remember;
+pub mod replay;
 pub mod search;
 mod supervise;
 

@@ -89,6 +89,10 @@ pub struct Attempt {
     pub killed_for_memory: bool,
     /// The run logs the attempt's trackers wrote.
     pub logs: Vec<String>,
+    /// The snapshot the attempt's tracker dumped at its last OOM, where it recorded history.
+    pub snapshot: Option<String>,
+    /// What replaying that snapshot said of the allocator setting a fragmentation OOM would retry with.
+    pub replayed: Option<crate::replay::FixReplay>,
     /// Wall time in seconds.
     pub seconds: f64,
 }
@@ -536,6 +540,8 @@ fn record_attempt(
             .iter()
             .map(|l| l.display().to_string())
             .collect(),
+        snapshot: events.snapshots.last().map(|p| p.display().to_string()),
+        replayed: None,
         seconds: out.duration.as_secs_f64(),
     };
     (attempt, explained)
@@ -617,11 +623,43 @@ fn next_after_oom(
     // The smallest fix first: neither of these costs throughput.
     if cause == Some(Cause::Fragmentation) && !settings.is_some_and(oom::expandable_segments_on) {
         let conf = with_expandable_segments(settings);
-        say(&format!(
-            "the memory was fragmented: retrying the same plan with {ALLOC_CONF_ENV}={conf}"
-        ));
-        run.alloc_conf = Some(conf);
-        return Next::Retry(Action::ExpandableSegments);
+        // Where the attempt left a snapshot, its replay says whether the
+        // setting avoids the OOM before an attempt is spent finding out.
+        let snapshot = run.attempts.last().and_then(|a| a.snapshot.clone());
+        let replayed = snapshot
+            .as_deref()
+            .and_then(|s| crate::replay::replay_fix(std::path::Path::new(s), &conf));
+        if let Some(last) = run.attempts.last_mut() {
+            last.replayed = replayed.clone();
+        }
+        match (&replayed, &snapshot) {
+            (Some(r), Some(s)) if !r.avoided => {
+                let note = format!(
+                    "the memory was fragmented, but replaying {s} with {conf}, the OOM at event {} still happens (peak {} reserved instead of {}): stepping the micro-batch down instead",
+                    r.event,
+                    human_bytes(r.peak_reserved_bytes),
+                    human_bytes(r.recorded_peak_reserved_bytes)
+                );
+                say(&note);
+                run.notes.push(note);
+            }
+            (r, s) => {
+                let why = match (r, s) {
+                    (Some(r), Some(s)) => format!(
+                        " (replaying {s} with it, the OOM at event {} does not happen; peak {} reserved instead of {})",
+                        r.event,
+                        human_bytes(r.peak_reserved_bytes),
+                        human_bytes(r.recorded_peak_reserved_bytes)
+                    ),
+                    _ => String::new(),
+                };
+                say(&format!(
+                    "the memory was fragmented: retrying the same plan with {ALLOC_CONF_ENV}={conf}{why}"
+                ));
+                run.alloc_conf = Some(conf);
+                return Next::Retry(Action::ExpandableSegments);
+            }
+        }
     }
     if cause == Some(Cause::OtherProcesses) {
         if let Some(next) = other_gpu(opts, run, stopped_by, say) {
