@@ -213,7 +213,7 @@ def test_the_timeline_is_stacked_by_role(browser, tmp_path):
     page, _ = load(browser, make_report(tmp_path, "roles", snap), "roles")
     dev = analysis(snap)["devices"][0]
     labels = check_role_bands(page, dev)
-    assert labels[-2:] == ["active", "reserved"]
+    assert labels[-4:] == ["active", "reserved", "reserved, replayed", "reserved with expandable_segments:True, replayed"]
     text = page.evaluate("document.body.innerText")
     assert "Live at the peak, by role" in text
     # The tooltip of an allocation names its role.

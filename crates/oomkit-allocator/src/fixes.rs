@@ -70,6 +70,7 @@ pub fn replay_fixes(snap: &Snapshot, analysis: &mut Analysis) {
         let opts = Options {
             device: Some(device),
             samples: Vec::new(),
+            no_baseline: false,
         };
         let Ok(w) = what_if(snap, &[Scenario::alloc_conf(FIX)], &opts) else {
             continue;

@@ -23,6 +23,10 @@ pub struct Options {
     pub device: Option<i64>,
     /// Trace entries after which to sample reserved bytes (sorted), for drawing.
     pub samples: Vec<usize>,
+    /// Leave out the replay under the recorded settings from a fresh start,
+    /// which scenarios placed afresh are compared with (for drawing, which
+    /// does not compare).
+    pub no_baseline: bool,
 }
 
 /// The entry index the model is at while it lays out the start.
@@ -188,7 +192,10 @@ fn device_what_if(
         } else {
             StartKind::Fresh
         };
-        if start == StartKind::Fresh && !jobs.iter().any(|j| j.start == StartKind::Fresh) {
+        if start == StartKind::Fresh
+            && !opts.no_baseline
+            && !jobs.iter().any(|j| j.start == StartKind::Fresh)
+        {
             // Compared with a fresh start under the recorded settings, so
             // that dropping the cache from before the trace is not credited to the change.
             jobs.push(Job {
@@ -462,6 +469,7 @@ fn run(
     }
     r.m.settle_peak();
     r.m.totals.peak_allocated = r.m.totals.allocated;
+    let start_reserved_bytes = r.m.totals.reserved;
     let mut samples = d.samples.iter().peekable();
     let mut reserved_samples = Vec::with_capacity(d.samples.len());
     let mut hints: Vec<(u64, u64)> = Vec::new();
@@ -520,6 +528,7 @@ fn run(
             recorded_ooms: r.recorded_ooms,
             unfollowed: r.unfollowed,
             reserved_samples,
+            start_reserved_bytes,
         },
         Checks { placed },
     )

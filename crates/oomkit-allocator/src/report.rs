@@ -104,6 +104,9 @@ pub struct ScenarioOut {
     /// Reserved bytes at the sample entries asked for (for drawing).
     #[serde(skip)]
     pub reserved_samples: Vec<u64>,
+    /// Reserved once the blocks from before the trace are laid out, before its first entry (for drawing).
+    #[serde(skip)]
+    pub start_reserved_bytes: u64,
 }
 
 /// How far the model's segments for the recorded run agree with the trace's own.

@@ -10,6 +10,7 @@
 
   var COLORS = {
     active: "#2f6fdf", reserved: "#8a94a6", peak: "#e08a00", oom: "#d62828",
+    replayed: "#4b5563", whatif: "#2a9d8f",
     trend: "#b5179e", end: "#2a9d8f", start: "#9aa5b1",
   };
   var STAGE_COLORS = ["#2f6fdf", "#2a9d8f", "#e76f51", "#7b2cbf", "#f4a261", "#3a86ff", "#8d99ae"];
@@ -353,6 +354,11 @@
     var x = undelta(dev.x), t = undelta(dev.t);
     var active = undelta(dev.active), reserved = undelta(dev.reserved);
     var n = x.length;
+    // Reserved as the model of the allocator replays the trace: with the
+    // run's settings (it should retrace the line above) and with expandable
+    // segments flipped (docs/whatif.md).
+    var rep = dev.replayed;
+    var simRec = rep ? undelta(rep.as_recorded) : null, simFix = rep ? undelta(rep.whatif) : null;
     // The active bytes stacked by role, as PyTorch's memory profiler draws
     // its categories: band j is drawn from the sum of the roles before it.
     var roleVals = dev.by_role ? dev.by_role.map(function (c) { return unchange(c, n); })
@@ -405,6 +411,7 @@
       if (dev.site[i] >= 0) lines.push(el("div", { class: "site", text: dev.sites[dev.site[i]] }));
       if (dev.role && dev.role[i] >= 0) lines.push(el("div", { text: "role: " + dev.roles[dev.role[i]] }));
       lines.push(el("div", { text: "active " + bytes(active[i]) + " \u00b7 reserved " + bytes(reserved[i]) }));
+      if (rep) lines.push(el("div", { class: "muted", text: "replayed: reserved " + bytes(simRec[i]) + " \u00b7 with " + rep.whatif_name + " " + bytes(simFix[i]) }));
       var parts = roleVals.map(function (vals, j) { return [vals[i], dev.roles[j]]; })
         .filter(function (p) { return p[0] > 0; })
         .sort(function (a, b) { return b[0] - a[0]; })
@@ -431,11 +438,15 @@
         [
           { label: "active", stroke: COLORS.active, fill: stacked.length ? undefined : "rgba(47,111,223,0.14)", width: 1.25, value: function (u, v) { return bytes(v); } },
           { label: "reserved", stroke: COLORS.reserved, width: 1.25, value: function (u, v) { return bytes(v); } },
-        ]),
+        ],
+        rep ? [
+          { label: "reserved, replayed", stroke: COLORS.replayed, width: 1, dash: [2, 3], value: function (u, v) { return bytes(v); } },
+          { label: "reserved with " + rep.whatif_name + ", replayed", stroke: COLORS.whatif, width: 1.25, dash: [6, 3], value: function (u, v) { return bytes(v); } },
+        ] : []),
       axes: [{ grid: { stroke: "#eef1f5" }, label: dev.decimated ? "trace entry (thinned: min/max per bucket)" : "trace entry", labelSize: 18 }, bytesAxis()],
       plugins: [markerPlugin({ phases: phases, lines: lines }), tooltipPlugin(describe)],
     };
-    var u = new uPlot(opts, [x].concat(stacked.slice().reverse(), [active, reserved]), box);
+    var u = new uPlot(opts, [x].concat(stacked.slice().reverse(), [active, reserved], rep ? [simRec, simFix] : []), box);
     var ctl = interaction(u, xMin, xMax);
     box.insertBefore(tools(ctl), box.firstChild);
     box.appendChild(markerButtons(buttons, ctl));

@@ -281,6 +281,7 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
                 "phases": phases,
                 "segments": shown,
                 "segments_total": segs.len(),
+                "replayed": replayed_reserved(snap, fa, d.device, &tl.points),
             })
         })
         .collect();
@@ -289,6 +290,67 @@ fn snapshot_data(fa: &FileAnalysis, snap: &Snapshot, max_points: usize) -> Value
         "file": fa.path,
         "analysis": crate::json::snapshot(fa),
         "devices": devices,
+    })
+}
+
+/// Reserved bytes at the timeline's points as the model of the allocator
+/// replays the trace: with the run's settings (which should retrace the
+/// recorded line) and with expandable segments flipped, the setting a
+/// fragmentation finding is about; `null` for a device without a trace.
+fn replayed_reserved(
+    snap: &Snapshot,
+    fa: &FileAnalysis,
+    device: i64,
+    points: &[oomkit_snapshot::Point],
+) -> Value {
+    if snap.events(device).is_empty() {
+        return Value::Null;
+    }
+    let on = fa
+        .analysis
+        .allocator_settings
+        .as_ref()
+        .and_then(|s| s.get("expandable_segments"))
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    let conf = if on {
+        "expandable_segments:False"
+    } else {
+        "expandable_segments:True"
+    };
+    let opts = oomkit_allocator::Options {
+        device: Some(device),
+        samples: points
+            .iter()
+            .filter_map(|p| p.after_event.map(|i| i as usize))
+            .collect(),
+        no_baseline: true,
+    };
+    let Ok(w) =
+        oomkit_allocator::what_if(snap, &[oomkit_allocator::Scenario::alloc_conf(conf)], &opts)
+    else {
+        return Value::Null;
+    };
+    let Some(d) = w.devices.first() else {
+        return Value::Null;
+    };
+    // The point before the first entry takes the state the replay starts from.
+    let series = |s: &oomkit_allocator::ScenarioOut| {
+        let mut samples = s.reserved_samples.iter();
+        deltas(points.iter().map(|p| match p.after_event {
+            None => s.start_reserved_bytes as i64,
+            Some(_) => samples.next().copied().unwrap_or(0) as i64,
+        }))
+    };
+    let (Some(rec), Some(fix)) = (d.scenarios.first(), d.scenarios.last()) else {
+        return Value::Null;
+    };
+    json!({
+        "as_recorded": series(rec),
+        "whatif": series(fix),
+        "whatif_name": conf,
+        "agreement": d.agreement.share,
+        "placed": d.agreement.placed_at_recorded_address,
     })
 }
 

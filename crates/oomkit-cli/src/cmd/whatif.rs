@@ -94,6 +94,7 @@ pub(crate) fn run(a: Args) -> u8 {
     let opts = Options {
         device: a.device,
         samples: Vec::new(),
+        no_baseline: false,
     };
     match what_if(&snap, &scenarios, &opts) {
         Ok(w) => {
