@@ -9,6 +9,9 @@ resident set size (from wait4), then the ratios.
 
 With --baseline OTHER_OOMKIT it also times another build of oomkit side by
 side (before and after a change); --oomkit-only leaves the Python tools out.
+With --whatif it also times `oomkit whatif FILE --capacity 1TiB` (the trace
+replayed twice: as recorded, and the scenario) on the machine's cores and
+on one core (taskset), beside `oomkit analyze` on one core.
 """
 import argparse
 import importlib.util
@@ -25,6 +28,7 @@ ap.add_argument("--runs", type=int, default=8)
 ap.add_argument("--pause", type=float, default=2.0, help="idle seconds before each round")
 ap.add_argument("--baseline", help="another oomkit binary to time beside --oomkit (before a change)")
 ap.add_argument("--oomkit-only", action="store_true", help="time only the oomkit builds")
+ap.add_argument("--whatif", action="store_true", help="also time oomkit whatif, on all cores and on one")
 args = ap.parse_args()
 
 py = sys.executable
@@ -40,6 +44,13 @@ if args.baseline:
     ]
 if args.oomkit_only:
     tools = [t for t in tools if "analyze" in t[0]]
+if args.whatif:
+    one = ["taskset", "-c", "0"]
+    tools += [
+        ("oomkit analyze, one core", one + [args.oomkit, "analyze", args.file]),
+        ("oomkit whatif (2 replays)", [args.oomkit, "whatif", args.file, "--capacity", "1TiB"]),
+        ("oomkit whatif (2 replays), one core", one + [args.oomkit, "whatif", args.file, "--capacity", "1TiB"]),
+    ]
 # Never import torch here: a child's peak RSS on Linux starts from its
 # parent's high-water mark, so a heavy parent would inflate every figure.
 if args.oomkit_only:
