@@ -26,8 +26,11 @@ pub(crate) fn lay_out(
     live: &mut HashMap<u64, BlockId, FastState>,
 ) {
     let mut blocks = start.blocks.iter().peekable();
-    let mut expandable: Vec<&StartSegment> = Vec::new();
-    let mut mapped: Vec<(&StartSegment, Vec<&StartBlock>)> = Vec::new();
+    // Runs of expandable ranges next to each other in address order, of
+    // one stream and pool: each run is one expandable segment (a segment
+    // between them would sit inside its address space, which cannot be).
+    let mut groups: Vec<(GroupKey, Vec<Range<'_>>)> = Vec::new();
+    let mut open_group = false;
     for s in &start.segments {
         // Blocks before this segment lie in none; start_state dropped those.
         while blocks.next_if(|b| b.addr < s.addr).is_some() {}
@@ -36,9 +39,14 @@ pub(crate) fn lay_out(
             inside.push(b);
         }
         if s.expandable {
-            expandable.push(s);
-            mapped.push((s, inside));
+            let key = (s.stream, s.private, s.kind);
+            match groups.last_mut() {
+                Some((k, v)) if open_group && *k == key => v.push((s, inside)),
+                _ => groups.push((key, vec![(s, inside)])),
+            }
+            open_group = true;
         } else {
+            open_group = false;
             let pool = m.pool_index(s.private, s.kind);
             let pieces = pieces(s.addr, s.size, &inside);
             let seg = m.add_segment(Segment {
@@ -50,23 +58,23 @@ pub(crate) fn lay_out(
             chain(m, seg, pool, s.stream, &pieces, live);
         }
     }
-    // The mapped ranges of expandable segments, one segment per stream and pool.
-    let mut groups: Vec<(GroupKey, Vec<Range<'_>>)> = Vec::new();
-    for (s, inside) in mapped {
-        let key = (s.stream, s.private, s.kind);
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => v.push((s, inside)),
-            None => groups.push((key, vec![(s, inside)])),
-        }
-    }
+    let starts: Vec<u64> = start.segments.iter().map(|s| s.addr).collect();
     for ((stream, private, kind), ranges) in groups {
         let pool = m.pool_index(private, kind);
         let page = kind.page();
         let base = ranges[0].0.addr;
         let last = ranges.last().map_or(base, |(s, _)| s.addr + s.size);
-        let size = m
-            .expandable_reservation(page)
-            .max((last - base).div_ceil(page) * page);
+        // The address space stops short of the next segment held, where
+        // ranges of other streams or pools (or a plain segment) follow.
+        let next = starts
+            .iter()
+            .copied()
+            .filter(|&a| a >= last)
+            .find(|a| !ranges.iter().any(|(s, _)| s.addr == *a))
+            .unwrap_or(u64::MAX);
+        let extent = (last - base).div_ceil(page) * page;
+        let room = next.saturating_sub(base) / page * page;
+        let size = m.expandable_reservation(page).min(room).max(extent);
         let mut all = Vec::new();
         let mut at = base;
         for (s, inside) in &ranges {

@@ -315,7 +315,21 @@ fn start_segments(snap: &Snapshot, device: i64, notes: &mut Vec<String>) -> Vec<
             "{missing} segment(s) the trace allocates are not among those at its end or freed later; the trace and the segments disagree"
         ));
     }
-    segs.into_values().collect()
+    // Segments cannot overlap; a file where they do keeps the first of each clash.
+    let mut kept: Vec<StartSegment> = Vec::with_capacity(segs.len());
+    let mut clashes = 0usize;
+    for s in segs.into_values() {
+        match kept.last() {
+            Some(p) if p.addr.saturating_add(p.size) > s.addr => clashes += 1,
+            _ => kept.push(s),
+        }
+    }
+    if clashes > 0 {
+        notes.push(format!(
+            "{clashes} segment(s) overlap another held when the trace began and are left out"
+        ));
+    }
+    kept
 }
 
 /// Removes `[addr, addr+size)` from the mapped ranges of expandable segments.
