@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from oomkit._native import OomkitError, RunLogError, __version__
+from oomkit._native import OomkitError, PreflightError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
 from oomkit._plan import Plan
 from oomkit.auto_batch import BatchSizeError, UsageError, auto_batch, current_plan, oom_guard
@@ -23,6 +23,7 @@ __all__ = [
     "BatchSizeError",
     "OomkitError",
     "Plan",
+    "PreflightError",
     "RunLogError",
     "Tracker",
     "UsageError",
@@ -32,6 +33,7 @@ __all__ = [
     "current_plan",
     "is_oom",
     "oom_guard",
+    "preflight",
     "record_history",
     "requested_bytes",
 ]
@@ -43,3 +45,13 @@ def analyze(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     result: dict[str, Any] = json.loads(_native.analyze_run_json(os.fspath(path)))
     return result
+
+
+def preflight(model: Any, batch: Any, **settings: Any) -> Any:
+    """Runs the training step on tensors without memory and says whether it fits (see ``oomkit._preflight.preflight``).
+
+    Imports torch when called, not when oomkit is imported.
+    """
+    from oomkit._preflight import preflight as run
+
+    return run(model, batch, **settings)

@@ -7,6 +7,7 @@ from typing import Any, final
 
 __all__ = [
     "OomkitError",
+    "PreflightError",
     "RunLog",
     "RunLogError",
     "__version__",
@@ -19,9 +20,11 @@ __all__ = [
     "oom_cause",
     "oom_kind",
     "oom_requested_bytes",
+    "parse_capacity",
     "process_peak_rss",
     "process_rss",
     "process_sample",
+    "realize_ops",
     "reset_process_peak_rss",
 ]
 __version__: str
@@ -31,6 +34,9 @@ class OomkitError(Exception):
 
 class RunLogError(OomkitError):
     """A run log could not be written or read."""
+
+class PreflightError(OomkitError):
+    """A preflight could not run the training step on fake tensors, or was given settings it cannot use."""
 
 @final
 class RunLog:
@@ -64,3 +70,15 @@ def back_off(
     message: str | None = None,
     earlier: list[tuple[int, str]] = ...,
 ) -> tuple[int, int] | None: ...
+def realize_ops(
+    kinds: list[int],
+    a: list[int],
+    b: list[int],
+    alloc_conf: str | None = None,
+    capacity: int | None = None,
+) -> tuple[
+    tuple[list[str], list[int], list[int], list[int], list[int]],
+    list[tuple[int, int, int, str, bool, list[tuple[int, int, int, bool, int | None]]]],
+    tuple[int, int, int | None, int, list[int]],
+]: ...
+def parse_capacity(text: str) -> tuple[int, str]: ...

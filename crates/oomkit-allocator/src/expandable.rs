@@ -132,7 +132,7 @@ impl Allocator {
         }
         self.insert_free(id);
         self.reserve(bytes);
-        self.record(SegmentOp::Map, bytes, b.stream, b.pool);
+        self.record(SegmentOp::Map, b.addr, bytes, b.stream, b.pool);
         true
     }
 
@@ -227,7 +227,7 @@ impl Allocator {
         let key = (u.stream, u.addr, id);
         self.pools[b.pool as usize].unmapped.insert(key);
         self.unreserve(bytes);
-        self.record(SegmentOp::Unmap, bytes, b.stream, b.pool);
+        self.record(SegmentOp::Unmap, start, bytes, b.stream, b.pool);
     }
 
     /// `release_expandable_segment`: drops a segment with nothing mapped.

@@ -43,6 +43,7 @@ mod fixes;
 mod free;
 mod layout;
 mod model;
+mod realize;
 mod replay;
 mod report;
 mod rules;
@@ -54,6 +55,7 @@ mod tests;
 pub use config::AllocatorConfig;
 pub use error::AllocatorError;
 pub use fixes::{peak_words, replay_fixes, SAME_PEAK};
+pub use realize::{realize, EndBlock, EndSegment, Entry, Op, Realized, FIRST_SEGMENT_ADDRESS};
 pub use replay::{what_if, Options};
 pub use report::{
     Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,

@@ -90,6 +90,8 @@ pub(crate) enum SegmentOp {
 pub(crate) struct SegmentEvent {
     pub(crate) entry: usize,
     pub(crate) op: SegmentOp,
+    /// Where the segment (or the range mapped or unmapped) begins.
+    pub(crate) addr: u64,
     pub(crate) size: u64,
     pub(crate) stream: u16,
     pub(crate) kind: PoolKind,
@@ -292,11 +294,12 @@ impl Allocator {
         }
     }
 
-    pub(crate) fn record(&mut self, op: SegmentOp, size: u64, stream: u16, pool: u16) {
+    pub(crate) fn record(&mut self, op: SegmentOp, addr: u64, size: u64, stream: u16, pool: u16) {
         let p = &self.pools[pool as usize];
         self.events.push(SegmentEvent {
             entry: self.entry,
             op,
+            addr,
             size,
             stream,
             kind: p.kind.unwrap_or(PoolKind::Large),
@@ -491,7 +494,7 @@ impl Allocator {
             page: 0,
         });
         self.reserve(alloc_size);
-        self.record(SegmentOp::Alloc, alloc_size, stream, pool);
+        self.record(SegmentOp::Alloc, addr, alloc_size, stream, pool);
         Some(self.new_block(Block {
             addr,
             size: alloc_size,
@@ -620,7 +623,7 @@ impl Allocator {
     fn release_block(&mut self, id: BlockId) {
         let b = self.b(id).clone();
         self.remove_free(id);
-        self.record(SegmentOp::Free, b.size, b.stream, b.pool);
+        self.record(SegmentOp::Free, b.addr, b.size, b.stream, b.pool);
         self.unreserve(b.size);
         self.remove_segment(b.segment);
         self.drop_block(id);

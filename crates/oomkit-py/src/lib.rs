@@ -27,6 +27,13 @@ create_exception!(
     "A run log could not be written or read."
 );
 
+create_exception!(
+    oomkit,
+    PreflightError,
+    OomkitError,
+    "A preflight could not run the training step on fake tensors, or was given settings it cannot use."
+);
+
 fn runlog_err(e: oomkit_runlog::Error) -> PyErr {
     RunLogError::new_err(e.to_string())
 }
@@ -291,12 +298,116 @@ fn back_off(
         .map(|p| (p.micro_batch, p.grad_accum))
 }
 
+/// The entries of a realized trace as parallel lists: actions, addresses, sizes, streams, operations.
+type EntryLists = (Vec<&'static str>, Vec<u64>, Vec<u64>, Vec<u16>, Vec<usize>);
+
+/// A block held at the end: address, size, bytes asked for, handed out, operation.
+type EndBlockTuple = (u64, u64, u64, bool, Option<usize>);
+
+/// A segment held at the end: address, size, stream, "small" or "large", expandable, blocks.
+type EndSegmentTuple = (u64, u64, u16, &'static str, bool, Vec<EndBlockTuple>);
+
+/// Serves a program's allocations and frees (`kinds` 0 alloc, 1 free, 2
+/// empty_cache; `a` the size or the freed allocation's index; `b` the
+/// stream) through the model of the caching allocator, and returns the
+/// trace, the end segments and the figures (peak reserved, peak allocated,
+/// the operation at the reserved peak, free at the peak, the OOMs).
+#[pyfunction]
+#[pyo3(signature = (kinds, a, b, alloc_conf=None, capacity=None))]
+#[allow(clippy::type_complexity)]
+fn realize_ops(
+    kinds: Vec<u8>,
+    a: Vec<u64>,
+    b: Vec<u64>,
+    alloc_conf: Option<&str>,
+    capacity: Option<u64>,
+) -> PyResult<(
+    EntryLists,
+    Vec<EndSegmentTuple>,
+    (u64, u64, Option<usize>, u64, Vec<usize>),
+)> {
+    use oomkit_allocator::{realize, AllocatorConfig, Op, PoolKind};
+    if kinds.len() != a.len() || kinds.len() != b.len() {
+        return Err(PreflightError::new_err(
+            "realize_ops: the three lists differ in length",
+        ));
+    }
+    let mut config = AllocatorConfig::default();
+    if let Some(conf) = alloc_conf {
+        config
+            .apply(conf)
+            .map_err(|e| PreflightError::new_err(e.to_string()))?;
+    }
+    let mut ops = Vec::with_capacity(kinds.len());
+    for (i, ((&k, &x), &y)) in kinds.iter().zip(&a).zip(&b).enumerate() {
+        ops.push(match k {
+            0 => Op::Alloc {
+                size: x,
+                stream: u16::try_from(y).unwrap_or(u16::MAX),
+            },
+            1 if (x as usize) < i && kinds[x as usize] == 0 => Op::Free { alloc: x as usize },
+            2 => Op::EmptyCache,
+            _ => {
+                return Err(PreflightError::new_err(format!(
+                    "realize_ops: operation {i} ({k}, {x}) is neither an allocation, the free of an earlier one, nor empty_cache"
+                )))
+            }
+        });
+    }
+    let r = realize(&ops, config, capacity);
+    let mut lists: EntryLists = Default::default();
+    for e in &r.entries {
+        lists.0.push(e.action.name());
+        lists.1.push(e.addr);
+        lists.2.push(e.size);
+        lists.3.push(e.stream);
+        lists.4.push(e.op);
+    }
+    let segments = r
+        .segments
+        .iter()
+        .map(|s| {
+            let kind = if s.kind == PoolKind::Small {
+                "small"
+            } else {
+                "large"
+            };
+            let blocks = s
+                .blocks
+                .iter()
+                .map(|b| (b.addr, b.size, b.requested, b.allocated, b.op))
+                .collect();
+            (s.addr, s.size, s.stream, kind, s.expandable, blocks)
+        })
+        .collect();
+    Ok((
+        lists,
+        segments,
+        (
+            r.peak_reserved,
+            r.peak_allocated,
+            r.peak_op,
+            r.free_at_peak,
+            r.ooms,
+        ),
+    ))
+}
+
+/// Reads a capacity, a size (`80GiB`) or a GPU's name (`H100`, its total
+/// less the CUDA context), as `oomkit whatif --capacity` does: the bytes
+/// the allocator may hold and a label.
+#[pyfunction]
+fn parse_capacity(text: &str) -> PyResult<(u64, String)> {
+    oomkit_allocator::parse_capacity(text).map_err(|e| PreflightError::new_err(e.to_string()))
+}
+
 /// The native half of the oomkit package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("OomkitError", m.py().get_type::<OomkitError>())?;
     m.add("RunLogError", m.py().get_type::<RunLogError>())?;
+    m.add("PreflightError", m.py().get_type::<PreflightError>())?;
     m.add_class::<RunLog>()?;
     m.add_function(wrap_pyfunction!(analyze_run_json, m)?)?;
     m.add_function(wrap_pyfunction!(analyze_run_text, m)?)?;
@@ -311,5 +422,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(oom_cause, m)?)?;
     m.add_function(wrap_pyfunction!(batch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(back_off, m)?)?;
+    m.add_function(wrap_pyfunction!(realize_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_capacity, m)?)?;
     Ok(())
 }

@@ -1,0 +1,358 @@
+//! A program's allocations and frees, recorded without a GPU (preflight),
+//! served as the CUDA caching allocator would serve them: the addresses,
+//! the segment entries and the end state that a real snapshot records.
+
+use crate::config::AllocatorConfig;
+use crate::model::{Allocator, BlockId, SegmentOp, State};
+use crate::rules::PoolKind;
+use oomkit_snapshot::Action;
+use std::collections::BTreeMap;
+
+/// Where the first segment is placed: a typical CUDA virtual address, so
+/// that a realized snapshot reads like a recorded one.
+pub const FIRST_SEGMENT_ADDRESS: u64 = 0x7f00_0000_0000;
+
+/// One thing the program did to device memory, in program order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A tensor's storage of `size` bytes was allocated on `stream`.
+    Alloc {
+        /// The bytes asked for.
+        size: u64,
+        /// The stream it was allocated on (0 is the default stream).
+        stream: u16,
+    },
+    /// The storage allocated by the operation at index `alloc` was freed.
+    Free {
+        /// The index in the operations of the allocation freed.
+        alloc: usize,
+    },
+    /// `torch.cuda.empty_cache()`.
+    EmptyCache,
+}
+
+/// One entry of the realized trace, as `_dump_snapshot` writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// What happened (`alloc`, `free_requested`, `segment_alloc`, `oom`...).
+    pub action: Action,
+    /// The block's or segment's address; for `oom`, the bytes the device had free.
+    pub addr: u64,
+    /// The bytes: asked for (allocations and frees) or reserved (segments).
+    pub size: u64,
+    /// The stream.
+    pub stream: u16,
+    /// The index of the operation that led to it.
+    pub op: usize,
+}
+
+/// A block of a segment held at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndBlock {
+    /// Its address.
+    pub addr: u64,
+    /// Its size, rounded as the allocator rounds.
+    pub size: u64,
+    /// The bytes asked for (0 for a cached block).
+    pub requested: u64,
+    /// Handed out (true) or cached (false).
+    pub allocated: bool,
+    /// The allocation it holds, by operation index.
+    pub op: Option<usize>,
+}
+
+/// A segment held at the end, as the snapshot's `segments` list shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndSegment {
+    /// Its address.
+    pub addr: u64,
+    /// Its size.
+    pub size: u64,
+    /// The stream it serves.
+    pub stream: u16,
+    /// Small or large pool.
+    pub kind: PoolKind,
+    /// A mapped range of an expandable segment.
+    pub expandable: bool,
+    /// Its blocks in address order.
+    pub blocks: Vec<EndBlock>,
+}
+
+/// The operations served: the trace, the end state and the figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Realized {
+    /// The trace, in order.
+    pub entries: Vec<Entry>,
+    /// The segments held after the last operation.
+    pub segments: Vec<EndSegment>,
+    /// The most the allocator reserved.
+    pub peak_reserved: u64,
+    /// The most handed out at once (rounded block sizes, as `allocated_bytes`).
+    pub peak_allocated: u64,
+    /// The operation at which reserved memory first reached its peak.
+    pub peak_op: Option<usize>,
+    /// Reserved but not handed out at that moment.
+    pub free_at_peak: u64,
+    /// Allocations that failed for the capacity, by operation index.
+    pub ooms: Vec<usize>,
+}
+
+/// Serves `ops` through a model of the allocator with `config`, failing
+/// allocations that `capacity` cannot hold (after the flush and retry the
+/// real allocator makes); a failed allocation is recorded as an `oom`
+/// entry and its later free is ignored, so the rest still runs.
+pub fn realize(ops: &[Op], config: AllocatorConfig, capacity: Option<u64>) -> Realized {
+    let mut m = Allocator::new(config, capacity);
+    m.addresses.fresh = FIRST_SEGMENT_ADDRESS;
+    let mut held: Vec<Option<BlockId>> = vec![None; ops.len()];
+    let mut out = Realized::default();
+    for (i, op) in ops.iter().enumerate() {
+        m.entry = i;
+        let before = m.events.len();
+        // Segment entries come before the entry they served, as in PyTorch's trace.
+        let mut tail = None;
+        match *op {
+            Op::Alloc { size, stream } => match m.malloc(size, stream, 0) {
+                Ok(id) => {
+                    m.bm(id).key = i as u64;
+                    held[i] = Some(id);
+                    tail = Some((Action::Alloc, m.b(id).addr, size, stream));
+                }
+                Err(f) => {
+                    out.ooms.push(i);
+                    // The `oom` entry's address is the driver's free memory.
+                    let free = capacity.unwrap_or(0).saturating_sub(f.reserved);
+                    tail = Some((Action::Oom, free, size, stream));
+                }
+            },
+            Op::Free { alloc } => {
+                if let Some(id) = held.get_mut(alloc).and_then(Option::take) {
+                    let (addr, stream) = (m.b(id).addr, m.b(id).stream);
+                    let Op::Alloc { size, .. } = ops[alloc] else {
+                        unreachable!("only allocations are held")
+                    };
+                    out.entries
+                        .push(entry(Action::FreeRequested, addr, size, stream, i));
+                    m.free_requested(id);
+                    m.free_completed(id);
+                    tail = Some((Action::FreeCompleted, addr, size, stream));
+                }
+            }
+            Op::EmptyCache => m.empty_cache(),
+        }
+        for e in &m.events[before..] {
+            let action = match e.op {
+                SegmentOp::Alloc => Action::SegmentAlloc,
+                SegmentOp::Free => Action::SegmentFree,
+                SegmentOp::Map => Action::SegmentMap,
+                SegmentOp::Unmap => Action::SegmentUnmap,
+            };
+            out.entries.push(entry(action, e.addr, e.size, e.stream, i));
+        }
+        if let Some((action, addr, size, stream)) = tail {
+            out.entries.push(entry(action, addr, size, stream, i));
+        }
+    }
+    m.settle_peak();
+    out.peak_reserved = m.totals.peak_reserved;
+    out.peak_allocated = m.totals.peak_allocated;
+    out.peak_op = m.totals.peak_entry;
+    out.free_at_peak = m.totals.free_at_peak;
+    out.segments = end_segments(&m, &held, ops);
+    out
+}
+
+fn entry(action: Action, addr: u64, size: u64, stream: u16, op: usize) -> Entry {
+    Entry {
+        action,
+        addr,
+        size,
+        stream,
+        op,
+    }
+}
+
+/// The segments held at the end with their blocks: every live block is
+/// handed out (in `held`) or cached, mapped or not, in its pool.
+fn end_segments(m: &Allocator, held: &[Option<BlockId>], ops: &[Op]) -> Vec<EndSegment> {
+    let mut by_segment: BTreeMap<u32, Vec<(BlockId, Option<usize>)>> = BTreeMap::new();
+    for (i, id) in held.iter().enumerate() {
+        if let Some(id) = *id {
+            by_segment
+                .entry(m.b(id).segment)
+                .or_default()
+                .push((id, Some(i)));
+        }
+    }
+    for p in &m.pools {
+        for k in p.blocks.iter() {
+            by_segment
+                .entry(m.b(k.3).segment)
+                .or_default()
+                .push((k.3, None));
+        }
+        for &(_, _, id) in &p.unmapped {
+            by_segment
+                .entry(m.b(id).segment)
+                .or_default()
+                .push((id, None));
+        }
+    }
+    let mut out = Vec::new();
+    for (_, mut blocks) in by_segment {
+        blocks.sort_by_key(|(id, _)| m.b(*id).addr);
+        let first = m.b(blocks[0].0);
+        let expandable = m.segment_of(blocks[0].0).page > 0;
+        let (stream, kind) = (first.stream, m.kind(first.pool));
+        // An expandable segment shows as one segment per mapped range.
+        let mut current: Option<EndSegment> = None;
+        for (id, op) in blocks {
+            let b = m.b(id);
+            if !b.mapped {
+                out.extend(current.take());
+                continue;
+            }
+            let requested = op.map_or(0, |i| match ops[i] {
+                Op::Alloc { size, .. } => size,
+                _ => 0,
+            });
+            let block = EndBlock {
+                addr: b.addr,
+                size: b.size,
+                requested,
+                allocated: b.state != State::Free,
+                op,
+            };
+            let seg = current.get_or_insert_with(|| EndSegment {
+                addr: b.addr,
+                size: 0,
+                stream,
+                kind,
+                expandable,
+                blocks: Vec::new(),
+            });
+            seg.size += b.size;
+            seg.blocks.push(block);
+        }
+        out.extend(current);
+    }
+    out.sort_by_key(|s| s.addr);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn conf(text: &str) -> AllocatorConfig {
+        let mut c = AllocatorConfig::default();
+        c.apply(text).unwrap();
+        c
+    }
+
+    fn actions(r: &Realized) -> Vec<Action> {
+        r.entries.iter().map(|e| e.action).collect()
+    }
+
+    #[test]
+    fn allocations_get_segments_addresses_and_an_end_state() {
+        let ops = [
+            Op::Alloc {
+                size: 6 * MIB,
+                stream: 0,
+            },
+            Op::Alloc {
+                size: 1000,
+                stream: 0,
+            },
+            Op::Alloc {
+                size: 6 * MIB,
+                stream: 0,
+            },
+            Op::Free { alloc: 0 },
+        ];
+        let r = realize(&ops, AllocatorConfig::default(), None);
+        use Action::*;
+        assert_eq!(
+            actions(&r),
+            [
+                SegmentAlloc,
+                Alloc,
+                SegmentAlloc,
+                Alloc,
+                Alloc,
+                FreeRequested,
+                FreeCompleted
+            ]
+        );
+        // One 20 MiB large segment for both 6 MiB tensors, one 2 MiB small one.
+        assert_eq!(r.entries[0].size, 20 * MIB);
+        assert_eq!(r.entries[0].addr, FIRST_SEGMENT_ADDRESS);
+        assert_eq!(r.entries[1].addr, FIRST_SEGMENT_ADDRESS);
+        assert_eq!(r.entries[4].addr, FIRST_SEGMENT_ADDRESS + 6 * MIB);
+        // The request, not the rounded block, as PyTorch's trace records it.
+        assert_eq!(r.entries[3].size, 1000);
+        assert_eq!(r.peak_reserved, 22 * MIB);
+        assert_eq!(r.peak_allocated, 12 * MIB + 1024);
+        assert_eq!(r.segments.len(), 2);
+        let large = &r.segments[0];
+        assert_eq!(large.size, 20 * MIB);
+        let states: Vec<(bool, u64)> = large.blocks.iter().map(|b| (b.allocated, b.size)).collect();
+        assert_eq!(
+            states,
+            [(false, 6 * MIB), (true, 6 * MIB), (false, 8 * MIB)]
+        );
+        assert_eq!(large.blocks[1].op, Some(2));
+        assert_eq!(large.blocks[1].requested, 6 * MIB);
+        assert_eq!(r.segments[1].kind, PoolKind::Small);
+    }
+
+    #[test]
+    fn a_capacity_too_small_records_the_oom_and_goes_on() {
+        let ops = [
+            Op::Alloc {
+                size: 30 * MIB,
+                stream: 0,
+            },
+            Op::Alloc {
+                size: 30 * MIB,
+                stream: 0,
+            },
+            Op::Free { alloc: 1 },
+            Op::Free { alloc: 0 },
+            Op::Alloc {
+                size: 8 * MIB,
+                stream: 0,
+            },
+        ];
+        let r = realize(&ops, AllocatorConfig::default(), Some(40 * MIB));
+        assert_eq!(r.ooms, [1]);
+        let oom = r.entries.iter().find(|e| e.action == Action::Oom).unwrap();
+        assert_eq!(oom.addr, 10 * MIB);
+        // The free of the failed allocation is ignored; the rest runs.
+        assert_eq!(r.entries.last().unwrap().action, Action::Alloc);
+        assert!(r.peak_reserved <= 40 * MIB);
+    }
+
+    #[test]
+    fn empty_cache_gives_segments_back_and_expandable_segments_map_pages() {
+        let ops = [
+            Op::Alloc {
+                size: 30 * MIB,
+                stream: 0,
+            },
+            Op::Free { alloc: 0 },
+            Op::EmptyCache,
+        ];
+        let r = realize(&ops, AllocatorConfig::default(), None);
+        assert_eq!(r.entries.last().unwrap().action, Action::SegmentFree);
+        assert!(r.segments.is_empty());
+        let r = realize(&ops[..1], conf("expandable_segments:True"), None);
+        assert_eq!(r.entries[0].action, Action::SegmentMap);
+        assert_eq!(r.segments.len(), 1);
+        assert!(r.segments[0].expandable);
+        assert_eq!(r.segments[0].size, r.peak_reserved);
+    }
+}

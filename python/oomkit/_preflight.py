@@ -1,0 +1,529 @@
+"""Will it fit? The user's own training step, run on tensors without memory.
+
+``preflight`` builds the model on PyTorch's ``meta`` device (shapes and
+dtypes, no memory), runs a few full training steps on it (forward,
+backward, optimizer step, with gradient accumulation and autocast as the
+real loop has them), records every allocation and free the GPU would make
+with its Python stack and its role, and serves them through oomkit's model
+of the CUDA caching allocator. The answer is the peak allocated and
+reserved memory, what held it by role and by line, whether it fits a
+capacity, the largest micro-batch that does, and a snapshot file that
+``oomkit analyze``, ``report`` and ``whatif`` open like a recorded one.
+Nothing is allocated on a GPU, and the model's weights are never allocated.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oomkit import _native
+from oomkit._native import PreflightError
+from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace
+from oomkit._preflight_snapshot import write_snapshot
+
+__all__ = ["Preflight", "PreflightError", "preflight"]
+
+#: Steps run by default: the first creates the optimizer's state, the
+#: second runs with it in place, as every later step does.
+DEFAULT_STEPS = 2
+
+#: Where a line is the user's: the first frame outside these folders.
+_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}site-packages{os.sep}", f"{os.sep}oomkit{os.sep}", "<frozen ")
+
+#: Lines listed in the answer, largest first.
+TOP_LINES = 10
+
+#: Optimizers by name, built with PyTorch's defaults.
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adafactor": torch.optim.Adafactor,
+}
+
+
+@dataclass
+class Preflight:
+    """What a preflight measured for one micro-batch, and the search's answer."""
+
+    #: The micro-batch each step ran with.
+    micro_batch: int | None
+    #: Micro-batches accumulated per optimizer step.
+    grad_accum: int
+    #: Optimizer steps run.
+    steps: int
+    #: The most memory handed out at once, in the allocator's rounded blocks.
+    peak_allocated_bytes: int
+    #: The most memory the allocator reserved from the device.
+    peak_reserved_bytes: int
+    #: Reserved but not handed out when reserved peaked (fragmentation and cache).
+    free_in_segments_at_peak_bytes: int
+    #: What the allocator may hold: the capacity given, less the CUDA context for a GPU's name.
+    capacity_bytes: int
+    #: The capacity as given (``80GiB``, ``H100``).
+    capacity: str
+    #: No allocation failed when the allocator was limited to the capacity.
+    fits: bool
+    #: The capacity less the peak reserved (negative when it does not fit).
+    margin_bytes: int
+    #: Bytes live at the allocated peak, by role (``parameters``, ``gradients``,
+    #: ``optimizer_state``, ``activations``, ``temporaries``, ``inputs``, ``other``).
+    by_role: dict[str, int]
+    #: The user's lines holding the most at the allocated peak: ``{"line", "bytes", "role"}``.
+    by_line: list[dict[str, Any]]
+    #: Allocations recorded and trace entries written.
+    allocations: int
+    #: What the preflight assumed or could not do, in words.
+    notes: list[str] = field(default_factory=list)
+    #: The snapshot written, if one was asked for.
+    snapshot: str | None = None
+    #: Micro-batches tried by the search and whether each fitted.
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+    #: The largest micro-batch that fits, when a search ran (None: not even the smallest).
+    largest_micro_batch: int | None = None
+    #: The accumulation that keeps the effective batch at the largest micro-batch.
+    largest_grad_accum: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The answer as plain data (what ``json.dumps`` writes)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        lines = [
+            f"preflight: micro-batch {self.micro_batch} x accumulation {self.grad_accum}, "
+            f"{self.steps} step(s), {self.allocations} allocations",
+            f"peak reserved {self.peak_reserved_bytes / gib:.2f} GiB, peak allocated {self.peak_allocated_bytes / gib:.2f} GiB",
+            f"{'fits' if self.fits else 'does NOT fit'} {self.capacity} "
+            f"({self.capacity_bytes / gib:.2f} GiB for the allocator): margin {self.margin_bytes / gib:+.2f} GiB",
+            "at the peak, by role: " + ", ".join(f"{r.replace('_', ' ')} {b / gib:.2f} GiB" for r, b in self.by_role.items() if b),
+        ]
+        if self.by_line:
+            lines.append("largest lines at the peak:")
+            lines += [f"  {x['bytes'] / gib:8.2f} GiB  {x['role']:<15} {x['line']}" for x in self.by_line[:5]]
+        if self.largest_micro_batch is not None or self.tried:
+            tried = ", ".join(f"{b} {'fits' if ok else 'no'}" for b, ok in self.tried)
+            best = (
+                f"largest micro-batch that fits: {self.largest_micro_batch} x accumulation {self.largest_grad_accum}"
+                if self.largest_micro_batch is not None
+                else "no micro-batch tried fits"
+            )
+            lines.append(f"{best} (tried {tried})")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.snapshot:
+            lines.append(f"snapshot: {self.snapshot} (oomkit analyze / report / whatif open it)")
+        return "\n".join(lines)
+
+
+def preflight(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    batch: Any | Callable[[int], Any],
+    *,
+    micro_batch: int | None = None,
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    step: Callable[[torch.nn.Module, Any, torch.optim.Optimizer | None], Any] | None = None,
+    optimizer: str | Callable[[Any], torch.optim.Optimizer] | None = "adamw",
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+    grad_accum: int = 1,
+    steps: int = DEFAULT_STEPS,
+    capacity: str = "H100",
+    alloc_conf: str | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
+    max_micro_batch: int | None = None,
+) -> Preflight:
+    """Runs ``steps`` training steps on tensors without memory and says whether they fit ``capacity``.
+
+    ``model`` is a module or a function that builds one (built on ``meta``,
+    so its weights are never allocated); ``batch`` is a batch or a function
+    of the micro-batch size that makes one. The step is ``loss(model,
+    batch)`` then ``backward`` then the optimizer's step, or the whole of
+    ``step(model, batch, optimizer)`` where given. With ``max_micro_batch``
+    it also searches the largest micro-batch up to it that fits, keeping
+    ``micro_batch x grad_accum`` as the effective batch.
+    """
+    if grad_accum < 1 or steps < 1:
+        raise PreflightError(f"grad_accum and steps must be at least 1 (got {grad_accum} and {steps})")
+    if max_micro_batch is not None and not callable(batch):
+        raise PreflightError("max_micro_batch needs batch to be a function of the micro-batch size")
+    if callable(batch) and micro_batch is None:
+        raise PreflightError("batch is a function: give micro_batch, the size to call it with")
+    capacity_bytes, _label = _native.parse_capacity(capacity)
+    if alloc_conf is not None:
+        # Checked before running anything, so a typo costs no step.
+        _native.realize_ops([], [], [], alloc_conf, None)
+    run = _Run(model, batch, loss, step, optimizer, dtype, autocast, grad_accum, steps, capacity, capacity_bytes, alloc_conf)
+    result = run.once(micro_batch, snapshot)
+    if max_micro_batch is not None:
+        assert micro_batch is not None
+        _search(run, result, micro_batch, max_micro_batch)
+    return result
+
+
+class _Run:
+    """One preflight's settings, run at any micro-batch."""
+
+    def __init__(
+        self,
+        model: Any,
+        batch: Any,
+        loss: Any,
+        step: Any,
+        optimizer: Any,
+        dtype: Any,
+        autocast: Any,
+        grad_accum: int,
+        steps: int,
+        capacity: str,
+        capacity_bytes: int,
+        alloc_conf: str | None,
+    ) -> None:
+        self.model, self.batch, self.loss, self.step = model, batch, loss, step
+        self.optimizer, self.dtype, self.autocast = optimizer, dtype, autocast
+        self.grad_accum, self.steps = grad_accum, steps
+        self.capacity, self.capacity_bytes, self.alloc_conf = capacity, capacity_bytes, alloc_conf
+
+    def once(self, micro_batch: int | None, snapshot: str | os.PathLike[str] | None) -> Preflight:
+        if snapshot is not None and os.path.exists(snapshot):
+            raise PreflightError(f"{os.fspath(snapshot)}: exists; preflight never overwrites a file")
+        rec = Recorder(cublas_workspace(self.capacity))
+        known = _Known()
+        try:
+            self._record(rec, known, micro_batch)
+        except StepUnsupportedError as e:
+            raise PreflightError(
+                f"preflight cannot run {e.op} without data (at {e.where}: {e.reason}); "
+                "run that part outside the step, or estimate it with `oomkit estimate`"
+            ) from None
+        finally:
+            rec.finish()
+        tr = rec.trace
+        roles = known.roles(tr)
+        realized = _native.realize_ops(tr.kinds, tr.args, [0] * len(tr.kinds), self.alloc_conf, None)
+        capped = _native.realize_ops(tr.kinds, tr.args, [0] * len(tr.kinds), self.alloc_conf, self.capacity_bytes)
+        peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
+        fits = not capped[2][4]
+        by_role, by_line = _at_peak(tr, roles)
+        notes = _notes(tr, known)
+        result = Preflight(
+            micro_batch=micro_batch,
+            grad_accum=self.grad_accum,
+            steps=self.steps,
+            peak_allocated_bytes=peak_allocated,
+            peak_reserved_bytes=peak_reserved,
+            free_in_segments_at_peak_bytes=free_at_peak,
+            capacity_bytes=self.capacity_bytes,
+            capacity=self.capacity,
+            fits=fits,
+            margin_bytes=self.capacity_bytes - (capped[2][0] if fits else peak_reserved),
+            by_role=by_role,
+            by_line=by_line,
+            allocations=sum(1 for k in tr.kinds if k == 0),
+            notes=notes,
+        )
+        if snapshot is not None:
+            header = {
+                "micro_batch": micro_batch,
+                "grad_accum": self.grad_accum,
+                "steps": self.steps,
+                "capacity": self.capacity,
+                "dtype": str(self.dtype) if self.dtype else None,
+                "autocast": str(self.autocast) if self.autocast else None,
+                "torch": str(torch.__version__),
+                "oomkit": _native.__version__,
+                "notes": notes,
+            }
+            try:
+                write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, self.alloc_conf, header)
+            except OSError as e:
+                raise PreflightError(f"{os.fspath(snapshot)}: {e.strerror or e}") from None
+            result.snapshot = os.fspath(snapshot)
+        return result
+
+    def _record(self, rec: Recorder, known: _Known, micro_batch: int | None) -> None:
+        state = Autocast()
+        with ExitStack() as stack:
+            stack.enter_context(cuda_autocast(state))
+            stack.enter_context(CudaFunctions(state))
+            stack.enter_context(rec)
+            opt_hooks = _phase_hooks(rec)
+            stack.callback(lambda: [h.remove() for h in opt_hooks])
+            rec.phase = "setup"
+            model = self._build_model()
+            known.add_model(rec, model)
+            opt = self._build_optimizer(model)
+            for _ in range(self.steps):
+                for _ in range(self.grad_accum):
+                    rec.phase = "inputs"
+                    data = self._make_batch(micro_batch)
+                    known.add_inputs(rec, data)
+                    rec.phase = "forward"
+                    if self.step is not None:
+                        self.step(model, data, opt)
+                        known.add_grads(rec, model)
+                        del data
+                        break
+                    with ExitStack() as region:
+                        if self.autocast is not None:
+                            region.enter_context(torch.autocast("cuda", dtype=self.autocast))
+                        value = (self.loss or _default_loss)(model, data)
+                    if self.grad_accum > 1:
+                        value = value / self.grad_accum
+                    value.backward()
+                    known.add_grads(rec, model)
+                    del value, data
+                if self.step is None and opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                if opt is not None:
+                    known.add_state(rec, opt, model)
+                rec.phase = "forward"
+
+    def _build_model(self) -> torch.nn.Module:
+        if isinstance(self.model, torch.nn.Module):
+            built = _meta_copy(self.model)
+        else:
+            with torch.device(FAKE_DEVICE):
+                built = self.model()
+            if not isinstance(built, torch.nn.Module):
+                raise PreflightError(f"model() returned {type(built).__name__}, not a torch.nn.Module")
+            if any(p.device.type != FAKE_DEVICE for p in built.parameters()):
+                built = built.to(FAKE_DEVICE)
+        if self.dtype is not None:
+            built = built.to(self.dtype)
+        return built
+
+    def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer | None:
+        if self.optimizer is None:
+            return None
+        params = [p for p in model.parameters() if p.requires_grad]
+        if isinstance(self.optimizer, str):
+            make = OPTIMIZERS.get(self.optimizer.lower())
+            if make is None:
+                raise PreflightError(f"optimizer {self.optimizer!r}: give one of {', '.join(OPTIMIZERS)} or a function of the parameters")
+            opt = make(params)
+        else:
+            opt = self.optimizer(params)
+        for group in opt.param_groups:
+            # On CUDA PyTorch picks the foreach implementation unless told
+            # otherwise (_default_to_fused_or_foreach); on meta it would not.
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+        return opt
+
+    def _make_batch(self, micro_batch: int | None) -> Any:
+        data = self.batch(micro_batch) if callable(self.batch) else self.batch
+        # A batch on the CPU is what the loop would copy to the GPU first.
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(FAKE_DEVICE) if isinstance(t, torch.Tensor) and t.device.type != FAKE_DEVICE else t, data
+        )
+
+
+def _default_loss(model: torch.nn.Module, data: Any) -> torch.Tensor:
+    """The model's loss as Hugging Face models return it, else its output's mean."""
+    if isinstance(data, Mapping):
+        out = model(**data)
+    elif isinstance(data, (tuple, list)):
+        out = model(*data)
+    else:
+        out = model(data)
+    value = getattr(out, "loss", None)
+    if value is None and isinstance(out, Mapping):
+        value = out.get("loss")
+    if value is None:
+        value = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            value = value.float().mean()
+    if not isinstance(value, torch.Tensor):
+        raise PreflightError("the model returned no tensor to take a loss of; pass loss=")
+    return value
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on ``meta``, never copying their data."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=FAKE_DEVICE), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device=FAKE_DEVICE)
+    return copy.deepcopy(module, memo)
+
+
+def _phase_hooks(rec: Recorder) -> list[Any]:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def pre(*_: Any) -> None:
+        rec.phase = "optimizer"
+
+    def post(*_: Any) -> None:
+        rec.phase = "forward"
+
+    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+
+
+class _Known:
+    """The allocations whose role preflight knows from the objects holding them."""
+
+    def __init__(self) -> None:
+        self.params: set[int] = set()
+        self.inputs: set[int] = set()
+        self.grads: set[int] = set()
+        self.state: set[int] = set()
+
+    @staticmethod
+    def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
+        for t in torch.utils._pytree.tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
+                if i is None and t.device.type == FAKE_DEVICE:
+                    i = rec.track(t)
+                if i is not None:
+                    into.add(i)
+
+    def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
+        self._add(rec, self.params, [p.detach() for p in model.parameters()] + list(model.buffers()))
+
+    def add_inputs(self, rec: Recorder, data: Any) -> None:
+        self._add(rec, self.inputs, data)
+
+    def add_grads(self, rec: Recorder, model: torch.nn.Module) -> None:
+        self._add(rec, self.grads, [p.grad for p in model.parameters() if p.grad is not None])
+
+    def add_state(self, rec: Recorder, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        self._add(rec, self.state, [list(s.values()) for s in opt.state.values()])
+        # An optimizer may give parameters new tensors inside its step.
+        self.add_model(rec, model)
+
+    def roles(self, tr: Trace) -> dict[int, str]:
+        """The role of every allocation, by its index."""
+        out: dict[int, str] = {}
+        for i, kind in enumerate(tr.kinds):
+            if kind != 0:
+                continue
+            if i in tr.library:
+                role = "other"
+            elif i in self.params:
+                role = "parameters"
+            elif i in self.state:
+                role = "optimizer_state"
+            elif i in self.grads:
+                role = "gradients"
+            elif i in self.inputs:
+                role = "inputs"
+            elif tr.phases[i] == "forward":
+                # Made in forward and still held when forward ended: saved for backward.
+                role = "activations" if tr.freed_in.get(i, "end") != "forward" else "temporaries"
+            elif tr.phases[i] == "setup":
+                role = "other"
+            else:
+                role = "temporaries"
+            out[i] = role
+        return out
+
+
+def _user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
+    for filename, line, name in stack:
+        if not any(part in filename for part in _LIBRARY_PARTS):
+            return f"{filename}:{line} ({name})"
+    return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "(no Python frame)"
+
+
+def _at_peak(tr: Trace, roles: dict[int, str]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Bytes live when the most was live, by role and by the user's line."""
+    live = 0
+    peak = -1
+    peak_at = 0
+    for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)):
+        if kind == 0:
+            live += _rounded(arg)
+            if live > peak:
+                peak, peak_at = live, i
+        elif kind == 1:
+            live -= _rounded(tr.args[arg])
+    freed_by = {arg: i for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)) if kind == 1}
+    by_role = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other"), 0)
+    lines: dict[tuple[str, str], int] = {}
+    for i in range(peak_at + 1):
+        if tr.kinds[i] != 0 or freed_by.get(i, len(tr.kinds)) <= peak_at:
+            continue
+        size = _rounded(tr.args[i])
+        role = roles.get(i, "other")
+        by_role[role] = by_role.get(role, 0) + size
+        key = (_user_line(tr.stacks[tr.stack_of[i]]), role)
+        lines[key] = lines.get(key, 0) + size
+    by_line = [{"line": line, "role": role, "bytes": b} for (line, role), b in sorted(lines.items(), key=lambda kv: -kv[1])[:TOP_LINES]]
+    return by_role, by_line
+
+
+def _rounded(size: int) -> int:
+    """The allocator's 512-byte rounding (``round_size``), for sums by role and line."""
+    return max(512, (size + 511) // 512 * 512)
+
+
+def _notes(tr: Trace, known: _Known) -> list[str]:
+    notes = [
+        "sizes are the CUDA allocator's, modelled; the CUDA context is outside them (a GPU's name as the capacity takes it off)",
+    ]
+    if tr.library:
+        notes.append("includes cuBLAS's workspace, allocated at the first matrix multiply")
+    if tr.assumed:
+        where = sorted({w for _, w in tr.assumed})
+        notes.append(
+            f"{len(tr.assumed)} value(s) read from tensors without data were taken as 0 "
+            f"(first at {where[0]}); a step whose memory depends on data may differ"
+        )
+    if not known.grads:
+        notes.append("no parameter received a gradient: nothing was trained")
+    return notes
+
+
+def _search(run: _Run, first: Preflight, micro_batch: int, max_micro_batch: int) -> None:
+    """Doubles the micro-batch until it does not fit (or reaches the maximum), then bisects."""
+    effective = micro_batch * first.grad_accum
+    tried: dict[int, bool] = {micro_batch: first.fits}
+
+    def fits(b: int) -> bool:
+        if b not in tried:
+            tried[b] = run.once(b, None).fits
+        return tried[b]
+
+    lo, hi = 0, None
+    b = micro_batch
+    if first.fits:
+        lo = b
+        while b < max_micro_batch:
+            b = min(b * 2, max_micro_batch)
+            if fits(b):
+                lo = b
+            else:
+                hi = b
+                break
+    else:
+        hi = b
+        while b > 1:
+            b //= 2
+            if fits(b):
+                lo = b
+                break
+            hi = b
+    if hi is not None:
+        while lo and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    first.tried = sorted(tried.items())
+    if lo:
+        first.largest_micro_batch = lo
+        first.largest_grad_accum = max(1, -(-effective // lo))
+
+

@@ -1,0 +1,280 @@
+"""What a step does differently on CUDA than on ``meta`` tensors, put back.
+
+A ``TorchFunctionMode`` sits above autograd, so what it changes is what
+autograd records and saves for backward, as on the GPU:
+
+- ``cuda`` devices become ``meta`` (``.cuda()``, ``.to("cuda")``,
+  ``device="cuda"``), so a step written for a GPU runs as written;
+- ``torch.autocast("cuda", ...)`` is done here, after the lists of
+  ``aten/src/ATen/autocast_mode.cpp`` (CUDA's lower-precision, float32 and
+  promote lists, and the cache of casts of weights held until the
+  outermost autocast region exits), since PyTorch applies autocast only to
+  tensors of a device that has it, which ``meta`` does not;
+- ``scaled_dot_product_attention`` takes the kernel CUDA would choose
+  (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash
+  attention for 16-bit inputs without a mask, else memory-efficient
+  attention, else the math path), because the kernels save different
+  tensors for backward (flash keeps the output and a float32 log-sum-exp
+  per row; the math path keeps the whole attention matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.amp.autocast_mode as _autocast_mode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from oomkit._preflight_record import FAKE_DEVICE
+
+#: cuBLAS's workspace per handle, allocated through the caching allocator
+#: at the first matrix multiply on a stream (``getChosenWorkspaceSize`` in
+#: ``aten/src/ATen/cuda/CublasHandlePool.cpp``, after the sizes the cuBLAS
+#: documentation recommends for ``cublasSetWorkspace``): 32 MiB from
+#: Hopper (compute capability 9) on, 4096 KiB x 2 + 16 KiB x 8 before.
+CUBLAS_WORKSPACE_HOPPER = 32 << 20
+CUBLAS_WORKSPACE_OLDER = 4096 * 1024 * 2 + 16 * 1024 * 8
+
+#: GPUs by name before Hopper; any other (a size, an H100) is taken as Hopper or later.
+PRE_HOPPER = ("A100", "A10", "A40", "L4", "L40", "V100", "T4", "RTX")
+
+#: Functions CUDA autocast runs in the lower precision (by name, as
+#: ``torch.nn.functional``, ``torch`` and ``Tensor`` call them).
+LOWER_PRECISION = frozenset(
+    {
+        "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm",
+        "baddbmm", "addbmm", "addmv", "addr", "mv", "einsum", "chain_matmul",
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    }
+)  # fmt: skip
+
+#: Functions CUDA autocast runs in float32.
+FLOAT32 = frozenset(
+    {
+        "layer_norm", "group_norm", "batch_norm", "softmax", "log_softmax",
+        "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+        "huber_loss", "kl_div", "binary_cross_entropy_with_logits",
+        "cosine_similarity", "cosine_embedding_loss", "margin_ranking_loss",
+        "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+        "poisson_nll_loss", "hinge_embedding_loss", "exp", "log", "log2",
+        "log10", "log1p", "expm1", "pow", "rsqrt", "reciprocal", "softplus",
+        "cumsum", "cumprod", "prod", "sum", "norm", "logsumexp", "dist",
+        "pdist", "cdist", "renorm", "erfinv", "acos", "asin", "cosh", "sinh",
+        "tan",
+    }
+)  # fmt: skip
+
+#: Functions that run in the widest floating type among their inputs.
+PROMOTE = frozenset({"cat", "stack", "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "tensordot", "index_put", "scatter_add"})
+
+#: Flash attention's largest head dimension (``check_head_dim_size_flash``).
+FLASH_MAX_HEAD_DIM = 256
+
+
+def cublas_workspace(capacity: str | None) -> int:
+    """The cuBLAS workspace for the GPU a capacity names."""
+    name = (capacity or "").upper()
+    return CUBLAS_WORKSPACE_OLDER if name.startswith(PRE_HOPPER) else CUBLAS_WORKSPACE_HOPPER
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+def _to_meta(value: Any) -> Any:
+    return FAKE_DEVICE if _is_cuda(value) else value
+
+
+class Autocast:
+    """The autocast regions entered with ``device_type="cuda"``, emulated."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[bool, torch.dtype]] = []
+        #: Casts of weights, held until the outermost region exits (CUDA's cast cache).
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def dtype(self) -> torch.dtype | None:
+        """The lower precision in force, or None outside autocast."""
+        if self.stack and self.stack[-1][0]:
+            return self.stack[-1][1]
+        return None
+
+    def enter(self, enabled: bool, dtype: torch.dtype) -> None:
+        """Enters a region."""
+        self.stack.append((enabled, dtype))
+
+    def exit(self) -> None:
+        """Leaves a region; the cast cache goes with the outermost."""
+        if self.stack:
+            self.stack.pop()
+        if not self.stack:
+            self.cache.clear()
+
+    def cast(self, t: Any, dtype: torch.dtype, *, cache: bool) -> Any:
+        """``cached_cast``: floating tensors of the device (not float64) to ``dtype``."""
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.device.type == FAKE_DEVICE
+            and t.is_floating_point()
+            and t.dtype not in (dtype, torch.float64)
+        ):
+            return t
+        # Only leaves that require grad (weights) are cached, as in autocast_mode.cpp.
+        if cache and t.is_leaf and t.requires_grad:
+            hit = self.cache.get(id(t))
+            if hit is None:
+                hit = t.to(dtype)
+                self.cache[id(t)] = hit
+            return hit
+        return t.to(dtype)
+
+
+class CudaFunctions(TorchFunctionMode):
+    """Maps ``cuda`` to ``meta``, and does autocast and attention as CUDA does."""
+
+    def __init__(self, autocast: Autocast) -> None:
+        super().__init__()
+        self.autocast = autocast
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            # Tensor.cuda(device=None, non_blocking=False)
+            return args[0].to(FAKE_DEVICE)
+        if "device" in kwargs:
+            kwargs["device"] = _to_meta(kwargs["device"])
+        if name == "to":
+            args = tuple(_to_meta(a) for a in args)
+        dtype = self.autocast.dtype()
+        if dtype is not None:
+            if name in LOWER_PRECISION:
+                args, kwargs = tree_map(lambda t: self.autocast.cast(t, dtype, cache=True), (args, kwargs))
+            elif name in FLOAT32:
+                args, kwargs = tree_map(lambda t: self.autocast.cast(t, torch.float32, cache=False), (args, kwargs))
+            elif name in PROMOTE:
+                widest = _widest((args, kwargs))
+                if widest is not None:
+                    args, kwargs = tree_map(lambda t: self.autocast.cast(t, widest, cache=False), (args, kwargs))
+        if name == "scaled_dot_product_attention":
+            routed = _cuda_attention(*args, **kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+
+def _widest(tree: Any) -> torch.dtype | None:
+    found = [t.dtype for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not found:
+        return None
+    return max(found, key=lambda d: torch.finfo(d).bits)
+
+
+def _cuda_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
+    """The kernel CUDA's ``select_sdp_backend`` picks, called directly; None for the math path."""
+    if query.device.type != FAKE_DEVICE or query.dim() != 4 or key.dim() != 4:
+        return None
+    if key.shape[1] != query.shape[1]:
+        # Grouped keys: left to the math path, which repeats them as CUDA's does.
+        return None
+    head_dim = query.shape[-1]
+    same_dtype = query.dtype == key.dtype == value.dtype
+    sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
+    if (
+        torch.backends.cuda.flash_sdp_enabled()
+        and attn_mask is None
+        and same_dtype
+        and sixteen_bit
+        and head_dim <= FLASH_MAX_HEAD_DIM
+        and head_dim % 8 == 0
+        and value.shape[-1] == head_dim
+    ):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )
+        return out[0]
+    if (
+        torch.backends.cuda.mem_efficient_sdp_enabled()
+        and same_dtype
+        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and head_dim % (8 if sixteen_bit else 4) == 0
+    ):
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            # The memory-efficient kernel takes an additive bias; CUDA converts a boolean mask the same way.
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+    return None
+
+
+@contextmanager
+def cuda_autocast(autocast: Autocast) -> Iterator[None]:
+    """While active, ``torch.autocast("cuda", ...)`` enters the emulated regions."""
+    cls = _autocast_mode.autocast
+    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+
+    def new_init(
+        self: Any,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        if device_type == "cuda":
+            self.device = "cuda"
+            self.fast_dtype = dtype or torch.float16
+            self._enabled = enabled
+            self._cache_enabled = cache_enabled
+            self._oomkit_emulated = True
+            return
+        init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    def new_enter(self: Any) -> Any:
+        if getattr(self, "_oomkit_emulated", False):
+            autocast.enter(self._enabled, self.fast_dtype)
+            return self
+        return enter(self)
+
+    def new_exit(self: Any, *exc: Any) -> Any:
+        if getattr(self, "_oomkit_emulated", False):
+            autocast.exit()
+            return False
+        return exit_(self, *exc)
+
+    cls.__init__ = new_init  # type: ignore[method-assign]
+    cls.__enter__ = new_enter  # type: ignore[method-assign]
+    cls.__exit__ = new_exit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__ = init  # type: ignore[method-assign]
+        cls.__enter__ = enter  # type: ignore[method-assign]
+        cls.__exit__ = exit_  # type: ignore[method-assign]

@@ -1,0 +1,245 @@
+"""Records every device allocation and free of a step run on ``meta`` tensors.
+
+A ``TorchDispatchMode`` sees each operation below autograd; every new
+storage of a ``meta`` tensor in its outputs is an allocation the GPU would
+make, and a weak reference to the storage tells when it is freed (PyTorch
+keeps a storage's Python object alive as long as the storage, so the
+reference dies exactly when the memory would go back). PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` counts memory the same
+way. CPU tensors (Adam's step counters, a data loader's batch) are real and
+are not device memory, so they are not recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: The device fake tensors live on: shapes and dtypes, no memory.
+FAKE_DEVICE = "meta"
+
+#: Stacks are cut at this depth; real snapshots keep deeper ones, but no
+#: question oomkit asks of a preflight looks further from the allocation.
+MAX_FRAMES = 96
+
+#: Frames of these files are the recorder's own machinery, not the user's step.
+_OWN_FILES = (
+    os.path.join("torch", "utils", "_python_dispatch.py"),
+    os.path.join("torch", "overrides.py"),
+    os.path.join("oomkit", "_preflight_"),
+)
+
+#: The phases a step goes through, in the words the trace's roles use.
+PHASES = ("setup", "inputs", "forward", "backward", "optimizer")
+
+#: aten operations that call cuBLAS on CUDA, where the first call on a
+#: stream allocates the handle's workspace through the caching allocator.
+_CUBLAS_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "_scaled_mm",
+        "_addmm_activation",
+    }
+)
+
+
+class StepUnsupportedError(Exception):
+    """An operation cannot run on tensors without data; carries the operation and where."""
+
+    def __init__(self, op: str, where: str, reason: str) -> None:
+        super().__init__(f"{op} at {where}: {reason}")
+        self.op = op
+        self.where = where
+        self.reason = reason
+
+
+@dataclass
+class Trace:
+    """What the recorder saw, as parallel lists indexed by operation."""
+
+    #: 0 an allocation, 1 a free, 2 ``empty_cache``.
+    kinds: list[int] = field(default_factory=list)
+    #: The bytes of an allocation, or the index of the allocation freed.
+    args: list[int] = field(default_factory=list)
+    #: The phase each operation happened in.
+    phases: list[str] = field(default_factory=list)
+    #: The index of each operation's stack in ``stacks``.
+    stack_of: list[int] = field(default_factory=list)
+    #: Distinct stacks, innermost frame first: (filename, line, function).
+    stacks: list[tuple[tuple[str, int, str], ...]] = field(default_factory=list)
+    #: The phase each allocation was freed in, by allocation index.
+    freed_in: dict[int, str] = field(default_factory=dict)
+    #: Allocations the CUDA libraries make (the cuBLAS workspace).
+    library: set[int] = field(default_factory=set)
+    #: Values read from tensors that have none, taken as zero: (operation, where).
+    assumed: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
+    """The innermost frame outside torch, as ``file:line (function)``."""
+    for filename, line, name in stack:
+        if f"{os.sep}torch{os.sep}" not in filename:
+            return f"{filename}:{line} ({name})"
+    return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "an unknown line"
+
+
+class Recorder(TorchDispatchMode):
+    """Records the allocations and frees of ``meta`` tensors, with their stacks and phases."""
+
+    def __init__(self, cublas_workspace: int) -> None:
+        super().__init__()
+        self.trace = Trace()
+        self.phase = "setup"
+        self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._stack_ids: dict[tuple[tuple[str, int, str], ...], int] = {}
+        self._cublas_workspace = cublas_workspace
+        # The workspace lives as long as the handle: to the end of the process.
+        self._workspace: torch.Tensor | None = None
+
+    # ---- what the step does ----
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
+            return self._assume(args[0], func)
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            if any(_is_fake(t) for t in tree_leaves((args, kwargs))):
+                raise StepUnsupportedError(
+                    str(func.overloadpacket.__name__), _where(self._stack()), _first_line(e)
+                ) from None
+            raise
+        for t in tree_leaves(out):
+            if _is_fake(t):
+                self.track(t)
+        if (
+            self._workspace is None
+            and self._cublas_workspace > 0
+            and func.overloadpacket.__name__ in _CUBLAS_OPS
+        ):
+            self._workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
+            index = self.track(self._workspace)
+            if index is not None:
+                self.trace.library.add(index)
+        return out
+
+    def _assume(self, t: torch.Tensor, func: Any) -> Any:
+        """A value read from a tensor without data: taken as zero, and noted."""
+        self.trace.assumed.append(("Tensor.item()", _where(self._stack())))
+        if t.dtype == torch.bool:
+            return False
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            return 0.0
+        return 0
+
+    # ---- allocations and frees ----
+
+    def track(self, t: torch.Tensor) -> int | None:
+        """Records the storage of ``t`` if it is new; returns its allocation index."""
+        st = t.untyped_storage()
+        known = self._index.get(st)
+        if known is not None:
+            return int(known)
+        size = st.nbytes()
+        if size == 0:
+            return None
+        tr = self.trace
+        index = len(tr.kinds)
+        self._append(0, size)
+        self._index[st] = index
+        self._refs[index] = weakref.ref(st, self._freed_callback(index))
+        return index
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """The allocation index of ``t``'s storage, if recorded."""
+        if not _is_fake(t):
+            return None
+        known = self._index.get(t.untyped_storage())
+        return None if known is None else int(known)
+
+    def _freed_callback(self, index: int) -> Callable[[Any], None]:
+        def freed(_ref: Any) -> None:
+            self._refs.pop(index, None)
+            self.trace.freed_in[index] = self.current_phase()
+            self._append(1, index)
+
+        return freed
+
+    def empty_cache(self) -> None:
+        """Records ``torch.cuda.empty_cache()``."""
+        self._append(2, 0)
+
+    def _append(self, kind: int, arg: int) -> None:
+        tr = self.trace
+        tr.kinds.append(kind)
+        tr.args.append(arg)
+        tr.phases.append(self.current_phase())
+        tr.stack_of.append(self._stack_id())
+
+    def current_phase(self) -> str:
+        """The phase now: backward while autograd's engine runs, else the one set."""
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return self.phase
+
+    # ---- stacks ----
+
+    def _stack(self) -> tuple[tuple[str, int, str], ...]:
+        frames: list[tuple[str, int, str]] = []
+        f: Any = sys._getframe(1)
+        while f is not None and len(frames) < MAX_FRAMES:
+            co = f.f_code
+            if not any(own in co.co_filename for own in _OWN_FILES):
+                frames.append((co.co_filename, f.f_lineno, co.co_name))
+            f = f.f_back
+        return tuple(frames)
+
+    def _stack_id(self) -> int:
+        stack = self._stack()
+        sid = self._stack_ids.get(stack)
+        if sid is None:
+            sid = len(self.trace.stacks)
+            self.trace.stacks.append(stack)
+            self._stack_ids[stack] = sid
+        return sid
+
+    def finish(self) -> None:
+        """Frees the workspace and stops watching; storages alive now stay allocated."""
+        for ref in self._refs.values():
+            # Dropping the references without their callbacks keeps what is
+            # alive at the end allocated, as a snapshot taken then would show.
+            del ref
+        self._refs = {}
+        self._workspace = None
+
+
+def _is_fake(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == FAKE_DEVICE
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
