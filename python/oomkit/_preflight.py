@@ -99,7 +99,7 @@ class Preflight:
     def __str__(self) -> str:
         gib = 1 << 30
         lines = [
-            f"preflight: micro-batch {self.micro_batch} x accumulation {self.grad_accum}, "
+            f"preflight: micro-batch {self.micro_batch or 'as the script sets it'} x accumulation {self.grad_accum}, "
             f"{self.steps} step(s), {self.allocations} allocations",
             f"peak reserved {self.peak_reserved_bytes / gib:.2f} GiB, peak allocated {self.peak_allocated_bytes / gib:.2f} GiB",
             f"{'fits' if self.fits else 'does NOT fit'} {self.capacity} "
@@ -195,64 +195,26 @@ class _Run:
         if snapshot is not None and os.path.exists(snapshot):
             raise PreflightError(f"{os.fspath(snapshot)}: exists; preflight never overwrites a file")
         rec = Recorder(cublas_workspace(self.capacity))
-        known = _Known()
+        known = Known()
         try:
             self._record(rec, known, micro_batch)
         except StepUnsupportedError as e:
-            raise PreflightError(
-                f"preflight cannot run {e.op} without data (at {e.where}: {e.reason}); "
-                "run that part outside the step, or estimate it with `oomkit estimate`"
-            ) from None
+            raise unsupported(e) from None
         finally:
             rec.finish()
-        tr = rec.trace
-        roles = known.roles(tr)
-        realized = _native.realize_ops(tr.kinds, tr.args, [0] * len(tr.kinds), self.alloc_conf, None)
-        capped = _native.realize_ops(tr.kinds, tr.args, [0] * len(tr.kinds), self.alloc_conf, self.capacity_bytes)
-        peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
-        fits = not capped[2][4]
-        by_role, by_line = _at_peak(tr, roles)
-        notes = _notes(tr, known)
-        result = Preflight(
-            micro_batch=micro_batch,
-            grad_accum=self.grad_accum,
-            steps=self.steps,
-            peak_allocated_bytes=peak_allocated,
-            peak_reserved_bytes=peak_reserved,
-            free_in_segments_at_peak_bytes=free_at_peak,
-            capacity_bytes=self.capacity_bytes,
-            capacity=self.capacity,
-            fits=fits,
-            margin_bytes=self.capacity_bytes - (capped[2][0] if fits else peak_reserved),
-            by_role=by_role,
-            by_line=by_line,
-            allocations=sum(1 for k in tr.kinds if k == 0),
-            notes=notes,
+        return answer(
+            rec,
+            known,
+            Settings(micro_batch, self.grad_accum, self.steps, self.capacity, self.capacity_bytes, self.alloc_conf),
+            snapshot,
+            {"dtype": str(self.dtype) if self.dtype else None, "autocast": str(self.autocast) if self.autocast else None},
         )
-        if snapshot is not None:
-            header = {
-                "micro_batch": micro_batch,
-                "grad_accum": self.grad_accum,
-                "steps": self.steps,
-                "capacity": self.capacity,
-                "dtype": str(self.dtype) if self.dtype else None,
-                "autocast": str(self.autocast) if self.autocast else None,
-                "torch": str(torch.__version__),
-                "oomkit": _native.__version__,
-                "notes": notes,
-            }
-            try:
-                write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, self.alloc_conf, header)
-            except OSError as e:
-                raise PreflightError(f"{os.fspath(snapshot)}: {e.strerror or e}") from None
-            result.snapshot = os.fspath(snapshot)
-        return result
 
-    def _record(self, rec: Recorder, known: _Known, micro_batch: int | None) -> None:
+    def _record(self, rec: Recorder, known: Known, micro_batch: int | None) -> None:
         state = Autocast()
         with ExitStack() as stack:
             stack.enter_context(cuda_autocast(state))
-            stack.enter_context(CudaFunctions(state))
+            stack.enter_context(CudaFunctions(state, on_assume=rec.assume))
             stack.enter_context(rec)
             opt_hooks = _phase_hooks(rec)
             stack.callback(lambda: [h.remove() for h in opt_hooks])
@@ -327,6 +289,79 @@ class _Run:
         )
 
 
+@dataclass
+class Settings:
+    """What a preflight ran with, as its answer and snapshot header state it."""
+
+    micro_batch: int | None
+    grad_accum: int
+    steps: int
+    capacity: str
+    capacity_bytes: int
+    alloc_conf: str | None
+
+
+def answer(
+    rec: Recorder,
+    known: Known,
+    settings: Settings,
+    snapshot: str | os.PathLike[str] | None,
+    header: dict[str, Any],
+    extra_notes: list[str] | None = None,
+) -> Preflight:
+    """Serves what ``rec`` recorded through the allocator model and answers; writes the snapshot if asked."""
+    tr = rec.trace
+    roles = known.roles(tr)
+    streams = [0] * len(tr.kinds)
+    realized = _native.realize_ops(tr.kinds, tr.args, streams, settings.alloc_conf, None)
+    capped = _native.realize_ops(tr.kinds, tr.args, streams, settings.alloc_conf, settings.capacity_bytes)
+    peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
+    fits = not capped[2][4]
+    by_role, by_line = _at_peak(tr, roles)
+    notes = _notes(tr, known) + (extra_notes or [])
+    result = Preflight(
+        micro_batch=settings.micro_batch,
+        grad_accum=settings.grad_accum,
+        steps=settings.steps,
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved,
+        free_in_segments_at_peak_bytes=free_at_peak,
+        capacity_bytes=settings.capacity_bytes,
+        capacity=settings.capacity,
+        fits=fits,
+        margin_bytes=settings.capacity_bytes - (capped[2][0] if fits else peak_reserved),
+        by_role=by_role,
+        by_line=by_line,
+        allocations=sum(1 for k in tr.kinds if k == 0),
+        notes=notes,
+    )
+    if snapshot is not None:
+        full = {
+            "micro_batch": settings.micro_batch,
+            "grad_accum": settings.grad_accum,
+            "steps": settings.steps,
+            "capacity": settings.capacity,
+            **header,
+            "torch": str(torch.__version__),
+            "oomkit": _native.__version__,
+            "notes": notes,
+        }
+        try:
+            write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, settings.alloc_conf, full)
+        except OSError as e:
+            raise PreflightError(f"{os.fspath(snapshot)}: {e.strerror or e}") from None
+        result.snapshot = os.fspath(snapshot)
+    return result
+
+
+def unsupported(e: StepUnsupportedError) -> PreflightError:
+    """The one line for an operation that needs data."""
+    return PreflightError(
+        f"preflight cannot run {e.op} without data (at {e.where}: {e.reason}); "
+        "run that part outside the step, or estimate it with `oomkit estimate`"
+    )
+
+
 def _default_loss(model: torch.nn.Module, data: Any) -> torch.Tensor:
     """The model's loss as Hugging Face models return it, else its output's mean."""
     if isinstance(data, Mapping):
@@ -369,7 +404,7 @@ def _phase_hooks(rec: Recorder) -> list[Any]:
     return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
 
-class _Known:
+class Known:
     """The allocations whose role preflight knows from the objects holding them."""
 
     def __init__(self) -> None:
@@ -389,7 +424,18 @@ class _Known:
                     into.add(i)
 
     def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
-        self._add(rec, self.params, [p.detach() for p in model.parameters()] + list(model.buffers()))
+        self.add_params(rec, list(model.parameters()) + list(model.buffers()))
+
+    def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
+        self._add(rec, self.params, [t.detach() for t in tensors])
+
+    def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
+        self._add(rec, self.grads, grads)
+
+    def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
+        self._add(rec, self.state, [list(s.values()) for s in opt.state.values()])
+        # An optimizer may give parameters new tensors inside its step.
+        self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
 
     def add_inputs(self, rec: Recorder, data: Any) -> None:
         self._add(rec, self.inputs, data)
@@ -398,8 +444,7 @@ class _Known:
         self._add(rec, self.grads, [p.grad for p in model.parameters() if p.grad is not None])
 
     def add_state(self, rec: Recorder, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-        self._add(rec, self.state, [list(s.values()) for s in opt.state.values()])
-        # An optimizer may give parameters new tensors inside its step.
+        self.add_state_of(rec, opt)
         self.add_model(rec, model)
 
     def roles(self, tr: Trace) -> dict[int, str]:
@@ -468,7 +513,7 @@ def _rounded(size: int) -> int:
     return max(512, (size + 511) // 512 * 512)
 
 
-def _notes(tr: Trace, known: _Known) -> list[str]:
+def _notes(tr: Trace, known: Known) -> list[str]:
     notes = [
         "sizes are the CUDA allocator's, modelled; the CUDA context is outside them (a GPU's name as the capacity takes it off)",
     ]

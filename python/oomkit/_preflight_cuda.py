@@ -20,7 +20,7 @@ autograd records and saves for backward, as on the GPU:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -91,6 +91,18 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, str) and device.split(":")[0] == "cuda"
 
 
+#: Tensor methods that read a device tensor's values back to the host.
+_READ_BACK = frozenset({"cpu", "to", "tolist", "numpy"})
+
+
+def _is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.to``'s arguments name the CPU."""
+    for a in (*args, kwargs.get("device")):
+        if (isinstance(a, torch.device) and a.type == "cpu") or (isinstance(a, str) and a.split(":")[0] == "cpu"):
+            return True
+    return False
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if _is_cuda(value) else value
 
@@ -142,9 +154,18 @@ class Autocast:
 class CudaFunctions(TorchFunctionMode):
     """Maps ``cuda`` to ``meta``, and does autocast and attention as CUDA does."""
 
-    def __init__(self, autocast: Autocast) -> None:
+    def __init__(
+        self,
+        autocast: Autocast,
+        on_upload: Callable[[torch.Tensor], None] | None = None,
+        on_assume: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.autocast = autocast
+        #: Told of every copy from the host to the device: the batch, as the loop uploads it.
+        self.on_upload = on_upload
+        #: Told when values are read back from the device and taken as zeros.
+        self.on_assume = on_assume
 
     def __torch_function__(
         self,
@@ -155,9 +176,27 @@ class CudaFunctions(TorchFunctionMode):
     ) -> Any:
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
-        if name == "cuda":
-            # Tensor.cuda(device=None, non_blocking=False)
-            return args[0].to(FAKE_DEVICE)
+        reads_back = name in _READ_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE
+        if reads_back and (name != "to" or _is_cpu(args[1:], kwargs)):
+            # Values read back to the host (a loss logged, a metric) have
+            # none to give: zeros, as the scalars read with item() are.
+            if self.on_assume is not None:
+                self.on_assume(f"Tensor.{name}()")
+            host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
+            return host if name in ("cpu", "to") else getattr(host, name)()
+        if name == "pin_memory":
+            # Page-locked host memory needs a GPU; the copy it speeds up is the same.
+            return args[0]
+        if name == "cuda" or (name == "to" and any(_is_cuda(a) for a in (*args[1:], kwargs.get("device")))):
+            source = args[0]
+            if name == "cuda":
+                moved = source.to(FAKE_DEVICE)
+            else:
+                moved = func(*(_to_meta(a) for a in args), **{k: _to_meta(v) for k, v in kwargs.items()})
+            uploaded = isinstance(source, torch.Tensor) and source.device.type == "cpu" and isinstance(moved, torch.Tensor)
+            if self.on_upload is not None and uploaded:
+                self.on_upload(moved)
+            return moved
         if "device" in kwargs:
             kwargs["device"] = _to_meta(kwargs["device"])
         if name == "to":

@@ -109,6 +109,9 @@ class Recorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._stack_ids: dict[tuple[tuple[str, int, str], ...], int] = {}
         self._cublas_workspace = cublas_workspace
+        #: Bytes of the storages alive now, and the most so far (unrounded).
+        self.live_bytes = 0
+        self.peak_bytes = 0
         # The workspace lives as long as the handle: to the end of the process.
         self._workspace: torch.Tensor | None = None
 
@@ -126,7 +129,10 @@ class Recorder(TorchDispatchMode):
             return self._assume(args[0], func)
         try:
             out = func(*args, **kwargs)
-        except (NotImplementedError, RuntimeError) as e:
+        except NotImplementedError as e:
+            # Meta tensors raise NotImplementedError where an operation needs
+            # the values (nonzero, unique) or has no meta kernel; any other
+            # error is the step's own and would happen on the GPU too.
             if any(_is_fake(t) for t in tree_leaves((args, kwargs))):
                 raise StepUnsupportedError(
                     str(func.overloadpacket.__name__), _where(self._stack()), _first_line(e)
@@ -146,9 +152,13 @@ class Recorder(TorchDispatchMode):
                 self.trace.library.add(index)
         return out
 
+    def assume(self, what: str) -> None:
+        """Notes a value read from a tensor without data, taken as zero."""
+        self.trace.assumed.append((what, _where(self._stack())))
+
     def _assume(self, t: torch.Tensor, func: Any) -> Any:
         """A value read from a tensor without data: taken as zero, and noted."""
-        self.trace.assumed.append(("Tensor.item()", _where(self._stack())))
+        self.assume("Tensor.item()")
         if t.dtype == torch.bool:
             return False
         if t.dtype.is_floating_point or t.dtype.is_complex:
@@ -169,6 +179,8 @@ class Recorder(TorchDispatchMode):
         tr = self.trace
         index = len(tr.kinds)
         self._append(0, size)
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._index[st] = index
         self._refs[index] = weakref.ref(st, self._freed_callback(index))
         return index
@@ -183,6 +195,7 @@ class Recorder(TorchDispatchMode):
     def _freed_callback(self, index: int) -> Callable[[Any], None]:
         def freed(_ref: Any) -> None:
             self._refs.pop(index, None)
+            self.live_bytes -= self.trace.args[index]
             self.trace.freed_in[index] = self.current_phase()
             self._append(1, index)
 

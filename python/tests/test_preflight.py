@@ -206,3 +206,71 @@ def test_hugging_face_model_from_its_config() -> None:
     params = sum(p.numel() for p in transformers.GPT2LMHeadModel(config).parameters()) * 4
     assert r.by_role["parameters"] >= params
     assert r.by_role["activations"] > 0 and r.fits
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "preflight", "train.py")
+SMALL = ["--ctx", "256", "--dim", "128", "--heads", "4", "--layers", "2", "--steps", "5"]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([OOMKIT, "preflight", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_cli_runs_an_unchanged_cuda_script_and_searches_the_batch(tmp_path) -> None:
+    snap = tmp_path / "pre.pickle"
+    p = cli(
+        "--json", "--capacity", "1GiB", "--micro-batch", "2", "--max-micro-batch", "64", "--snapshot", str(snap),
+        "--", sys.executable, EXAMPLE, "--batch-size", "{batch}", *SMALL,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)  # the script's own prints went to stderr
+    assert "parameters, batch 2 x 256 tokens" in p.stderr
+    run = doc["run"]
+    assert run["micro_batch"] == 2 and run["fits"] and run["steps"] == 2
+    assert run["by_role"]["parameters"] > 0 and run["by_role"]["optimizer_state"] >= 2 * run["by_role"]["parameters"] - 512 * 64
+    best = doc["largest_micro_batch"]
+    tried = dict(doc["tried"])
+    assert tried[best] and not tried[best + 1], doc["tried"]
+    assert run["snapshot"] == str(snap) and snap.exists()
+    # The snapshot is the first micro-batch's, and the allocator replay agrees with it.
+    out = subprocess.run([OOMKIT, "whatif", str(snap), "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["devices"][0]["agreement"]["share"] == 1.0
+    # The text form says the same.
+    text = cli("--capacity", "1GiB", "--", sys.executable, EXAMPLE, "--batch-size", "2", *SMALL)
+    assert text.returncode == 0 and "fits 1GiB" in text.stdout and "By role at the peak" in text.stdout
+
+
+def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
+    p = cli("--capacity", "20MiB", "--", sys.executable, EXAMPLE, "--batch-size", "4", *SMALL)
+    assert p.returncode == 5 and "does NOT fit 20MiB" in p.stdout
+    never = tmp_path / "never.py"
+    never.write_text("import torch\nx = torch.zeros(4, device='cuda')\nprint('no training here')\n")
+    p = cli("--", sys.executable, str(never))
+    assert p.returncode == 2 and "before its first optimizer step" in p.stderr
+    needs_data = tmp_path / "needs_data.py"
+    needs_data.write_text(
+        "import torch\nm = torch.nn.Linear(4, 4).cuda()\nopt = torch.optim.SGD(m.parameters())\n"
+        "x = torch.randn(8, 4, device='cuda')\nm(x[torch.nonzero(x[:, 0])[:, 0]]).sum().backward()\nopt.step()\n"
+    )
+    p = cli("--", sys.executable, str(needs_data))
+    assert p.returncode == 2, p.stderr
+    assert "oomkit: preflight: preflight cannot run nonzero without data (at " in p.stderr and "needs_data.py:5" in p.stderr
+    p = cli("--", "no-such-python-here", "train.py")
+    assert p.returncode == 127 and "no-such-python-here" in p.stderr
+    p = cli("--max-micro-batch", "8", "--", sys.executable, EXAMPLE)
+    assert p.returncode == 2 and "{batch}" in p.stderr
+    existing = tmp_path / "exists.pickle"
+    existing.write_bytes(b"keep")
+    p = cli("--snapshot", str(existing), "--", sys.executable, EXAMPLE)
+    assert p.returncode == 2 and existing.read_bytes() == b"keep"
+
+
+def test_the_environments_own_sitecustomize_still_runs(tmp_path) -> None:
+    theirs = tmp_path / "site"
+    theirs.mkdir()
+    marker = tmp_path / "marker"
+    (theirs / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    env = {**os.environ, "PYTHONPATH": str(theirs)}
+    p = cli("--capacity", "1GiB", "--", sys.executable, EXAMPLE, "--batch-size", "2", *SMALL, env=env)
+    assert p.returncode == 0, p.stderr
+    assert marker.read_text() == "ran"

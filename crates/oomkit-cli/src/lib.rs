@@ -64,6 +64,8 @@ enum Command {
     Demo(cmd::demo::Args),
     /// Replay a snapshot's trace through a model of PyTorch's caching allocator: what other settings, a larger GPU or a smaller micro-batch would have done.
     Whatif(cmd::whatif::Args),
+    /// Run a training script on tensors without memory (no GPU) for a few steps: whether it fits, what holds the peak, the largest micro-batch.
+    Preflight(cmd::preflight::Args),
 }
 
 /// Runs the command line `args` (program name first) and returns the exit code.
@@ -113,5 +115,6 @@ fn run(cli: Cli) -> u8 {
         Command::Report(a) => cmd::report::run(a),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Whatif(a) => cmd::whatif::run(a),
+        Command::Preflight(a) => cmd::preflight::run(a),
     }
 }

@@ -28,12 +28,14 @@ mod html;
 pub mod json;
 mod output;
 mod perfetto;
+mod preflight;
 pub mod text;
 
 pub use error::ReportError;
 pub use html::{html_report, PAGE_MAX_POINTS};
 pub use output::{Needs, Output};
 pub use perfetto::{run_trace, snapshot_trace, trace, Trace, TRACE_MAX_POINTS};
+pub use preflight::{LineBytes, PreflightReport, PreflightRun, ROLE_ORDER};
 
 use oomkit_compare::{Diff, Job};
 use oomkit_estimate::calibrate::Calibration;
@@ -183,6 +185,15 @@ impl Render for WhatIfReport<'_> {
             m.insert("file".into(), Value::String(self.file.to_string()));
         }
         v
+    }
+}
+
+impl Render for PreflightReport {
+    fn text(&self) -> String {
+        text::preflight(self)
+    }
+    fn json(&self) -> Value {
+        serde_json_of(self)
     }
 }
 

@@ -9,6 +9,7 @@ pub(crate) mod explain;
 pub(crate) mod export;
 pub(crate) mod find_batch;
 pub(crate) mod gpus;
+pub(crate) mod preflight;
 pub(crate) mod report;
 pub(crate) mod run;
 pub(crate) mod whatif;

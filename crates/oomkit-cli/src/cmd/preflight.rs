@@ -1,0 +1,326 @@
+//! `oomkit preflight -- python train.py ARGS`: the user's unchanged training
+//! script run on meta tensors (no GPU), stopped after a few optimizer
+//! steps, and answered with the peak, what held it, whether it fits, and
+//! (with `{batch}` in the command) the largest micro-batch that does.
+//!
+//! The work is done in the script's own Python by `oomkit._preflight_script`,
+//! started from a `sitecustomize` module this command puts first on the
+//! script's `PYTHONPATH`; the answer comes back as a JSON file.
+
+use crate::args::FormatArgs;
+use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
+use crate::output::{print, say};
+use oomkit_report::{PreflightReport, PreflightRun};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// What `{batch}` in the command is replaced with.
+const BATCH: &str = "{batch}";
+
+/// The hook the script's interpreter imports at start: it starts the
+/// preflight where `OOMKIT_PREFLIGHT` is set, then hands over to any other
+/// `sitecustomize` the environment has.
+const SITECUSTOMIZE: &str = r#"# Written by `oomkit preflight` for the run it starts; removed after it.
+import os as _os
+import sys as _sys
+
+if _os.environ.get("OOMKIT_PREFLIGHT"):
+    try:
+        from oomkit._preflight_script import install as _install
+    except ImportError as _e:
+        _sys.stderr.write(f"oomkit preflight: this Python ({_sys.executable}) cannot import oomkit's preflight ({_e}); install oomkit where the script runs\n")
+        _os._exit(2)
+    _install()
+
+# Hand over to the environment's own sitecustomize, if it has one.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+try:
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+
+    _spec = _machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+    )
+    if _spec is not None and _spec.loader is not None:
+        _spec.loader.exec_module(_util.module_from_spec(_spec))
+except Exception as _e:
+    _sys.stderr.write(f"oomkit preflight: the environment's sitecustomize failed: {_e}\n")
+"#;
+
+/// Flags of `oomkit preflight`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// What the allocator may hold (80GiB), or a GPU (H100, H100-NVL,
+    /// A100-40GB, RTX-4090, T4: its total less 1.25 GiB of CUDA context).
+    #[arg(long, value_name = "SIZE | GPU", default_value = "H100")]
+    capacity: String,
+    /// Optimizer steps to run before answering (the first creates the optimizer's state).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+    /// Write the step's snapshot here, in PyTorch's format (never over a file that exists).
+    #[arg(long, value_name = "PATH")]
+    snapshot: Option<PathBuf>,
+    /// Allocator settings, as PYTORCH_CUDA_ALLOC_CONF writes them (default: that variable's value).
+    #[arg(long, value_name = "SETTINGS")]
+    alloc_conf: Option<String>,
+    /// The micro-batch to put for {batch} in the command.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch: u64,
+    /// Search the largest micro-batch up to N that fits, running the
+    /// command with each one tried in place of {batch}.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_micro_batch: Option<u64>,
+    #[command(flatten)]
+    format: FormatArgs,
+    /// The training command, after `--`: python train.py ARGS.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+/// Why a run gave no answer.
+enum Failure {
+    /// The command could not be started.
+    Spawn(String),
+    /// It started and gave no answer; the line says why.
+    NoAnswer(String),
+}
+
+/// `oomkit preflight`.
+pub(crate) fn run(a: Args) -> u8 {
+    let has_batch = a.command.iter().any(|w| w.contains(BATCH));
+    if a.max_micro_batch.is_some() && !has_batch {
+        say("preflight: --max-micro-batch needs {batch} in the command where the micro-batch goes (python train.py --batch-size {batch})");
+        return EXIT_INPUT;
+    }
+    if let Some(s) = a.snapshot.as_ref().filter(|s| s.exists()) {
+        say(&format!(
+            "{}: exists; preflight never overwrites a file",
+            s.display()
+        ));
+        return EXIT_INPUT;
+    }
+    let alloc_conf = a
+        .alloc_conf
+        .clone()
+        .or_else(|| std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok())
+        .filter(|c| !c.is_empty());
+    let batch = has_batch.then_some(a.micro_batch);
+    let first = match run_once(&a, batch, a.snapshot.as_deref(), alloc_conf.as_deref()) {
+        Ok(r) => r,
+        Err(f) => return failed(f),
+    };
+    let mut report = PreflightReport {
+        command: a.command.clone(),
+        run: first,
+        ..Default::default()
+    };
+    if let Some(max) = a.max_micro_batch {
+        let mut tried = vec![(a.micro_batch, report.run.fits)];
+        let mut fits = |b: u64| -> Result<bool, Failure> {
+            if let Some(&(_, ok)) = tried.iter().find(|(t, _)| *t == b) {
+                return Ok(ok);
+            }
+            let ok = run_once(&a, Some(b), None, alloc_conf.as_deref())?.fits;
+            tried.push((b, ok));
+            Ok(ok)
+        };
+        match search(a.micro_batch, report.run.fits, max, &mut fits) {
+            Ok(best) => report.largest_micro_batch = best,
+            Err(f) => return failed(f),
+        }
+        tried.sort_unstable();
+        report.tried = tried;
+    }
+    print(a.format.output(), &report);
+    let fits = match a.max_micro_batch {
+        Some(_) => report.largest_micro_batch.is_some(),
+        None => report.run.fits,
+    };
+    if fits {
+        EXIT_OK
+    } else {
+        EXIT_NOTHING_FITS
+    }
+}
+
+fn failed(f: Failure) -> u8 {
+    match f {
+        Failure::Spawn(msg) => {
+            say(&msg);
+            EXIT_SPAWN
+        }
+        Failure::NoAnswer(msg) => {
+            say(&msg);
+            EXIT_INPUT
+        }
+    }
+}
+
+/// Doubles the micro-batch from `start` while it fits (up to `max`), or
+/// halves it while it does not, then bisects; the largest that fits.
+fn search(
+    start: u64,
+    start_fits: bool,
+    max: u64,
+    fits: &mut dyn FnMut(u64) -> Result<bool, Failure>,
+) -> Result<Option<u64>, Failure> {
+    let (mut lo, mut hi) = (0u64, None);
+    let mut b = start;
+    if start_fits {
+        lo = b;
+        while b < max {
+            b = (b * 2).min(max);
+            if fits(b)? {
+                lo = b;
+            } else {
+                hi = Some(b);
+                break;
+            }
+        }
+    } else {
+        hi = Some(b);
+        while b > 1 {
+            b /= 2;
+            if fits(b)? {
+                lo = b;
+                break;
+            }
+            hi = Some(b);
+        }
+    }
+    if let Some(mut hi) = hi {
+        while lo > 0 && hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid)? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    Ok((lo > 0).then_some(lo))
+}
+
+/// Runs the command once, with `batch` for `{batch}`, and reads its answer.
+fn run_once(
+    a: &Args,
+    batch: Option<u64>,
+    snapshot: Option<&Path>,
+    alloc_conf: Option<&str>,
+) -> Result<PreflightRun, Failure> {
+    let dir = Scratch::new().map_err(|e| {
+        Failure::NoAnswer(format!(
+            "preflight: cannot make a scratch folder in {}: {e}",
+            std::env::temp_dir().display()
+        ))
+    })?;
+    let hook = dir.0.join("sitecustomize.py");
+    let result = dir.0.join("result.json");
+    std::fs::write(&hook, SITECUSTOMIZE).map_err(|e| {
+        Failure::NoAnswer(format!("preflight: cannot write {}: {e}", hook.display()))
+    })?;
+    let settings = serde_json::json!({
+        "result": result,
+        "steps": a.steps,
+        "capacity": a.capacity,
+        "snapshot": snapshot.map(|s| std::path::absolute(s).unwrap_or_else(|_| s.to_path_buf())),
+        "alloc_conf": alloc_conf,
+    });
+    let words: Vec<String> = a
+        .command
+        .iter()
+        .map(|w| match batch {
+            Some(b) => w.replace(BATCH, &b.to_string()),
+            None => w.clone(),
+        })
+        .collect();
+    let mut path = std::ffi::OsString::from(dir.0.as_os_str());
+    if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+        path.push(":");
+        path.push(old);
+    }
+    let status = Command::new(&words[0])
+        .args(&words[1..])
+        .env("PYTHONPATH", path)
+        .env("OOMKIT_PREFLIGHT", settings.to_string())
+        // The script's own prints go to stderr: stdout is the answer alone.
+        .stdout(Stdio::from(std::io::stderr()))
+        .status()
+        .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
+    let text = match std::fs::read_to_string(&result) {
+        Ok(t) => t,
+        Err(_) => {
+            return Err(Failure::NoAnswer(format!(
+                "preflight: `{}` exited with {} before preflight could answer; it must be a Python script that trains (oomkit preflight -- python train.py)",
+                words.join(" "),
+                status
+                    .code()
+                    .map_or("a signal".to_string(), |c| format!("code {c}"))
+            )))
+        }
+    };
+    let doc: Value = serde_json::from_str(&text).map_err(|e| {
+        Failure::NoAnswer(format!("preflight: the script's answer is not JSON ({e})"))
+    })?;
+    if let Some(err) = doc.get("error").and_then(Value::as_str) {
+        return Err(Failure::NoAnswer(format!("preflight: {err}")));
+    }
+    let mut run: PreflightRun = doc
+        .get("result")
+        .cloned()
+        .and_then(|r| serde_json::from_value(r).ok())
+        .ok_or_else(|| Failure::NoAnswer("preflight: the script's answer has no result".into()))?;
+    run.micro_batch = batch;
+    Ok(run)
+}
+
+/// A scratch folder removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> std::io::Result<Scratch> {
+        let base = std::env::temp_dir();
+        for n in 0..1000u32 {
+            let p = base.join(format!("oomkit-preflight-{}-{n}", std::process::id()));
+            match std::fs::create_dir(&p) {
+                Ok(()) => return Ok(Scratch(p)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(std::io::Error::other("no free name"))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn searched(start: u64, max: u64, limit: u64) -> (Option<u64>, Vec<u64>) {
+        let mut seen = Vec::new();
+        let mut fits = |b: u64| {
+            seen.push(b);
+            Ok(b <= limit)
+        };
+        let best = search(start, start <= limit, max, &mut fits).ok().flatten();
+        (best, seen)
+    }
+
+    #[test]
+    fn the_search_doubles_then_bisects() {
+        assert_eq!(
+            searched(4, 64, 37),
+            (Some(37), vec![8, 16, 32, 64, 48, 40, 36, 38, 37])
+        );
+        assert_eq!(searched(4, 64, 100).0, Some(64));
+        assert_eq!(searched(16, 64, 5), (Some(5), vec![8, 4, 6, 5]));
+        assert_eq!(searched(4, 64, 0), (None, vec![2, 1]));
+    }
+}

@@ -1,0 +1,75 @@
+//! What `oomkit preflight` measured: the answer the Python side writes for
+//! one run of the user's script on meta tensors, and the search over
+//! micro-batches made of several such runs.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One preflight run, as `oomkit._preflight.Preflight.as_dict()` writes it.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct PreflightRun {
+    /// The micro-batch substituted for `{batch}`, or null where the script sets its own.
+    pub micro_batch: Option<u64>,
+    /// Optimizer steps the script ran.
+    pub steps: u64,
+    /// The most memory handed out at once, in the allocator's rounded blocks.
+    pub peak_allocated_bytes: u64,
+    /// The most memory the modelled allocator reserved.
+    pub peak_reserved_bytes: u64,
+    /// Reserved but not handed out when reserved peaked.
+    pub free_in_segments_at_peak_bytes: u64,
+    /// What the allocator may hold.
+    pub capacity_bytes: u64,
+    /// The capacity as given.
+    pub capacity: String,
+    /// No allocation failed with the allocator limited to the capacity.
+    pub fits: bool,
+    /// The capacity less the peak reserved.
+    pub margin_bytes: i64,
+    /// Bytes live at the allocated peak by role.
+    pub by_role: BTreeMap<String, u64>,
+    /// The user's lines holding the most at the allocated peak.
+    pub by_line: Vec<LineBytes>,
+    /// Allocations recorded.
+    pub allocations: u64,
+    /// What the preflight assumed or could not do.
+    pub notes: Vec<String>,
+    /// The snapshot written, if any.
+    pub snapshot: Option<String>,
+}
+
+/// A line of the user's code and what it held at the peak.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct LineBytes {
+    /// `file:line (function)`.
+    pub line: String,
+    /// The role of what it held.
+    pub role: String,
+    /// The bytes.
+    pub bytes: u64,
+}
+
+/// What `oomkit preflight` prints: the run at the first micro-batch and, with a search, the rest.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PreflightReport {
+    /// The command as given (with `{batch}` where the search substitutes it).
+    pub command: Vec<String>,
+    /// The run at the first micro-batch (or the script's own).
+    pub run: PreflightRun,
+    /// Micro-batches the search tried, in order, and whether each fitted.
+    pub tried: Vec<(u64, bool)>,
+    /// The largest micro-batch that fits, when a search ran.
+    pub largest_micro_batch: Option<u64>,
+}
+
+/// The order roles are listed in, as the rest of oomkit lists them.
+pub const ROLE_ORDER: [&str; 8] = [
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "other",
+    "unknown",
+];

@@ -1,0 +1,161 @@
+//! The terminal form of `oomkit preflight`: the verdict against the
+//! capacity first, then the peaks, what held them by role and by line,
+//! the search, and what the preflight assumed.
+
+use crate::preflight::{PreflightReport, ROLE_ORDER};
+use oomkit_units::human_bytes;
+use std::fmt::Write;
+
+/// Lines of the user's code listed.
+const LINES_SHOWN: usize = 5;
+
+/// A preflight for the terminal.
+pub fn preflight(r: &PreflightReport) -> String {
+    let run = &r.run;
+    let mut out = String::new();
+    let batch = run
+        .micro_batch
+        .map_or("the script's micro-batch".to_string(), |b| {
+            format!("micro-batch {b}")
+        });
+    let verdict = if run.fits { "fits" } else { "does NOT fit" };
+    let margin = run.margin_bytes.unsigned_abs();
+    let _ = writeln!(
+        out,
+        "{batch} {verdict} {} ({} for the allocator): {} {}",
+        run.capacity,
+        human_bytes(run.capacity_bytes),
+        human_bytes(margin),
+        if run.margin_bytes >= 0 {
+            "to spare"
+        } else {
+            "short"
+        },
+    );
+    let _ = writeln!(
+        out,
+        "  peak reserved {}, peak allocated {}, {} free inside segments at the peak; {} step(s), {} allocations on meta tensors",
+        human_bytes(run.peak_reserved_bytes),
+        human_bytes(run.peak_allocated_bytes),
+        human_bytes(run.free_in_segments_at_peak_bytes),
+        run.steps,
+        run.allocations,
+    );
+    let total: u64 = run.by_role.values().sum();
+    if total > 0 {
+        let _ = writeln!(out, "\n  By role at the peak");
+        for role in ROLE_ORDER {
+            if let Some(&b) = run.by_role.get(role).filter(|&&b| b > 0) {
+                let _ = writeln!(
+                    out,
+                    "    {:<18} {:>10} {:>5.0}%",
+                    role.replace('_', " "),
+                    human_bytes(b),
+                    b as f64 * 100.0 / total as f64
+                );
+            }
+        }
+    }
+    if !run.by_line.is_empty() {
+        let _ = writeln!(out, "\n  Lines holding the most at the peak");
+        for l in run.by_line.iter().take(LINES_SHOWN) {
+            let _ = writeln!(
+                out,
+                "    {:>10}  {:<16} {}",
+                human_bytes(l.bytes),
+                l.role.replace('_', " "),
+                l.line
+            );
+        }
+    }
+    if !r.tried.is_empty() {
+        let tried: Vec<String> = r
+            .tried
+            .iter()
+            .map(|(b, ok)| format!("{b} {}", if *ok { "fits" } else { "no" }))
+            .collect();
+        let _ = writeln!(out);
+        match r.largest_micro_batch {
+            Some(b) => {
+                let _ = writeln!(
+                    out,
+                    "largest micro-batch that fits: {b} (tried {})",
+                    tried.join(", ")
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "no micro-batch tried fits (tried {})",
+                    tried.join(", ")
+                );
+            }
+        }
+    }
+    if !run.notes.is_empty() {
+        let _ = writeln!(out);
+        for n in &run.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
+    }
+    if let Some(s) = &run.snapshot {
+        let _ = writeln!(
+            out,
+            "snapshot: {s} (oomkit analyze, report and whatif open it)"
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preflight::{LineBytes, PreflightRun};
+
+    #[test]
+    fn the_verdict_comes_first_and_roles_follow_oomkits_order() {
+        let gib = 1u64 << 30;
+        let run = PreflightRun {
+            micro_batch: Some(8),
+            steps: 2,
+            peak_allocated_bytes: 70 * gib,
+            peak_reserved_bytes: 82 * gib,
+            capacity_bytes: 78 * gib,
+            capacity: "H100".into(),
+            fits: false,
+            margin_bytes: -(4 * gib as i64),
+            by_role: [
+                ("activations".to_string(), 50 * gib),
+                ("parameters".to_string(), 20 * gib),
+            ]
+            .into(),
+            by_line: vec![LineBytes {
+                line: "train.py:28 (forward)".into(),
+                role: "activations".into(),
+                bytes: 30 * gib,
+            }],
+            ..Default::default()
+        };
+        let r = PreflightReport {
+            run,
+            tried: vec![(8, false), (4, true)],
+            largest_micro_batch: Some(4),
+            ..Default::default()
+        };
+        let t = preflight(&r);
+        assert!(
+            t.starts_with(
+                "micro-batch 8 does NOT fit H100 (78.0 GiB for the allocator): 4.00 GiB short"
+            ),
+            "{t}"
+        );
+        assert!(
+            t.find("parameters").unwrap() < t.find("activations").unwrap(),
+            "{t}"
+        );
+        assert!(
+            t.contains("largest micro-batch that fits: 4 (tried 8 no, 4 fits)"),
+            "{t}"
+        );
+    }
+}

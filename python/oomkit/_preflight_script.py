@@ -1,0 +1,240 @@
+"""``oomkit preflight -- python train.py``: the user's unchanged script on meta tensors.
+
+``oomkit preflight`` puts a ``sitecustomize`` module first on the script's
+``PYTHONPATH``; at interpreter start it calls :func:`install`, which makes
+the script's GPU calls land on ``meta`` tensors (``torch.cuda`` answers as
+one GPU of the capacity given, tensors created without a device are
+created on ``meta``, so the model's weights are never allocated), records
+every allocation, and after the requested number of optimizer steps
+writes the answer to the file ``oomkit preflight`` reads and ends the
+process. Nothing here runs unless ``OOMKIT_PREFLIGHT`` is set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import types
+from typing import Any
+
+import torch
+
+from oomkit import _native
+from oomkit._native import PreflightError
+from oomkit._preflight import Known, Settings, answer, unsupported
+from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
+
+#: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
+ENV = "OOMKIT_PREFLIGHT"
+
+#: Compute capability reported for the GPU: Hopper, unless the capacity names an older GPU.
+HOPPER = (9, 0)
+AMPERE = (8, 0)
+
+
+class _Session:
+    """One script's preflight: the modes, the hooks and the answer at the end."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.result_path: str = settings["result"]
+        self.steps: int = int(settings.get("steps", 2))
+        self.capacity: str = settings.get("capacity") or "H100"
+        self.snapshot: str | None = settings.get("snapshot")
+        self.alloc_conf: str | None = settings.get("alloc_conf")
+        self.capacity_bytes, _ = _native.parse_capacity(self.capacity)
+        self.rec = Recorder(cublas_workspace(self.capacity))
+        self.known = Known()
+        self.autocast = Autocast()
+        self.functions = CudaFunctions(self.autocast, on_upload=self._upload, on_assume=self.rec.assume)
+        self.steps_done = 0
+        self.notes: list[str] = []
+        self.finished = False
+        self._seen_modules: set[int] = set()
+
+    # ---- start ----
+
+    def start(self) -> None:
+        self._patch_cuda()
+        cuda_autocast(self.autocast).__enter__()
+        self.functions.__enter__()
+        self.rec.__enter__()
+        # After the recorder, so that factory calls reach it already on meta.
+        torch.set_default_device(FAKE_DEVICE)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+        torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        atexit.register(self._at_exit)
+        previous = sys.excepthook
+
+        def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            if isinstance(value, StepUnsupportedError):
+                self._write({"error": str(unsupported(value))})
+            elif not self.finished:
+                done = f"after {self.steps_done} optimizer step(s)"
+                self._write({"error": f"the script failed under preflight {done}: {kind.__name__}: {_first_line(value)}"})
+            self.finished = True
+            previous(kind, value, tb)
+
+        sys.excepthook = excepthook
+
+    def _patch_cuda(self) -> None:
+        cuda = torch.cuda
+        name = self.capacity
+        major, minor = AMPERE if cublas_workspace(name) != cublas_workspace("H100") else HOPPER
+        total = self.capacity_bytes
+
+        def properties(*_: Any, **__: Any) -> Any:
+            return types.SimpleNamespace(
+                name=f"oomkit preflight ({name})", total_memory=total, major=major, minor=minor, multi_processor_count=132
+            )
+
+        def live(*_: Any, **__: Any) -> int:
+            return self.rec.live_bytes
+
+        def peak(*_: Any, **__: Any) -> int:
+            return self.rec.peak_bytes
+
+        def nothing() -> Any:
+            # A new function each time: torch._dynamo refuses one object under two names.
+            return lambda *_, **__: None
+
+        replacements: dict[str, Any] = {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": nothing(),
+            "synchronize": nothing(),
+            "manual_seed": nothing(),
+            "manual_seed_all": nothing(),
+            "reset_peak_memory_stats": nothing(),
+            "empty_cache": self.rec.empty_cache,
+            "is_bf16_supported": lambda *a, **k: True,
+            "get_device_name": lambda *a, **k: f"oomkit preflight ({name})",
+            "get_device_capability": lambda *a, **k: (major, minor),
+            "get_device_properties": properties,
+            "memory_allocated": live,
+            "max_memory_allocated": peak,
+            "mem_get_info": lambda *a, **k: (max(0, total - self.rec.live_bytes), total),
+        }
+        for attr, value in replacements.items():
+            setattr(cuda, attr, value)
+        # Optimizers ask the GPU whether a CUDA graph is being captured; none is.
+        for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+            if hasattr(torch.optim.Optimizer, check):
+                setattr(torch.optim.Optimizer, check, lambda self: None)
+        # torch.compile would trace the fake step; eager is what is measured.
+        torch.compile = _no_compile(self.notes)
+        _one_process_loader(self.notes)
+
+    # ---- during the script ----
+
+    def _upload(self, t: torch.Tensor) -> None:
+        self.known.add_inputs(self.rec, t)
+
+    def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        if self.rec.phase not in ("optimizer",):
+            self.rec.phase = "forward"
+        if id(module) not in self._seen_modules:
+            self._seen_modules.add(id(module))
+            self.known.add_params(self.rec, list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+
+    def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.rec.phase = "optimizer"
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self.known.add_params(self.rec, params)
+        self.known.add_grad_tensors(self.rec, [p.grad for p in params if p.grad is not None])
+
+    def _after_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.known.add_state_of(self.rec, opt)
+        self.steps_done += 1
+        self.rec.phase = "inputs"
+        if self.steps_done >= self.steps:
+            self.finish()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # The answer is written; the rest of the script is not needed.
+            os._exit(0)
+
+    # ---- the end ----
+
+    def _at_exit(self) -> None:
+        if not self.finished:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.rec.finish()
+        notes = list(self.notes)
+        if self.steps_done < self.steps:
+            if self.steps_done == 0:
+                self._write({"error": "the script ended before its first optimizer step: preflight measures training steps (optimizer.step())"})  # noqa: E501
+                return
+            notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {self.steps} asked for")
+        settings = Settings(None, 1, self.steps_done, self.capacity, self.capacity_bytes, self.alloc_conf)
+        try:
+            result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
+        except PreflightError as e:
+            self._write({"error": str(e)})
+            return
+        self._write({"result": result.as_dict()})
+
+    def _write(self, doc: dict[str, Any]) -> None:
+        try:
+            with open(self.result_path, "w", encoding="utf-8") as f:
+                json.dump(doc, f)
+        except OSError as e:
+            sys.stderr.write(f"oomkit preflight: cannot write {self.result_path}: {e}\n")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _no_compile(notes: list[str]) -> Any:
+    def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if "torch.compile was skipped: the step is measured as eager PyTorch runs it" not in notes:
+            notes.append("torch.compile was skipped: the step is measured as eager PyTorch runs it")
+        if model is None:
+            return lambda m: m
+        return model
+
+    return compile
+
+
+def _one_process_loader(notes: list[str]) -> None:
+    """DataLoader workers would carry meta tensors between processes; the batch is the same from one."""
+    loader = torch.utils.data.DataLoader
+    init = loader.__init__
+
+    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("num_workers", 0):
+            kwargs["num_workers"] = 0
+            kwargs.pop("prefetch_factor", None)
+            kwargs["persistent_workers"] = False
+            if "data loader workers were run in the main process" not in notes:
+                notes.append("data loader workers were run in the main process")
+        init(self, *args, **kwargs)
+
+    loader.__init__ = new_init  # type: ignore[method-assign]
+
+
+def install() -> None:
+    """Starts a preflight of this process if ``oomkit preflight`` asked for one."""
+    raw = os.environ.pop(ENV, None)
+    if not raw:
+        return
+    try:
+        settings = json.loads(raw)
+        session = _Session(settings)
+    except (ValueError, KeyError, PreflightError) as e:
+        sys.stderr.write(f"oomkit preflight: bad settings in {ENV}: {e}\n")
+        os._exit(2)
+    session.start()
