@@ -26,7 +26,7 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, shown_path
 from oomkit._preflight_snapshot import write_snapshot
 
 __all__ = ["Preflight", "PreflightError", "preflight"]
@@ -147,8 +147,9 @@ def preflight(
     of the micro-batch size that makes one. The step is ``loss(model,
     batch)`` then ``backward`` then the optimizer's step, or the whole of
     ``step(model, batch, optimizer)`` where given. With ``max_micro_batch``
-    it also searches the largest micro-batch up to it that fits, keeping
-    ``micro_batch x grad_accum`` as the effective batch.
+    it also searches the largest micro-batch up to it that fits (with
+    accumulation, up to the effective batch ``micro_batch x grad_accum``,
+    which the accumulation found for it keeps).
     """
     if grad_accum < 1 or steps < 1:
         raise PreflightError(f"grad_accum and steps must be at least 1 (got {grad_accum} and {steps})")
@@ -477,7 +478,7 @@ class Known:
 def _user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
     for filename, line, name in stack:
         if not any(part in filename for part in _LIBRARY_PARTS):
-            return f"{filename}:{line} ({name})"
+            return f"{shown_path(filename)}:{line} ({name})"
     return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "(no Python frame)"
 
 
@@ -533,6 +534,9 @@ def _notes(tr: Trace, known: Known) -> list[str]:
 def _search(run: _Run, first: Preflight, micro_batch: int, max_micro_batch: int) -> None:
     """Doubles the micro-batch until it does not fit (or reaches the maximum), then bisects."""
     effective = micro_batch * first.grad_accum
+    if first.grad_accum > 1:
+        # A micro-batch above the effective batch would change it, which accumulation exists to avoid.
+        max_micro_batch = min(max_micro_batch, effective)
     tried: dict[int, bool] = {micro_batch: first.fits}
 
     def fits(b: int) -> bool:

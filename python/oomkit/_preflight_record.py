@@ -90,11 +90,20 @@ class Trace:
     assumed: list[tuple[str, str]] = field(default_factory=list)
 
 
+def shown_path(filename: str) -> str:
+    """A file as the user would type it: relative to the working folder when inside it."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith(os.pardir) else rel
+
+
 def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
     """The innermost frame outside torch, as ``file:line (function)``."""
     for filename, line, name in stack:
         if f"{os.sep}torch{os.sep}" not in filename:
-            return f"{filename}:{line} ({name})"
+            return f"{shown_path(filename)}:{line} ({name})"
     return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "an unknown line"
 
 

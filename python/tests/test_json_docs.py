@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,11 @@ COMMANDS = {
     "gpus": ["gpus", "--json"],
     "whatif": ["whatif", "--json", str(REAL / "tinyllama_int8_lora_notebook_ftcourse.pickle"), "--capacity", "T4", "--batch-scale", "0.5"],
     "run": ["run", "--json", "--batch-size", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],
+    "preflight": [
+        *("preflight", "--json", "--capacity", "1GiB", "--micro-batch", "2", "--max-micro-batch", "4", "--"),
+        *(sys.executable, str(EX / "preflight" / "train.py"), "--batch-size", "{batch}"),
+        *("--ctx", "128", "--dim", "64", "--heads", "4", "--layers", "1", "--steps", "3"),
+    ],
     "find-batch": ["find-batch", "--json", "--effective", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],
 }
 

@@ -356,6 +356,75 @@ fn whatif() {
 }
 
 #[test]
+fn preflight() {
+    let dir = tempdir("cmd-preflight");
+    // A stand-in that answers as the Python side does (the real script runs
+    // in python/tests/test_preflight.py, where PyTorch is installed); `-S`
+    // keeps this Python from loading the hook, which needs oomkit installed.
+    std::fs::copy(
+        repo("crates/oomkit-cli/tests/preflight_standin.py"),
+        dir.join("train.py"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("taken.pickle"), "keep").unwrap();
+    let script = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut v = vec!["--", "python3", "-S", "train.py"];
+        v.extend_from_slice(extra);
+        v
+    };
+    let with = |head: &[&'static str], extra: &[&'static str]| -> Vec<&'static str> {
+        let mut v = vec!["preflight"];
+        v.extend_from_slice(head);
+        v.extend(script(extra));
+        v
+    };
+    let search = with(
+        &[
+            "--capacity",
+            "24GiB",
+            "--micro-batch",
+            "8",
+            "--max-micro-batch",
+            "64",
+        ],
+        &["{batch}"],
+    );
+    check("preflight_main", &search, &dir, &[]);
+    check(
+        "preflight_json",
+        &with(&["--json", "--capacity", "24GiB"], &["8"]),
+        &dir,
+        &[],
+    );
+    check(
+        "preflight_does_not_fit",
+        &with(&["--capacity", "24GiB"], &["40"]),
+        &dir,
+        &[],
+    );
+    check("preflight_no_answer", &with(&[], &["0"]), &dir, &[]);
+    check(
+        "preflight_no_batch_placeholder",
+        &with(&["--max-micro-batch", "8"], &[]),
+        &dir,
+        &[],
+    );
+    check(
+        "preflight_existing_snapshot",
+        &with(&["--snapshot", "taken.pickle"], &[]),
+        &dir,
+        &[],
+    );
+    check(
+        "preflight_not_found",
+        &["preflight", "--", "no-such-command-here", "train.py"],
+        &dir,
+        &[],
+    );
+    assert_eq!(std::fs::read(dir.join("taken.pickle")).unwrap(), b"keep");
+}
+
+#[test]
 fn explain_a_snapshot() {
     let dir = tempdir("cmd-explain-snapshot");
     std::fs::copy(demo_file(), dir.join("demo.pickle")).unwrap();

@@ -115,6 +115,10 @@ pub(crate) fn run(a: Args) -> u8 {
         run: first,
         ..Default::default()
     };
+    // The snapshot as the user named it (the script was given it made absolute).
+    if let (Some(given), Some(_)) = (&a.snapshot, &report.run.snapshot) {
+        report.run.snapshot = Some(given.display().to_string());
+    }
     if let Some(max) = a.max_micro_batch {
         let mut tried = vec![(a.micro_batch, report.run.fits)];
         let mut fits = |b: u64| -> Result<bool, Failure> {
