@@ -35,8 +35,9 @@ __all__ = ["Preflight", "PreflightError", "preflight"]
 #: second runs with it in place, as every later step does.
 DEFAULT_STEPS = 2
 
-#: Where a line is the user's: the first frame outside these folders.
-_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}site-packages{os.sep}", f"{os.sep}oomkit{os.sep}", "<frozen ")
+#: Where a line is the user's: the first frame outside PyTorch and oomkit
+#: (a model's code in another package, as transformers', counts as the user's).
+_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}oomkit{os.sep}", "<frozen ")
 
 #: Lines listed in the answer, largest first.
 TOP_LINES = 10
@@ -221,6 +222,8 @@ class _Run:
             stack.callback(lambda: [h.remove() for h in opt_hooks])
             rec.phase = "setup"
             model = self._build_model()
+            # The model arrives on the GPU as built; its construction happened elsewhere.
+            rec.begin()
             known.add_model(rec, model)
             opt = self._build_optimizer(model)
             for _ in range(self.steps):

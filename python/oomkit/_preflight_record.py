@@ -121,6 +121,13 @@ class Recorder(TorchDispatchMode):
         #: Bytes of the storages alive now, and the most so far (unrounded).
         self.live_bytes = 0
         self.peak_bytes = 0
+        # Until the step begins (the model built, the first forward), new
+        # storages wait here: only those still alive then are recorded. On
+        # a GPU the model is built elsewhere (on the CPU, or loaded) and
+        # arrives in its final form; the copies and casts of building it
+        # would otherwise count as a peak no real run has.
+        self._deferred = True
+        self._pending: list[tuple[weakref.ref[Any], int, int]] = []
         # The workspace lives as long as the handle: to the end of the process.
         self._workspace: torch.Tensor | None = None
 
@@ -153,6 +160,7 @@ class Recorder(TorchDispatchMode):
         if (
             self._workspace is None
             and self._cublas_workspace > 0
+            and not self._deferred
             and func.overloadpacket.__name__ in _CUBLAS_OPS
         ):
             self._workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
@@ -176,6 +184,22 @@ class Recorder(TorchDispatchMode):
 
     # ---- allocations and frees ----
 
+    def begin(self) -> None:
+        """The step begins: what the set-up made and still holds is allocated now, in the order it was made."""
+        if not self._deferred:
+            return
+        self._deferred = False
+        pending, self._pending = self._pending, []
+        for ref, size, stack_id in pending:
+            st = ref()
+            if st is not None and st not in self._index:
+                self._allocate(st, size, stack_id)
+
+    @property
+    def begun(self) -> bool:
+        """Whether the step has begun (allocations are recorded as they happen)."""
+        return not self._deferred
+
     def track(self, t: torch.Tensor) -> int | None:
         """Records the storage of ``t`` if it is new; returns its allocation index."""
         st = t.untyped_storage()
@@ -185,9 +209,15 @@ class Recorder(TorchDispatchMode):
         size = st.nbytes()
         if size == 0:
             return None
+        if self._deferred:
+            self._pending.append((weakref.ref(st), size, self._stack_id()))
+            return None
+        return self._allocate(st, size, self._stack_id())
+
+    def _allocate(self, st: Any, size: int, stack_id: int) -> int:
         tr = self.trace
         index = len(tr.kinds)
-        self._append(0, size)
+        self._append(0, size, stack_id)
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._index[st] = index
@@ -212,14 +242,15 @@ class Recorder(TorchDispatchMode):
 
     def empty_cache(self) -> None:
         """Records ``torch.cuda.empty_cache()``."""
-        self._append(2, 0)
+        if not self._deferred:
+            self._append(2, 0)
 
-    def _append(self, kind: int, arg: int) -> None:
+    def _append(self, kind: int, arg: int, stack_id: int | None = None) -> None:
         tr = self.trace
         tr.kinds.append(kind)
         tr.args.append(arg)
         tr.phases.append(self.current_phase())
-        tr.stack_of.append(self._stack_id())
+        tr.stack_of.append(self._stack_id() if stack_id is None else stack_id)
 
     def current_phase(self) -> str:
         """The phase now: backward while autograd's engine runs, else the one set."""
@@ -255,6 +286,7 @@ class Recorder(TorchDispatchMode):
             # alive at the end allocated, as a snapshot taken then would show.
             del ref
         self._refs = {}
+        self._pending = []
         self._workspace = None
 
 

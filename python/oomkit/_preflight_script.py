@@ -137,6 +137,8 @@ class _Session:
         self.known.add_inputs(self.rec, t)
 
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        # The first forward begins the step: what the script built and still holds is on the GPU now.
+        self.rec.begin()
         if self.rec.phase not in ("optimizer",):
             self.rec.phase = "forward"
         if id(module) not in self._seen_modules:
@@ -144,6 +146,7 @@ class _Session:
             self.known.add_params(self.rec, list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.rec.begin()
         self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
         self.known.add_params(self.rec, params)
