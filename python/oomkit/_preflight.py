@@ -140,6 +140,7 @@ def preflight(
     alloc_conf: str | None = None,
     snapshot: str | os.PathLike[str] | None = None,
     max_micro_batch: int | None = None,
+    set_to_none: bool = True,
 ) -> Preflight:
     """Runs ``steps`` training steps on tensors without memory and says whether they fit ``capacity``.
 
@@ -147,7 +148,10 @@ def preflight(
     so its weights are never allocated); ``batch`` is a batch or a function
     of the micro-batch size that makes one. The step is ``loss(model,
     batch)`` then ``backward`` then the optimizer's step, or the whole of
-    ``step(model, batch, optimizer)`` where given. With ``max_micro_batch``
+    ``step(model, batch, optimizer)`` where given; ``set_to_none=False``
+    zeroes the gradients instead of freeing them after each step, as
+    ``zero_grad()`` did before PyTorch 2.0 (and the Trainer with it), which
+    keeps them allocated throughout. With ``max_micro_batch``
     it also searches the largest micro-batch up to it that fits (with
     accumulation, up to the effective batch ``micro_batch x grad_accum``,
     which the accumulation found for it keeps).
@@ -163,6 +167,7 @@ def preflight(
         # Checked before running anything, so a typo costs no step.
         _native.realize_ops([], [], [], alloc_conf, None)
     run = _Run(model, batch, loss, step, optimizer, dtype, autocast, grad_accum, steps, capacity, capacity_bytes, alloc_conf)
+    run.set_to_none = set_to_none
     result = run.once(micro_batch, snapshot)
     if max_micro_batch is not None:
         assert micro_batch is not None
@@ -192,6 +197,7 @@ class _Run:
         self.optimizer, self.dtype, self.autocast = optimizer, dtype, autocast
         self.grad_accum, self.steps = grad_accum, steps
         self.capacity, self.capacity_bytes, self.alloc_conf = capacity, capacity_bytes, alloc_conf
+        self.set_to_none = True
 
     def once(self, micro_batch: int | None, snapshot: str | os.PathLike[str] | None) -> Preflight:
         if snapshot is not None and os.path.exists(snapshot):
@@ -214,9 +220,10 @@ class _Run:
 
     def _record(self, rec: Recorder, known: Known, micro_batch: int | None) -> None:
         state = Autocast()
+        functions = CudaFunctions(state, on_assume=rec.assume)
         with ExitStack() as stack:
-            stack.enter_context(cuda_autocast(state))
-            stack.enter_context(CudaFunctions(state, on_assume=rec.assume))
+            stack.enter_context(cuda_autocast(state, functions))
+            stack.enter_context(functions)
             stack.enter_context(rec)
             opt_hooks = _phase_hooks(rec)
             stack.callback(lambda: [h.remove() for h in opt_hooks])
@@ -248,7 +255,7 @@ class _Run:
                     del value, data
                 if self.step is None and opt is not None:
                     opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    opt.zero_grad(set_to_none=self.set_to_none)
                 if opt is not None:
                     known.add_state(rec, opt, model)
                 rec.phase = "forward"

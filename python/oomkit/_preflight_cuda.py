@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.amp.autocast_mode as _autocast_mode
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map
 
 from oomkit._preflight_record import FAKE_DEVICE
@@ -72,6 +72,9 @@ FLOAT32 = frozenset(
 
 #: Functions that run in the widest floating type among their inputs.
 PROMOTE = frozenset({"cat", "stack", "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "tensordot", "index_put", "scatter_add"})
+
+#: The device types whose autocast is emulated.
+EMULATED = ("cuda", FAKE_DEVICE)
 
 #: Flash attention's largest head dimension (``check_head_dim_size_flash``).
 FLASH_MAX_HEAD_DIM = 256
@@ -275,8 +278,14 @@ def _cuda_attention(
 
 
 @contextmanager
-def cuda_autocast(autocast: Autocast) -> Iterator[None]:
-    """While active, ``torch.autocast("cuda", ...)`` enters the emulated regions."""
+def cuda_autocast(autocast: Autocast, functions: CudaFunctions | None = None) -> Iterator[None]:
+    """While active, ``torch.autocast("cuda", ...)`` enters the emulated regions.
+
+    ``functions`` is pushed again for a region entered where function modes
+    are not active (activation checkpointing's recompute inside backward:
+    autograd's engine carries dispatch modes into backward, not function
+    modes), so that the recompute casts as the forward did.
+    """
     cls = _autocast_mode.autocast
     init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
 
@@ -287,7 +296,8 @@ def cuda_autocast(autocast: Autocast) -> Iterator[None]:
         enabled: bool = True,
         cache_enabled: bool | None = None,
     ) -> None:
-        if device_type == "cuda":
+        # "meta": activation checkpointing re-enters autocast for the device its tensors are on.
+        if device_type in EMULATED:
             self.device = "cuda"
             self.fast_dtype = dtype or torch.float16
             self._enabled = enabled
@@ -299,21 +309,51 @@ def cuda_autocast(autocast: Autocast) -> Iterator[None]:
     def new_enter(self: Any) -> Any:
         if getattr(self, "_oomkit_emulated", False):
             autocast.enter(self._enabled, self.fast_dtype)
+            self._oomkit_pushed = False
+            if functions is not None and functions not in _get_current_function_mode_stack():
+                functions.__enter__()
+                self._oomkit_pushed = True
             return self
         return enter(self)
 
     def new_exit(self: Any, *exc: Any) -> Any:
         if getattr(self, "_oomkit_emulated", False):
+            if functions is not None and getattr(self, "_oomkit_pushed", False):
+                functions.__exit__(None, None, None)
             autocast.exit()
             return False
         return exit_(self, *exc)
 
+    # torch.utils.checkpoint records the autocast state of the device its
+    # tensors are on when forward runs and restores it for the recompute in
+    # backward; for "meta" (and "cuda") that state is the emulated one.
+    available, is_enabled, get_dtype = torch.amp.is_autocast_available, torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def new_available(device_type: str) -> bool:
+        return device_type in EMULATED or available(device_type)
+
+    def new_is_enabled(*args: Any) -> bool:
+        if args and args[0] in EMULATED:
+            return autocast.dtype() is not None
+        return bool(is_enabled(*args))
+
+    def new_get_dtype(device_type: str) -> torch.dtype:
+        if device_type in EMULATED:
+            return autocast.dtype() or torch.float16
+        return get_dtype(device_type)
+
     cls.__init__ = new_init  # type: ignore[method-assign]
     cls.__enter__ = new_enter  # type: ignore[method-assign]
     cls.__exit__ = new_exit  # type: ignore[method-assign]
+    torch.amp.is_autocast_available = new_available
+    torch.is_autocast_enabled = new_is_enabled  # type: ignore[assignment]
+    torch.get_autocast_dtype = new_get_dtype
     try:
         yield
     finally:
         cls.__init__ = init  # type: ignore[method-assign]
         cls.__enter__ = enter  # type: ignore[method-assign]
         cls.__exit__ = exit_  # type: ignore[method-assign]
+        torch.amp.is_autocast_available = available
+        torch.is_autocast_enabled = is_enabled
+        torch.get_autocast_dtype = get_dtype

@@ -58,7 +58,7 @@ class _Session:
 
     def start(self) -> None:
         self._patch_cuda()
-        cuda_autocast(self.autocast).__enter__()
+        cuda_autocast(self.autocast, self.functions).__enter__()
         self.functions.__enter__()
         self.rec.__enter__()
         # After the recorder, so that factory calls reach it already on meta.
