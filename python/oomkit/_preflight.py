@@ -232,6 +232,7 @@ class _Run:
             # The model arrives on the GPU as built; its construction happened elsewhere.
             rec.begin()
             known.add_model(rec, model)
+            known.watch_grads(rec, model.parameters())
             opt = self._build_optimizer(model)
             for _ in range(self.steps):
                 for _ in range(self.grad_accum):
@@ -358,7 +359,7 @@ def answer(
             "notes": notes,
         }
         try:
-            write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, settings.alloc_conf, full)
+            write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, settings.alloc_conf, full, tr.library)
         except OSError as e:
             raise PreflightError(f"{os.fspath(snapshot)}: {e.strerror or e}") from None
         result.snapshot = os.fspath(snapshot)
@@ -423,6 +424,7 @@ class Known:
         self.inputs: set[int] = set()
         self.grads: set[int] = set()
         self.state: set[int] = set()
+        self._watched: set[int] = set()
 
     @staticmethod
     def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
@@ -442,6 +444,14 @@ class Known:
 
     def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
         self._add(rec, self.grads, grads)
+
+    def watch_grads(self, rec: Recorder, params: Any) -> None:
+        """Every tensor that becomes a parameter's ``.grad`` is a gradient, even one replaced
+        later in the same backward (a weight used twice, as tied embeddings are)."""
+        for p in params:
+            if p.requires_grad and id(p) not in self._watched:
+                self._watched.add(id(p))
+                p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
 
     def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
         self._add(rec, self.state, [list(s.values()) for s in opt.state.values()])

@@ -143,7 +143,9 @@ class _Session:
             self.rec.phase = "forward"
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
-            self.known.add_params(self.rec, list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+            own = list(module.parameters(recurse=False))
+            self.known.add_params(self.rec, own + list(module.buffers(recurse=False)))
+            self.known.watch_grads(self.rec, own)
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         self.rec.begin()

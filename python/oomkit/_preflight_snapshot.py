@@ -18,6 +18,9 @@ from typing import Any
 #: What the ``oomkit_preflight`` header's layout is; raised when it changes.
 HEADER_VERSION = 1
 
+#: The native frame of cuBLAS's workspace in a snapshot recorded with C++ stacks.
+CUBLAS_FRAMES = ({"filename": "??", "line": 0, "name": "at::cuda::getCurrentCUDABlasHandle()"},)
+
 
 def write_snapshot(
     path: str | os.PathLike[str],
@@ -27,10 +30,18 @@ def write_snapshot(
     roles: dict[int, str],
     alloc_conf: str | None,
     header: dict[str, Any],
+    library: set[int] | None = None,
 ) -> None:
     """Writes the snapshot to ``path``, refusing to replace a file that exists."""
     (actions, addrs, sizes, streams, ops), segments, _ = realized
     frames = [[{"filename": f, "line": line, "name": name} for f, line, name in s] for s in stacks]
+    # The CUDA libraries' own allocations carry the native frame a real
+    # snapshot (stacks="all") shows for them, above the Python ones.
+    native = {i: [*CUBLAS_FRAMES, *frames[stack_of[i]]] for i in (library or set())}
+
+    def frames_of(op: int) -> list[dict[str, Any]]:
+        return native.get(op) or frames[stack_of[op]]
+
     entries = []
     for action, addr, size, stream, op in zip(actions, addrs, sizes, streams, ops):
         e: dict[str, Any] = {
@@ -38,7 +49,7 @@ def write_snapshot(
             "addr": addr,
             "size": size,
             "stream": stream,
-            "frames": frames[stack_of[op]],
+            "frames": frames_of(op),
         }
         if action == "alloc":
             e["oomkit_role"] = roles.get(op, "unknown")
@@ -54,7 +65,7 @@ def write_snapshot(
                     "size": b_size,
                     "requested_size": b_req,
                     "state": "active_allocated" if b_alloc else "inactive",
-                    "frames": frames[stack_of[b_op]] if b_op is not None else [],
+                    "frames": frames_of(b_op) if b_op is not None else [],
                 }
             )
             if b_alloc:

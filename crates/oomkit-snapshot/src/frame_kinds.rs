@@ -61,10 +61,12 @@ pub(crate) fn kinds(stacks: &Stacks) -> Kinds {
     let mut freed_by = Vec::with_capacity(stacks.len());
     let of = (0..stacks.len())
         .map(|i| {
-            let all = stacks
-                .stack(StackId(i as u32))
-                .iter()
-                .fold(0u16, |acc, &f| acc | flags[f as usize]);
+            let all = stack_flags(
+                stacks
+                    .stack(StackId(i as u32))
+                    .iter()
+                    .map(|&f| flags[f as usize]),
+            );
             python |= all & PYTHON != 0;
             native |= all & NATIVE != 0;
             freed_by.push(if all & ZERO_GRAD != 0 {
@@ -98,6 +100,19 @@ const PARAMETER: u16 = 1 << 7;
 const OPERATOR: u16 = 1 << 8;
 /// `Optimizer.zero_grad` (or a model's): what frees there is a gradient.
 const ZERO_GRAD: u16 = 1 << 9;
+/// A Python constructor (`__init__`).
+const CONSTRUCTOR: u16 = 1 << 10;
+/// Set on a stack, not a frame: constructors nested [`NESTED_CONSTRUCTORS`]
+/// deep with no module call above them, a model building its layers' own
+/// weights (a project's or a library's layer that makes
+/// `nn.Parameter(torch.empty(...))`, as transformers' `Conv1D`).
+const MODULE_BUILD: u16 = 1 << 12;
+
+/// Constructors inside constructors: a model, its blocks, their layers.
+const NESTED_CONSTRUCTORS: usize = 2;
+/// A module being called (`Module._call_impl`, a `forward`): forward work,
+/// even inside a constructor it runs (a distribution built in `forward`).
+const MODULE_CALL: u16 = 1 << 11;
 
 fn frame_flags(f: &Frame) -> u16 {
     let mut b = if is_python(f) { PYTHON } else { NATIVE };
@@ -122,7 +137,31 @@ fn frame_flags(f: &Frame) -> u16 {
         !is_python(f) && f.name.contains("at::_ops::"),
     );
     set(&mut b, ZERO_GRAD, is_python(f) && f.name == "zero_grad");
+    set(&mut b, CONSTRUCTOR, is_python(f) && f.name == "__init__");
+    set(
+        &mut b,
+        MODULE_CALL,
+        is_python(f)
+            && matches!(
+                f.name.as_str(),
+                "_call_impl" | "_wrapped_call_impl" | "forward"
+            ),
+    );
     b
+}
+
+/// The bits of a stack: its frames' together, and [`MODULE_BUILD`] where
+/// constructors nest (one object's constructor alone says nothing).
+fn stack_flags(frames: impl Iterator<Item = u16>) -> u16 {
+    let (mut all, mut constructors) = (0u16, 0usize);
+    for f in frames {
+        all |= f;
+        constructors += usize::from(f & CONSTRUCTOR != 0);
+    }
+    if constructors >= NESTED_CONSTRUCTORS {
+        all |= MODULE_BUILD;
+    }
+    all
 }
 
 /// Decides a stack's kind from its frames' bits; the order matters: an
@@ -139,7 +178,7 @@ fn kind_of(all: u16) -> Kind {
         Kind::Backward
     } else if all & INPUT != 0 {
         Kind::Input
-    } else if all & PARAMETER != 0 {
+    } else if all & PARAMETER != 0 || (all & MODULE_BUILD != 0 && all & MODULE_CALL == 0) {
         Kind::Parameter
     } else if all & (PYTHON | OPERATOR) != 0 {
         Kind::Forward
@@ -252,11 +291,9 @@ mod tests {
     }
 
     fn kind(frames: &[(&str, &str)]) -> Kind {
-        kind_of(
-            frames
-                .iter()
-                .fold(0, |acc, (p, n)| acc | frame_flags(&frame(p, n))),
-        )
+        kind_of(stack_flags(
+            frames.iter().map(|(p, n)| frame_flags(&frame(p, n))),
+        ))
     }
 
     #[test]
@@ -307,6 +344,45 @@ mod tests {
                 "pin_memory"
             ),]),
             Kind::Input
+        );
+        // A layer of another package making its own weights (transformers' Conv1D)...
+        assert_eq!(
+            kind(&[
+                (
+                    "/venv/site-packages/transformers/pytorch_utils.py",
+                    "__init__"
+                ),
+                (
+                    "/venv/site-packages/transformers/models/gpt2/modeling_gpt2.py",
+                    "__init__"
+                ),
+                ("/home/me/train.py", "main"),
+            ]),
+            Kind::Parameter
+        );
+        // ...but one object's constructor says nothing, and an object built
+        // inside a forward is forward work.
+        assert_eq!(
+            kind(&[
+                ("/home/me/guide.py", "__init__"),
+                ("/home/me/main.py", "<module>")
+            ]),
+            Kind::Forward
+        );
+        assert_eq!(
+            kind(&[
+                (
+                    "/venv/site-packages/torch/distributions/normal.py",
+                    "__init__"
+                ),
+                ("/home/me/model.py", "forward"),
+                (
+                    "/venv/site-packages/torch/nn/modules/module.py",
+                    "_call_impl"
+                ),
+                ("/home/me/train.py", "main"),
+            ]),
+            Kind::Forward
         );
         // A model loaded straight onto the GPU, by whatever the loader calls below it.
         assert_eq!(
