@@ -63,7 +63,9 @@ class Planted(GPT2LMHeadModel):
         return out
 
 
-def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_steps: int = 0, callback=None, **planted) -> Trainer:
+def build(
+    out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_steps: int = 0, callback=None, gpu: bool = False, **planted
+) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=CTX, bos_token_id=0, eos_token_id=0)
     model = Planted(config)
@@ -79,7 +81,7 @@ def build(out_dir: str, *, batch: int = 4, accum: int = 1, steps: int = 4, eval_
         gradient_accumulation_steps=accum,
         max_steps=steps,
         learning_rate=1e-3,
-        use_cpu=True,
+        use_cpu=not gpu,
         report_to="none",
         save_strategy="no",
         logging_strategy="no",
@@ -104,9 +106,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps")
     ap.add_argument("--eval-steps", type=int, default=3, help="evaluate every N steps (0: never)")
     ap.add_argument("--oom-above", type=int, default=0, help="run out of memory above this micro-batch")
+    ap.add_argument("--gpu", action="store_true", help="train on the GPU when there is one (the default, the CPU, runs anywhere)")
     args = ap.parse_args()
     trainer = build(
-        args.out, batch=args.batch, accum=args.accum, steps=args.steps, eval_steps=args.eval_steps, oom_above=args.oom_above
+        args.out, batch=args.batch, accum=args.accum, steps=args.steps, eval_steps=args.eval_steps, oom_above=args.oom_above,
+        gpu=args.gpu,
     )
     train(trainer)       # trainer.train() works too: an OOM that ends the script is still recorded
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OomkitCallback))

@@ -20,6 +20,7 @@ autograd records and saves for backward, as on the GPU:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -92,6 +93,27 @@ def _is_cuda(device: Any) -> bool:
     if isinstance(device, int) and not isinstance(device, bool):
         return True
     return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+#: Functions that make a tensor on the default device when given none.
+_FACTORIES = frozenset(
+    {"empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange", "eye", "linspace", "tensor", "empty_strided"}
+)
+
+#: How far up the stack a module's constructor is looked for.
+_CONSTRUCTOR_DEPTH = 12
+
+
+def _building_module() -> bool:
+    """Whether a ``torch.nn.Module``'s ``__init__`` is on the stack (near the call)."""
+    f: Any = sys._getframe(2)
+    for _ in range(_CONSTRUCTOR_DEPTH):
+        if f is None:
+            return False
+        if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), torch.nn.Module):
+            return True
+        f = f.f_back
+    return False
 
 
 #: Tensor methods that read a device tensor's values back to the host.
@@ -169,6 +191,8 @@ class CudaFunctions(TorchFunctionMode):
         self.on_upload = on_upload
         #: Told when values are read back from the device and taken as zeros.
         self.on_assume = on_assume
+        #: Make the tensors a module's constructor makes without a device on meta.
+        self.build_on_meta = False
 
     def __torch_function__(
         self,
@@ -200,8 +224,12 @@ class CudaFunctions(TorchFunctionMode):
             if self.on_upload is not None and uploaded:
                 self.on_upload(moved)
             return moved
-        if "device" in kwargs:
+        if kwargs.get("device") is not None:
             kwargs["device"] = _to_meta(kwargs["device"])
+        elif self.build_on_meta and name in _FACTORIES and _building_module():
+            # A module's weights made without a device would be made on the
+            # CPU and moved; on meta they are never allocated at all.
+            kwargs["device"] = FAKE_DEVICE
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
         dtype = self.autocast.dtype()

@@ -61,8 +61,9 @@ class _Session:
         cuda_autocast(self.autocast, self.functions).__enter__()
         self.functions.__enter__()
         self.rec.__enter__()
-        # After the recorder, so that factory calls reach it already on meta.
-        torch.set_default_device(FAKE_DEVICE)
+        # Modules built without a device are built on meta (never allocated),
+        # as if built on the CPU and moved; other tensors keep their device.
+        self.functions.build_on_meta = True
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         register_optimizer_step_pre_hook(self._before_step)
@@ -127,6 +128,9 @@ class _Session:
         for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
             if hasattr(torch.optim.Optimizer, check):
                 setattr(torch.optim.Optimizer, check, lambda self: None)
+        # Fused optimizers (the Trainer's default on CUDA) refuse meta
+        # parameters by device, though their kernels have meta versions.
+        _allow_fused_on_meta()
         # torch.compile would trace the fake step; eager is what is measured.
         torch.compile = _no_compile(self.notes)
         _one_process_loader(self.notes)
@@ -182,6 +186,9 @@ class _Session:
                 self._write({"error": "the script ended before its first optimizer step: preflight measures training steps (optimizer.step())"})  # noqa: E501
                 return
             notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {self.steps} asked for")
+        if not self.known.params:
+            self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
+            return
         settings = Settings(None, 1, self.steps_done, self.capacity, self.capacity_bytes, self.alloc_conf)
         try:
             result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
@@ -212,6 +219,22 @@ def _no_compile(notes: list[str]) -> Any:
         return model
 
     return compile
+
+
+def _allow_fused_on_meta() -> None:
+    """Lets ``fused=True`` optimizers take meta parameters, as they take CUDA ones."""
+    import torch.optim.optimizer as base
+
+    check = base._device_dtype_check_for_fused
+
+    def allowed(p: torch.Tensor, cuda_unsupported: bool = False) -> None:
+        if p.device.type != FAKE_DEVICE:
+            check(p, cuda_unsupported)
+
+    for name in ("optimizer", "adam", "adamw", "sgd", "adagrad"):
+        module = sys.modules.get(f"torch.optim.{name}")
+        if module is not None and hasattr(module, "_device_dtype_check_for_fused"):
+            module._device_dtype_check_for_fused = allowed  # type: ignore[attr-defined]
 
 
 def _one_process_loader(notes: list[str]) -> None:

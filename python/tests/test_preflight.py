@@ -274,3 +274,43 @@ def test_the_environments_own_sitecustomize_still_runs(tmp_path) -> None:
     p = cli("--capacity", "1GiB", "--", sys.executable, EXAMPLE, "--batch-size", "2", *SMALL, env=env)
     assert p.returncode == 0, p.stderr
     assert marker.read_text() == "ran"
+
+
+LIGHTNING_GPU = """
+import torch, lightning as L
+from torch import nn
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 10))
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+ds = torch.utils.data.TensorDataset(torch.randn(256, 256), torch.randint(0, 10, (256,)))
+L.Trainer(accelerator="gpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False).fit(M(), torch.utils.data.DataLoader(ds, batch_size=32))
+"""
+
+
+def test_trainer_scripts_run_unchanged(tmp_path) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+    hf = os.path.join(os.path.dirname(EXAMPLE), "..", "hf_trainer.py")
+    # The Trainer on "the GPU": its fused AdamW, accelerate's device placement, oomkit's own callback.
+    p = cli("--json", "--capacity", "8GiB", "--", sys.executable, hf, "--out", str(tmp_path / "hf"), "--gpu")
+    assert p.returncode == 0, p.stderr
+    roles = json.loads(p.stdout)["run"]["by_role"]
+    assert roles["parameters"] > 0 and roles["optimizer_state"] > 0
+    # The example's default keeps the CPU: nothing to measure, and preflight says why.
+    p = cli("--", sys.executable, hf, "--out", str(tmp_path / "cpu"))
+    assert p.returncode == 2 and "trains on the CPU" in p.stderr
+    pytest.importorskip("lightning", reason="lightning is not installed for this Python")
+    script = tmp_path / "lit.py"
+    script.write_text(LIGHTNING_GPU)
+    p = cli("--json", "--capacity", "8GiB", "--", sys.executable, str(script))
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)["run"]
+    # The module was built on meta by its constructor, never on the CPU and moved.
+    params = next(x for x in run["by_line"] if x["role"] == "parameters")
+    assert params["line"].endswith("lit.py:7 (__init__)"), run["by_line"]
