@@ -12,16 +12,6 @@ use oomkit_snapshot::{
 };
 
 const EMPTY: &[u8] = b"\x80\x04\x95$\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x08segments\x94]\x94\x8c\rdevice_traces\x94]\x94u.";
-const ACTIONS: [Action; 8] = [
-    Action::Alloc,
-    Action::FreeRequested,
-    Action::FreeCompleted,
-    Action::SegmentAlloc,
-    Action::SegmentFree,
-    Action::SegmentMap,
-    Action::SegmentUnmap,
-    Action::Oom,
-];
 const CONFS: [&str; 4] = [
     "expandable_segments:True",
     "max_split_size_mb:32,roundup_power2_divisions:4",
@@ -43,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     let mut events = Vec::new();
     for chunk in rest.chunks_exact(6) {
         let mut e = TraceEvent::new(
-            ACTIONS[chunk[0] as usize % ACTIONS.len()],
+            Action::ALL[chunk[0] as usize % Action::ALL.len()],
             grid(&chunk[1..3]),
             grid(&chunk[3..5]).max(1) >> (chunk[5] % 16),
         );

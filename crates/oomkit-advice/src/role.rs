@@ -51,6 +51,14 @@ impl Role {
             Role::Unknown => "unknown",
         }
     }
+
+    /// The role's name in JSON (its serde name: `optimizer_state`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Role::OptimizerState => "optimizer_state",
+            other => other.words(),
+        }
+    }
 }
 
 /// How a block's role was told.
@@ -203,6 +211,7 @@ mod tests {
         for r in Role::ALL {
             let name = serde_json::to_value(r).unwrap();
             assert!(v.get(name.as_str().unwrap()).is_some(), "{r:?}");
+            assert_eq!(name.as_str(), Some(r.key()), "{r:?}");
         }
     }
 }

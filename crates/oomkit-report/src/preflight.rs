@@ -61,15 +61,3 @@ pub struct PreflightReport {
     /// The largest micro-batch that fits, when a search ran.
     pub largest_micro_batch: Option<u64>,
 }
-
-/// The order roles are listed in, as the rest of oomkit lists them.
-pub const ROLE_ORDER: [&str; 8] = [
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "inputs",
-    "other",
-    "unknown",
-];

@@ -2,7 +2,8 @@
 //! capacity first, then the peaks, what held them by role and by line,
 //! the search, and what the preflight assumed.
 
-use crate::preflight::{PreflightReport, ROLE_ORDER};
+use crate::preflight::PreflightReport;
+use oomkit_advice::Role;
 use oomkit_units::human_bytes;
 use std::fmt::Write;
 
@@ -44,12 +45,12 @@ pub fn preflight(r: &PreflightReport) -> String {
     let total: u64 = run.by_role.values().sum();
     if total > 0 {
         let _ = writeln!(out, "\n  By role at the peak");
-        for role in ROLE_ORDER {
-            if let Some(&b) = run.by_role.get(role).filter(|&&b| b > 0) {
+        for role in Role::ALL {
+            if let Some(&b) = run.by_role.get(role.key()).filter(|&&b| b > 0) {
                 let _ = writeln!(
                     out,
                     "    {:<18} {:>10} {:>5.0}%",
-                    role.replace('_', " "),
+                    role.words(),
                     human_bytes(b),
                     b as f64 * 100.0 / total as f64
                 );
