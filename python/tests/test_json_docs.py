@@ -36,6 +36,14 @@ COMMANDS = {
     "explain": ["explain", "--json", str(EX / "messages" / "wekws-152.log")],
     "explain (a snapshot)": ["explain", "--json", str(ROOT / "crates" / "oomkit-cli" / "assets" / "demo_snapshot.pickle")],
     "estimate": ["estimate", "--json", "--params", "3B", "--gpu", "80GiB", "--calibrate", str(EX / "calibrate" / "b4.jsonl"), str(EX / "calibrate" / "b8.jsonl")],
+    "estimate (traced)": [
+        *("estimate", "--json", "--config", str(EX / "preflight" / "gpt2_tiny.json"), "--batch", "2", "--seq", "64"),
+        "--trace",
+    ],
+    "estimate (not traced)": [
+        *("estimate", "--json", "--config", str(EX / "preflight" / "gpt2_tiny.json"), "--optimizer", "adamw8bit"),
+        "--trace",
+    ],
     "gpus": ["gpus", "--json"],
     "whatif": ["whatif", "--json", str(REAL / "tinyllama_int8_lora_notebook_ftcourse.pickle"), "--capacity", "T4", "--batch-scale", "0.5"],
     "run": ["run", "--json", "--batch-size", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],

@@ -314,3 +314,20 @@ def test_trainer_scripts_run_unchanged(tmp_path) -> None:
     # The module was built on meta by its constructor, never on the CPU and moved.
     params = next(x for x in run["by_line"] if x["role"] == "parameters")
     assert params["line"].endswith("lit.py:7 (__init__)"), run["by_line"]
+
+
+def test_estimate_traces_the_config_beside_the_formula() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+    config = os.path.join(os.path.dirname(EXAMPLE), "gpt2_tiny.json")
+    common = ["estimate", "--config", config, "--batch", "4", "--seq", "128", "--gpu", "8GiB", "--trace"]
+    p = subprocess.run([OOMKIT, *common, "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    traced = doc["traced"]
+    assert traced["peak_reserved_bytes"] >= traced["peak_allocated_bytes"] > 0
+    # The same parameters the formula counts, here in bf16 (its default dtype).
+    assert abs(traced["by_role"]["parameters"] - doc["weights_bytes"]) / doc["weights_bytes"] < 0.02
+    text = subprocess.run([OOMKIT, *common], capture_output=True, text=True, timeout=300)
+    assert "Traced (oomkit preflight" in text.stdout and "the formula's tensors" in text.stdout
+    p = subprocess.run([OOMKIT, *common, "--json", "--optimizer", "adamw8bit"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "8-bit optimizer" in json.loads(p.stdout)["traced_error"]

@@ -91,6 +91,8 @@ pub struct Budget<'a> {
     pub estimate: &'a Estimate,
     /// What the measured peaks say, beside it.
     pub calibration: Option<&'a Calibration>,
+    /// The step traced with preflight (`--trace`), or why it could not be.
+    pub traced: Option<&'a Result<PreflightRun, String>>,
 }
 
 impl Render for Budget<'_> {
@@ -100,10 +102,21 @@ impl Render for Budget<'_> {
             out.push('\n');
             out.push_str(&text::calibration(c));
         }
+        if let Some(t) = self.traced {
+            out.push('\n');
+            out.push_str(&text::traced(self.estimate, t));
+        }
         out
     }
     fn json(&self) -> Value {
-        json::estimate(self.estimate, self.calibration)
+        let mut v = json::estimate(self.estimate, self.calibration);
+        if let (Some(t), Value::Object(m)) = (self.traced, &mut v) {
+            match t {
+                Ok(run) => m.insert("traced".into(), serde_json_of(run)),
+                Err(e) => m.insert("traced_error".into(), Value::String(e.clone())),
+            };
+        }
+        v
     }
 }
 

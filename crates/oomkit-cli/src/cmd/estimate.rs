@@ -65,6 +65,10 @@ pub(crate) struct Args {
     /// The CUDA context and kernels outside the tensors (1.25 GiB, as measured on a V100).
     #[arg(long, value_parser = size, default_value = "1.25GiB", value_name = "SIZE")]
     overhead: u64,
+    /// Also run the training step on tensors without memory (oomkit preflight,
+    /// needs PyTorch and transformers) and show its measured peak beside the formula's.
+    #[arg(long, requires = "config")]
+    trace: bool,
     /// Calibrate from measured runs: run logs (FILE, or FILE=MICRO_BATCH when
     /// the log has no plan record), `find-batch --json` output, or snapshots
     /// (FILE=MICRO_BATCH), which are also compared with the estimate role by role.
@@ -262,11 +266,13 @@ pub(crate) fn run(a: Args) -> u8 {
                     }
                 }
             };
+            let traced = a.trace.then(|| traced(&a, capacity));
             print(
                 a.format.output(),
                 &oomkit_report::Budget {
                     estimate: &e,
                     calibration: calibration.as_ref(),
+                    traced: traced.as_ref(),
                 },
             );
             EXIT_OK
@@ -276,4 +282,35 @@ pub(crate) fn run(a: Args) -> u8 {
             EXIT_INPUT
         }
     }
+}
+
+/// The step traced with preflight, with the settings the formula used, or why not.
+fn traced(a: &Args, capacity: Option<u64>) -> Result<oomkit_report::PreflightRun, String> {
+    let config = a
+        .config
+        .as_ref()
+        .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()));
+    let settings = serde_json::json!({
+        "config": config,
+        "dtype": value_name(a.dtype),
+        "mixed_precision": a.mixed_precision,
+        "optimizer": value_name(a.optimizer),
+        "batch": a.batch,
+        "seq": a.seq,
+        "grad_checkpointing": a.grad_checkpointing,
+        "flash_attention": a.flash_attention,
+        "ema": a.ema,
+        "lora_rank": a.lora_rank,
+        "load_in_4bit": a.load_in_4bit,
+        "gpus": a.gpus,
+        // What the allocator may hold: the GPU less the context, as the formula's verdict counts it.
+        "capacity": capacity.map_or("80GiB".to_string(), |c| format!("{}B", c.saturating_sub(a.overhead))),
+    });
+    super::preflight::trace_config(settings)
+}
+
+/// A flag's value as it is typed (`bf16`, `adamw8bit`).
+fn value_name(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or(String::new(), |p| p.get_name().to_string())
 }

@@ -252,31 +252,64 @@ fn run_once(
         .stdout(Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
-    let text = match std::fs::read_to_string(&result) {
-        Ok(t) => t,
-        Err(_) => {
-            return Err(Failure::NoAnswer(format!(
-                "preflight: `{}` exited with {} before preflight could answer; it must be a Python script that trains (oomkit preflight -- python train.py)",
-                words.join(" "),
-                status
-                    .code()
-                    .map_or("a signal".to_string(), |c| format!("code {c}"))
-            )))
-        }
-    };
-    let doc: Value = serde_json::from_str(&text).map_err(|e| {
-        Failure::NoAnswer(format!("preflight: the script's answer is not JSON ({e})"))
-    })?;
-    if let Some(err) = doc.get("error").and_then(Value::as_str) {
-        return Err(Failure::NoAnswer(format!("preflight: {err}")));
+    if !result.exists() {
+        return Err(Failure::NoAnswer(format!(
+            "preflight: `{}` exited with {} before preflight could answer; it must be a Python script that trains (oomkit preflight -- python train.py)",
+            words.join(" "),
+            status
+                .code()
+                .map_or("a signal".to_string(), |c| format!("code {c}"))
+        )));
     }
-    let mut run: PreflightRun = doc
-        .get("result")
-        .cloned()
-        .and_then(|r| serde_json::from_value(r).ok())
-        .ok_or_else(|| Failure::NoAnswer("preflight: the script's answer has no result".into()))?;
+    let mut run = read_answer(&result).map_err(|e| Failure::NoAnswer(format!("preflight: {e}")))?;
     run.micro_batch = batch;
     Ok(run)
+}
+
+/// The answer the Python side wrote: its result, or the one line it gave instead.
+fn read_answer(path: &Path) -> Result<PreflightRun, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("no answer ({e})"))?;
+    let doc: Value =
+        serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e})"))?;
+    if let Some(err) = doc.get("error").and_then(Value::as_str) {
+        return Err(err.to_string());
+    }
+    doc.get("result")
+        .cloned()
+        .and_then(|r| serde_json::from_value(r).ok())
+        .ok_or_else(|| "the answer has no result".to_string())
+}
+
+/// The Python that runs oomkit's preflight for `estimate --trace`:
+/// `OOMKIT_PYTHON` (which the `oomkit` pip installs sets to its own
+/// interpreter), else `python3`.
+fn python() -> std::ffi::OsString {
+    std::env::var_os("OOMKIT_PYTHON")
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
+
+/// Traces the training step of a Hugging Face config with preflight
+/// (`python -m oomkit._preflight_config`), given the estimate's settings.
+pub(crate) fn trace_config(mut settings: Value) -> Result<PreflightRun, String> {
+    let dir = Scratch::new().map_err(|e| format!("cannot make a scratch folder: {e}"))?;
+    let result = dir.0.join("result.json");
+    settings["result"] = Value::String(result.display().to_string());
+    let py = python();
+    let out = Command::new(&py)
+        .args(["-m", "oomkit._preflight_config"])
+        .env("OOMKIT_PREFLIGHT_CONFIG", settings.to_string())
+        .stdout(Stdio::from(std::io::stderr()))
+        .status()
+        .map_err(|e| format!("cannot run {}: {e}", py.to_string_lossy()))?;
+    if !result.exists() {
+        return Err(format!(
+            "{} -m oomkit._preflight_config exited with {} and no answer (is oomkit installed for it? set OOMKIT_PYTHON)",
+            py.to_string_lossy(),
+            out.code().map_or("a signal".to_string(), |c| format!("code {c}"))
+        ));
+    }
+    read_answer(&result)
 }
 
 /// A scratch folder removed when dropped.

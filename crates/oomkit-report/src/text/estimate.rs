@@ -3,6 +3,7 @@
 
 use oomkit_estimate::calibrate::{Calibration, Fit};
 use oomkit_estimate::{Estimate, Sharding, Verdict, ACTIVATION_SPREAD, ALLOCATOR_RESERVE};
+use oomkit_units::human_bytes;
 use std::fmt::Write;
 
 /// Below this, a size in GiB with two decimals would read 0.00: smaller
@@ -255,6 +256,37 @@ pub fn calibration(c: &Calibration) -> String {
                 gib(r.measured_bytes)
             );
         }
+    }
+    out
+}
+
+/// The step traced with preflight beside the formula's expected figure, or why it was not traced.
+pub fn traced(e: &Estimate, t: &Result<crate::PreflightRun, String>) -> String {
+    let run = match t {
+        Ok(run) => run,
+        Err(why) => return format!("Traced: {why}\n"),
+    };
+    // The formula's expected total counts the context; the trace's peak is the allocator's.
+    let formula = e.total_bytes.saturating_sub(e.overhead_bytes);
+    let diff = (run.peak_reserved_bytes as f64 / formula.max(1) as f64 - 1.0) * 100.0;
+    let mut out = format!(
+        "Traced (oomkit preflight, the step run on tensors without memory): peak reserved {}, allocated {}; the formula's tensors: {} ({diff:+.0}%)\n",
+        human_bytes(run.peak_reserved_bytes),
+        human_bytes(run.peak_allocated_bytes),
+        human_bytes(formula),
+    );
+    let roles: Vec<String> = oomkit_advice::Role::ALL
+        .iter()
+        .filter_map(|r| {
+            let b = *run.by_role.get(r.key())?;
+            (b > 0).then(|| format!("{} {}", r.words(), human_bytes(b)))
+        })
+        .collect();
+    if !roles.is_empty() {
+        let _ = writeln!(out, "  at the traced peak: {}", roles.join(", "));
+    }
+    for n in &run.notes {
+        let _ = writeln!(out, "  note: {n}");
     }
     out
 }

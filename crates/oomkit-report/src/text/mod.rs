@@ -15,7 +15,7 @@ mod whatif;
 
 pub use attempts::attempts;
 pub use diff::diff;
-pub use estimate::{calibration, estimate};
+pub use estimate::{calibration, estimate, traced};
 pub use explain::explanation;
 pub use file::{run, snapshot, snapshot_oom};
 pub use gpus::gpus;
