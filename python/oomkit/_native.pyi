@@ -21,6 +21,7 @@ __all__ = [
     "oom_kind",
     "oom_requested_bytes",
     "parse_capacity",
+    "preflight_text",
     "process_peak_rss",
     "process_rss",
     "process_sample",
@@ -82,3 +83,4 @@ def realize_ops(
     tuple[int, int, int | None, int, list[int]],
 ]: ...
 def parse_capacity(text: str) -> tuple[int, str]: ...
+def preflight_text(doc: str) -> str: ...

@@ -15,6 +15,7 @@ Nothing is allocated on a GPU, and the model's weights are never allocated.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -98,31 +99,8 @@ class Preflight:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def __str__(self) -> str:
-        gib = 1 << 30
-        lines = [
-            f"preflight: micro-batch {self.micro_batch or 'as the script sets it'} x accumulation {self.grad_accum}, "
-            f"{self.steps} step(s), {self.allocations} allocations",
-            f"peak reserved {self.peak_reserved_bytes / gib:.2f} GiB, peak allocated {self.peak_allocated_bytes / gib:.2f} GiB",
-            f"{'fits' if self.fits else 'does NOT fit'} {self.capacity} "
-            f"({self.capacity_bytes / gib:.2f} GiB for the allocator): margin {self.margin_bytes / gib:+.2f} GiB",
-            "at the peak, by role: " + ", ".join(f"{r.replace('_', ' ')} {b / gib:.2f} GiB" for r, b in self.by_role.items() if b),
-        ]
-        if self.by_line:
-            lines.append("largest lines at the peak:")
-            lines += [f"  {x['bytes'] / gib:8.2f} GiB  {x['role']:<15} {x['line']}" for x in self.by_line[:5]]
-        if self.largest_micro_batch is not None or self.tried:
-            tried = ", ".join(f"{b} {'fits' if ok else 'no'}" for b, ok in self.tried)
-            best = (
-                f"largest micro-batch that fits: {self.largest_micro_batch} x accumulation {self.largest_grad_accum}"
-                if self.largest_micro_batch is not None
-                else "no micro-batch tried fits"
-            )
-            lines.append(f"{best} (tried {tried})")
-        lines += [f"note: {n}" for n in self.notes]
-        if self.snapshot:
-            lines.append(f"snapshot: {self.snapshot} (oomkit analyze / report / whatif open it)")
-        return "\n".join(lines)
-
+        # The same report `oomkit preflight` prints, from the one renderer.
+        return _native.preflight_text(json.dumps(self.as_dict()))
 
 def preflight(
     model: torch.nn.Module | Callable[[], torch.nn.Module],

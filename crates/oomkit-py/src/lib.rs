@@ -401,6 +401,31 @@ fn parse_capacity(text: &str) -> PyResult<(u64, String)> {
     oomkit_allocator::parse_capacity(text).map_err(|e| PreflightError::new_err(e.to_string()))
 }
 
+/// A preflight's answer (`Preflight.as_dict()` as JSON) for the terminal,
+/// as `oomkit preflight` prints it: one renderer for both.
+#[pyfunction]
+fn preflight_text(doc: &str) -> PyResult<String> {
+    let bad = |e: serde_json::Error| PreflightError::new_err(format!("preflight_text: {e}"));
+    let v: Value = serde_json::from_str(doc).map_err(bad)?;
+    let run: oomkit_report::PreflightRun = serde_json::from_value(v.clone()).map_err(bad)?;
+    let tried = v["tried"]
+        .as_array()
+        .map(|t| {
+            t.iter()
+                .filter_map(|p| Some((p.get(0)?.as_u64()?, p.get(1)?.as_bool()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let report = oomkit_report::PreflightReport {
+        command: Vec::new(),
+        run,
+        tried,
+        largest_micro_batch: v["largest_micro_batch"].as_u64(),
+        largest_grad_accum: v["largest_grad_accum"].as_u64(),
+    };
+    Ok(oomkit_report::text::preflight(&report))
+}
+
 /// The native half of the oomkit package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -424,5 +449,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(back_off, m)?)?;
     m.add_function(wrap_pyfunction!(realize_ops, m)?)?;
     m.add_function(wrap_pyfunction!(parse_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(preflight_text, m)?)?;
     Ok(())
 }

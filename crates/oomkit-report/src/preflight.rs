@@ -10,6 +10,9 @@ use std::collections::BTreeMap;
 pub struct PreflightRun {
     /// The micro-batch substituted for `{batch}`, or null where the script sets its own.
     pub micro_batch: Option<u64>,
+    /// Micro-batches accumulated per optimizer step, where known (the Python API's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_accum: Option<u64>,
     /// Optimizer steps the script ran.
     pub steps: u64,
     /// The most memory handed out at once, in the allocator's rounded blocks.
@@ -60,4 +63,7 @@ pub struct PreflightReport {
     pub tried: Vec<(u64, bool)>,
     /// The largest micro-batch that fits, when a search ran.
     pub largest_micro_batch: Option<u64>,
+    /// The accumulation that keeps the effective batch at it, where the accumulation is known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub largest_grad_accum: Option<u64>,
 }

@@ -14,10 +14,14 @@ const LINES_SHOWN: usize = 5;
 pub fn preflight(r: &PreflightReport) -> String {
     let run = &r.run;
     let mut out = String::new();
+    let accum = |a: Option<u64>| match a {
+        Some(a) if a > 1 => format!(" x accumulation {a}"),
+        _ => String::new(),
+    };
     let batch = run
         .micro_batch
         .map_or("the script's micro-batch".to_string(), |b| {
-            format!("micro-batch {b}")
+            format!("micro-batch {b}{}", accum(run.grad_accum))
         });
     let verdict = if run.fits { "fits" } else { "does NOT fit" };
     let margin = run.margin_bytes.unsigned_abs();
@@ -80,7 +84,9 @@ pub fn preflight(r: &PreflightReport) -> String {
             Some(b) => {
                 let _ = writeln!(
                     out,
-                    "largest micro-batch that fits: {b} (tried {})",
+                    "largest micro-batch that fits: {b}{} (tried {})",
+                    r.largest_grad_accum
+                        .map_or(String::new(), |a| format!(" x accumulation {a}")),
                     tried.join(", ")
                 );
             }
