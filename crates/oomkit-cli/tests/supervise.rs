@@ -1125,6 +1125,25 @@ printf '{"message": "%s", "step": 3, "stage": "forward", "snapshot": "%s"}\n' "$
 echo "$msg" >&2
 exit 1"#;
 
+/// `oomkit run` of the stand-in that fails with a fragmentation OOM and
+/// leaves `snapshot` (in the sandbox) as the OOM's snapshot.
+fn run_leaving_snapshot(s: &Sandbox, snapshot: &str) -> std::process::Output {
+    let train = s.script("train.sh", FRAGMENTED_WITH_SNAPSHOT);
+    s.command(&[
+        "run",
+        "--batch-size",
+        "32",
+        "--summary-json",
+        "summary.json",
+        "--",
+        train.to_str().unwrap(),
+        "{batch_size}",
+    ])
+    .env("SNAPSHOT", s.path(snapshot))
+    .output()
+    .unwrap()
+}
+
 #[test]
 fn a_fragmentation_oom_with_a_snapshot_retries_with_the_setting_only_if_its_replay_avoids_it() {
     // The replay of a fragmentation OOM that expandable segments avoid: retried with them.
@@ -1132,21 +1151,7 @@ fn a_fragmentation_oom_with_a_snapshot_retries_with_the_setting_only_if_its_repl
     s.gpus(&[(80, 80)]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fragmented_snapshot.py");
     python_script(script, &[s.path("frag.pickle").as_os_str()]);
-    let train = s.script("train.sh", FRAGMENTED_WITH_SNAPSHOT);
-    let out = s
-        .command(&[
-            "run",
-            "--batch-size",
-            "32",
-            "--summary-json",
-            "summary.json",
-            "--",
-            train.to_str().unwrap(),
-            "{batch_size}",
-        ])
-        .env("SNAPSHOT", s.path("frag.pickle"))
-        .output()
-        .unwrap();
+    let out = run_leaving_snapshot(&s, "frag.pickle");
     assert!(out.status.success(), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(
@@ -1170,21 +1175,7 @@ fn a_fragmentation_oom_with_a_snapshot_retries_with_the_setting_only_if_its_repl
     let s2 = Sandbox::new("fragmented-snapshot-full");
     s2.gpus(&[(80, 80)]);
     std::fs::copy(demo_file(), s2.path("demo.pickle")).unwrap();
-    let train2 = s2.script("train.sh", FRAGMENTED_WITH_SNAPSHOT);
-    let out = s2
-        .command(&[
-            "run",
-            "--batch-size",
-            "32",
-            "--summary-json",
-            "summary.json",
-            "--",
-            train2.to_str().unwrap(),
-            "{batch_size}",
-        ])
-        .env("SNAPSHOT", s2.path("demo.pickle"))
-        .output()
-        .unwrap();
+    let out = run_leaving_snapshot(&s2, "demo.pickle");
     assert!(out.status.success(), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(
