@@ -5,7 +5,9 @@ module owns the flags every example shares, the loop, the planted bugs,
 oomkit's tracker, a snapshot recording, and the one JSON line a run ends
 with. Planted bugs (each is a mistake found in real training scripts):
 
-- ``--leak``: keeps every step's loss with its autograd graph in a list;
+- ``--leak``: keeps every step's model output on the device, for a metric
+  at the end of the epoch (a loss kept with its graph, the other classic,
+  holds almost nothing on a GPU once backward has freed what the graph saved);
 - ``--stale-copy``: keeps the model as it was built (fp32) beside the copy
   that trains (bf16 on CUDA, a second fp32 copy on CPU);
 - ``--eval-keeps-outputs``: the eval phase runs with autograd on and keeps
@@ -97,7 +99,8 @@ def run(
     micro = args.batch or _env_int("OOMKIT_MICRO_BATCH") or 8
     accum = args.grad_accum or _env_int("OOMKIT_GRAD_ACCUM") or 1
     if device.type == "cuda" and args.memory_fraction:
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+        # It takes a device with an index ("cuda" alone is refused).
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, torch.cuda.current_device())
     if device.type == "cuda" and args.snapshot:
         torch.cuda.memory._record_memory_history(max_entries=args.max_entries)
     torch.manual_seed(0)
@@ -125,7 +128,10 @@ def run(
         # Registered after the tracker's hooks, so the forward stage has begun
         # when the allocation fails, as it would inside a real forward.
         model.register_forward_pre_hook(lambda module, inputs: huge())
-    kept_losses: List[torch.Tensor] = []
+    kept_preds: List[torch.Tensor] = []
+    if args.leak:
+        # the bug: every step's predictions stay on the device until the epoch ends
+        model.register_forward_hook(lambda module, inputs, output: kept_preds.append(output.detach()) if module.training else None)
     kept_outputs: List[torch.Tensor] = []
     data = batches(micro, device)
     times: List[float] = []
@@ -135,8 +141,6 @@ def run(
             batch = next(data)
             loss = loss_of(model, batch) / accum
             loss.backward()
-            if args.leak:
-                kept_losses.append(loss)  # the bug: the graph of every step stays alive
         opt.step()
         opt.zero_grad(set_to_none=True)
         if ema is not None:

@@ -7,6 +7,20 @@ Sections, most important first (each is skipped when the time budget left
 is smaller than its estimate, and one that fails is recorded and the next
 runs):
 
+- allocator: oomkit's model of the caching allocator against PyTorch's own
+  (scripts/gpu_allocator_run.py): a GPT-2-small-shaped model trained on
+  sequences of changing length under four settings, each trace replayed by
+  `oomkit whatif` beside the allocator's own figures; the default run's
+  trace replayed under the other settings beside those runs measured; and
+  two runs with the device nearly full (taken by another library's
+  cudaMalloc), the OOM replayed and whatif's answer for other settings
+  measured under the same limit;
+- preflight: `oomkit.preflight` beside the same steps measured, three
+  models at two micro-batches each, and the largest micro-batch under a
+  limit against a bisection of real steps (scripts/gpu_preflight_check.py);
+
+then:
+
 1. planted: the example scripts with each planted bug under oomkit's
    tracker (and, on CUDA, a snapshot), the findings of the run log and the
    snapshot per bug, and the two framework examples with their callbacks;
@@ -23,8 +37,8 @@ runs):
    `pickle.load` and `torch.cuda._memory_viz stats` (CUDA only).
 
 The folder gets `results.json` (everything), `VALIDATION-draft.md` (the
-tables), and `artifacts.tar.gz` (run logs, snapshots, outputs): few files,
-as the device tool brings back at most eight.
+tables), `artifacts.tar.gz` (run logs, commands' outputs, reports) and
+`snapshots.tar.gz`: few files, as the device tool brings back at most eight.
 """
 
 from __future__ import annotations
@@ -53,6 +67,10 @@ EXPECTED = {
 }
 
 
+#: The largest file packed into artifacts.tar.gz.
+ARTIFACT_MAX_BYTES = 10 << 20
+
+
 def _load(path: str) -> Any:
     """A JSON file's content."""
     with open(path, encoding="utf-8") as f:
@@ -66,8 +84,9 @@ class Validation:
         self.args = args
         self.cuda = args.device == "cuda"
         self.out = os.path.abspath(args.out)
-        self.work = os.path.join(self.out, "work")
+        self.work = os.path.abspath(args.work) if args.work else os.path.join(self.out, "work")
         os.makedirs(self.work, exist_ok=True)
+        os.makedirs(self.out, exist_ok=True)
         self.t0 = time.monotonic()
         self.results: dict[str, Any] = {"device": args.device, "quick": args.quick, "sections": {}}
         self.oomkit = shutil.which("oomkit") or ""
@@ -119,6 +138,35 @@ class Validation:
         data["seconds"] = round(time.monotonic() - t, 1)
         self.results["sections"][name] = data
         self.save()
+        self.pack()
+
+    def pack(self) -> None:
+        """The artifacts so far, so that a run stopped at its time limit still brings them back.
+
+        Two archives: `artifacts.tar.gz` holds everything but the snapshots
+        (small, so it always comes back), `snapshots.tar.gz` the snapshots
+        of at most ARTIFACT_MAX_BYTES each (the device tool brings back
+        files of at most 16 MiB: a recording of a million events stays behind).
+        """
+        left_out: list[str] = []
+
+        def texts(info: tarfile.TarInfo) -> Optional[tarfile.TarInfo]:
+            return None if info.name.endswith(".pickle") else info
+
+        def snapshots(info: tarfile.TarInfo) -> Optional[tarfile.TarInfo]:
+            if info.isdir():
+                return info
+            if not info.name.endswith(".pickle"):
+                return None
+            if info.size > ARTIFACT_MAX_BYTES:
+                left_out.append(f"{info.name} ({info.size} bytes)")
+                return None
+            return info
+
+        for name, keep in (("artifacts.tar.gz", texts), ("snapshots.tar.gz", snapshots)):
+            with tarfile.open(os.path.join(self.out, name), "w:gz") as tar:
+                tar.add(self.work, arcname="work", filter=keep)
+        self.results["artifacts_left_out"] = left_out
 
     def save(self) -> None:
         with open(os.path.join(self.out, "results.json"), "w", encoding="utf-8") as f:
@@ -208,6 +256,10 @@ def oom(v: Validation) -> dict[str, Any]:
             s = v.analyze(snaps[0])
             capture["snapshot_ooms"] = sum(len(d.get("ooms", [])) for d in s.get("devices", []))
             capture["snapshot_findings"] = kinds(s)
+            # The demo for docs/: the snapshot explained in text, and its HTML report.
+            v.sh([v.oomkit, "analyze", snaps[0]])
+            v.sh([v.oomkit, "report", snaps[0], "-o", os.path.join(v.work, "oom-report.html")])
+        v.sh([v.oomkit, "analyze", os.path.join(v.work, res["log"])])
     out["capture"] = capture
     # oomkit run steps the micro-batch down and keeps the effective batch.
     summary = os.path.join(v.work, "run-summary.json")
@@ -239,15 +291,10 @@ def oom(v: Validation) -> dict[str, Any]:
         r = v.example("gpt_train.py", ["--steps", "2", "--batch", str(b)] + script_flags)
         return r["rc"] == 0
 
-    lo, hi, runs = 0, 129, 0  # lo fits (0: none known), hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        runs += 1
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    out["scan"] = {"largest": lo, "runs": runs}
+    # The boundary find-batch drew, checked with real runs: its batch, and the next one up.
+    rec = out["find_batch"]["recommended"]
+    if rec:
+        out["scan"] = {"recommended_fits": fits(rec), "next_fits": fits(rec + 1)}
     return out
 
 
@@ -316,6 +363,116 @@ def big(v: Validation) -> dict[str, Any]:
     return out
 
 
+def _allocator_run(v: Validation, name: str, settings: str, capacity: int = 0, frames: bool = False) -> dict[str, Any]:
+    """One recorded run of scripts/gpu_allocator_run.py: the allocator's own figures and the snapshot."""
+    snap = os.path.join(v.work, f"alloc-{name}.pickle")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_allocator_run.py"), "--snapshot", snap]
+    if v.args.quick:
+        cmd += ["--size", "small", "--steps", "4"]
+    if capacity:
+        cmd += ["--capacity-bytes", str(capacity)]
+    if frames:
+        cmd.append("--frames")
+    r = v.sh(cmd, env={"PYTORCH_CUDA_ALLOC_CONF": settings}, timeout=200)
+    res = next((json.loads(line[7:]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None)
+    if res is None:
+        return {"name": name, "settings": settings, "rc": r["rc"], "error": r["stderr"][-500:]}
+    res["name"] = name
+    return res
+
+
+def _whatif(v: Validation, snap: str, *flags: str) -> dict[str, Any]:
+    r = v.sh([v.oomkit, "whatif", "--json", snap, *flags])
+    if r["rc"] != 0:
+        return {"error": r["stderr"].strip()[-300:]}
+    data = json.loads(r["stdout"])
+    (dev,) = data["devices"]
+    return dev
+
+
+def _scenario_row(s: dict[str, Any]) -> dict[str, Any]:
+    return {"name": s["name"], "peak_reserved_bytes": s["peak_reserved_bytes"], "peak_allocated_bytes": s["peak_allocated_bytes"],
+            "segments": len(s["segments"]), "ooms": s["ooms"][:3], "unfollowed": s["unfollowed"]}
+
+
+def allocator(v: Validation) -> dict[str, Any]:
+    """The allocator model against PyTorch's: each recorded run replayed, then predictions of other settings measured."""
+    if not v.cuda:
+        return {"skipped": "the real caching allocator needs CUDA"}
+    settings = {"default": "", "expandable": "expandable_segments:True", "split128": "max_split_size_mb:128",
+                "roundup4": "roundup_power2_divisions:4"}
+    runs = {name: _allocator_run(v, name, conf, frames=name == "default") for name, conf in settings.items()}
+    out: dict[str, Any] = {"runs": runs, "replays": {}, "predictions": []}
+    # 1. Each run replayed as recorded: the model's segments and peaks against the allocator's.
+    for name, run in runs.items():
+        if "snapshot" not in run:
+            continue
+        dev = _whatif(v, run["snapshot"])
+        if "error" in dev:
+            out["replays"][name] = dev
+            continue
+        rec = dev["scenarios"][0]
+        out["replays"][name] = {"agreement": dev["agreement"], "model": _scenario_row(rec),
+                                "measured_peak_reserved_bytes": run["peak_reserved_bytes"],
+                                "measured_peak_allocated_bytes": run["peak_allocated_bytes"],
+                                "measured_segments": run["segments_allocated"], "events": dev["events"]}
+    # 2. The default run's trace under the other settings, against those runs measured.
+    base = runs["default"].get("snapshot")
+    if base:
+        for name, conf in settings.items():
+            if not conf or "snapshot" not in runs[name]:
+                continue
+            dev = _whatif(v, base, "--alloc-conf", conf)
+            if "error" in dev:
+                out["predictions"].append({"settings": conf, **dev})
+                continue
+            s = dev["scenarios"][-1]
+            out["predictions"].append({"settings": conf, "predicted": _scenario_row(s),
+                                       "measured_peak_reserved_bytes": runs[name]["peak_reserved_bytes"],
+                                       "measured_segments": runs[name]["segments_allocated"]})
+    # 3. OOMs: a cap between the default run's peak allocated and its peak
+    # reserved (fragmentation decides), and one below the peak allocated (an
+    # OOM whatever the settings); each replayed, then whatif's prediction for
+    # the other settings measured under the same cap.
+    d = runs["default"]
+    if "peak_allocated_bytes" in d:
+        caps = {"between": (d["peak_allocated_bytes"] + d["peak_reserved_bytes"]) // 2, "below": int(d["peak_allocated_bytes"] * 0.9)}
+        out["ooms"] = []
+        for label, cap in caps.items():
+            capped = _allocator_run(v, f"default-{label}", "", cap, frames=label == "between")
+            row: dict[str, Any] = {"cap": label, "capacity_bytes": cap, "measured": {k: capped.get(k) for k in (
+                "status", "oom_at_step", "peak_reserved_bytes", "peak_allocated_bytes", "alloc_retries", "ooms", "segments_allocated")}}
+            if "snapshot" in capped:
+                dev = _whatif(v, capped["snapshot"], "--capacity", str(cap), "--alloc-conf", "expandable_segments:True",
+                              "--alloc-conf", "max_split_size_mb:128")
+                if "error" not in dev:
+                    row["agreement"] = dev["agreement"]
+                    row["recorded_ooms"] = [s.get("recorded_ooms") for s in dev["scenarios"]][:1]
+                    row["scenarios"] = [_scenario_row(s) | {"settings": s["settings"], "capacity_bytes": s["capacity_bytes"]}
+                                        for s in dev["scenarios"]]
+                else:
+                    row["whatif_error"] = dev["error"]
+                for conf in ("expandable_segments:True", "max_split_size_mb:128"):
+                    m = _allocator_run(v, f"{conf.split(':')[0]}-{label}", conf, cap)
+                    row.setdefault("measured_other", []).append({"settings": conf, **{k: m.get(k) for k in (
+                        "status", "oom_at_step", "peak_reserved_bytes", "peak_allocated_bytes", "alloc_retries", "ooms")}})
+            out["ooms"].append(row)
+    return out
+
+
+def preflight(v: Validation) -> dict[str, Any]:
+    """oomkit.preflight's peaks and largest micro-batch beside the same steps measured (scripts/gpu_preflight_check.py)."""
+    rows = []
+    for case in ("gpt-100m", "hf-gpt2-medium-bf16", "resnet50"):
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight_check.py"), "--case", case]
+        if not v.cuda:
+            cmd.append("--predict-only")
+        r = v.sh(cmd, timeout=240)
+        res = next((json.loads(line[7:]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None)
+        rows.append(res if res is not None else {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
+    return {"cases": rows}
+
+
 def draft(v: Validation) -> str:
     """The tables for VALIDATION.md."""
     s = v.results["sections"]
@@ -328,7 +485,7 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("allocator", "preflight", "oom", "overhead", "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -338,6 +495,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default="validation-out")
+    ap.add_argument("--work", default=None, help="the working folder (default: OUT/work), removed once packed")
     ap.add_argument("--quick", action="store_true", help="small sizes (for CPU and CI)")
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
     ap.add_argument("--only", default=None, help="comma-separated sections to run")
@@ -345,8 +503,8 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("planted", 60, planted), ("oom", 60, oom), ("overhead", 20, overhead), ("estimate", 30, estimate),
-            ("gpus", 5, gpus), ("big", 120, big)]
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("oom", 60, oom), ("overhead", 20, overhead),
+            ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:
         if only is None or name in only:
@@ -355,8 +513,7 @@ def main() -> None:
     v.save()
     with open(os.path.join(v.out, "VALIDATION-draft.md"), "w", encoding="utf-8") as f:
         f.write(draft(v))
-    with tarfile.open(os.path.join(v.out, "artifacts.tar.gz"), "w:gz") as tar:
-        tar.add(v.work, arcname="work")
+    v.pack()
     shutil.rmtree(v.work)
     print(json.dumps({k: {"status": d.get("status"), "seconds": d.get("seconds")} for k, d in v.results["sections"].items()}))
 

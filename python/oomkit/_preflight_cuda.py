@@ -16,6 +16,12 @@ autograd records and saves for backward, as on the GPU:
   attention, else the math path), because the kernels save different
   tensors for backward (flash keeps the output and a float32 log-sum-exp
   per row; the math path keeps the whole attention matrix).
+
+A mode is switched off while it handles a call, so the functions a
+composite written in Python calls inside (``multi_head_attention_forward``
+calls ``linear`` and ``scaled_dot_product_attention``) would pass it
+unseen, while CUDA's autocast and kernel choice, made at the dispatcher,
+see every one: those composites run here with the mode on again.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -76,6 +83,9 @@ PROMOTE = frozenset({"cat", "stack", "addcdiv", "addcmul", "atan2", "bilinear", 
 
 #: The device types whose autocast is emulated.
 EMULATED = ("cuda", FAKE_DEVICE)
+
+#: Composites written in Python whose inner calls the mode must see (by name).
+OPENED = frozenset({"multi_head_attention_forward"})
 
 #: Flash attention's largest head dimension (``check_head_dim_size_flash``).
 FLASH_MAX_HEAD_DIM = 256
@@ -246,7 +256,24 @@ class CudaFunctions(TorchFunctionMode):
             routed = _cuda_attention(*args, **kwargs)
             if routed is not None:
                 return routed
+        if name in OPENED and isinstance(func, FunctionType):
+            with self:
+                return _opened(func)(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_OPENED_CACHE: dict[Any, Any] = {}
+
+
+def _opened(func: FunctionType) -> FunctionType:
+    """``func`` without its check for a mode, so that called with the mode on it runs its body instead of handing itself back."""
+    found = _OPENED_CACHE.get(func)
+    if found is None:
+        scope = dict(func.__globals__, has_torch_function=lambda *_: False)
+        found = FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+        found.__kwdefaults__ = func.__kwdefaults__
+        _OPENED_CACHE[func] = found
+    return found
 
 
 def _widest(tree: Any) -> torch.dtype | None:

@@ -24,17 +24,25 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(os.listdir(out)) == ["VALIDATION-draft.md", "artifacts.tar.gz", "results.json"]
+    assert sorted(os.listdir(out)) == ["VALIDATION-draft.md", "artifacts.tar.gz", "results.json", "snapshots.tar.gz"]
     r = json.loads((out / "results.json").read_text())
     s = r["sections"]
     assert {k: d["status"] for k, d in s.items()} == {
-        "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
+        "allocator": "ok", "preflight": "ok", "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
     }, {k: d.get("error") for k, d in s.items()}
+    assert s["allocator"]["skipped"]
+    # Preflight's side runs anywhere: each case's predictions and its search.
+    cases = {c["case"]: c for c in s["preflight"]["cases"]}
+    assert cases["gpt-100m"]["predicted_largest_micro_batch"] == 11, cases["gpt-100m"]
+    assert all(len(c.get("rows", [])) == 2 for name, c in cases.items() if name != "resnet50"), cases
 
     rows = {row["case"]: row for row in s["planted"]["rows"]}
     assert len(rows) == 2 * 5 + 2
     assert all(row["rc"] == 0 for row in rows.values()), rows
-    # What CPU can show: the stale copy is named in both models; a clean run gets no finding.
+    # What CPU can show: the language model's kept outputs (1 MiB a step) are a
+    # leak; the small CNN's (1.25 KiB a step) are lost in the resident set's noise.
+    assert rows["gpt-leak"]["named"], rows["gpt-leak"]
+    # The stale copy is named in both models; a clean run gets no finding.
     assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
     # An eval that keeps its outputs, though the resident set never gives the memory back.
     assert rows["gpt-eval_keeps_outputs"]["named"] and rows["cnn-eval_keeps_outputs"]["named"]
@@ -48,9 +56,9 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     attempts = oom["run"]["summary"]["attempts"]
     assert [(a["batch_size"], a["grad_accum"]) for a in attempts] == [(64, 1), (32, 2), (16, 4)]
     assert oom["run"]["rc"] == 0
-    # The script fits up to 16: find-batch and the bisection agree.
-    assert oom["scan"]["largest"] == 16
+    # The script fits up to 16: find-batch says so, and real runs at 16 and 17 agree.
     assert oom["find_batch"]["recommended"] == 16
+    assert oom["scan"] == {"recommended_fits": True, "next_fits": False}
 
     bench = s["overhead"]["result"]
     assert bench["plain_ms"] > 0 and bench["tracked_ms"] > 0 and bench["tracker_device_bytes"] is None

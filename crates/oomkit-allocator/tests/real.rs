@@ -27,6 +27,7 @@ fn files() -> Vec<PathBuf> {
     for dir in [
         root.join("../../../shared/fixtures/snapshots"),
         root.join("../oomkit-cli/tests/real"),
+        root.join("tests/gpu"),
     ] {
         let Ok(entries) = std::fs::read_dir(&dir) else {
             eprintln!("skipping {}: absent", dir.display());
