@@ -316,7 +316,9 @@ def estimate(v: Validation) -> dict[str, Any]:
             r = v.example("gpt_train.py", ["--size", size, "--batch", str(b), "--steps", "3"])
             dtype = "bf16" if v.cuda else "fp32"
             e = v.sh([v.oomkit, "estimate", "--json", "--config", cfg, "--batch", str(b), "--seq", str(seq),
-                      "--dtype", dtype, "--optimizer", "adamw", "--gpu", "80GiB"])
+                      "--dtype", dtype, "--optimizer", "adamw", "--gpu", "80GiB",
+                      # The example's attention (nn.MultiheadAttention without weights) is fused: no s^2 scores kept.
+                      "--flash-attention"])
             est = json.loads(e["stdout"]) if e["rc"] == 0 else {}
             measured = (r["result"] or {}).get("peak_bytes")
             # The allocator's peak excludes the CUDA context, which the estimate adds as overhead.

@@ -30,17 +30,25 @@ def start_history(tracker: Tracker, max_entries: int) -> None:
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     tracker._history = True
 
-def write_oom(tracker: Tracker, message: str, requested: Optional[int]) -> None:
-    """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis."""
+def write_oom(
+    tracker: Tracker, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
+) -> None:
+    """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis.
+
+    ``limits`` is the process's own cap (None without one) and what the
+    driver had free, where the caller knows them; else the message says them.
+    """
     if tracker._writing_oom:
         return
     tracker._writing_oom = True
     try:
-        write_oom_now(tracker, message, requested)
+        write_oom_now(tracker, message, requested, limits)
     finally:
         tracker._writing_oom = False
 
-def write_oom_now(tracker: Tracker, message: str, requested: Optional[int]) -> None:
+def write_oom_now(
+    tracker: Tracker, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
+) -> None:
     step = tracker._current_step
     phase = tracker.current_phase
     stage = tracker._stage.name if tracker._stage is not None else None
@@ -59,6 +67,11 @@ def write_oom_now(tracker: Tracker, message: str, requested: Optional[int]) -> N
         # What the failing stage reached up to now, into its open measures.
         tracker._sample()
     peak = max([o.peak for o in tracker._open] + [0])
+    # The process's own cap and what the driver had free, as the message says
+    # them at the failure (the allocator's figures, not read afterwards).
+    if limits is None:
+        limits = _native.oom_limits(message) if message else (None, None)
+    allowed, free = limits
     tracker._write(
         {
             "type": "oom",
@@ -73,6 +86,8 @@ def write_oom_now(tracker: Tracker, message: str, requested: Optional[int]) -> N
                 "reserved_bytes": tracker._meter.reserved(),
                 "peak_bytes": peak,
                 "capacity_bytes": tracker._meter.capacity,
+                "allowed_bytes": allowed,
+                "free_bytes": free,
             },
             "snapshot": snapshot,
         }
@@ -98,11 +113,15 @@ def on_allocator_oom(tracker: Tracker, device: int, alloc: int, device_limit: in
     try:
         if tracker._closed or device != getattr(tracker._meter, "index", None):
             return
+        # The limit is the device's, or the process's own cap where a memory fraction lowers it.
+        total = getattr(tracker._meter, "capacity", None)
+        allowed = int(device_limit) if total and device_limit < total else None
         write_oom(
             tracker,
             f"CUDA out of memory (seen by the allocator): tried to allocate {alloc} bytes "
             f"with {device_free} bytes free of {device_limit} on GPU {device}",
             int(alloc),
+            (allowed, int(device_free)),
         )
         # The exception that follows is this same OOM.
         tracker._observed_oom = True

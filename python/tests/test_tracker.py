@@ -488,6 +488,41 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     assert (oom["step"], oom["stage"], oom["requested_bytes"]) == (5, "backward", 3 << 30)
 
 
+def test_an_oom_under_the_process_s_own_cap_is_told_as_such(tmp_path):
+    # As on an H200 capped by set_per_process_memory_fraction(0.25): the
+    # allocator's observer passes the cap as the limit, with 114 GiB free.
+    gib = 1 << 30
+    model = MLP(64, 2)
+    tracker = oomkit.Tracker(model, log_dir=tmp_path)
+    tracker._meter.index, tracker._meter.capacity = 0, 140 * gib
+    tracker.begin_step(0)
+    _oom_capture.on_allocator_oom(tracker, 0, 12 * gib, 35 * gib, 114 * gib)
+    tracker.close()
+    [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
+    assert (oom["memory"]["allowed_bytes"], oom["memory"]["free_bytes"]) == (35 * gib, 114 * gib)
+    assert oomkit.analyze(tracker.log_path)["ooms"][0]["cause"] == "memory_fraction_limit"
+    # Without a cap, the limit the allocator passes is the device's own: no cap is recorded.
+    tracker = oomkit.Tracker(model, log_dir=tmp_path / "uncapped")
+    tracker._meter.index, tracker._meter.capacity = 0, 140 * gib
+    tracker.begin_step(0)
+    _oom_capture.on_allocator_oom(tracker, 0, 12 * gib, 140 * gib, 1 * gib)
+    tracker.close()
+    assert oomkit.analyze(tracker.log_path)["ooms"][0]["cause"] == "capacity"
+    # From PyTorch's message alone (the exception, no observer), as the H200 printed it.
+    message = (
+        "CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total capacity of 139.80 GiB of which 114.39 GiB is free. "
+        "Including non-PyTorch memory, this process has 25.40 GiB memory in use. 34.95 GiB allowed; Of the allocated memory "
+        "24.65 GiB is allocated by PyTorch, and 91.13 MiB is reserved by PyTorch but unallocated."
+    )
+    tracker = oomkit.Tracker(model, log_dir=tmp_path / "message")
+    tracker.begin_step(0)
+    assert tracker.record_oom(torch.OutOfMemoryError(message)) is True
+    tracker.close()
+    [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
+    assert abs(oom["memory"]["allowed_bytes"] - 34.95 * gib) < 1 << 20 and abs(oom["memory"]["free_bytes"] - 114.39 * gib) < 1 << 20
+    assert oomkit.analyze(tracker.log_path)["ooms"][0]["cause"] == "memory_fraction_limit"
+
+
 def test_an_allocation_failing_while_an_oom_is_written_is_not_written_again(tmp_path):
     # The allocator calls its observer for every failed allocation, also one
     # made while the tracker writes the first (its duplicate check, a dump,

@@ -56,6 +56,23 @@ pub struct Figures {
     pub allowed: Option<u64>,
     /// Memory other processes held on the device.
     pub other_processes: u64,
+    /// `free` was read by the allocator as the request failed and the source
+    /// cannot say whether the process had a cap (a snapshot's OOM entry):
+    /// room on the device then points to one.
+    pub free_at_failure: bool,
+}
+
+/// Room the driver must have had beyond the request before a failure read
+/// at that moment is taken as the process's own limit: cudaMalloc serves
+/// any request below what it reports free, give or take its page rounding.
+pub const PROCESS_LIMIT_SLACK_BYTES: u64 = 64 << 20;
+
+/// Whether the driver had room for the request when it failed: the limit that
+/// stopped it was then not the device's free memory but the process's own
+/// (`set_per_process_memory_fraction`, which a snapshot does not record), or,
+/// more rarely, a driver that would not give one piece that large.
+pub fn room_on_device(requested: u64, free_at_failure: u64) -> bool {
+    free_at_failure >= requested.saturating_add(PROCESS_LIMIT_SLACK_BYTES)
 }
 
 impl Figures {
@@ -83,7 +100,9 @@ pub fn decide(f: &Figures) -> Cause {
         Cause::RequestExceedsCapacity
     } else if unallocated > 0 && unallocated >= request {
         Cause::Fragmentation
-    } else if f.allowed.is_some() && f.free.is_some_and(|free| free >= request) {
+    } else if f.allowed.is_some() && f.free.is_some_and(|free| free >= request)
+        || f.free_at_failure && f.free.is_some_and(|free| room_on_device(request, free))
+    {
         Cause::MemoryFractionLimit
     } else if f.other_processes > 0 && f.shortfall().is_some_and(|s| f.other_processes >= s) {
         Cause::OtherProcesses
@@ -123,6 +142,26 @@ mod tests {
             ..base
         };
         assert_eq!(decide(&capped), Cause::MemoryFractionLimit);
+        // A snapshot's OOM entry: room on the device when the request failed.
+        let roomy = Figures {
+            free: Some(9 * GIB),
+            free_at_failure: true,
+            ..base
+        };
+        assert_eq!(decide(&roomy), Cause::MemoryFractionLimit);
+        // Read later (a run log, after the step's tensors were freed), room says nothing.
+        assert_eq!(
+            decide(&Figures {
+                free_at_failure: false,
+                ..roomy
+            }),
+            Cause::Capacity
+        );
+        let tight = Figures {
+            free: Some(2 * GIB + (32 << 20)),
+            ..roomy
+        };
+        assert_eq!(decide(&tight), Cause::Capacity);
         let crowded = Figures {
             other_processes: 60 * GIB,
             ..base

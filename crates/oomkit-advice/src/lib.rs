@@ -29,7 +29,9 @@ mod optimizer;
 mod role;
 mod verdict;
 
-pub use cause::{decide, Cause, Figures, LARGEST_DEVICE_BYTES};
+pub use cause::{
+    decide, room_on_device, Cause, Figures, LARGEST_DEVICE_BYTES, PROCESS_LIMIT_SLACK_BYTES,
+};
 pub use finding::{rank, Finding, FindingKind, Replayed};
 pub use optimizer::Optimizer;
 pub use role::{Evidence, PerRole, Role, RoleBytes, RoleEvidence, RolesAt, Told};

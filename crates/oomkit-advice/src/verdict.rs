@@ -266,11 +266,18 @@ fn cause_words(cause: Cause, f: &Failure) -> String {
             "other processes held {} of the device",
             human_bytes(g.other_processes)
         ),
-        Cause::MemoryFractionLimit => format!(
-            "the process reached its own memory cap ({}) while the device had {} free",
-            b(g.allowed),
-            b(g.free)
-        ),
+        Cause::MemoryFractionLimit => match g.allowed {
+            Some(allowed) => format!(
+                "the process reached its own memory cap ({}) while the device had {} free",
+                human_bytes(allowed),
+                b(g.free)
+            ),
+            None => format!(
+                "the device had {} free, more than the {} asked for: the process reached a memory cap of its own (set_per_process_memory_fraction, which the file does not record), or the driver would not give one piece that large",
+                b(g.free),
+                b(g.requested)
+            ),
+        },
     }
 }
 
@@ -316,6 +323,11 @@ pub fn first_fix(cause: Cause, f: &Failure) -> String {
             "run on a GPU that other processes leave free (`oomkit run` picks one and waits for it), or stop \
              the processes holding {}",
             human_bytes(g.other_processes)
+        ),
+        Cause::MemoryFractionLimit if g.allowed.is_none() => format!(
+            "if the process sets torch.cuda.set_per_process_memory_fraction, raise it: the device had {} free; \
+             if it does not, lower the micro-batch and raise gradient accumulation to keep the effective batch",
+            g.free.map(human_bytes).unwrap_or_else(|| "room".into())
         ),
         Cause::MemoryFractionLimit => format!(
             "raise torch.cuda.set_per_process_memory_fraction: the device had {} free",

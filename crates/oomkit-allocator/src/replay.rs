@@ -156,8 +156,19 @@ fn device_what_if(
     // What the trace shows by itself: its segments, its peak, the
     // capacity its OOMs imply.
     let recorded_segments = recorded_segments(events, recorded);
-    let (recorded_peak, capacities) = recorded_reserved(events, d.start.reserved());
+    let (recorded_peak, capacities, limit) = recorded_reserved(events, d.start.reserved());
     let trace_capacity = capacities.first().copied();
+    if let Some(l) = &limit {
+        notes.push(format!(
+            "the OOM at entry {} came with {} free on the device, more than the {} asked for: the limit was the process's own (set_per_process_memory_fraction, which the snapshot does not record) or a driver that would not give one piece that large, not the device's free memory; it lay between {} (held before) and {} (held when it failed plus the request), so it is replayed at {}, the least it can be: an OOM avoided there is avoided under the real limit, one that happens there may not (--capacity with the limit, the OOM message's \"allowed\", replays against it)",
+            l.event,
+            oomkit_units::human_bytes(l.free),
+            oomkit_units::human_bytes(l.requested),
+            oomkit_units::human_bytes(l.floor),
+            oomkit_units::human_bytes(l.ceiling),
+            oomkit_units::human_bytes(l.floor),
+        ));
+    }
     if let (Some(lo), Some(hi)) = (capacities.iter().min(), capacities.iter().max()) {
         if (*hi - *lo) as f64 > CAPACITY_SPREAD * *hi as f64 {
             notes.push(format!(
@@ -233,7 +244,7 @@ fn device_what_if(
         .zip(&jobs)
         .map(|((o, _), j)| ScenarioOut {
             name: j.name.clone(),
-            capacity_source: source(j.capacity.is_some(), j.given),
+            capacity_source: source(j.capacity.is_some(), j.given, limit.is_some()),
             batch_scale: j.scale.map(|(f, _)| f),
             ..o
         })
@@ -251,9 +262,10 @@ fn device_what_if(
     }
 }
 
-fn source(known: bool, given: bool) -> &'static str {
+fn source(known: bool, given: bool, process_limit: bool) -> &'static str {
     match (known, given) {
         (_, true) => "given",
+        (true, false) if process_limit => "process_limit",
         (true, false) => "trace_oom",
         (false, false) => "none",
     }
@@ -330,24 +342,54 @@ fn recorded_segments(events: &[TraceEvent], config: &AllocatorConfig) -> Vec<Seg
     out
 }
 
-/// The most reserved the trace shows, and the capacity each of its OOMs
-/// implies: reserved when it failed plus what the driver had free.
-fn recorded_reserved(events: &[TraceEvent], start: u64) -> (u64, Vec<u64>) {
+/// A first OOM that the device had room for: the process's own limit,
+/// known only to lie between what it held and what it then asked for.
+struct ProcessLimit {
+    /// The trace entry of the OOM.
+    event: usize,
+    /// The bytes it asked for.
+    requested: u64,
+    /// What the driver had free when it failed.
+    free: u64,
+    /// The most reserved before it: the limit allowed that much.
+    floor: u64,
+    /// Reserved when it failed plus the request: the limit was below it.
+    ceiling: u64,
+}
+
+/// The most reserved the trace shows, the capacity each of its OOMs
+/// implies (reserved when it failed plus what the driver had free; for the
+/// process's own limit, the most it had held), and that limit if the first
+/// OOM was one.
+fn recorded_reserved(events: &[TraceEvent], start: u64) -> (u64, Vec<u64>, Option<ProcessLimit>) {
     let mut r = start;
     let mut peak = r;
     let mut caps = Vec::new();
-    for e in events {
+    let mut limit = None;
+    for (i, e) in events.iter().enumerate() {
         match e.action {
             Action::SegmentAlloc | Action::SegmentMap => {
                 r += e.size;
                 peak = peak.max(r);
             }
             Action::SegmentFree | Action::SegmentUnmap => r = r.saturating_sub(e.size),
+            Action::Oom if oomkit_advice::room_on_device(e.size, e.addr) => {
+                if caps.is_empty() {
+                    limit = Some(ProcessLimit {
+                        event: i,
+                        requested: e.size,
+                        free: e.addr,
+                        floor: peak,
+                        ceiling: r.saturating_add(e.size),
+                    });
+                }
+                caps.push(peak);
+            }
             Action::Oom => caps.push(r.saturating_add(e.addr)),
             _ => {}
         }
     }
-    (peak, caps)
+    (peak, caps, limit)
 }
 
 /// One replay's running state besides the model.

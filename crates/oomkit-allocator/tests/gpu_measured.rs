@@ -86,3 +86,40 @@ fn the_recorded_ooms_happen_at_the_entry_the_trace_recorded() {
         assert_eq!(s.ooms.first(), Some(&recorded.event), "{}", run["name"]);
     }
 }
+
+#[test]
+fn an_oom_under_the_process_s_own_cap_is_not_replayed_as_the_device_s() {
+    // set_per_process_memory_fraction(0.25) on the H200: 12.3 GiB asked for
+    // with 114 GiB free on the device. The capacity the trace implies for a
+    // device OOM (reserved plus free, 139 GiB) would make the OOM vanish from
+    // the replay and every setting look like a fix.
+    let snap = Snapshot::from_bytes(
+        &std::fs::read(dir().join("h200_gpt124m_fraction_oom.pickle")).unwrap(),
+    )
+    .unwrap();
+    let w = what_if(
+        &snap,
+        &[Scenario::alloc_conf("expandable_segments:True")],
+        &Options::default(),
+    )
+    .unwrap();
+    let d = &w.devices[0];
+    for s in &d.scenarios {
+        assert_eq!(s.capacity_source, "process_limit", "{}", s.name);
+        // Replayed at the most it had held: the OOM happens there under either setting.
+        assert!(s.recorded_ooms.iter().all(|o| o.happens), "{}", s.name);
+    }
+    assert_eq!(d.agreement.share, 1.0);
+    assert!(
+        d.notes
+            .iter()
+            .any(|n| n.contains("the limit was the process's own")),
+        "{:?}",
+        d.notes
+    );
+    let a = oomkit_snapshot::analyze(&snap, &Default::default());
+    assert_eq!(
+        a.devices[0].ooms[0].cause,
+        oomkit_advice::Cause::MemoryFractionLimit
+    );
+}

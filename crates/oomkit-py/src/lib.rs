@@ -252,6 +252,15 @@ fn oom_requested_bytes(message: &str) -> Option<u64> {
     parse_message(kind, message).requested_bytes
 }
 
+/// The process's own cap ("N allowed") and what the driver had free ("of which N is free") in an OOM message, each None where absent.
+#[pyfunction]
+fn oom_limits(message: &str) -> (Option<u64>, Option<u64>) {
+    use oomkit_supervise::oom::{detect, parse_message, OomKind};
+    let kind = detect(message).unwrap_or(OomKind::Unspecified);
+    let m = parse_message(kind, message);
+    (m.allowed_bytes, m.free_bytes)
+}
+
 /// Why an OOM message's allocation failed, as `oomkit explain` decides it ("fragmentation", "capacity", ...), or None.
 #[pyfunction]
 #[pyo3(signature = (message, alloc_conf=None))]
@@ -444,6 +453,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(oom_kind, m)?)?;
     m.add_function(wrap_pyfunction!(oom_requested_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_limits, m)?)?;
     m.add_function(wrap_pyfunction!(oom_cause, m)?)?;
     m.add_function(wrap_pyfunction!(batch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(back_off, m)?)?;

@@ -133,11 +133,15 @@ fn stage_table(run: &Run) -> Vec<StageStats> {
     v
 }
 
-fn cause(requested: Option<u64>, allocated: u64, reserved: u64, capacity: Option<u64>) -> Cause {
+fn cause(requested: Option<u64>, m: &crate::record::OomMemory) -> Cause {
     oomkit_advice::decide(&oomkit_advice::Figures {
         requested,
-        capacity,
-        reserved_unallocated: Some(reserved.saturating_sub(allocated)),
+        capacity: m.capacity_bytes,
+        reserved_unallocated: Some(m.reserved_bytes.saturating_sub(m.allocated_bytes)),
+        // The cap, where the message or the allocator said one was set, and
+        // what the driver had free then: room under a known cap blames the cap.
+        allowed: m.allowed_bytes,
+        free: m.free_bytes,
         ..Default::default()
     })
 }
@@ -375,12 +379,7 @@ fn oom_summaries(run: &Run) -> Vec<OomSummary> {
             requested_bytes: o.requested_bytes,
             allocated_bytes: o.memory.allocated_bytes,
             reserved_bytes: o.memory.reserved_bytes,
-            cause: cause(
-                o.requested_bytes,
-                o.memory.allocated_bytes,
-                o.memory.reserved_bytes,
-                o.memory.capacity_bytes,
-            ),
+            cause: cause(o.requested_bytes, &o.memory),
             snapshot: o.snapshot.clone(),
             killed_by_kernel: false,
         })
@@ -804,5 +803,22 @@ mod tests {
             .find(|f| f.kind == FindingKind::Oom)
             .expect("oom finding");
         assert_eq!(finding.advice, fix);
+    }
+
+    #[test]
+    fn an_oom_under_the_process_s_own_cap_is_told_by_the_message_s_figures() {
+        // As an H200 run capped by set_per_process_memory_fraction(0.25) wrote it:
+        // 12.3 GiB asked for, 114 GiB free on the device, 34.9 GiB allowed.
+        let mut text = log(&[100, 100]);
+        text.push_str("{\"type\":\"oom\",\"step\":1,\"stage\":\"forward\",\"requested_bytes\":13174571008,\"message\":\"CUDA out of memory\",\"memory\":{\"allocated_bytes\":26466444800,\"reserved_bytes\":26581401600,\"capacity_bytes\":150109880320,\"allowed_bytes\":37526937600,\"free_bytes\":122822451200}}\n");
+        let a = analyze(&Run::parse(text.as_bytes()).unwrap());
+        assert_eq!(a.ooms[0].cause, Cause::MemoryFractionLimit);
+        // Without the message's figures (older logs), capacity, as before.
+        let old = text.replace(
+            ",\"allowed_bytes\":37526937600,\"free_bytes\":122822451200",
+            "",
+        );
+        let a = analyze(&Run::parse(old.as_bytes()).unwrap());
+        assert_eq!(a.ooms[0].cause, Cause::Capacity);
     }
 }

@@ -154,6 +154,10 @@ pub struct OomMemory {
     pub peak_bytes: u64,
     /// The device's capacity, when known.
     pub capacity_bytes: Option<u64>,
+    /// The process's own cap ("N allowed" in PyTorch's message), where one was set.
+    pub allowed_bytes: Option<u64>,
+    /// What the driver had free when the request failed, as the message says it.
+    pub free_bytes: Option<u64>,
 }
 
 /// An out-of-memory error that left `tracker.step()` or `tracker.phase()`.

@@ -528,6 +528,8 @@ fn oom_reports(
             requested: Some(e.size),
             free: Some(e.addr),
             reserved_unallocated: Some(unalloc),
+            // The allocator reads what the driver has free as the request fails.
+            free_at_failure: true,
             ..Default::default()
         });
         let key = site_key(

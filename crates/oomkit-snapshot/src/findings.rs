@@ -79,6 +79,7 @@ pub(crate) fn failure(device: i64, o: &OomReport, expandable: bool) -> oomkit_ad
             requested: Some(o.requested_bytes),
             free: Some(o.free_bytes),
             reserved_unallocated: Some(o.reserved_unallocated_bytes),
+            free_at_failure: true,
             ..Default::default()
         },
         live: Some(o.live_bytes),

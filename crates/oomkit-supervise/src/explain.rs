@@ -90,6 +90,10 @@ pub(crate) fn explain_message(
         reserved_unallocated: m.reserved_unallocated_bytes,
         allowed: m.allowed_bytes,
         other_processes: others,
+        // Room on the device in a message is not enough to blame a cap:
+        // drivers refuse a large piece with more free (pytorch/pytorch#59778);
+        // the message says "N allowed" when the process set one.
+        free_at_failure: false,
     };
     // Host memory's message has no free figure, so no shortfall is claimed:
     // the host may have had plenty free while a limit of the process's own
