@@ -533,6 +533,54 @@ fn find_batch_predicts_and_confirms() {
 }
 
 #[test]
+fn find_batch_searches_within_the_process_s_own_cap() {
+    // As on the H200 of VALIDATION.md: the GPU has 80 GiB free, but the
+    // script caps itself (set_per_process_memory_fraction) at 30 GiB, which
+    // only its OOM message says. The budget is the cap's, not the GPU's.
+    let s = Sandbox::new("findcapped");
+    s.gpus(&[(80, 80)]);
+    let job = s.script(
+        "capped_job.sh",
+        r#"b=$1
+peak=$(( (6000 + 700 * b) * 1048576 ))
+if [ $peak -gt $(( 30 * 1073741824 )) ]; then
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 700.00 MiB. GPU 0 has a total capacity of 80.00 GiB of which 50.00 GiB is free. Including non-PyTorch memory, this process has 29.90 GiB memory in use. 30.00 GiB allowed; Of the allocated memory 29.50 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated." >&2; exit 1
+fi
+echo "{\"peak_bytes\": $peak}" > "$OOMKIT_PROBE_FILE""#,
+    );
+    let out = s.run(&[
+        "find-batch",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["capacity_source"], "process_cap");
+    assert_eq!(r["capacity_bytes"], 30u64 << 30);
+    let budget = (30.0 * 1024.0 * 0.9) as u64;
+    let truth = (budget - 6000) / 700;
+    let got = r["recommended_batch"].as_u64().unwrap();
+    assert!(got <= truth && got + 2 >= truth, "got {got}, truth {truth}");
+    // Each batch ran once, though the search ran twice.
+    let trials = r["trials"].as_array().unwrap();
+    let mut batches: Vec<u64> = trials
+        .iter()
+        .map(|t| t["batch"].as_u64().unwrap())
+        .collect();
+    let n = batches.len();
+    batches.sort_unstable();
+    batches.dedup();
+    assert_eq!(batches.len(), n, "{trials:?}");
+    assert!(
+        text(&out.stderr).contains("searching again within"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn find_batch_reports_when_nothing_fits() {
     let s = Sandbox::new("findnothing");
     s.gpus(&[(8, 8)]);

@@ -82,7 +82,8 @@ pub struct FindBatchReport {
     pub effective_batch: Option<u64>,
     /// Memory available to the command.
     pub capacity_bytes: u64,
-    /// Where the capacity came from: "capacity_flag" (`--capacity`) or "gpu_free" (the chosen GPU's free memory).
+    /// Where the capacity came from: "capacity_flag" (`--capacity`), "gpu_free" (the chosen GPU's free memory) or
+    /// "process_cap" (less than that: the cap a trial's OOM message gave, `set_per_process_memory_fraction`'s "N allowed").
     pub capacity_source: &'static str,
     /// What the peaks measure: "gpu" (the chosen GPU's memory) or "host" (the command's resident memory, with no GPU chosen).
     pub measured_on: &'static str,
@@ -146,7 +147,7 @@ pub fn find_batch(
     child::catch_signals();
     let acquired = take_gpu(opts, say)?;
     let gpu = acquired.as_ref().and_then(|a| a.gpus.first().cloned());
-    let capacity = match (opts.capacity, &gpu) {
+    let mut capacity = match (opts.capacity, &gpu) {
         (Some(c), _) => c,
         (None, Some(g)) => g.free_bytes,
         // Only reachable if a successful acquire returned no GPU.
@@ -156,7 +157,7 @@ pub fn find_batch(
             ))
         }
     };
-    let cfg = SearchConfig {
+    let mut cfg = SearchConfig {
         start: opts.start,
         max: opts.max,
         capacity_bytes: capacity,
@@ -171,30 +172,33 @@ pub fn find_batch(
             .map(|g| format!(" on GPU {} ({})", g.index, g.name))
             .unwrap_or_default()
     ));
-    let mut reports: Vec<TrialReport> = Vec::new();
-    let mut failure: Option<SuperviseError> = None;
-    let mut run_one = |b: u64| -> Trial {
-        let bad = Trial {
-            batch: b,
-            ok: false,
-            oom: true,
-            peak_bytes: None,
-        };
-        if failure.is_some() {
-            return bad;
+    let mut runs = Runs::default();
+    let mut result: SearchResult =
+        search(&cfg, &mut |b| runs.run(opts, gpu.as_ref(), &cfg, b, say));
+    if let Some(c) = runs
+        .cap
+        .filter(|&c| c < capacity && opts.capacity.is_none())
+    {
+        // The process may hold less than the GPU has free: the budget was
+        // wrong, so the search runs again within the cap, its runs reused.
+        capacity = c;
+        cfg.capacity_bytes = c;
+        say(&format!(
+            "a trial's OOM message says the process may hold {} (set_per_process_memory_fraction), less than the GPU's {} free: searching again within {} ({:.0}% margin), with the runs so far",
+            human_bytes(c),
+            human_bytes(gpu.as_ref().map_or(c, |g| g.free_bytes)),
+            human_bytes(cfg.budget()),
+            opts.margin * 100.0
+        ));
+        let budget = cfg.budget();
+        for r in runs.reports.iter_mut() {
+            r.ok = !r.oom && r.peak_bytes.is_some_and(|p| p <= budget);
         }
-        match trial(opts, gpu.as_ref(), cfg.budget(), b, reports.len() + 1, say) {
-            Ok((t, report)) => {
-                reports.push(report);
-                t
-            }
-            Err(e) => {
-                failure = Some(e);
-                bad
-            }
-        }
-    };
-    let result: SearchResult = search(&cfg, &mut run_one);
+        result = search(&cfg, &mut |b| runs.run(opts, gpu.as_ref(), &cfg, b, say));
+    }
+    let Runs {
+        reports, failure, ..
+    } = runs;
     if let Some(e) = failure {
         return Err(e);
     }
@@ -222,6 +226,8 @@ pub fn find_batch(
         gpu: gpu.as_ref().map(|g| g.index),
         capacity_source: if opts.capacity.is_some() {
             "capacity_flag"
+        } else if gpu.as_ref().is_some_and(|g| capacity < g.free_bytes) {
+            "process_cap"
         } else {
             "gpu_free"
         },
@@ -232,6 +238,59 @@ pub fn find_batch(
         fit_max_error: fit.as_ref().map(|f| f.max_error),
         method: result.method,
     })
+}
+
+/// The runs of a search so far, what their OOM messages said, and the error that ended it, if any.
+#[derive(Default)]
+struct Runs {
+    reports: Vec<TrialReport>,
+    /// The least cap a run's OOM message gave ("N allowed").
+    cap: Option<u64>,
+    failure: Option<SuperviseError>,
+}
+
+impl Runs {
+    /// One trial at micro-batch `b`, or the one already run at it (a search
+    /// again within a cap reuses the runs); a failure to run ends the search.
+    fn run(
+        &mut self,
+        opts: &FindBatchOptions,
+        gpu: Option<&Gpu>,
+        cfg: &SearchConfig,
+        b: u64,
+        say: &mut dyn FnMut(&str),
+    ) -> Trial {
+        let failed = Trial {
+            batch: b,
+            ok: false,
+            oom: true,
+            peak_bytes: None,
+        };
+        if let Some(r) = self.reports.iter().find(|r| r.batch == b) {
+            return Trial {
+                batch: b,
+                ok: r.ok,
+                oom: r.oom,
+                peak_bytes: r.peak_bytes,
+            };
+        }
+        if self.failure.is_some() {
+            return failed;
+        }
+        match trial(opts, gpu, cfg.budget(), b, self.reports.len() + 1, say) {
+            Ok((t, report, allowed)) => {
+                self.reports.push(report);
+                if let Some(a) = allowed {
+                    self.cap = Some(self.cap.map_or(a, |c| c.min(a)));
+                }
+                t
+            }
+            Err(e) => {
+                self.failure = Some(e);
+                failed
+            }
+        }
+    }
 }
 
 /// The GPU the trials run on, claimed; `None` where there is none and `--capacity` was given.
@@ -256,8 +315,9 @@ fn take_gpu(
 }
 
 /// Runs the command once at micro-batch `b` (trial `n`), measures its peak,
-/// and says how it went; an error ends the search (a command that cannot
-/// start, a signal, or a run that finished with nothing measured).
+/// and says how it went, with the cap its OOM message gave, if any; an error
+/// ends the search (a command that cannot start, a signal, or a run that
+/// finished with nothing measured).
 fn trial(
     opts: &FindBatchOptions,
     gpu: Option<&Gpu>,
@@ -265,7 +325,7 @@ fn trial(
     b: u64,
     n: usize,
     say: &mut dyn FnMut(&str),
-) -> Result<(Trial, TrialReport), SuperviseError> {
+) -> Result<(Trial, TrialReport, Option<u64>), SuperviseError> {
     let probe_path =
         std::env::temp_dir().join(format!("oomkit-probe-{}-{n}.json", std::process::id()));
     let _ = std::fs::remove_file(&probe_path);
@@ -366,7 +426,11 @@ fn trial(
         exit_code: out.exit_code,
         seconds: out.duration.as_secs_f64(),
     };
-    Ok((t, report))
+    let allowed = out.oom_line.as_deref().and_then(|line| {
+        let kind = crate::oom::detect(line)?;
+        crate::oom::parse_message(kind, line).allowed_bytes
+    });
+    Ok((t, report, allowed))
 }
 
 /// A trial's peak and where it came from: on a GPU the tracker's probe, else

@@ -162,6 +162,8 @@ fn table(out: &mut String, d: &DeviceWhatIf) {
                 .iter()
                 .map(|s| match (s.capacity_bytes, s.capacity_source) {
                     (Some(c), "trace_oom") => format!("{} (OOM)", human_bytes(c)),
+                    // The least the process's own limit can have been.
+                    (Some(c), "process_limit") => format!("{} (at least)", human_bytes(c)),
                     (Some(c), _) => human_bytes(c),
                     (None, _) => "no limit".into(),
                 })
