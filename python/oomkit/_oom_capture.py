@@ -30,6 +30,11 @@ def start_history(tracker: Tracker, max_entries: int) -> None:
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     tracker._history = True
 
+#: A limit the allocator's OOM observer passes below this share of the
+#: device's memory is a cap the process set (set_per_process_memory_fraction).
+CAP_BELOW_TOTAL = 0.99
+
+
 def write_oom(
     tracker: Tracker, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
 ) -> None:
@@ -113,9 +118,11 @@ def on_allocator_oom(tracker: Tracker, device: int, alloc: int, device_limit: in
     try:
         if tracker._closed or device != getattr(tracker._meter, "index", None):
             return
-        # The limit is the device's, or the process's own cap where a memory fraction lowers it.
+        # The limit is the device's (cudaMemGetInfo's total, which may differ a
+        # little from the properties' total), or the process's own cap where a
+        # memory fraction lowers it clearly below.
         total = getattr(tracker._meter, "capacity", None)
-        allowed = int(device_limit) if total and device_limit < total else None
+        allowed = int(device_limit) if total and device_limit < total * CAP_BELOW_TOTAL else None
         write_oom(
             tracker,
             f"CUDA out of memory (seen by the allocator): tried to allocate {alloc} bytes "
