@@ -114,9 +114,7 @@ class Validation:
     def example(self, script: str, flags: list[str], **kw: Any) -> dict[str, Any]:
         """Runs an example script; its RESULT line, parsed, is under "result"."""
         r = self.sh([sys.executable, os.path.join(EXAMPLES, script), "--device", self.args.device] + flags, **kw)
-        r["result"] = next(
-            (json.loads(line[len("RESULT "):]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None
-        )
+        r["result"] = result_line(r["stdout"])
         return r
 
     def analyze(self, path: str) -> dict[str, Any]:
@@ -179,6 +177,11 @@ class Validation:
 
     def cnn_flags(self) -> list[str]:
         return ["--size", "resnet", "--batch", "64"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
+
+
+def result_line(stdout: str) -> Optional[dict[str, Any]]:
+    """The JSON of the ``RESULT {...}`` line a script of this project ends with, or None."""
+    return next((json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")), None)
 
 
 def last_json_object(text: str) -> Optional[dict[str, Any]]:
@@ -376,7 +379,7 @@ def _allocator_run(v: Validation, name: str, settings: str, capacity: int = 0, f
     if frames:
         cmd.append("--frames")
     r = v.sh(cmd, env={"PYTORCH_CUDA_ALLOC_CONF": settings}, timeout=200)
-    res = next((json.loads(line[7:]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None)
+    res = result_line(r["stdout"])
     if res is None:
         return {"name": name, "settings": settings, "rc": r["rc"], "error": r["stderr"][-500:]}
     res["name"] = name
@@ -470,7 +473,7 @@ def preflight(v: Validation) -> dict[str, Any]:
         if not v.cuda:
             cmd.append("--predict-only")
         r = v.sh(cmd, timeout=240)
-        res = next((json.loads(line[7:]) for line in r["stdout"].splitlines() if line.startswith("RESULT ")), None)
+        res = result_line(r["stdout"])
         rows.append(res if res is not None else {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
     return {"cases": rows}
 

@@ -23,25 +23,22 @@ ENV = "OOMKIT_PREFLIGHT_CONFIG"
 LORA_TARGETS = ("q_proj", "v_proj", "query", "value", "q", "v")
 
 
-class _LoRA:
-    """Builds a LoRA-adapted linear layer (the frozen base plus two trainable factors)."""
+def _lora(base: Any, rank: int) -> Any:
+    """A LoRA-adapted linear layer: the frozen ``base`` plus two trainable factors."""
+    import torch
+    from torch import nn
 
-    @staticmethod
-    def wrap(base: Any, rank: int) -> Any:
-        import torch
-        from torch import nn
+    class LoRALinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = base
+            self.a = nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+            self.b = nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
 
-        class LoRALinear(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.base = base
-                self.a = nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
-                self.b = nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.b(self.a(x))
 
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return self.base(x) + self.b(self.a(x))
-
-        return LoRALinear()
+    return LoRALinear()
 
 
 def _build(config: dict[str, Any], s: dict[str, Any]) -> Any:
@@ -66,22 +63,19 @@ def _build(config: dict[str, Any], s: dict[str, Any]) -> Any:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if name in LORA_TARGETS and isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, _LoRA.wrap(child, int(s["lora_rank"])))
+                    setattr(parent, name, _lora(child, int(s["lora_rank"])))
     return model.train()
 
 
-def _batch(model: Any, config: dict[str, Any], seq: int) -> Any:
+def _batch(model: Any, config: dict[str, Any], seq: int, b: int) -> dict[str, Any]:
+    """A batch of ``b`` random sequences, with the labels the model's head takes."""
     import torch
 
     vocab = int(config.get("vocab_size") or 32000)
+    ids = torch.randint(0, vocab, (b, seq))
     sequence_classifier = type(model).__name__.endswith("ForSequenceClassification")
-
-    def make(b: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, vocab, (b, seq))
-        labels = torch.randint(0, 2, (b,)) if sequence_classifier else ids
-        return {"input_ids": ids, "labels": labels}
-
-    return make
+    labels = torch.randint(0, 2, (b,)) if sequence_classifier else ids
+    return {"input_ids": ids, "labels": labels}
 
 
 def _unsupported(s: dict[str, Any]) -> str | None:
@@ -120,8 +114,9 @@ def main() -> int:
 
             optimizer = {"adamw": "adamw", "sgd": "sgd", "adafactor": "adafactor"}[s["optimizer"]]
             autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s["dtype"]) if s["mixed_precision"] else None
+
             def batch(b: int) -> Any:
-                return _batch(built[-1], config, int(s["seq"]))(b)
+                return _batch(built[-1], config, int(s["seq"]), b)
 
             answer = oomkit.preflight(
                 build,

@@ -484,14 +484,31 @@ fn run_waits_for_a_gpu_and_says_why() {
 
 /// A training stand-in whose peak is `fixed + per_sample * batch` and that OOMs above the GPU's free memory.
 fn affine_job(s: &Sandbox, fixed_mib: u64, per_sample_mib: u64, free_mib: u64) -> PathBuf {
+    affine_job_failing_with(
+        s,
+        fixed_mib,
+        per_sample_mib,
+        free_mib,
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
+    )
+}
+
+/// The same stand-in, failing above `limit_mib` with the OOM message given.
+fn affine_job_failing_with(
+    s: &Sandbox,
+    fixed_mib: u64,
+    per_sample_mib: u64,
+    limit_mib: u64,
+    oom_message: &str,
+) -> PathBuf {
     s.script(
         "probe_job.sh",
         &format!(
             r#"b=$1
 peak=$(( ({fixed_mib} + {per_sample_mib} * b) * 1048576 ))
 echo "$b" >> batches.txt
-if [ $peak -gt $(( {free_mib} * 1048576 )) ]; then
-  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB" >&2; exit 1
+if [ $peak -gt $(( {limit_mib} * 1048576 )) ]; then
+  echo "{oom_message}" >&2; exit 1
 fi
 echo "{{\"peak_bytes\": $peak}}" > "$OOMKIT_PROBE_FILE""#
         ),
@@ -539,14 +556,12 @@ fn find_batch_searches_within_the_process_s_own_cap() {
     // only its OOM message says. The budget is the cap's, not the GPU's.
     let s = Sandbox::new("findcapped");
     s.gpus(&[(80, 80)]);
-    let job = s.script(
-        "capped_job.sh",
-        r#"b=$1
-peak=$(( (6000 + 700 * b) * 1048576 ))
-if [ $peak -gt $(( 30 * 1073741824 )) ]; then
-  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 700.00 MiB. GPU 0 has a total capacity of 80.00 GiB of which 50.00 GiB is free. Including non-PyTorch memory, this process has 29.90 GiB memory in use. 30.00 GiB allowed; Of the allocated memory 29.50 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated." >&2; exit 1
-fi
-echo "{\"peak_bytes\": $peak}" > "$OOMKIT_PROBE_FILE""#,
+    let job = affine_job_failing_with(
+        &s,
+        6000,
+        700,
+        30 * 1024,
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 700.00 MiB. GPU 0 has a total capacity of 80.00 GiB of which 50.00 GiB is free. Including non-PyTorch memory, this process has 29.90 GiB memory in use. 30.00 GiB allowed; Of the allocated memory 29.50 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated.",
     );
     let out = s.run(&[
         "find-batch",

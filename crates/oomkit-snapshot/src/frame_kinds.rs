@@ -102,6 +102,9 @@ const OPERATOR: u16 = 1 << 8;
 const ZERO_GRAD: u16 = 1 << 9;
 /// A Python constructor (`__init__`).
 const CONSTRUCTOR: u16 = 1 << 10;
+/// A module being called (`Module._call_impl`, a `forward`): forward work,
+/// even inside a constructor it runs (a distribution built in `forward`).
+const MODULE_CALL: u16 = 1 << 11;
 /// Set on a stack, not a frame: constructors nested [`NESTED_CONSTRUCTORS`]
 /// deep with no module call above them, a model building its layers' own
 /// weights (a project's or a library's layer that makes
@@ -110,9 +113,6 @@ const MODULE_BUILD: u16 = 1 << 12;
 
 /// Constructors inside constructors: a model, its blocks, their layers.
 const NESTED_CONSTRUCTORS: usize = 2;
-/// A module being called (`Module._call_impl`, a `forward`): forward work,
-/// even inside a constructor it runs (a distribution built in `forward`).
-const MODULE_CALL: u16 = 1 << 11;
 
 fn frame_flags(f: &Frame) -> u16 {
     let mut b = if is_python(f) { PYTHON } else { NATIVE };
