@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
-# and pip installs maturin, pytest, mypy (its stubtest checks the stub), ruff, PyTorch (CPU use), transformers, accelerate
-# and lightning into .venv, which
+# and pip installs maturin, pytest, mypy (its stubtest checks the stub), ruff, PyTorch (CPU use), transformers, accelerate,
+# lightning and bitsandbytes into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -55,6 +55,9 @@ python -c "import torch" 2>/dev/null || python -m pip install -q torch
 if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   python -c "import transformers, accelerate, lightning" 2>/dev/null \
     || python -m pip install -q transformers accelerate lightning
+  # preflight runs bitsandbytes' 8-bit optimizer and 4-bit layers through
+  # the fake kernels it registers; its wheel works without a GPU.
+  python -c "import bitsandbytes" 2>/dev/null || python -m pip install -q bitsandbytes
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

@@ -38,17 +38,30 @@ DEFAULT_STEPS = 2
 
 #: Where a line is the user's: the first frame outside PyTorch and oomkit
 #: (a model's code in another package, as transformers', counts as the user's).
-_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}oomkit{os.sep}", "<frozen ")
+_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}oomkit{os.sep}", f"{os.sep}bitsandbytes{os.sep}", "<frozen ")
 
 #: Lines listed in the answer, largest first.
 TOP_LINES = 10
 
-#: Optimizers by name, built with PyTorch's defaults.
+
+def _adamw8bit(params: Any) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit AdamW, whose kernels have fake implementations (bitsandbytes 0.46 and later)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise PreflightError("optimizer 'adamw8bit' is bitsandbytes' AdamW8bit: install bitsandbytes where preflight runs") from None
+    # Its state is one byte per element in blocks of 256 with an fp32 scale
+    # each; tensors under 4096 elements keep fp32 state (min_8bit_size).
+    return bnb.optim.AdamW8bit(params)
+
+
+#: Optimizers by name, built with PyTorch's defaults (bitsandbytes' for ``adamw8bit``).
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adafactor": torch.optim.Adafactor,
+    "adamw8bit": _adamw8bit,
 }
 
 
@@ -101,6 +114,7 @@ class Preflight:
     def __str__(self) -> str:
         # The same report `oomkit preflight` prints, from the one renderer.
         return _native.preflight_text(json.dumps(self.as_dict()))
+
 
 def preflight(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -346,9 +360,11 @@ def answer(
 
 def unsupported(e: StepUnsupportedError) -> PreflightError:
     """The one line for an operation that needs data."""
+    module = f", in {e.module}'s forward" if e.module else ""
+    fix = "give the operator a fake implementation (torch.library.register_fake), " if e.needs_kernel else ""
     return PreflightError(
-        f"preflight cannot run {e.op} without data (at {e.where}: {e.reason}); "
-        "run that part outside the step, or estimate it with `oomkit estimate`"
+        f"preflight cannot run {e.op} without data (at {e.where}{module}: {e.reason}); "
+        f"{fix}run that part outside the step, or estimate it with `oomkit estimate`"
     )
 
 
@@ -415,7 +431,8 @@ class Known:
                     into.add(i)
 
     def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
-        self.add_params(rec, list(model.parameters()) + list(model.buffers()))
+        params = list(model.parameters())
+        self.add_params(rec, params + list(model.buffers()) + [t for p in params for t in _attached(p)])
 
     def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
         self._add(rec, self.params, [t.detach() for t in tensors])
@@ -471,6 +488,17 @@ class Known:
                 role = "temporaries"
             out[i] = role
         return out
+
+
+def _attached(p: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors a quantized parameter carries beside its data (bitsandbytes' ``quant_state``: scales, code book)."""
+    state = getattr(p, "quant_state", None)
+    found: list[torch.Tensor] = []
+    while state is not None and len(found) < 16:
+        found += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        # Double quantization quantizes the scales too, with a state of its own.
+        state = getattr(state, "state2", None)
+    return found
 
 
 def _user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
@@ -572,5 +600,3 @@ def _search(run: _Run, first: Preflight, micro_batch: int, max_micro_batch: int)
     if lo:
         first.largest_micro_batch = lo
         first.largest_grad_accum = max(1, -(-effective // lo))
-
-

@@ -19,26 +19,89 @@ import oomkit
 #: The environment variable carrying the settings from ``oomkit estimate``.
 ENV = "OOMKIT_PREFLIGHT_CONFIG"
 
-#: Attention projections LoRA adapts, as the formula counts them (query and value).
-LORA_TARGETS = ("q_proj", "v_proj", "query", "value", "q", "v")
+#: Attention projections LoRA adapts, by the names models give them: the
+#: four of Llama-style and T5 attention, BERT's three, and GPT-2's fused
+#: ``c_attn`` (the layer PEFT adapts for GPT-2).
+LORA_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "q", "k", "v", "o", "c_attn"})
+
+#: Output heads, kept in the compute dtype when the rest is quantized to 4 bits (as transformers does).
+HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs"})
 
 
-def _lora(base: Any, rank: int) -> Any:
-    """A LoRA-adapted linear layer: the frozen ``base`` plus two trainable factors."""
+def _features(layer: Any) -> tuple[int, int] | None:
+    """A linear layer's (in, out) features: ``nn.Linear``'s, or GPT-2's ``Conv1D`` (its weight is in x out)."""
+    import torch
+
+    if isinstance(layer, torch.nn.Linear) or (hasattr(layer, "in_features") and hasattr(layer, "out_features")):
+        return int(layer.in_features), int(layer.out_features)
+    if type(layer).__name__ == "Conv1D" and getattr(layer, "weight", None) is not None and layer.weight.dim() == 2:
+        return int(layer.weight.shape[0]), int(layer.weight.shape[1])
+    return None
+
+
+def _lora(base: Any, rank: int, dtype: Any) -> Any:
+    """A LoRA-adapted linear layer: the frozen ``base`` plus two trainable factors in ``dtype``."""
     import torch
     from torch import nn
+
+    features = _features(base)
+    assert features is not None
+    inner, outer = features
 
     class LoRALinear(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.base = base
-            self.a = nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
-            self.b = nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+            self.a = nn.Linear(inner, rank, bias=False, dtype=dtype)
+            self.b = nn.Linear(rank, outer, bias=False, dtype=dtype)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.base(x) + self.b(self.a(x))
 
     return LoRALinear()
+
+
+def _quantize_4bit(model: Any, dtype: Any) -> int:
+    """Replaces every linear layer but the output head by bitsandbytes' NF4 layer, quantized on meta.
+
+    bitsandbytes (0.46 and later) gives its 4-bit operations fake
+    implementations, so the packed weights (half a byte per parameter plus
+    an fp32 scale per block of 64) and the dequantized weight each matmul
+    makes are the real layer's. Returns how many layers were replaced.
+    """
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError("4-bit weights are bitsandbytes': install bitsandbytes where oomkit runs") from None
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # GPT-2's Conv1D is a linear layer stored transposed; transformers quantizes it too.
+            features = _features(child) if type(child) is torch.nn.Linear or type(child).__name__ == "Conv1D" else None
+            if name in HEAD_NAMES or features is None:
+                continue
+            layer = bnb.nn.Linear4bit(
+                *features,
+                bias=child.bias is not None,
+                compute_dtype=dtype,
+                # transformers' BitsAndBytesConfig defaults: NF4, no double quantization.
+                compress_statistics=False,
+                quant_type="nf4",
+                device="meta",
+            )
+            quantize = getattr(layer.weight, "_quantize", None)
+            if quantize is None:
+                raise ValueError(f"bitsandbytes {bnb.__version__} cannot quantize on meta tensors")
+            layer.weight = quantize("meta")
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(torch.empty_like(child.bias, dtype=dtype), requires_grad=False)
+            setattr(parent, name, layer)
+            replaced += 1
+    if not replaced:
+        raise ValueError("the model has no linear layer to quantize to 4 bits")
+    return replaced
 
 
 def _build(config: dict[str, Any], s: dict[str, Any]) -> Any:
@@ -58,12 +121,16 @@ def _build(config: dict[str, Any], s: dict[str, Any]) -> Any:
         model = model.to(dtype)
     if s["grad_checkpointing"]:
         model.gradient_checkpointing_enable()
+    if s.get("load_in_4bit"):
+        model.requires_grad_(False)
+        _quantize_4bit(model, dtype)
     if s.get("lora_rank"):
         model.requires_grad_(False)
+        adapters = torch.float32 if s["mixed_precision"] else dtype
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if name in LORA_TARGETS and isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, _lora(child, int(s["lora_rank"])))
+                if name in LORA_TARGETS and _features(child) is not None:
+                    setattr(parent, name, _lora(child, int(s["lora_rank"]), adapters))
     return model.train()
 
 
@@ -79,10 +146,6 @@ def _batch(model: Any, config: dict[str, Any], seq: int, b: int) -> dict[str, An
 
 
 def _unsupported(s: dict[str, Any]) -> str | None:
-    if s.get("load_in_4bit"):
-        return "4-bit weights (bitsandbytes NF4) have no meta kernels"
-    if s["optimizer"] == "adamw8bit":
-        return "the 8-bit optimizer (bitsandbytes) has no meta kernels"
     if int(s.get("gpus", 1)) > 1:
         return "sharding across GPUs is not traced yet"
     if s.get("ema"):
@@ -112,7 +175,7 @@ def main() -> int:
                 built.append(_build(config, s))
                 return built[-1]
 
-            optimizer = {"adamw": "adamw", "sgd": "sgd", "adafactor": "adafactor"}[s["optimizer"]]
+            optimizer = {"adamw": "adamw", "sgd": "sgd", "adafactor": "adafactor", "adamw8bit": "adamw8bit"}[s["optimizer"]]
             autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s["dtype"]) if s["mixed_precision"] else None
 
             def batch(b: int) -> Any:

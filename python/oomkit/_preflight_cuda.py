@@ -221,6 +221,11 @@ class CudaFunctions(TorchFunctionMode):
                 self.on_assume(f"Tensor.{name}()")
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
             return host if name in ("cpu", "to") else getattr(host, name)()
+        if name == "_parse_to":
+            # ``Tensor.to`` overrides written in Python (bitsandbytes' 4-bit
+            # parameters quantize when moved to the GPU) must see the device
+            # asked for; the tensor operations they then call are mapped.
+            return func(*args, **kwargs)
         if name == "pin_memory":
             # Page-locked host memory needs a GPU; the copy it speeds up is the same.
             return args[0]

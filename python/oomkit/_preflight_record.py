@@ -58,14 +58,22 @@ _CUBLAS_OPS = frozenset(
 )
 
 
+#: What PyTorch says when an operator has no implementation for tensors without data.
+_NO_FAKE_KERNEL = ("no fake impl", "'Meta' backend", "meta kernel")
+
+
 class StepUnsupportedError(Exception):
     """An operation cannot run on tensors without data; carries the operation and where."""
 
-    def __init__(self, op: str, where: str, reason: str) -> None:
+    def __init__(self, op: str, where: str, reason: str, module: str | None = None) -> None:
         super().__init__(f"{op} at {where}: {reason}")
         self.op = op
         self.where = where
         self.reason = reason
+        #: The innermost module whose forward was running (its class), if any.
+        self.module = module
+        #: The operation has no implementation for tensors without data (rather than needing values).
+        self.needs_kernel = False
 
 
 @dataclass
@@ -130,6 +138,29 @@ class Recorder(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref[Any], int, int]] = []
         # The workspace lives as long as the handle: to the end of the process.
         self._workspace: torch.Tensor | None = None
+        # The modules whose forward is running, innermost last: an operation
+        # that cannot run is named with the module that ran it.
+        self._modules: list[str] = []
+        self._module_hooks: list[Any] = []
+
+    def __enter__(self) -> Recorder:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def entered(module: torch.nn.Module, _args: Any) -> None:
+            self._modules.append(type(module).__name__)
+
+        def left(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+            if self._modules:
+                self._modules.pop()
+
+        self._module_hooks = [register_module_forward_pre_hook(entered), register_module_forward_hook(left)]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks = []
+        super().__exit__(*exc)
 
     # ---- what the step does ----
 
@@ -145,24 +176,29 @@ class Recorder(TorchDispatchMode):
             return self._assume(args[0], func)
         try:
             out = func(*args, **kwargs)
-        except NotImplementedError as e:
+        except (NotImplementedError, RuntimeError) as e:
             # Meta tensors raise NotImplementedError where an operation needs
-            # the values (nonzero, unique) or has no meta kernel; any other
-            # error is the step's own and would happen on the GPU too.
-            if any(_is_fake(t) for t in tree_leaves((args, kwargs))):
-                raise StepUnsupportedError(
-                    str(func.overloadpacket.__name__), _where(self._stack()), _first_line(e)
-                ) from None
+            # the values (nonzero, unique) or has no meta kernel, and a custom
+            # operator without a fake implementation a RuntimeError saying
+            # so; any other error is the step's own and would happen on the
+            # GPU too.
+            kernel_missing = isinstance(e, NotImplementedError) or any(m in str(e) for m in _NO_FAKE_KERNEL)
+            if kernel_missing and any(_is_fake(t) for t in tree_leaves((args, kwargs))):
+                error = StepUnsupportedError(
+                    str(func.overloadpacket.__name__),
+                    _where(self._stack()),
+                    _first_sentence(e),
+                    self._modules[-1] if self._modules else None,
+                )
+                # PyTorch's own operators that fail here need values; another
+                # library's operator lacks the fake kernel its author can add.
+                error.needs_kernel = getattr(func, "namespace", "aten") not in ("aten", "prims")
+                raise error from None
             raise
         for t in tree_leaves(out):
             if _is_fake(t):
                 self.track(t)
-        if (
-            self._workspace is None
-            and self._cublas_workspace > 0
-            and not self._deferred
-            and func.overloadpacket.__name__ in _CUBLAS_OPS
-        ):
+        if self._workspace is None and self._cublas_workspace > 0 and not self._deferred and func.overloadpacket.__name__ in _CUBLAS_OPS:
             self._workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
             index = self.track(self._workspace)
             if index is not None:
@@ -292,6 +328,13 @@ class Recorder(TorchDispatchMode):
 
 def _is_fake(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == FAKE_DEVICE
+
+
+def _first_sentence(e: BaseException) -> str:
+    """The first sentence of an error's first line: PyTorch's go on with advice meant for compilers."""
+    line = _first_line(e)
+    cut = line.find(". ")
+    return line[:cut] if cut > 0 else line
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+# The 8-bit Adam rows run bitsandbytes' own optimizer, whose kernels have fake implementations.
+bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
 
 import oomkit  # noqa: E402
 
@@ -41,7 +43,9 @@ HF_SINGLE_GPU = [
     ("bert-large fp16 autocast AdamW b4", 4, 1, 13939, False, "adamw", torch.float16),
     ("bert-large fp16 autocast AdamW b1 checkpointing", 1, 4, 7275, True, "adamw", torch.float16),
     ("bert-large fp32 Adafactor b4", 4, 1, 12295, False, "adafactor", None),
+    ("bert-large fp32 8-bit Adam b4", 4, 1, 13085, False, "adam8bit", None),
     ("bert-large fp16 autocast Adafactor b1 checkpointing", 1, 4, 4847, True, "adafactor", torch.float16),
+    ("bert-large fp16 autocast 8-bit Adam b1 checkpointing", 1, 4, 5363, True, "adam8bit", torch.float16),
 ]
 
 
@@ -49,6 +53,9 @@ def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer]:
     if name == "adamw":
         # The Trainer of v4.21 to v4.3x defaulted to transformers' own AdamW, a loop over parameters.
         return lambda params: torch.optim.AdamW(params, foreach=False)
+    if name == "adam8bit":
+        # The guide built bitsandbytes' Adam8bit itself and passed it to the Trainer.
+        return bnb.optim.Adam8bit
     # optim="adafactor": the Trainer's Adafactor with a fixed learning rate.
     return lambda params: transformers.Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False)
 
