@@ -26,8 +26,9 @@ import torch
 
 from oomkit import _native
 from oomkit._native import PreflightError
-from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, shown_path
+from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
+from oomkit._preflight_dist import RESHARD_AFTER_FORWARD, fake_world, replaced, shard
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
 from oomkit._preflight_snapshot import write_snapshot
 
 __all__ = ["Preflight", "PreflightError", "preflight"]
@@ -133,6 +134,8 @@ def preflight(
     snapshot: str | os.PathLike[str] | None = None,
     max_micro_batch: int | None = None,
     set_to_none: bool = True,
+    gpus: int = 1,
+    sharding: str = "fsdp",
 ) -> Preflight:
     """Runs ``steps`` training steps on tensors without memory and says whether they fit ``capacity``.
 
@@ -146,10 +149,15 @@ def preflight(
     keeps them allocated throughout. With ``max_micro_batch``
     it also searches the largest micro-batch up to it that fits (with
     accumulation, up to the effective batch ``micro_batch x grad_accum``,
-    which the accumulation found for it keeps).
+    which the accumulation found for it keeps). With ``gpus`` above 1 the
+    model is sharded with FSDP over that many GPUs (``sharding="fsdp"`` or
+    ``"zero3"`` frees the gathered parameters after forward, ``"zero2"``
+    keeps them until backward) and the answer is one GPU's.
     """
-    if grad_accum < 1 or steps < 1:
-        raise PreflightError(f"grad_accum and steps must be at least 1 (got {grad_accum} and {steps})")
+    if grad_accum < 1 or steps < 1 or gpus < 1:
+        raise PreflightError(f"grad_accum, steps and gpus must be at least 1 (got {grad_accum}, {steps} and {gpus})")
+    if gpus > 1 and sharding not in RESHARD_AFTER_FORWARD:
+        raise PreflightError(f"sharding {sharding!r}: give one of {', '.join(RESHARD_AFTER_FORWARD)}")
     if max_micro_batch is not None and not callable(batch):
         raise PreflightError("max_micro_batch needs batch to be a function of the micro-batch size")
     if callable(batch) and micro_batch is None:
@@ -160,6 +168,7 @@ def preflight(
         _native.realize_ops([], [], [], alloc_conf, None)
     run = _Run(model, batch, loss, step, optimizer, dtype, autocast, grad_accum, steps, capacity, capacity_bytes, alloc_conf)
     run.set_to_none = set_to_none
+    run.gpus, run.sharding = gpus, sharding
     result = run.once(micro_batch, snapshot)
     if max_micro_batch is not None:
         assert micro_batch is not None
@@ -190,6 +199,9 @@ class _Run:
         self.grad_accum, self.steps = grad_accum, steps
         self.capacity, self.capacity_bytes, self.alloc_conf = capacity, capacity_bytes, alloc_conf
         self.set_to_none = True
+        self.gpus, self.sharding = 1, "fsdp"
+        #: What the run assumed beyond the step itself (sharding), for the answer's notes.
+        self.notes: list[str] = []
 
     def once(self, micro_batch: int | None, snapshot: str | os.PathLike[str] | None) -> Preflight:
         if snapshot is not None and os.path.exists(snapshot):
@@ -207,13 +219,24 @@ class _Run:
             known,
             Settings(micro_batch, self.grad_accum, self.steps, self.capacity, self.capacity_bytes, self.alloc_conf),
             snapshot,
-            {"dtype": str(self.dtype) if self.dtype else None, "autocast": str(self.autocast) if self.autocast else None},
+            {
+                "dtype": str(self.dtype) if self.dtype else None,
+                "autocast": str(self.autocast) if self.autocast else None,
+                "gpus": self.gpus,
+                "sharding": self.sharding if self.gpus > 1 else None,
+            },
+            self.notes,
         )
 
     def _record(self, rec: Recorder, known: Known, micro_batch: int | None) -> None:
         state = Autocast()
         functions = CudaFunctions(state, on_assume=rec.assume)
         with ExitStack() as stack:
+            if self.gpus > 1:
+                # FSDP asks torch.cuda for the device, its streams and events.
+                stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec)))
+                stack.enter_context(replaced(torch.optim.Optimizer, no_graph_capture()))
+                stack.enter_context(fake_world(self.gpus))
             stack.enter_context(cuda_autocast(state, functions))
             stack.enter_context(functions)
             stack.enter_context(rec)
@@ -221,6 +244,9 @@ class _Run:
             stack.callback(lambda: [h.remove() for h in opt_hooks])
             rec.phase = "setup"
             model = self._build_model()
+            if self.gpus > 1:
+                # Sharded before the step begins: the full weights never reach one GPU.
+                self.notes = shard(model, self.gpus, self.sharding)
             # The model arrives on the GPU as built; its construction happened elsewhere.
             rec.begin()
             known.add_model(rec, model)
@@ -422,7 +448,8 @@ class Known:
 
     @staticmethod
     def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
-        for t in torch.utils._pytree.tree_leaves(tensors):
+        leaves = [p for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
+        for t in leaves:
             if isinstance(t, torch.Tensor):
                 i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
                 if i is None and t.device.type == FAKE_DEVICE:
@@ -479,6 +506,8 @@ class Known:
                 role = "gradients"
             elif i in self.inputs:
                 role = "inputs"
+            elif (sharded := _fsdp_role(tr.stacks[tr.stack_of[i]])) is not None:
+                role = sharded
             elif tr.phases[i] == "forward":
                 # Made in forward and still held when forward ended: saved for backward.
                 role = "activations" if tr.freed_in.get(i, "end") != "forward" else "temporaries"
@@ -488,6 +517,26 @@ class Known:
                 role = "temporaries"
             out[i] = role
         return out
+
+
+#: FSDP's functions that allocate a gathered (unsharded) parameter, and
+#: those that allocate a gradient to reduce-scatter, by name
+#: (``torch/distributed/fsdp/_fully_shard``).
+FSDP_GATHERS = frozenset(
+    {"foreach_all_gather", "foreach_all_gather_copy_out", "alloc_storage", "init_all_gather_outputs", "init_unsharded_param"}
+)
+FSDP_REDUCES = frozenset({"foreach_reduce"})
+
+
+def _fsdp_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
+    """``parameters`` for memory FSDP gathers a parameter into, ``gradients`` for what it reduce-scatters; else None."""
+    for filename, _line, name in stack:
+        if "fsdp" in filename:
+            if name in FSDP_GATHERS:
+                return "parameters"
+            if name in FSDP_REDUCES:
+                return "gradients"
+    return None
 
 
 def _attached(p: torch.Tensor) -> list[torch.Tensor]:

@@ -26,11 +26,13 @@ see every one: those composites run here with the mode on again.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FunctionType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.amp.autocast_mode as _autocast_mode
@@ -89,6 +91,116 @@ OPENED = frozenset({"multi_head_attention_forward"})
 
 #: Flash attention's largest head dimension (``check_head_dim_size_flash``).
 FLASH_MAX_HEAD_DIM = 256
+
+
+class _Event:
+    """A CUDA event that is always complete: one stream has nothing to wait for."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def record(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def wait(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, _other: Any) -> float:
+        return 0.0
+
+
+class _Stream:
+    """A CUDA stream that is the one stream every operation runs on."""
+
+    #: What FSDP reads of a stream to record a buffer's use on it (CUDA's device type is 1).
+    stream_id = 0
+    device_index = 0
+    device_type = 1
+    priority = 0
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def wait_stream(self, _stream: Any) -> None:
+        pass
+
+    def wait_event(self, _event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_ONE_STREAM = _Stream()
+
+
+def stream_stand_ins() -> dict[str, Any]:
+    """``torch.cuda`` attributes for streams and events, as one stream that never waits."""
+    return {
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda *_, **__: _ONE_STREAM,
+        "default_stream": lambda *_, **__: _ONE_STREAM,
+        "stream": lambda *_, **__: contextlib.nullcontext(),
+        "set_stream": lambda *_, **__: None,
+    }
+
+
+#: Compute capability reported for the GPU: Hopper, unless the capacity names an older GPU.
+HOPPER = (9, 0)
+AMPERE = (8, 0)
+
+
+def device_answers(capacity: str, capacity_bytes: int, rec: Any) -> dict[str, Any]:
+    """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's."""
+    major, minor = AMPERE if cublas_workspace(capacity) != cublas_workspace("H100") else HOPPER
+
+    def properties(*_: Any, **__: Any) -> Any:
+        return types.SimpleNamespace(
+            name=f"oomkit preflight ({capacity})", total_memory=capacity_bytes, major=major, minor=minor, multi_processor_count=132
+        )
+
+    def nothing() -> Any:
+        # A new function each time: torch._dynamo refuses one object under two names.
+        return lambda *_, **__: None
+
+    return {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": nothing(),
+        "synchronize": nothing(),
+        "manual_seed": nothing(),
+        "manual_seed_all": nothing(),
+        "reset_peak_memory_stats": nothing(),
+        "empty_cache": rec.empty_cache,
+        "is_bf16_supported": lambda *a, **k: True,
+        "get_device_name": lambda *a, **k: f"oomkit preflight ({capacity})",
+        "get_device_capability": lambda *a, **k: (major, minor),
+        "get_device_properties": properties,
+        "memory_allocated": lambda *a, **k: rec.live_bytes,
+        "max_memory_allocated": lambda *a, **k: rec.peak_bytes,
+        "mem_get_info": lambda *a, **k: (max(0, capacity_bytes - rec.live_bytes), capacity_bytes),
+        **stream_stand_ins(),
+    }
+
+
+def no_graph_capture() -> dict[str, Any]:
+    """``torch.optim.Optimizer``'s checks whether a CUDA graph is being captured (none is), answered without a GPU."""
+    checks = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
+    return {name: (lambda self: None) for name in checks if hasattr(torch.optim.Optimizer, name)}
 
 
 def cublas_workspace(capacity: str | None) -> int:
@@ -264,7 +376,26 @@ class CudaFunctions(TorchFunctionMode):
         if name in OPENED and isinstance(func, FunctionType):
             with self:
                 return _opened(func)(*args, **kwargs)
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            # What runs in Python during backward (a checkpoint's recomputed
+            # forward, FSDP's hooks gathering parameters, a custom Function's
+            # backward) must see the mode, as CUDA's dispatcher sees it.
+            with self:
+                return _backward(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Tensor.backward`` or ``torch.autograd.backward`` run with the mode on, as the latter."""
+    if func is torch.Tensor.backward:
+        # Tensor.backward(gradient, retain_graph, create_graph, inputs) is
+        # autograd.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=).
+        if "gradient" in kwargs:
+            kwargs["grad_tensors"] = kwargs.pop("gradient")
+        if len(args) > 4:
+            kwargs["inputs"] = args[4]
+            args = args[:4]
+    return _opened(cast(FunctionType, torch.autograd.backward))(*args, **kwargs)
 
 
 _OPENED_CACHE: dict[Any, Any] = {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -154,12 +154,22 @@ class Recorder(TorchDispatchMode):
                 self._modules.pop()
 
         self._module_hooks = [register_module_forward_pre_hook(entered), register_module_forward_hook(left)]
+        resize = self._resize = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(st: Any, size: int) -> Any:
+            out = resize(st, size)
+            recorder.resized(st, int(size))
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for hook in self._module_hooks:
             hook.remove()
         self._module_hooks = []
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*exc)
 
     # ---- what the step does ----
@@ -226,10 +236,11 @@ class Recorder(TorchDispatchMode):
             return
         self._deferred = False
         pending, self._pending = self._pending, []
-        for ref, size, stack_id in pending:
+        for ref, _size, stack_id in pending:
             st = ref()
-            if st is not None and st not in self._index:
-                self._allocate(st, size, stack_id)
+            # Its size now: a storage resized since (FSDP frees by resizing to 0) holds what it holds now.
+            if st is not None and st not in self._index and st.nbytes() > 0:
+                self._allocate(st, st.nbytes(), stack_id)
 
     @property
     def begun(self) -> bool:
@@ -238,6 +249,10 @@ class Recorder(TorchDispatchMode):
 
     def track(self, t: torch.Tensor) -> int | None:
         """Records the storage of ``t`` if it is new; returns its allocation index."""
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper (DTensor: a shard of a parameter) holds no memory of its own; what it wraps does.
+            found = [self.track(inner) for inner in plain_tensors(t)]
+            return next((i for i in found if i is not None), None)
         st = t.untyped_storage()
         known = self._index.get(st)
         if known is not None:
@@ -264,17 +279,41 @@ class Recorder(TorchDispatchMode):
         """The allocation index of ``t``'s storage, if recorded."""
         if not _is_fake(t):
             return None
+        if is_traceable_wrapper_subclass(t):
+            found = [self.index_of(inner) for inner in plain_tensors(t)]
+            return next((i for i in found if i is not None), None)
         known = self._index.get(t.untyped_storage())
         return None if known is None else int(known)
 
     def _freed_callback(self, index: int) -> Callable[[Any], None]:
         def freed(_ref: Any) -> None:
-            self._refs.pop(index, None)
-            self.live_bytes -= self.trace.args[index]
-            self.trace.freed_in[index] = self.current_phase()
-            self._append(1, index)
+            self._free(index)
 
         return freed
+
+    def _free(self, index: int) -> None:
+        self._refs.pop(index, None)
+        self.live_bytes -= self.trace.args[index]
+        self.trace.freed_in[index] = self.current_phase()
+        self._append(1, index)
+
+    def resized(self, st: Any, size: int) -> None:
+        """A storage resized in place: its memory goes back and, unless the size is 0, new memory is taken.
+
+        FSDP frees a gathered parameter's memory and takes it again by
+        resizing its storage (``_fsdp_param.free_storage``/``alloc_storage``),
+        which no operation or object's death shows; on CUDA each is a free
+        and an allocation through the caching allocator.
+        """
+        if st.device.type != FAKE_DEVICE:
+            return
+        index = self._index.get(st)
+        if index is not None and index in self._refs:
+            # Dropping the weak reference drops its callback: the free is recorded here, once.
+            self._free(int(index))
+            del self._index[st]
+        if size > 0 and not self._deferred:
+            self._allocate(st, size, self._stack_id())
 
     def empty_cache(self) -> None:
         """Records ``torch.cuda.empty_cache()``."""
@@ -324,6 +363,15 @@ class Recorder(TorchDispatchMode):
         self._refs = {}
         self._pending = []
         self._workspace = None
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding memory under ``t``: itself, or what a wrapper subclass (DTensor) wraps."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attrs, _ctx = t.__tensor_flatten__()
+    inner = [getattr(t, a) for a in attrs]
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
 
 
 def _is_fake(t: Any) -> bool:

@@ -16,7 +16,6 @@ import atexit
 import json
 import os
 import sys
-import types
 from typing import Any
 
 import torch
@@ -24,15 +23,13 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit._preflight import Known, Settings, answer, unsupported
-from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast
+from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
+from oomkit._preflight_dist import as_rank_zero
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
 ENV = "OOMKIT_PREFLIGHT"
 
-#: Compute capability reported for the GPU: Hopper, unless the capacity names an older GPU.
-HOPPER = (9, 0)
-AMPERE = (8, 0)
 
 
 class _Session:
@@ -45,6 +42,8 @@ class _Session:
         self.snapshot: str | None = settings.get("snapshot")
         self.alloc_conf: str | None = settings.get("alloc_conf")
         self.capacity_bytes, _ = _native.parse_capacity(self.capacity)
+        #: The script runs as rank 0 of this many GPUs.
+        self.world_size: int = int(settings.get("world_size") or 1)
         self.rec = Recorder(cublas_workspace(self.capacity))
         self.known = Known()
         self.autocast = Autocast()
@@ -58,6 +57,12 @@ class _Session:
 
     def start(self) -> None:
         self._patch_cuda()
+        as_rank_zero(self.world_size)
+        if self.world_size > 1:
+            self.notes.append(
+                f"rank 0 of {self.world_size} GPUs: the script's process group is PyTorch's fake one; "
+                "communication streams are not modelled (one stream)"
+            )
         cuda_autocast(self.autocast, self.functions).__enter__()
         self.functions.__enter__()
         self.rec.__enter__()
@@ -84,50 +89,11 @@ class _Session:
         sys.excepthook = excepthook
 
     def _patch_cuda(self) -> None:
-        cuda = torch.cuda
-        name = self.capacity
-        major, minor = AMPERE if cublas_workspace(name) != cublas_workspace("H100") else HOPPER
-        total = self.capacity_bytes
-
-        def properties(*_: Any, **__: Any) -> Any:
-            return types.SimpleNamespace(
-                name=f"oomkit preflight ({name})", total_memory=total, major=major, minor=minor, multi_processor_count=132
-            )
-
-        def live(*_: Any, **__: Any) -> int:
-            return self.rec.live_bytes
-
-        def peak(*_: Any, **__: Any) -> int:
-            return self.rec.peak_bytes
-
-        def nothing() -> Any:
-            # A new function each time: torch._dynamo refuses one object under two names.
-            return lambda *_, **__: None
-
-        replacements: dict[str, Any] = {
-            "is_available": lambda: True,
-            "device_count": lambda: 1,
-            "current_device": lambda: 0,
-            "set_device": nothing(),
-            "synchronize": nothing(),
-            "manual_seed": nothing(),
-            "manual_seed_all": nothing(),
-            "reset_peak_memory_stats": nothing(),
-            "empty_cache": self.rec.empty_cache,
-            "is_bf16_supported": lambda *a, **k: True,
-            "get_device_name": lambda *a, **k: f"oomkit preflight ({name})",
-            "get_device_capability": lambda *a, **k: (major, minor),
-            "get_device_properties": properties,
-            "memory_allocated": live,
-            "max_memory_allocated": peak,
-            "mem_get_info": lambda *a, **k: (max(0, total - self.rec.live_bytes), total),
-        }
-        for attr, value in replacements.items():
-            setattr(cuda, attr, value)
+        for attr, value in device_answers(self.capacity, self.capacity_bytes, self.rec).items():
+            setattr(torch.cuda, attr, value)
         # Optimizers ask the GPU whether a CUDA graph is being captured; none is.
-        for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
-            if hasattr(torch.optim.Optimizer, check):
-                setattr(torch.optim.Optimizer, check, lambda self: None)
+        for attr, value in no_graph_capture().items():
+            setattr(torch.optim.Optimizer, attr, value)
         # Fused optimizers (the Trainer's default on CUDA) refuse meta
         # parameters by device, though their kernels have meta versions.
         _allow_fused_on_meta()

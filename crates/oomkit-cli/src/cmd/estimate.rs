@@ -303,6 +303,7 @@ fn traced(a: &Args, capacity: Option<u64>) -> Result<oomkit_report::PreflightRun
         "lora_rank": a.lora_rank,
         "load_in_4bit": a.load_in_4bit,
         "gpus": a.gpus,
+        "zero": a.zero,
         // What the allocator may hold: the GPU less the context, as the formula's verdict counts it.
         "capacity": capacity.map_or("80GiB".to_string(), |c| format!("{}B", c.saturating_sub(a.overhead))),
     });

@@ -71,6 +71,10 @@ pub(crate) struct Args {
     /// command with each one tried in place of {batch}.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_micro_batch: Option<u64>,
+    /// Run the script as rank 0 of N GPUs (a fake process group answers its
+    /// init_process_group, so FSDP shards as it would across N).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    gpus: u32,
     #[command(flatten)]
     format: FormatArgs,
     /// The training command, after `--`: python train.py ARGS.
@@ -230,6 +234,7 @@ fn run_once(
         "capacity": a.capacity,
         "snapshot": snapshot.map(|s| std::path::absolute(s).unwrap_or_else(|_| s.to_path_buf())),
         "alloc_conf": alloc_conf,
+        "world_size": a.gpus,
     });
     let words: Vec<String> = a
         .command

@@ -1,0 +1,193 @@
+"""Several GPUs in one process: a fake process group, and FSDP run on meta tensors.
+
+A training run sharded over N GPUs keeps on each what one rank keeps, so
+preflight runs rank 0 alone: ``torch.distributed`` is initialised with
+PyTorch's fake process group (``torch.testing._internal.distributed.fake_pg``,
+a backend whose collectives complete without moving data, made for
+exactly this: running one rank of a job as if the others were there), and
+FSDP (``fully_shard``) shards, gathers and reduce-scatters as it would on
+the GPUs. Its all-gathered parameters, gradient buffers and sharded
+states are real tensors of rank 0's sizes, recorded like any other.
+
+What FSDP needs from a GPU that ``meta`` tensors lack is stood in for:
+CUDA streams and events (``_preflight_cuda.device_answers``: FSDP overlaps
+communication on side streams; here every operation runs on the one
+stream, so the allocator's per-stream pools are not modelled), the device
+handle of a ``meta`` tensor, and FSDP's check that no parameter is on
+``meta`` (it is meant for models not yet materialised; here ``meta`` is
+the GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from oomkit._native import PreflightError
+
+#: Sharding strategies by name: whether parameters are freed again after
+#: forward (FSDP's FULL_SHARD, ZeRO-3) or kept gathered until backward
+#: (SHARD_GRAD_OP, ZeRO-2).
+RESHARD_AFTER_FORWARD = {"fsdp": True, "zero3": True, "zero2": False}
+
+#: The environment torchrun gives each rank; a script run under preflight is rank 0.
+RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
+
+
+def fake_process_group(world_size: int) -> None:
+    """Initialises ``torch.distributed`` as rank 0 of ``world_size`` with the fake process group."""
+    import torch.distributed as dist
+
+    try:
+        # Importing it registers the "fake" backend.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise PreflightError(f"this PyTorch has no fake process group to shard with ({e})") from None
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise PreflightError(f"torch.distributed is already initialised with {dist.get_world_size()} ranks, not {world_size}")
+        return
+    init = _init_process_group or dist.init_process_group
+    init(backend="fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+#: ``torch.distributed.init_process_group`` as PyTorch defines it, before a script's is replaced.
+_init_process_group: Any = None
+
+
+def as_rank_zero(world_size: int) -> None:
+    """Makes this process rank 0 of ``world_size``: a script's own ``init_process_group`` gets the fake group.
+
+    Above one GPU, the environment torchrun would set is set, so that a
+    script reading ``RANK`` or ``WORLD_SIZE`` takes the branch it takes on
+    a cluster; with one, a script that initialises a group anyway (NCCL,
+    which needs a GPU) gets a fake group of one.
+    """
+    import torch.distributed as dist
+
+    global _init_process_group
+    if _init_process_group is None:
+        _init_process_group = dist.init_process_group
+    if world_size > 1:
+        # One GPU keeps the environment as it is: a script that shards only
+        # under torchrun (RANK set) takes its one-GPU branch, as it would.
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        for name in RANK_ENV:
+            os.environ[name] = "0"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+
+    def init_process_group(*_: Any, **__: Any) -> None:
+        # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
+        fake_process_group(world_size)
+
+    dist.init_process_group = init_process_group
+    allow_fsdp_on_meta()
+
+
+def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
+    """What lets FSDP run on ``meta`` parameters, as (owner, attributes) to set.
+
+    The device handle of ``meta`` is ``torch.cuda`` (FSDP looks up the
+    handle of its buffers' device to wait on streams), and FSDP's check that
+    no parameter is on ``meta`` is off (it is meant for a model not yet
+    materialised; here ``meta`` is the GPU).
+    """
+    from torch.distributed import device_mesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    original = getattr(device_mesh._get_device_handle, "_oomkit_original", device_mesh._get_device_handle)
+
+    def handle(device_type: str = "cuda") -> Any:
+        return torch.cuda if device_type == "meta" else original(device_type)
+
+    handle._oomkit_original = original  # type: ignore[attr-defined]
+    owners = {_fsdp_collectives}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "_get_device_handle", None) is original:
+            owners.add(module)
+    changes: list[tuple[Any, dict[str, Any]]] = [(m, {"_get_device_handle": handle}) for m in owners]
+    changes.append((_fsdp_param_group.FSDPParamGroup, {"_validate_no_meta_params": lambda self: None}))
+    return changes
+
+
+def allow_fsdp_on_meta() -> None:
+    """Lets FSDP run on ``meta`` parameters for the rest of the process (a script under preflight)."""
+    for owner, attributes in fsdp_on_meta():
+        for name, value in attributes.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """Rank 0 of ``world_size`` GPUs for the block: a fake process group, FSDP allowed on ``meta``; undone after."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    fake_process_group(world_size)
+    with contextlib.ExitStack() as stack:
+        for owner, attributes in fsdp_on_meta():
+            stack.enter_context(replaced(owner, attributes))
+        try:
+            yield
+        finally:
+            if created:
+                dist.destroy_process_group()
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units FSDP is usually applied to: the layers of the model's largest ``ModuleList``."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(largest)
+
+
+def shard(model: torch.nn.Module, world_size: int, strategy: str) -> list[str]:
+    """Applies FSDP's ``fully_shard`` to each block and to the model, over ``world_size`` GPUs; returns notes.
+
+    Runs inside :func:`fake_world` (or a script made rank 0 by :func:`as_rank_zero`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if strategy not in RESHARD_AFTER_FORWARD:
+        raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(RESHARD_AFTER_FORWARD)}")
+    mesh = init_device_mesh("cuda", (world_size,))
+    reshard = RESHARD_AFTER_FORWARD[strategy]
+    units = blocks(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    notes = [
+        f"rank 0 of {world_size} GPUs, sharded with FSDP (fully_shard, reshard_after_forward={reshard}) "
+        f"over {len(units)} block(s) and the model, through PyTorch's fake process group; "
+        "communication streams are not modelled (one stream)"
+    ]
+    if not units:
+        notes.append("the model has no ModuleList of layers: FSDP gathers all of it at once")
+    return notes
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
+    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after."""
+    missing = object()
+    old = {name: getattr(owner, name, missing) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)

@@ -1,0 +1,108 @@
+"""Preflight across several GPUs: FSDP run as rank 0 of N through PyTorch's
+fake process group, in Python, on an unchanged torchrun script and from
+`oomkit estimate --trace --gpus N --zero S`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import oomkit
+import pytest
+import torch
+from oomkit._preflight import Preflight
+from torch import nn
+
+OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "preflight" / "fsdp_train.py"
+DIM, LAYERS = 512, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).mean()
+
+
+def run(gpus: int, sharding: str = "fsdp") -> Preflight:
+    return oomkit.preflight(Net, lambda b: torch.randn(b, 256, DIM), micro_batch=4, capacity="80GiB", gpus=gpus, sharding=sharding)
+
+
+def test_fsdp_keeps_a_shard_of_the_states_on_each_gpu() -> None:
+    cuda_available = torch.cuda.is_available
+    one, four = run(1), run(4)
+    # AdamW's two fp32 moments of every parameter, on one GPU and as a quarter on each of four.
+    params = sum(p.numel() for p in Net().parameters())
+    assert abs(one.by_role["optimizer_state"] - 8 * params) / (8 * params) < 0.01, one.by_role
+    assert abs(four.by_role["optimizer_state"] - 2 * params) / (2 * params) < 0.01, four.by_role
+    assert four.peak_allocated_bytes < one.peak_allocated_bytes
+    assert any("rank 0 of 4 GPUs" in n and "fake process group" in n for n in four.notes), four.notes
+    # ZeRO-2 (SHARD_GRAD_OP) keeps the gathered parameters from forward to backward; FSDP frees them.
+    zero2 = run(4, "zero2")
+    assert zero2.by_role["parameters"] > four.by_role["parameters"]
+    # Nothing of the fake world is left behind in the process.
+    assert not torch.distributed.is_initialized()
+    assert torch.cuda.is_available is cuda_available
+
+
+def test_bad_sharding_settings_are_one_line() -> None:
+    with pytest.raises(oomkit.PreflightError, match="sharding 'zero1'"):
+        run(4, "zero1")
+    with pytest.raises(oomkit.PreflightError, match="gpus"):
+        run(0)
+
+
+SMALL = ["--dim", "256", "--layers", "4", "--vocab", "1000", "--seq", "128", "--batch-size", "2"]
+
+
+def preflight_script(gpus: int) -> dict:
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--gpus", str(gpus), "--capacity", "8GiB", "--", sys.executable, str(EXAMPLE), *SMALL],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["run"]
+
+
+def test_an_unchanged_torchrun_script_runs_as_rank_zero() -> None:
+    # The script calls init_process_group("nccl") and shards with fully_shard, as under torchrun.
+    one, eight = preflight_script(1), preflight_script(8)
+    state_one, state_eight = one["by_role"]["optimizer_state"], eight["by_role"]["optimizer_state"]
+    assert abs(state_eight - state_one / 8) / (state_one / 8) < 0.02, (state_one, state_eight)
+    assert eight["peak_allocated_bytes"] < one["peak_allocated_bytes"]
+    assert any("rank 0 of 8 GPUs" in n for n in eight["notes"]), eight["notes"]
+
+
+def test_estimate_traces_zero_3_and_says_what_it_cannot() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+    config = ROOT / "examples" / "preflight" / "gpt2_tiny.json"
+    common = [OOMKIT, "estimate", "--config", str(config), "--batch", "4", "--seq", "128", "--gpu", "8GiB", "--trace", "--json"]
+
+    def traced(*flags: str) -> dict:
+        p = subprocess.run([*common, *flags], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    one, four = traced(), traced("--gpus", "4", "--zero", "3")
+    state_one, state_four = one["traced"]["by_role"]["optimizer_state"], four["traced"]["by_role"]["optimizer_state"]
+    assert 0 < state_four < state_one / 3, (state_one, state_four)
+    assert "not traced: ZeRO stage 1" in traced("--gpus", "4", "--zero", "1")["traced_error"]
