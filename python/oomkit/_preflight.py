@@ -27,7 +27,7 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
-from oomkit._preflight_dist import RESHARD_AFTER_FORWARD, fake_world, replaced, shard
+from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
 from oomkit._preflight_snapshot import write_snapshot
 
@@ -150,14 +150,15 @@ def preflight(
     it also searches the largest micro-batch up to it that fits (with
     accumulation, up to the effective batch ``micro_batch x grad_accum``,
     which the accumulation found for it keeps). With ``gpus`` above 1 the
-    model is sharded with FSDP over that many GPUs (``sharding="fsdp"`` or
-    ``"zero3"`` frees the gathered parameters after forward, ``"zero2"``
-    keeps them until backward) and the answer is one GPU's.
+    model is spread over that many GPUs and the answer is one GPU's:
+    sharded with FSDP (``sharding="fsdp"`` or ``"zero3"`` frees the gathered
+    parameters after forward, ``"zero2"`` keeps them until backward) or
+    replicated with DDP (``"ddp"``).
     """
     if grad_accum < 1 or steps < 1 or gpus < 1:
         raise PreflightError(f"grad_accum, steps and gpus must be at least 1 (got {grad_accum}, {steps} and {gpus})")
-    if gpus > 1 and sharding not in RESHARD_AFTER_FORWARD:
-        raise PreflightError(f"sharding {sharding!r}: give one of {', '.join(RESHARD_AFTER_FORWARD)}")
+    if gpus > 1 and sharding not in STRATEGIES:
+        raise PreflightError(f"sharding {sharding!r}: give one of {', '.join(STRATEGIES)}")
     if max_micro_batch is not None and not callable(batch):
         raise PreflightError("max_micro_batch needs batch to be a function of the micro-batch size")
     if callable(batch) and micro_batch is None:
@@ -229,6 +230,7 @@ class _Run:
         )
 
     def _record(self, rec: Recorder, known: Known, micro_batch: int | None) -> None:
+        self.notes = []
         state = Autocast()
         functions = CudaFunctions(state, on_assume=rec.assume)
         with ExitStack() as stack:
@@ -236,7 +238,7 @@ class _Run:
                 # FSDP asks torch.cuda for the device, its streams and events.
                 stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec)))
                 stack.enter_context(replaced(torch.optim.Optimizer, no_graph_capture()))
-                stack.enter_context(fake_world(self.gpus))
+                stack.enter_context(fake_world(self.gpus, self.notes))
             stack.enter_context(cuda_autocast(state, functions))
             stack.enter_context(functions)
             stack.enter_context(rec)
@@ -246,7 +248,8 @@ class _Run:
             model = self._build_model()
             if self.gpus > 1:
                 # Sharded before the step begins: the full weights never reach one GPU.
-                self.notes = shard(model, self.gpus, self.sharding)
+                model, spread = shard(model, self.gpus, self.sharding)
+                self.notes += spread
             # The model arrives on the GPU as built; its construction happened elsewhere.
             rec.begin()
             known.add_model(rec, model)
@@ -528,14 +531,25 @@ FSDP_GATHERS = frozenset(
 FSDP_REDUCES = frozenset({"foreach_reduce"})
 
 
+#: DDP's own file: what it allocates itself (its gradient buckets) is ``other``, as docs/roles.md has it.
+DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+
+#: Wrappers PyTorch puts around its functions, passed over to find the function that allocated.
+_WRAPPERS = (os.path.join("torch", "_dynamo"), os.path.join("torch", "_compile.py"))
+
+
 def _fsdp_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
-    """``parameters`` for memory FSDP gathers a parameter into, ``gradients`` for what it reduce-scatters; else None."""
+    """The role of what data parallelism allocates itself: FSDP's gathered parameters and
+    gradients to reduce-scatter, DDP's buckets (``other``); else None."""
     for filename, _line, name in stack:
         if "fsdp" in filename:
             if name in FSDP_GATHERS:
                 return "parameters"
             if name in FSDP_REDUCES:
                 return "gradients"
+    inner = next((f for f in stack if not any(w in f[0] for w in _WRAPPERS)), None)
+    if inner is not None and inner[0].endswith(DDP_FILE):
+        return "other"
     return None
 
 

@@ -35,6 +35,10 @@ from oomkit._native import PreflightError
 #: (SHARD_GRAD_OP, ZeRO-2).
 RESHARD_AFTER_FORWARD = {"fsdp": True, "zero3": True, "zero2": False}
 
+#: Every way of spreading a model over GPUs preflight runs: FSDP's, and DDP
+#: (every GPU keeps the whole model; ZeRO stage 0).
+STRATEGIES = (*RESHARD_AFTER_FORWARD, "ddp")
+
 #: The environment torchrun gives each rank; a script run under preflight is rank 0.
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
 
@@ -60,13 +64,15 @@ def fake_process_group(world_size: int) -> None:
 _init_process_group: Any = None
 
 
-def as_rank_zero(world_size: int) -> None:
+def as_rank_zero(world_size: int, notes: list[str]) -> None:
     """Makes this process rank 0 of ``world_size``: a script's own ``init_process_group`` gets the fake group.
 
     Above one GPU, the environment torchrun would set is set, so that a
     script reading ``RANK`` or ``WORLD_SIZE`` takes the branch it takes on
     a cluster; with one, a script that initialises a group anyway (NCCL,
-    which needs a GPU) gets a fake group of one.
+    which needs a GPU) gets a fake group of one. FSDP and DDP are let run
+    on it (:func:`fsdp_on_meta`, :func:`ddp_on_one_rank`); what they
+    could not do is added to ``notes``.
     """
     import torch.distributed as dist
 
@@ -88,7 +94,54 @@ def as_rank_zero(world_size: int) -> None:
         fake_process_group(world_size)
 
     dist.init_process_group = init_process_group
-    allow_fsdp_on_meta()
+    for owner, attributes in fsdp_on_meta() + ddp_on_one_rank(notes):
+        for name, value in attributes.items():
+            setattr(owner, name, value)
+
+
+def _reduced_in_place(_state: Any, bucket: Any) -> Any:
+    """DDP's all-reduce of a bucket as one rank sees it: the bucket, done (NCCL reduces it in place)."""
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def ddp_on_one_rank(notes: list[str]) -> list[tuple[Any, dict[str, Any]]]:
+    """What lets ``DistributedDataParallel`` run as rank 0 of the fake group, as (owner, attributes) to set.
+
+    Its check that every rank has the same parameters gathers nothing from
+    a fake group, so it is skipped; its all-reduce of each gradient bucket
+    is answered by the bucket itself, as the default in-place all-reduce
+    leaves it (the buckets DDP allocates beside the gradients are DDP's
+    own and recorded); inputs are copied to the device on the one stream.
+    A hook the script registers itself is not run, and ``notes`` says so.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed as ddp
+
+    # DDP checks a hook's annotations against the classes themselves (not the names this module's are).
+    _reduced_in_place.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    cls = ddp.DistributedDataParallel
+    init, register = cls.__init__, cls.register_comm_hook
+
+    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.use_side_stream_for_tensor_copies = False
+        register(self, None, _reduced_in_place)
+        self._oomkit_reduced = True
+
+    def new_register(self: Any, state: Any, hook: Any) -> None:
+        if getattr(self, "_oomkit_reduced", False):
+            note = f"DDP's communication hook {getattr(hook, '__name__', 'of the script')} was not run (its buffers are not counted)"
+            if note not in notes:
+                notes.append(note)
+            return
+        register(self, state, hook)
+
+    return [
+        (ddp, {"_verify_param_shape_across_processes": lambda *_, **__: None}),
+        (cls, {"__init__": new_init, "register_comm_hook": new_register}),
+    ]
 
 
 def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
@@ -117,22 +170,15 @@ def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
     return changes
 
 
-def allow_fsdp_on_meta() -> None:
-    """Lets FSDP run on ``meta`` parameters for the rest of the process (a script under preflight)."""
-    for owner, attributes in fsdp_on_meta():
-        for name, value in attributes.items():
-            setattr(owner, name, value)
-
-
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of ``world_size`` GPUs for the block: a fake process group, FSDP allowed on ``meta``; undone after."""
+def fake_world(world_size: int, notes: list[str]) -> Iterator[None]:
+    """Rank 0 of ``world_size`` GPUs for the block: a fake process group, FSDP and DDP let run on it; undone after."""
     import torch.distributed as dist
 
     created = not dist.is_initialized()
     fake_process_group(world_size)
     with contextlib.ExitStack() as stack:
-        for owner, attributes in fsdp_on_meta():
+        for owner, attributes in fsdp_on_meta() + ddp_on_one_rank(notes):
             stack.enter_context(replaced(owner, attributes))
         try:
             yield
@@ -150,16 +196,24 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(largest)
 
 
-def shard(model: torch.nn.Module, world_size: int, strategy: str) -> list[str]:
-    """Applies FSDP's ``fully_shard`` to each block and to the model, over ``world_size`` GPUs; returns notes.
+def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch.nn.Module, list[str]]:
+    """Spreads ``model`` over ``world_size`` GPUs as ``strategy`` does; returns the model to train and notes.
 
-    Runs inside :func:`fake_world` (or a script made rank 0 by :func:`as_rank_zero`).
+    FSDP's strategies apply ``fully_shard`` to each block and to the model;
+    ``ddp`` wraps it in ``DistributedDataParallel``. Runs inside
+    :func:`fake_world` (or a script made rank 0 by :func:`as_rank_zero`).
     """
+    if strategy not in STRATEGIES:
+        raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(STRATEGIES)}")
+    one_stream = "communication streams are not modelled (one stream)"
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each), through PyTorch's fake process group; {one_stream}"
+        return DistributedDataParallel(model), [note]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if strategy not in RESHARD_AFTER_FORWARD:
-        raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(RESHARD_AFTER_FORWARD)}")
     mesh = init_device_mesh("cuda", (world_size,))
     reshard = RESHARD_AFTER_FORWARD[strategy]
     units = blocks(model)
@@ -168,12 +222,11 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> list[str]:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     notes = [
         f"rank 0 of {world_size} GPUs, sharded with FSDP (fully_shard, reshard_after_forward={reshard}) "
-        f"over {len(units)} block(s) and the model, through PyTorch's fake process group; "
-        "communication streams are not modelled (one stream)"
+        f"over {len(units)} block(s) and the model, through PyTorch's fake process group; {one_stream}"
     ]
     if not units:
         notes.append("the model has no ModuleList of layers: FSDP gathers all of it at once")
-    return notes
+    return model, notes
 
 
 @contextlib.contextmanager

@@ -184,6 +184,12 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return self._assume(args[0], func)
+        if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
+            # A copy back to the host made below Python (DDP's bucket indices
+            # after their broadcast) has no values to bring: the host tensor
+            # keeps its own, which on rank 0 are the ones sent. (A script's
+            # own reads, .cpu() and .item(), are met above and noted.)
+            return args[0]
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as e:

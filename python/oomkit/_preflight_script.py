@@ -57,7 +57,7 @@ class _Session:
 
     def start(self) -> None:
         self._patch_cuda()
-        as_rank_zero(self.world_size)
+        as_rank_zero(self.world_size, self.notes)
         if self.world_size > 1:
             self.notes.append(
                 f"rank 0 of {self.world_size} GPUs: the script's process group is PyTorch's fake one; "

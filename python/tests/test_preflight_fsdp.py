@@ -106,3 +106,57 @@ def test_estimate_traces_zero_3_and_says_what_it_cannot() -> None:
     state_one, state_four = one["traced"]["by_role"]["optimizer_state"], four["traced"]["by_role"]["optimizer_state"]
     assert 0 < state_four < state_one / 3, (state_one, state_four)
     assert "not traced: ZeRO stage 1" in traced("--gpus", "4", "--zero", "1")["traced_error"]
+    # Stage 0 (plain data parallelism) is DDP: everything on each GPU, and its buckets.
+    ddp = traced("--gpus", "4", "--zero", "0")["traced"]["by_role"]
+    assert ddp["optimizer_state"] == one["traced"]["by_role"]["optimizer_state"]
+    assert ddp["other"] > one["traced"]["by_role"]["other"]
+
+
+def test_ddp_keeps_everything_and_its_buckets_on_each_gpu() -> None:
+    one, four = run(1), run(4, "ddp")
+    params = 4 * sum(p.numel() for p in Net().parameters())
+    # The whole model and its state on every GPU, as on one.
+    assert four.by_role["parameters"] == one.by_role["parameters"]
+    assert four.by_role["optimizer_state"] == one.by_role["optimizer_state"]
+    # DDP's gradient buckets, beside the gradients (gradient_as_bucket_view is off by default): one more copy.
+    extra = four.by_role["other"] - one.by_role["other"]
+    assert abs(extra - params) / params < 0.01, (extra, params)
+    assert any("with DDP" in n for n in four.notes), four.notes
+    assert torch.nn.parallel.DistributedDataParallel.__init__.__qualname__ == "DistributedDataParallel.__init__"
+
+
+DDP_SCRIPT = """
+import os, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local = int(os.environ.get("LOCAL_RANK", 0))
+torch.cuda.set_device(local)
+model = DDP(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).cuda(), device_ids=[local])
+model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(8, 128, 512, device="cuda")).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_an_unchanged_ddp_script_runs_as_rank_zero(tmp_path: Path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--gpus", "4", "--capacity", "8GiB", "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)["run"]
+    params = 4 * (512 * 2048 + 2048 + 2048 * 512 + 512)
+    assert run["by_role"]["parameters"] >= params
+    # The buckets (one copy of the gradients) and cuBLAS's workspace.
+    assert run["by_role"]["other"] >= params + (32 << 20), run["by_role"]
+    # The script's own hook does not run on one rank, and the answer says so.
+    assert any("fp16_compress_hook was not run" in n for n in run["notes"]), run["notes"]
