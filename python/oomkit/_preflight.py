@@ -27,7 +27,7 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
-from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard
+from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard, zero_redundancy
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
 from oomkit._preflight_snapshot import write_snapshot
 
@@ -153,7 +153,9 @@ def preflight(
     model is spread over that many GPUs and the answer is one GPU's:
     sharded with FSDP (``sharding="fsdp"`` or ``"zero3"`` frees the gathered
     parameters after forward, ``"zero2"`` keeps them until backward) or
-    replicated with DDP (``"ddp"``).
+    replicated with DDP (``"ddp"``), or replicated with each GPU keeping a
+    share of the optimizer's state (``"zero1"``: DDP and PyTorch's
+    ``ZeroRedundancyOptimizer``).
     """
     if grad_accum < 1 or steps < 1 or gpus < 1:
         raise PreflightError(f"grad_accum, steps and gpus must be at least 1 (got {grad_accum}, {steps} and {gpus})")
@@ -307,11 +309,14 @@ class _Run:
             opt = make(params)
         else:
             opt = self.optimizer(params)
-        for group in opt.param_groups:
-            # On CUDA PyTorch picks the foreach implementation unless told
-            # otherwise (_default_to_fused_or_foreach); on meta it would not.
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
+        if self.gpus > 1 and self.sharding == "zero1":
+            opt = zero_redundancy(opt)
+        for inner in (opt, *_inner_optimizers(opt)):
+            for group in inner.param_groups:
+                # On CUDA PyTorch picks the foreach implementation unless told
+                # otherwise (_default_to_fused_or_foreach); on meta it would not.
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
         return opt
 
     def _make_batch(self, micro_batch: int | None) -> Any:
@@ -479,7 +484,8 @@ class Known:
                 p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
 
     def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
-        self._add(rec, self.state, [list(s.values()) for s in opt.state.values()])
+        for holder in (opt, *_inner_optimizers(opt)):
+            self._add(rec, self.state, [list(s.values()) for s in holder.state.values()])
         # An optimizer may give parameters new tensors inside its step.
         self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
 
@@ -551,6 +557,24 @@ def _fsdp_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
     if inner is not None and inner[0].endswith(DDP_FILE):
         return "other"
     return None
+
+
+#: Where optimizers that wrap another keep it: ZeroRedundancyOptimizer's
+#: ``optim`` (this rank's share), Accelerate's and Lightning's ``optimizer``.
+WRAPPED_OPTIMIZER = ("optim", "optimizer", "_optimizer")
+
+
+def _inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers ``opt`` wraps, innermost last; their state is the state."""
+    found: list[torch.optim.Optimizer] = []
+    current = opt
+    while len(found) < 4:
+        inner = next((getattr(current, a) for a in WRAPPED_OPTIMIZER if isinstance(getattr(current, a, None), torch.optim.Optimizer)), None)
+        if inner is None or inner is current or inner in found:
+            break
+        found.append(inner)
+        current = inner
+    return found
 
 
 def _attached(p: torch.Tensor) -> list[torch.Tensor]:

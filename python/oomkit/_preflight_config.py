@@ -25,8 +25,9 @@ ENV = "OOMKIT_PREFLIGHT_CONFIG"
 LORA_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "q", "k", "v", "o", "c_attn"})
 
 #: ZeRO stages preflight runs, as what PyTorch keeps the same states with:
-#: DDP for stage 0 (nothing sharded), FSDP's strategies for 2 and 3.
-ZERO_SHARDING = {0: "ddp", 2: "zero2", 3: "zero3"}
+#: DDP for stage 0 (nothing sharded), DDP with ZeroRedundancyOptimizer for 1,
+#: FSDP's strategies for 2 and 3.
+ZERO_SHARDING = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 #: Output heads, kept in the compute dtype when the rest is quantized to 4 bits (as transformers does).
 HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs"})
@@ -151,7 +152,7 @@ def _batch(model: Any, config: dict[str, Any], seq: int, b: int) -> dict[str, An
 
 def _unsupported(s: dict[str, Any]) -> str | None:
     if int(s.get("gpus", 1)) > 1 and int(s.get("zero", 0)) not in ZERO_SHARDING:
-        return f"ZeRO stage {s.get('zero', 0)} across GPUs is not traced (0, 2 and 3 are, as DDP and FSDP run them)"
+        return f"ZeRO stage {s.get('zero', 0)} is not one PyTorch runs"
     if s.get("ema"):
         return "an EMA copy is not traced yet"
     return None

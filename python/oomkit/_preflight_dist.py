@@ -35,9 +35,10 @@ from oomkit._native import PreflightError
 #: (SHARD_GRAD_OP, ZeRO-2).
 RESHARD_AFTER_FORWARD = {"fsdp": True, "zero3": True, "zero2": False}
 
-#: Every way of spreading a model over GPUs preflight runs: FSDP's, and DDP
-#: (every GPU keeps the whole model; ZeRO stage 0).
-STRATEGIES = (*RESHARD_AFTER_FORWARD, "ddp")
+#: Every way of spreading a model over GPUs preflight runs: FSDP's, DDP
+#: (every GPU keeps the whole model; ZeRO stage 0), and DDP with PyTorch's
+#: ZeroRedundancyOptimizer (each GPU keeps a share of the optimizer's state; ZeRO-1).
+STRATEGIES = (*RESHARD_AFTER_FORWARD, "ddp", "zero1")
 
 #: The environment torchrun gives each rank; a script run under preflight is rank 0.
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
@@ -206,10 +207,11 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
     if strategy not in STRATEGIES:
         raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(STRATEGIES)}")
     one_stream = "communication streams are not modelled (one stream)"
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
 
-        note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each), through PyTorch's fake process group; {one_stream}"
+        state = ", a share of the optimizer's state on each (ZeroRedundancyOptimizer)" if strategy == "zero1" else ""
+        note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each{state}), through PyTorch's fake process group; {one_stream}"
         return DistributedDataParallel(model), [note]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -227,6 +229,19 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
     if not units:
         notes.append("the model has no ModuleList of layers: FSDP gathers all of it at once")
     return model, notes
+
+
+def zero_redundancy(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` as ZeRO-1 runs it: PyTorch's ZeroRedundancyOptimizer over the same groups, this rank's share stepped."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # Only what the class's constructor takes (AdamW's defaults hold a flag its constructor sets itself).
+    takes = inspect.signature(type(opt).__init__).parameters
+    defaults = {k: v for k, v in opt.defaults.items() if k in takes and k != "params"}
+    groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in opt.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
 
 
 @contextlib.contextmanager
