@@ -165,6 +165,10 @@ class Recorder(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         return super().__enter__()
 
+    def innermost_module(self) -> str | None:
+        """The class of the innermost module whose forward is running (or was, when an error left it), if any."""
+        return self._modules[-1] if self._modules else None
+
     def __exit__(self, *exc: Any) -> None:
         for hook in self._module_hooks:
             hook.remove()

@@ -82,7 +82,12 @@ class _Session:
                 self._write({"error": str(unsupported(value))})
             elif not self.finished:
                 done = f"after {self.steps_done} optimizer step(s)"
-                self._write({"error": f"the script failed under preflight {done}: {kind.__name__}: {_first_line(value)}"})
+                # The module whose forward was running, where one was: an
+                # extension that refuses tensors without data (a Triton
+                # kernel's launcher) fails there, and that names the part.
+                module = self.rec.innermost_module()
+                where = f" in {module}'s forward" if module else ""
+                self._write({"error": f"the script failed under preflight {done}{where}: {kind.__name__}: {_first_line(value)}"})
             self.finished = True
             previous(kind, value, tb)
 

@@ -367,3 +367,24 @@ def test_an_operator_without_a_fake_kernel_is_named_with_its_module() -> None:
     fused_gelu.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
     answer = preflight(FusedMLP, lambda b: torch.randn(b, 64), micro_batch=2, capacity="1GiB")
     assert answer.fits and answer.by_role["parameters"] > 0
+
+
+def test_a_script_failing_inside_a_module_is_named_with_it(tmp_path) -> None:
+    # An extension that refuses tensors without data, as a Triton kernel's launcher
+    # does ("Pointer argument cannot be accessed from Triton (cpu tensor?)").
+    script = tmp_path / "ext.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class FusedNorm(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.device.type != 'cuda':\n"
+        "            raise ValueError('Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)')\n"
+        "        return x\n"
+        "m = nn.Sequential(nn.Linear(8, 8), FusedNorm()).cuda()\n"
+        "opt = torch.optim.SGD(m.parameters())\n"
+        "m(torch.randn(2, 8, device='cuda')).sum().backward()\nopt.step()\n"
+    )
+    p = cli("--", sys.executable, str(script))
+    assert p.returncode == 2, p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert "failed under preflight after 0 optimizer step(s) in FusedNorm's forward: ValueError: Pointer argument" in line, line
