@@ -16,6 +16,7 @@ from pathlib import Path
 import oomkit
 import pytest
 import torch
+from preflight_cli import preflight_run
 from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
@@ -153,12 +154,7 @@ for _ in range(3):
 def test_a_script_with_4bit_layers_is_measured_quantized(tmp_path: Path) -> None:
     script = tmp_path / "qlora.py"
     script.write_text(SCRIPT)
-    p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--capacity", "8GiB", "--", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    run = json.loads(p.stdout)["run"]
+    run = preflight_run(script, "--capacity", "8GiB", cwd=tmp_path)
     # Moving a Linear4bit to the GPU quantizes it, on meta as on CUDA: the two
     # layers hold half a byte a weight (with double-quantized scales, the
     # default of Linear4bit), not the fp32 they were built in.

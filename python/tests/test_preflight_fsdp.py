@@ -14,6 +14,7 @@ import oomkit
 import pytest
 import torch
 from oomkit._preflight import Preflight
+from preflight_cli import preflight_run
 from torch import nn
 
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
@@ -71,21 +72,14 @@ def test_bad_sharding_settings_are_one_line() -> None:
         run(0)
 
 
-SMALL = ["--dim", "256", "--layers", "4", "--vocab", "1000", "--seq", "128", "--batch-size", "2"]
+SMALL = ("--dim", "256", "--layers", "4", "--vocab", "1000", "--seq", "128", "--batch-size", "2")
 
 
-def preflight_script(gpus: int) -> dict:
-    p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--gpus", str(gpus), "--capacity", "8GiB", "--", sys.executable, str(EXAMPLE), *SMALL],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)["run"]
 
 
 def test_an_unchanged_torchrun_script_runs_as_rank_zero() -> None:
     # The script calls init_process_group("nccl") and shards with fully_shard, as under torchrun.
-    one, eight = preflight_script(1), preflight_script(8)
+    one, eight = (preflight_run(EXAMPLE, "--gpus", str(g), "--capacity", "8GiB", args=SMALL) for g in (1, 8))
     state_one, state_eight = one["by_role"]["optimizer_state"], eight["by_role"]["optimizer_state"]
     assert abs(state_eight - state_one / 8) / (state_one / 8) < 0.02, (state_one, state_eight)
     assert eight["peak_allocated_bytes"] < one["peak_allocated_bytes"]
@@ -156,12 +150,7 @@ for _ in range(3):
 def test_an_unchanged_ddp_script_runs_as_rank_zero(tmp_path: Path) -> None:
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
-    p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--gpus", "4", "--capacity", "8GiB", "--", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    run = json.loads(p.stdout)["run"]
+    run = preflight_run(script, "--gpus", "4", "--capacity", "8GiB")
     params = 4 * (512 * 2048 + 2048 + 2048 * 512 + 512)
     assert run["by_role"]["parameters"] >= params
     # The buckets (one copy of the gradients) and cuBLAS's workspace.
