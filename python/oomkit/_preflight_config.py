@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import oomkit
+from oomkit._preflight import OPTIMIZERS
 
 #: The environment variable carrying the settings from ``oomkit estimate``.
 ENV = "OOMKIT_PREFLIGHT_CONFIG"
@@ -139,6 +140,49 @@ def _build(config: dict[str, Any], s: dict[str, Any]) -> Any:
     return model.train()
 
 
+#: The EMA's decay; memory does not depend on it.
+EMA_DECAY = 0.999
+
+#: Said in the answer when the step keeps an EMA copy.
+EMA_NOTE = "the EMA copy (one more copy of every weight, updated in place after each optimizer step) counts as parameters"
+
+
+def _with_ema(model: Any) -> Any:
+    """Attaches an exponential moving average of ``model``'s weights, as a frozen copy the optimizer's steps update.
+
+    The copy is a submodule, so it is counted with the weights; the update
+    (``torch._foreach_lerp_``, in place, as timm's ``ModelEmaV3`` does it)
+    runs after each optimizer step, from the hook the optimizer factory of
+    :func:`_ema_updating` registers.
+    """
+    import torch
+
+    live = list(model.parameters())
+    holder = torch.nn.Module()
+    holder.weights = torch.nn.ParameterList(torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in live)
+    model.oomkit_ema = holder
+    model.oomkit_ema_pairs = (list(holder.weights), live)
+    return model
+
+
+def _ema_updating(make: Any, model: Any) -> Any:
+    """``make``'s optimizer, which moves ``model``'s EMA copy toward the weights after each step."""
+    import torch
+
+    def build(params: Any) -> Any:
+        opt = make(params)
+        averages, live = model().oomkit_ema_pairs
+
+        @torch.no_grad()
+        def update(*_: Any) -> None:
+            torch._foreach_lerp_(averages, live, 1 - EMA_DECAY)
+
+        opt.register_step_post_hook(update)
+        return opt
+
+    return build
+
+
 def _batch(model: Any, config: dict[str, Any], seq: int, b: int) -> dict[str, Any]:
     """A batch of ``b`` random sequences, with the labels the model's head takes."""
     import torch
@@ -153,8 +197,8 @@ def _batch(model: Any, config: dict[str, Any], seq: int, b: int) -> dict[str, An
 def _unsupported(s: dict[str, Any]) -> str | None:
     if int(s.get("gpus", 1)) > 1 and int(s.get("zero", 0)) not in ZERO_SHARDING:
         return f"ZeRO stage {s.get('zero', 0)} is not one PyTorch runs"
-    if s.get("ema"):
-        return "an EMA copy is not traced yet"
+    if s.get("ema") and int(s.get("gpus", 1)) > 1:
+        return "an EMA copy of sharded weights is not traced"
     return None
 
 
@@ -177,10 +221,13 @@ def main() -> int:
             built: list[Any] = []
 
             def build() -> Any:
-                built.append(_build(config, s))
+                model = _build(config, s)
+                built.append(_with_ema(model) if s.get("ema") else model)
                 return built[-1]
 
-            optimizer = {"adamw": "adamw", "sgd": "sgd", "adafactor": "adafactor", "adamw8bit": "adamw8bit"}[s["optimizer"]]
+            optimizer: Any = {"adamw": "adamw", "sgd": "sgd", "adafactor": "adafactor", "adamw8bit": "adamw8bit"}[s["optimizer"]]
+            if s.get("ema"):
+                optimizer = _ema_updating(OPTIMIZERS[optimizer], lambda: built[-1])
             autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s["dtype"]) if s["mixed_precision"] else None
 
             def batch(b: int) -> Any:
@@ -196,6 +243,8 @@ def main() -> int:
                 gpus=int(s.get("gpus", 1)),
                 sharding=ZERO_SHARDING.get(int(s.get("zero", 0)), "fsdp"),
             )
+            if s.get("ema"):
+                answer.notes.append(EMA_NOTE)
             result = {"result": answer.as_dict()}
         except ImportError as e:
             result = {"error": f"not traced: {e} (install transformers where oomkit runs)"}

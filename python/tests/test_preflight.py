@@ -329,6 +329,12 @@ def test_estimate_traces_the_config_beside_the_formula() -> None:
     assert abs(traced["by_role"]["parameters"] - doc["weights_bytes"]) / doc["weights_bytes"] < 0.02
     text = subprocess.run([OOMKIT, *common], capture_output=True, text=True, timeout=300)
     assert "Traced (oomkit preflight" in text.stdout and "the formula's tensors" in text.stdout
+    # --ema: one more copy of every weight, counted with them, and said.
+    p = subprocess.run([OOMKIT, *common, "--json", "--ema"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ema = json.loads(p.stdout)["traced"]
+    assert abs(ema["by_role"]["parameters"] - 2 * traced["by_role"]["parameters"]) / traced["by_role"]["parameters"] < 0.01
+    assert any("EMA copy" in n for n in ema["notes"]), ema["notes"]
     p = subprocess.run([OOMKIT, *common, "--json", "--optimizer", "adamw8bit"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     eight = json.loads(p.stdout)
