@@ -458,12 +458,11 @@ class Known:
     def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
         leaves = [p for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
         for t in leaves:
-            if isinstance(t, torch.Tensor):
-                i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
-                if i is None and t.device.type == FAKE_DEVICE:
-                    i = rec.track(t)
-                if i is not None:
-                    into.add(i)
+            i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
+            if i is None and t.device.type == FAKE_DEVICE:
+                i = rec.track(t)
+            if i is not None:
+                into.add(i)
 
     def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
         params = list(model.parameters())
@@ -515,8 +514,8 @@ class Known:
                 role = "gradients"
             elif i in self.inputs:
                 role = "inputs"
-            elif (sharded := _fsdp_role(tr.stacks[tr.stack_of[i]])) is not None:
-                role = sharded
+            elif (spread := _parallel_role(tr.stacks[tr.stack_of[i]])) is not None:
+                role = spread
             elif tr.phases[i] == "forward":
                 # Made in forward and still held when forward ended: saved for backward.
                 role = "activations" if tr.freed_in.get(i, "end") != "forward" else "temporaries"
@@ -544,7 +543,7 @@ DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
 _WRAPPERS = (os.path.join("torch", "_dynamo"), os.path.join("torch", "_compile.py"))
 
 
-def _fsdp_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
+def _parallel_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
     """The role of what data parallelism allocates itself: FSDP's gathered parameters and
     gradients to reduce-scatter, DDP's buckets (``other``); else None."""
     for filename, _line, name in stack:

@@ -40,6 +40,9 @@ RESHARD_AFTER_FORWARD = {"fsdp": True, "zero3": True, "zero2": False}
 #: ZeroRedundancyOptimizer (each GPU keeps a share of the optimizer's state; ZeRO-1).
 STRATEGIES = (*RESHARD_AFTER_FORWARD, "ddp", "zero1")
 
+#: What every answer for several GPUs says of what is not modelled.
+ONE_STREAM = "communication streams are not modelled (one stream)"
+
 #: The environment torchrun gives each rank; a script run under preflight is rank 0.
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
 
@@ -81,6 +84,7 @@ def as_rank_zero(world_size: int, notes: list[str]) -> None:
     if _init_process_group is None:
         _init_process_group = dist.init_process_group
     if world_size > 1:
+        notes.append(f"rank 0 of {world_size} GPUs: the script's process group is PyTorch's fake one; {ONE_STREAM}")
         # One GPU keeps the environment as it is: a script that shards only
         # under torchrun (RANK set) takes its one-GPU branch, as it would.
         os.environ["WORLD_SIZE"] = str(world_size)
@@ -206,12 +210,11 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
     """
     if strategy not in STRATEGIES:
         raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(STRATEGIES)}")
-    one_stream = "communication streams are not modelled (one stream)"
     if strategy in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
 
         state = ", a share of the optimizer's state on each (ZeroRedundancyOptimizer)" if strategy == "zero1" else ""
-        note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each{state}), through PyTorch's fake process group; {one_stream}"
+        note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each{state}), through PyTorch's fake process group; {ONE_STREAM}"
         return DistributedDataParallel(model), [note]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -224,7 +227,7 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     notes = [
         f"rank 0 of {world_size} GPUs, sharded with FSDP (fully_shard, reshard_after_forward={reshard}) "
-        f"over {len(units)} block(s) and the model, through PyTorch's fake process group; {one_stream}"
+        f"over {len(units)} block(s) and the model, through PyTorch's fake process group; {ONE_STREAM}"
     ]
     if not units:
         notes.append("the model has no ModuleList of layers: FSDP gathers all of it at once")

@@ -208,7 +208,7 @@ class Recorder(TorchDispatchMode):
                     str(func.overloadpacket.__name__),
                     _where(self._stack()),
                     _first_sentence(e),
-                    self._modules[-1] if self._modules else None,
+                    self.innermost_module(),
                 )
                 # PyTorch's own operators that fail here need values; another
                 # library's operator lacks the fake kernel its author can add.
@@ -218,7 +218,12 @@ class Recorder(TorchDispatchMode):
         for t in tree_leaves(out):
             if _is_fake(t):
                 self.track(t)
-        if self._workspace is None and self._cublas_workspace > 0 and not self._deferred and func.overloadpacket.__name__ in _CUBLAS_OPS:
+        if (
+            self._workspace is None
+            and self._cublas_workspace > 0
+            and not self._deferred
+            and func.overloadpacket.__name__ in _CUBLAS_OPS
+        ):
             self._workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
             index = self.track(self._workspace)
             if index is not None:

@@ -31,7 +31,6 @@ from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
 ENV = "OOMKIT_PREFLIGHT"
 
 
-
 class _Session:
     """One script's preflight: the modes, the hooks and the answer at the end."""
 
@@ -58,11 +57,6 @@ class _Session:
     def start(self) -> None:
         self._patch_cuda()
         as_rank_zero(self.world_size, self.notes)
-        if self.world_size > 1:
-            self.notes.append(
-                f"rank 0 of {self.world_size} GPUs: the script's process group is PyTorch's fake one; "
-                "communication streams are not modelled (one stream)"
-            )
         cuda_autocast(self.autocast, self.functions).__enter__()
         self.functions.__enter__()
         self.rec.__enter__()
