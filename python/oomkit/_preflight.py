@@ -26,7 +26,15 @@ import torch
 
 from oomkit import _native
 from oomkit._native import PreflightError
-from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
+from oomkit._preflight_cuda import (
+    Autocast,
+    CudaFunctions,
+    cublas_workspace,
+    cuda_autocast,
+    device_answers,
+    foreach_on_meta,
+    no_graph_capture,
+)
 from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard, zero_redundancy
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
 from oomkit._preflight_snapshot import write_snapshot
@@ -242,6 +250,7 @@ class _Run:
                 stack.enter_context(replaced(torch.optim.Optimizer, no_graph_capture()))
                 stack.enter_context(fake_world(self.gpus, self.notes))
             stack.enter_context(cuda_autocast(state, functions))
+            stack.enter_context(foreach_on_meta())
             stack.enter_context(functions)
             stack.enter_context(rec)
             opt_hooks = _phase_hooks(rec)
@@ -311,12 +320,6 @@ class _Run:
             opt = self.optimizer(params)
         if self.gpus > 1 and self.sharding == "zero1":
             opt = zero_redundancy(opt)
-        for inner in (opt, *_inner_optimizers(opt)):
-            for group in inner.param_groups:
-                # On CUDA PyTorch picks the foreach implementation unless told
-                # otherwise (_default_to_fused_or_foreach); on meta it would not.
-                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                    group["foreach"] = True
         return opt
 
     def _make_batch(self, micro_batch: int | None) -> Any:

@@ -15,7 +15,11 @@ autograd records and saves for backward, as on the GPU:
   attention for 16-bit inputs without a mask, else memory-efficient
   attention, else the math path), because the kernels save different
   tensors for backward (flash keeps the output and a float32 log-sum-exp
-  per row; the math path keeps the whole attention matrix).
+  per row; the math path keeps the whole attention matrix);
+- PyTorch's default of foreach kernels, which it takes for CUDA tensors
+  only (optimizers and ``clip_grad_norm_``, whose foreach forms hold a
+  temporary for every tensor at once), is taken for ``meta`` ones too
+  (:func:`foreach_on_meta`).
 
 A mode is switched off while it handles a call, so the functions a
 composite written in Python calls inside (``multi_head_attention_forward``
@@ -36,6 +40,7 @@ from typing import Any, cast
 
 import torch
 import torch.amp.autocast_mode as _autocast_mode
+import torch.utils._device as _default_device
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map
 
@@ -88,6 +93,9 @@ EMULATED = ("cuda", FAKE_DEVICE)
 
 #: Composites written in Python whose inner calls the mode must see (by name).
 OPENED = frozenset({"multi_head_attention_forward"})
+
+#: Modules that hold PyTorch's list of devices with foreach kernels under their own name (imported by name).
+FOREACH_LISTS = ("torch.utils._foreach_utils", "torch.optim.optimizer", "torch.optim.swa_utils")
 
 #: Flash attention's largest head dimension (``check_head_dim_size_flash``).
 FLASH_MAX_HEAD_DIM = 256
@@ -250,6 +258,11 @@ def _is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
+def _cuda_by_default() -> bool:
+    """Whether ``torch.set_default_device`` or ``with torch.device(...)`` made CUDA the default device."""
+    return _is_cuda(getattr(_default_device, "CURRENT_DEVICE", None))
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if _is_cuda(value) else value
 
@@ -351,6 +364,10 @@ class CudaFunctions(TorchFunctionMode):
             if self.on_upload is not None and uploaded:
                 self.on_upload(moved)
             return moved
+        if kwargs.get("device") is None and _cuda_by_default() and func in _default_device._device_constructors():
+            # torch.set_default_device("cuda") (or `with torch.device("cuda")`)
+            # puts its mode below this one, where it would add a real CUDA device.
+            kwargs["device"] = FAKE_DEVICE
         if kwargs.get("device") is not None:
             kwargs["device"] = _to_meta(kwargs["device"])
         elif self.build_on_meta and name in _FACTORIES and _building_module():
@@ -466,6 +483,31 @@ def _cuda_attention(
         )
         return out[0]
     return None
+
+
+@contextmanager
+def foreach_on_meta() -> Iterator[None]:
+    """While active, PyTorch chooses foreach kernels for ``meta`` tensors by default, as it does for CUDA ones."""
+    import importlib
+
+    import torch.utils._foreach_utils as foreach_utils
+
+    original = foreach_utils._get_foreach_kernels_supported_devices
+
+    def with_meta() -> list[str]:
+        return [*original(), FAKE_DEVICE]
+
+    patched = []
+    for name in FOREACH_LISTS:
+        module = importlib.import_module(name)
+        if getattr(module, "_get_foreach_kernels_supported_devices", None) is original:
+            module._get_foreach_kernels_supported_devices = with_meta  # type: ignore[attr-defined]
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            module._get_foreach_kernels_supported_devices = original  # type: ignore[attr-defined]
 
 
 @contextmanager

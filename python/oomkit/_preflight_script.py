@@ -16,6 +16,7 @@ import atexit
 import json
 import os
 import sys
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -23,7 +24,15 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit._preflight import Known, Settings, answer, unsupported
-from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace, cuda_autocast, device_answers, no_graph_capture
+from oomkit._preflight_cuda import (
+    Autocast,
+    CudaFunctions,
+    cublas_workspace,
+    cuda_autocast,
+    device_answers,
+    foreach_on_meta,
+    no_graph_capture,
+)
 from oomkit._preflight_dist import as_rank_zero
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
 
@@ -51,13 +60,19 @@ class _Session:
         self.notes: list[str] = []
         self.finished = False
         self._seen_modules: set[int] = set()
+        #: What stays in force until the process ends (never closed).
+        self._held = ExitStack()
 
     # ---- start ----
 
     def start(self) -> None:
         self._patch_cuda()
         as_rank_zero(self.world_size, self.notes)
-        cuda_autocast(self.autocast, self.functions).__enter__()
+        # Held for the life of the process: a context manager's generator
+        # left unreferenced is collected at once and runs its exit, which
+        # put CUDA's own autocast back (it never casts meta tensors).
+        self._held.enter_context(cuda_autocast(self.autocast, self.functions))
+        self._held.enter_context(foreach_on_meta())
         self.functions.__enter__()
         self.rec.__enter__()
         # Modules built without a device are built on meta (never allocated),

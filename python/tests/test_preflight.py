@@ -10,12 +10,14 @@ import os
 import pickle
 import subprocess
 import sys
+from typing import Any
 
 import oomkit
 import pytest
 import torch
 import torch.nn.functional as F
 from oomkit import preflight
+from preflight_cli import preflight_run
 from torch import nn
 
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
@@ -238,6 +240,104 @@ def test_the_cli_runs_an_unchanged_cuda_script_and_searches_the_batch(tmp_path) 
     # The text form says the same.
     text = cli("--capacity", "1GiB", "--", sys.executable, EXAMPLE, "--batch-size", "2", *SMALL)
     assert text.returncode == 0 and "fits 1GiB" in text.stdout and "By role at the peak" in text.stdout
+
+
+AUTOCAST_SCRIPT = """
+import sys, torch
+from torch import nn
+def mlp():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)) for _ in range(4)])
+model = mlp().cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    x = torch.randn(2048, 512, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=sys.argv[1] == "bf16"):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_the_cli_runs_a_scripts_autocast_as_the_python_api_does(tmp_path) -> None:
+    # The CLI once let CUDA's own autocast back in, which never casts meta
+    # tensors: every script's autocast step was measured in float32.
+    script = tmp_path / "autocast_train.py"
+    script.write_text(AUTOCAST_SCRIPT)
+    scope: dict[str, Any] = {}
+    exec(AUTOCAST_SCRIPT.split("model =")[0], scope)
+    for precision, autocast in (("bf16", torch.bfloat16), ("fp32", None)):
+        run = preflight_run(script, args=(precision,))
+        api = preflight(
+            scope["mlp"], lambda b: torch.randn(b, 512, device="cuda"), micro_batch=2048, autocast=autocast,
+            loss=lambda m, x: m(x).float().square().mean(),
+        )  # fmt: skip
+        assert run["by_role"]["activations"] == pytest.approx(api.by_role["activations"], rel=0.001), precision
+        assert run["peak_allocated_bytes"] == pytest.approx(api.peak_allocated_bytes, rel=0.01), precision
+        if autocast is not None:
+            half = run["by_role"]["activations"]
+    # What each layer keeps for backward is bfloat16, half of float32's, beside
+    # the bfloat16 copies of the weights that autocast casts and backward keeps.
+    assert half < 0.7 * run["by_role"]["activations"]
+
+
+FOREACH_SCRIPT = """
+import sys, torch
+from torch import nn
+foreach = {"default": None, "foreach": True}[sys.argv[1]]
+model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+for _ in range(2):
+    model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_scripts_optimizer_and_clipping_take_the_foreach_kernels_cuda_defaults_to(tmp_path) -> None:
+    # On CUDA, foreach=None means foreach=True (the update holds a temporary
+    # for every parameter at once); on meta PyTorch would pick the loop.
+    script = tmp_path / "foreach_train.py"
+    script.write_text(FOREACH_SCRIPT)
+    default, explicit = (preflight_run(script, args=(how,)) for how in ("default", "foreach"))
+    assert default["peak_allocated_bytes"] == explicit["peak_allocated_bytes"]
+    assert default["by_role"] == explicit["by_role"]
+    # At the peak (the update), the temporaries are a parameter-sized set at least.
+    assert default["by_role"]["temporaries"] >= default["by_role"]["parameters"]
+
+
+DEFAULT_DEVICE_SCRIPT = """
+import sys, torch
+from torch import nn
+how = sys.argv[1]
+if how == "set_default_device":
+    torch.set_default_device("cuda")
+def build():
+    return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+if how == "with_device":
+    with torch.device("cuda"):
+        model = build()
+else:
+    model = build() if how == "set_default_device" else build().cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    x = torch.randn(256, 1024) if how == "set_default_device" else torch.randn(256, 1024, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_cuda_as_the_default_device_is_the_gpu_too(tmp_path) -> None:
+    # torch.set_default_device("cuda") puts its mode below preflight's; its
+    # tensors once went to a real CUDA device and the script failed.
+    script = tmp_path / "default_device.py"
+    script.write_text(DEFAULT_DEVICE_SCRIPT)
+    runs = {how: preflight_run(script, args=(how,)) for how in ("explicit", "set_default_device", "with_device")}
+    for how, run in runs.items():
+        assert run["peak_allocated_bytes"] == runs["explicit"]["peak_allocated_bytes"], how
+        assert run["by_role"] == runs["explicit"]["by_role"], how
 
 
 def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
