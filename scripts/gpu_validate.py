@@ -18,6 +18,10 @@ runs):
 - preflight: `oomkit.preflight` beside the same steps measured, three
   models at two micro-batches each, and the largest micro-batch under a
   limit against a bisection of real steps (scripts/gpu_preflight_check.py);
+- scripts: `oomkit preflight -- python SCRIPT` (the command, on unchanged
+  scripts with bfloat16 autocast: the README's GPT at two micro-batches,
+  and the FSDP GPT under torchrun) beside the same scripts run on the GPU
+  (scripts/measure_script.py);
 
 then:
 
@@ -478,6 +482,50 @@ def preflight(v: Validation) -> dict[str, Any]:
     return {"cases": rows}
 
 
+#: The unchanged scripts `oomkit preflight` is run on and measured against: name, script, arguments, under torchrun.
+SCRIPT_CASES = (
+    ("train.py b4", "preflight/train.py", ["--batch-size", "4", "--steps", "2"], False),
+    ("train.py b12", "preflight/train.py", ["--batch-size", "12", "--steps", "2"], False),
+    ("fsdp_train.py", "preflight/fsdp_train.py", ["--steps", "2"], True),
+)
+
+#: The same scripts, small, where nothing is measured (CPU).
+QUICK_SCRIPT_ARGS = {"preflight/train.py": ["--ctx", "256", "--dim", "128", "--heads", "4", "--layers", "2"],
+                     "preflight/fsdp_train.py": ["--seq", "256", "--dim", "128", "--layers", "2"]}
+
+
+def scripts(v: Validation) -> dict[str, Any]:
+    """`oomkit preflight -- python SCRIPT` (the CLI, autocast and all) beside the same unchanged script run on the GPU."""
+    rows = []
+    for name, script, args, torchrun in SCRIPT_CASES:
+        path = os.path.join(EXAMPLES, script)
+        if v.args.quick:
+            args = args + QUICK_SCRIPT_ARGS[script]
+        pred = v.sh([v.oomkit, "preflight", "--json", "--", sys.executable, path, *args], timeout=180)
+        row: dict[str, Any] = {"case": name, "command": " ".join([script, *args]), "preflight_rc": pred["rc"]}
+        if pred["rc"] in (0, 5):
+            run = json.loads(pred["stdout"])["run"]
+            row.update(predicted_allocated_bytes=run["peak_allocated_bytes"], predicted_reserved_bytes=run["peak_reserved_bytes"])
+        else:
+            row["preflight_error"] = pred["stderr"][-800:]
+        if v.cuda:
+            measure = [os.path.join(ROOT, "scripts", "measure_script.py"), path, *args]
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if torchrun else [sys.executable]
+            m = v.sh(launcher + measure, timeout=240)
+            got = result_line(m["stdout"])
+            row["measured_rc"] = m["rc"]
+            if got is not None:
+                row.update(measured_allocated_bytes=got["peak_allocated_bytes"], measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"])
+                for kind in ("allocated", "reserved"):
+                    predicted = row.get(f"predicted_{kind}_bytes")
+                    if predicted:
+                        row[f"{kind}_error"] = round(predicted / got[f"peak_{kind}_bytes"] - 1, 4)
+            else:
+                row["measured_error"] = m["stderr"][-800:]
+        rows.append(row)
+    return {"cases": rows}
+
+
 def draft(v: Validation) -> str:
     """The tables for VALIDATION.md."""
     s = v.results["sections"]
@@ -490,7 +538,7 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("allocator", "preflight", "oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("allocator", "preflight", "scripts", "oom", "overhead", "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -508,7 +556,7 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("oom", 60, oom), ("overhead", 20, overhead),
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 60, scripts), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:

@@ -28,13 +28,19 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     r = json.loads((out / "results.json").read_text())
     s = r["sections"]
     assert {k: d["status"] for k, d in s.items()} == {
-        "allocator": "ok", "preflight": "ok", "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
+        "allocator": "ok", "preflight": "ok", "scripts": "ok", "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
     }, {k: d.get("error") for k, d in s.items()}
     assert s["allocator"]["skipped"]
     # Preflight's side runs anywhere: each case's predictions and its search.
     cases = {c["case"]: c for c in s["preflight"]["cases"]}
     assert cases["gpt-100m"]["predicted_largest_micro_batch"] == 11, cases["gpt-100m"]
     assert all(len(c.get("rows", [])) == 2 for name, c in cases.items() if name != "resnet50"), cases
+
+    # The command's side of the scripts: each unchanged script answered (measured only on a GPU).
+    scripts = s["scripts"]["cases"]
+    assert [c["case"] for c in scripts] == ["train.py b4", "train.py b12", "fsdp_train.py"]
+    assert all(c["preflight_rc"] == 0 and c["predicted_reserved_bytes"] >= c["predicted_allocated_bytes"] > 0 for c in scripts), scripts
+    assert scripts[0]["predicted_allocated_bytes"] < scripts[1]["predicted_allocated_bytes"]
 
     rows = {row["case"]: row for row in s["planted"]["rows"]}
     assert len(rows) == 2 * 5 + 2
@@ -71,3 +77,14 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     with tarfile.open(out / "artifacts.tar.gz") as tar:
         names = tar.getnames()
     assert any(n.endswith(".jsonl") for n in names)
+
+
+def test_the_measuring_wrapper_runs_a_script_as_python_would(tmp_path):
+    # On the GPU it adds the RESULT line; what the script sees must be as under `python SCRIPT ARGS`.
+    script = tmp_path / "echo.py"
+    (tmp_path / "helper.py").write_text("VALUE = 'imported beside the script'\n")
+    script.write_text("import sys, helper\nif __name__ == '__main__':\n    print(sys.argv[0].endswith('echo.py'), sys.argv[1:], helper.VALUE)\n")
+    wrapper = os.path.join(os.path.dirname(SCRIPT), "measure_script.py")
+    p = subprocess.run([sys.executable, wrapper, str(script), "--batch-size", "3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "True ['--batch-size', '3'] imported beside the script"
