@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
 from oomkit import _native
+
+#: Set by ``oomkit preflight`` in the script it runs: that run's own folder, removed after it.
+PREFLIGHT_DIR_ENV = "OOMKIT_PREFLIGHT_DIR"
+
+
+def preflight_dir() -> Optional[str]:
+    """The folder of the ``oomkit preflight`` run this process is, or None outside one.
+
+    Under preflight the model is on ``meta`` standing for the GPU, and
+    ``torch.cuda`` answers from the allocator model; a tracker's run log
+    goes to this folder, since nothing ran on a GPU to log.
+    """
+    return os.environ.get(PREFLIGHT_DIR_ENV) or None
 
 
 def _torch() -> Any:
@@ -25,7 +39,8 @@ class _Meter:
 
     def __init__(self, device: Any, reset_peaks: bool = False) -> None:
         torch = _torch()
-        self.cuda = device is not None and device.type == "cuda"
+        # Under preflight, meta tensors are the GPU's, and torch.cuda answers for them.
+        self.cuda = device is not None and (device.type == "cuda" or (device.type == "meta" and preflight_dir() is not None))
         self.device = device
         self.capacity_source: Optional[str] = None
         if self.cuda:

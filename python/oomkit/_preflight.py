@@ -36,6 +36,7 @@ from oomkit._preflight_cuda import (
     no_graph_capture,
 )
 from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard, zero_redundancy
+from oomkit._preflight_memory import MemoryQueries
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
 from oomkit._preflight_snapshot import write_snapshot
 
@@ -246,7 +247,8 @@ class _Run:
         with ExitStack() as stack:
             if self.gpus > 1:
                 # FSDP asks torch.cuda for the device, its streams and events.
-                stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec)))
+                memory = MemoryQueries(rec, self.alloc_conf, self.capacity_bytes, self.notes)
+                stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory)))
                 stack.enter_context(replaced(torch.optim.Optimizer, no_graph_capture()))
                 stack.enter_context(fake_world(self.gpus, self.notes))
             stack.enter_context(cuda_autocast(state, functions))

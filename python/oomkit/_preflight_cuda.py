@@ -44,6 +44,7 @@ import torch.utils._device as _default_device
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map
 
+from oomkit._preflight_memory import MemoryQueries, rng_answers
 from oomkit._preflight_record import FAKE_DEVICE
 
 #: cuBLAS's workspace per handle, allocated through the caching allocator
@@ -171,8 +172,21 @@ HOPPER = (9, 0)
 AMPERE = (8, 0)
 
 
-def device_answers(capacity: str, capacity_bytes: int, rec: Any) -> dict[str, Any]:
-    """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's."""
+class _DeviceContext:
+    """``torch.cuda.device(i)`` and ``device_of(t)``: the one GPU is current already."""
+
+    def __init__(self, *_: Any) -> None:
+        self.idx = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries) -> dict[str, Any]:
+    """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's (through ``memory``)."""
     major, minor = AMPERE if cublas_workspace(capacity) != cublas_workspace("H100") else HOPPER
 
     def properties(*_: Any, **__: Any) -> Any:
@@ -192,15 +206,15 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any) -> dict[str, An
         "synchronize": nothing(),
         "manual_seed": nothing(),
         "manual_seed_all": nothing(),
-        "reset_peak_memory_stats": nothing(),
         "empty_cache": rec.empty_cache,
+        "device": _DeviceContext,
+        "device_of": _DeviceContext,
         "is_bf16_supported": lambda *a, **k: True,
         "get_device_name": lambda *a, **k: f"oomkit preflight ({capacity})",
         "get_device_capability": lambda *a, **k: (major, minor),
         "get_device_properties": properties,
-        "memory_allocated": lambda *a, **k: rec.live_bytes,
-        "max_memory_allocated": lambda *a, **k: rec.peak_bytes,
-        "mem_get_info": lambda *a, **k: (max(0, capacity_bytes - rec.live_bytes), capacity_bytes),
+        **memory.cuda_answers(),
+        **rng_answers(),
         **stream_stand_ins(),
     }
 

@@ -257,6 +257,14 @@ class Recorder(TorchDispatchMode):
             if st is not None and st not in self._index and st.nbytes() > 0:
                 self._allocate(st, st.nbytes(), stack_id)
 
+    def held_before_step(self) -> list[int]:
+        """Before the step begins: the sizes of the set-up's storages still alive (on the GPU now); after, none."""
+        if not self._deferred:
+            return []
+        # A storage tracked twice before the step (a parameter moved in place) is held once.
+        alive = {id(st): st for st in (ref() for ref, _size, _stack in self._pending) if st is not None}
+        return [st.nbytes() for st in alive.values() if st not in self._index and st.nbytes() > 0]
+
     @property
     def begun(self) -> bool:
         """Whether the step has begun (allocations are recorded as they happen)."""

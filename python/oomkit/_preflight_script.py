@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from oomkit import _native
+from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
 from oomkit._preflight import Known, Settings, answer, unsupported
 from oomkit._preflight_cuda import (
@@ -34,7 +35,9 @@ from oomkit._preflight_cuda import (
     no_graph_capture,
 )
 from oomkit._preflight_dist import as_rank_zero
+from oomkit._preflight_memory import MemoryQueries
 from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
+from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
 ENV = "OOMKIT_PREFLIGHT"
@@ -53,11 +56,13 @@ class _Session:
         #: The script runs as rank 0 of this many GPUs.
         self.world_size: int = int(settings.get("world_size") or 1)
         self.rec = Recorder(cublas_workspace(self.capacity))
+        self.notes: list[str] = []
+        #: torch.cuda's memory queries, answered from what is recorded.
+        self.memory = MemoryQueries(self.rec, self.alloc_conf, self.capacity_bytes, self.notes)
         self.known = Known()
         self.autocast = Autocast()
         self.functions = CudaFunctions(self.autocast, on_upload=self._upload, on_assume=self.rec.assume)
         self.steps_done = 0
-        self.notes: list[str] = []
         self.finished = False
         self._seen_modules: set[int] = set()
         #: What stays in force until the process ends (never closed).
@@ -66,6 +71,8 @@ class _Session:
     # ---- start ----
 
     def start(self) -> None:
+        # A tracker in the script measures meta as the GPU and logs into this run's folder.
+        os.environ[PREFLIGHT_DIR_ENV] = os.path.dirname(os.path.abspath(self.result_path))
         self._patch_cuda()
         as_rank_zero(self.world_size, self.notes)
         # Held for the life of the process: a context manager's generator
@@ -103,8 +110,13 @@ class _Session:
         sys.excepthook = excepthook
 
     def _patch_cuda(self) -> None:
-        for attr, value in device_answers(self.capacity, self.capacity_bytes, self.rec).items():
+        for attr, value in device_answers(self.capacity, self.capacity_bytes, self.rec, self.memory).items():
             setattr(torch.cuda, attr, value)
+        # The same functions under torch.cuda.memory, and its memory history.
+        for attr, value in {**self.memory.cuda_answers(), **self.memory.history_answers()}.items():
+            setattr(torch.cuda.memory, attr, value)
+        # What those functions read from, which oomkit's own tracker reads directly.
+        torch._C._cuda_memoryStats = self.memory.nested_stats
         # Optimizers ask the GPU whether a CUDA graph is being captured; none is.
         for attr, value in no_graph_capture().items():
             setattr(torch.optim.Optimizer, attr, value)
@@ -169,7 +181,15 @@ class _Session:
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
-        settings = Settings(None, 1, self.steps_done, self.capacity, self.capacity_bytes, self.alloc_conf)
+        if os.path.isdir(os.path.join(os.environ[PREFLIGHT_DIR_ENV], PREFLIGHT_LOGS)):
+            notes.append("oomkit.Tracker measured the step from the allocator model; its run log was not kept, since nothing ran on a GPU")
+        allowed = self.memory.allowed_bytes()
+        if self.memory.fraction is not None:
+            notes.append(
+                f"the script's set_per_process_memory_fraction({self.memory.fraction}) leaves the allocator "
+                f"{self.memory.fraction:.0%} of the capacity: that is what it is measured against"
+            )
+        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, self.alloc_conf)
         try:
             result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
         except PreflightError as e:

@@ -24,7 +24,7 @@ CUBLAS_FRAMES = ({"filename": "??", "line": 0, "name": "at::cuda::getCurrentCUDA
 
 def write_snapshot(
     path: str | os.PathLike[str],
-    realized: tuple[Any, Any, Any],
+    realized: tuple[Any, Any, Any, Any],
     stacks: list[tuple[tuple[str, int, str], ...]],
     stack_of: list[int],
     roles: dict[int, str],
@@ -33,7 +33,7 @@ def write_snapshot(
     library: set[int] | None = None,
 ) -> None:
     """Writes the snapshot to ``path``, refusing to replace a file that exists."""
-    (actions, addrs, sizes, streams, ops), segments, _ = realized
+    (actions, addrs, sizes, streams, ops), segments, _, _ = realized
     frames = [[{"filename": f, "line": line, "name": name} for f, line, name in s] for s in stacks]
     # The CUDA libraries' own allocations carry the native frame a real
     # snapshot (stacks="all") shows for them, above the Python ones.

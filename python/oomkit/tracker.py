@@ -24,11 +24,14 @@ from typing import Any, Optional
 
 from oomkit import _holdings, _hooks, _native, _oom_capture, _plan
 from oomkit._holdings import unwrap_optimizer
-from oomkit._measure import _Meter, _Open, _torch
+from oomkit._measure import _Meter, _Open, _torch, preflight_dir
 from oomkit._oom import find_oom, requested_bytes
 from oomkit._oom_capture import _forget_tracker, _watch_allocator_ooms, record_history
 
 LOG_VERSION = 1
+
+#: Where, inside an ``oomkit preflight`` run's own folder, a tracker's log goes.
+PREFLIGHT_LOGS = "tracker-logs"
 
 
 def _rank() -> tuple[int, int]:
@@ -125,6 +128,10 @@ class Tracker:
         # as an earlier peak, not as one of its stages'.
         self._counter, _, _ = self._meter.sample()
         self._high = self._counter
+        fake = preflight_dir()
+        if fake is not None:
+            # A preflight ran nothing on a GPU: its log is not a run's, and is not kept with them.
+            log_dir = os.path.join(fake, PREFLIGHT_LOGS)
         self.log_path = self._new_log_path(log_dir)
         self._log = _native.RunLog(self.log_path)
         self._history = False

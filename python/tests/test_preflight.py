@@ -340,6 +340,90 @@ def test_cuda_as_the_default_device_is_the_gpu_too(tmp_path) -> None:
         assert run["by_role"] == runs["explicit"]["by_role"], how
 
 
+MEMORY_QUERIES_SCRIPT = """
+import json, sys, torch
+from torch import nn
+out, dump, fraction = sys.argv[1], sys.argv[2], float(sys.argv[3])
+torch.cuda.memory._record_memory_history(max_entries=100000)
+if fraction < 1:
+    torch.cuda.set_per_process_memory_fraction(fraction)
+seen = {}
+with torch.cuda.device(0):  # what a checkpoint's code asks of the GPU, answered
+    seen["rng"] = len(torch.cuda.get_rng_state())
+model = nn.Linear(1024, 1024, bias=False).cuda()  # 4 MiB
+seen["built"] = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved()]
+opt = torch.optim.SGD(model.parameters())
+for step in range(2):
+    x = torch.randn(256, 1024, device="cuda")  # 1 MiB
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del big
+    torch.cuda.reset_peak_memory_stats()
+    seen[f"reset{step}"] = [torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()]
+    model(x).square().mean().backward()
+    stats = torch.cuda.memory_stats()
+    seen[f"backward{step}"] = [torch.cuda.memory_allocated(), stats["allocated_bytes.all.current"], torch.cuda.max_memory_reserved()]
+    with open(out, "w") as f:
+        json.dump(seen, f)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+torch.cuda.memory._dump_snapshot(dump)
+"""
+
+
+def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> None:
+    script = tmp_path / "queries.py"
+    script.write_text(MEMORY_QUERIES_SCRIPT)
+    seen_path, dump = tmp_path / "seen.json", tmp_path / "own.pickle"
+    run = preflight_run(script, "--capacity", "1GiB", args=(str(seen_path), str(dump), "1"))
+    seen = json.loads(seen_path.read_text())
+    mib = 1 << 20
+    # The 4 MiB weight, in a 20 MiB segment (kLargeBuffer, for requests of 1-10 MiB).
+    assert seen["built"] == [4 * mib, 20 * mib] and seen["rng"] == 16
+    # After the reset the 64 MiB freed before it is no longer the peak.
+    for step in (0, 1):
+        now, peak = seen[f"reset{step}"]
+        assert now == peak and peak < 64 * mib, seen
+        allocated, from_stats, _ = seen[f"backward{step}"]
+        assert allocated == from_stats
+    # The script's figures are the report's: its peak reserved is the run's.
+    assert seen["backward1"][2] <= run["peak_reserved_bytes"]
+    assert not dump.exists()
+    assert any("_record_memory_history() and _dump_snapshot() did nothing" in n for n in run["notes"])
+    # The script's share of the GPU is what the answer is against.
+    half = preflight_run(script, "--capacity", "1GiB", args=(str(seen_path), str(dump), "0.5"))
+    assert half["capacity_bytes"] == 512 * mib and run["capacity_bytes"] == 1024 * mib
+    assert any("set_per_process_memory_fraction(0.5)" in n for n in half["notes"])
+    tight = cli("--json", "--capacity", "1GiB", "--", sys.executable, str(script), str(seen_path), str(dump), "0.05")
+    assert tight.returncode == 5, tight.stderr
+    assert json.loads(tight.stdout)["run"]["fits"] is False
+
+
+TRACKED_SCRIPT = """
+import contextlib, sys, torch, oomkit
+from torch import nn
+model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+tracker = oomkit.Tracker(model, optimizer=opt, log_dir=sys.argv[1]) if sys.argv[2] == "tracked" else None
+for i in range(3):
+    with tracker.step(i) if tracker else contextlib.nullcontext():
+        model(torch.randn(512, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_tracker_in_the_script_changes_nothing_and_leaves_no_run_log(tmp_path) -> None:
+    script, logs = tmp_path / "tracked.py", tmp_path / "logs"
+    script.write_text(TRACKED_SCRIPT)
+    tracked = preflight_run(script, args=(str(logs), "tracked"))
+    plain = preflight_run(script, args=(str(logs), "plain"))
+    assert tracked["peak_allocated_bytes"] == plain["peak_allocated_bytes"]
+    assert tracked["by_role"] == plain["by_role"]
+    # A log of a run that never ran on a GPU would read as one that did.
+    assert not logs.exists()
+    assert any("its run log was not kept" in n for n in tracked["notes"])
+
+
 def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
     p = cli("--capacity", "20MiB", "--", sys.executable, EXAMPLE, "--batch-size", "4", *SMALL)
     assert p.returncode == 5 and "does NOT fit 20MiB" in p.stdout

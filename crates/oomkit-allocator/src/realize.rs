@@ -95,6 +95,10 @@ pub struct Realized {
     pub free_at_peak: u64,
     /// Allocations that failed for the capacity, by operation index.
     pub ooms: Vec<usize>,
+    /// Bytes handed out (rounded blocks) after each operation, as `torch.cuda.memory_allocated()` would say then.
+    pub allocated_after: Vec<u64>,
+    /// Bytes reserved after each operation, as `torch.cuda.memory_reserved()` would say then.
+    pub reserved_after: Vec<u64>,
 }
 
 /// Serves `ops` through a model of the allocator with `config`, failing
@@ -152,6 +156,8 @@ pub fn realize(ops: &[Op], config: AllocatorConfig, capacity: Option<u64>) -> Re
         if let Some((action, addr, size, stream)) = tail {
             out.entries.push(entry(action, addr, size, stream, i));
         }
+        out.allocated_after.push(m.totals.allocated);
+        out.reserved_after.push(m.totals.reserved);
     }
     m.settle_peak();
     out.peak_reserved = m.totals.peak_reserved;
@@ -254,6 +260,27 @@ mod tests {
 
     fn actions(r: &Realized) -> Vec<Action> {
         r.entries.iter().map(|e| e.action).collect()
+    }
+
+    #[test]
+    fn the_counters_after_each_operation_are_what_memory_allocated_and_reserved_say() {
+        let alloc = |size| Op::Alloc { size, stream: 0 };
+        // 4 MiB and 1000 bytes, the 4 MiB freed, the cache emptied.
+        let ops = [
+            alloc(4 * MIB),
+            alloc(1000),
+            Op::Free { alloc: 0 },
+            Op::EmptyCache,
+        ];
+        let r = realize(&ops, AllocatorConfig::default(), None);
+        // A request of 1-10 MiB gets a 20 MiB segment; 1000 bytes round to
+        // 1024 in a 2 MiB segment of the small pool.
+        assert_eq!(r.allocated_after, [4 * MIB, 4 * MIB + 1024, 1024, 1024]);
+        assert_eq!(r.reserved_after, [20 * MIB, 22 * MIB, 22 * MIB, 2 * MIB]);
+        assert_eq!(r.allocated_after.iter().max(), Some(&r.peak_allocated));
+        assert_eq!(r.reserved_after.iter().max(), Some(&r.peak_reserved));
+        let held: u64 = r.segments.iter().map(|s| s.size).sum();
+        assert_eq!(r.reserved_after.last(), Some(&held));
     }
 
     #[test]

@@ -319,8 +319,9 @@ type EndSegmentTuple = (u64, u64, u16, &'static str, bool, Vec<EndBlockTuple>);
 /// Serves a program's allocations and frees (`kinds` 0 alloc, 1 free, 2
 /// empty_cache; `a` the size or the freed allocation's index; `b` the
 /// stream) through the model of the caching allocator, and returns the
-/// trace, the end segments and the figures (peak reserved, peak allocated,
-/// the operation at the reserved peak, free at the peak, the OOMs).
+/// trace, the end segments, the figures (peak reserved, peak allocated,
+/// the operation at the reserved peak, free at the peak, the OOMs) and the
+/// bytes allocated and reserved after each operation.
 #[pyfunction]
 #[pyo3(signature = (kinds, a, b, alloc_conf=None, capacity=None))]
 #[allow(clippy::type_complexity)]
@@ -334,6 +335,7 @@ fn realize_ops(
     EntryLists,
     Vec<EndSegmentTuple>,
     (u64, u64, Option<usize>, u64, Vec<usize>),
+    (Vec<u64>, Vec<u64>),
 )> {
     use oomkit_allocator::{realize, AllocatorConfig, Op, PoolKind};
     if kinds.len() != a.len() || kinds.len() != b.len() {
@@ -399,6 +401,7 @@ fn realize_ops(
             r.free_at_peak,
             r.ooms,
         ),
+        (r.allocated_after, r.reserved_after),
     ))
 }
 
