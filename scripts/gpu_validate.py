@@ -497,10 +497,9 @@ QUICK_SCRIPT_ARGS = {"preflight/train.py": ["--ctx", "256", "--dim", "128", "--h
 def scripts(v: Validation) -> dict[str, Any]:
     """`oomkit preflight -- python SCRIPT` (the CLI, autocast and all) beside the same unchanged script run on the GPU."""
     rows = []
-    for name, script, args, torchrun in SCRIPT_CASES:
+    for name, script, flags, torchrun in SCRIPT_CASES:
         path = os.path.join(EXAMPLES, script)
-        if v.args.quick:
-            args = args + QUICK_SCRIPT_ARGS[script]
+        args = flags + (QUICK_SCRIPT_ARGS[script] if v.args.quick else [])
         pred = v.sh([v.oomkit, "preflight", "--json", "--", sys.executable, path, *args], timeout=180)
         row: dict[str, Any] = {"case": name, "command": " ".join([script, *args]), "preflight_rc": pred["rc"]}
         if pred["rc"] in (0, 5):
