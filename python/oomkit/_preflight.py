@@ -29,6 +29,7 @@ from oomkit._native import PreflightError
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
+    accelerator_answers,
     cublas_workspace,
     cuda_autocast,
     device_answers,
@@ -249,6 +250,8 @@ class _Run:
                 # FSDP asks torch.cuda for the device, its streams and events.
                 memory = MemoryQueries(rec, self.alloc_conf, self.capacity_bytes, self.notes)
                 stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory)))
+                accelerator = accelerator_answers(rec, memory)
+                stack.enter_context(replaced(torch.accelerator, {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}))
                 stack.enter_context(replaced(torch.optim.Optimizer, no_graph_capture()))
                 stack.enter_context(fake_world(self.gpus, self.notes))
             stack.enter_context(cuda_autocast(state, functions))

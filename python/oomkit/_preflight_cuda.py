@@ -219,6 +219,43 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
     }
 
 
+def accelerator_answers(rec: Any, memory: MemoryQueries) -> dict[str, Any]:
+    """What ``torch.accelerator`` (PyTorch's device-agnostic API) answers under preflight: CUDA, one GPU, as ``torch.cuda`` does.
+
+    Without these a PyTorch built for the CPU has no accelerator at all, and
+    a script written for ``torch.accelerator`` would train on the CPU.
+    """
+    queries = memory.cuda_answers()
+    return {
+        "current_accelerator": lambda *_, **__: torch.device("cuda"),
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device_index": lambda: 0,
+        "current_device_idx": lambda: 0,
+        "set_device_index": lambda *_, **__: None,
+        "set_device_idx": lambda *_, **__: None,
+        "device_index": _DeviceContext,
+        "synchronize": lambda *_, **__: None,
+        "current_stream": lambda *_, **__: _ONE_STREAM,
+        "set_stream": lambda *_, **__: None,
+        "empty_cache": rec.empty_cache,
+        "get_memory_info": queries["mem_get_info"],
+        **{name: queries[name] for name in ACCELERATOR_MEMORY},
+    }
+
+
+#: The memory queries ``torch.accelerator`` has under the names ``torch.cuda`` gives them.
+ACCELERATOR_MEMORY = (
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+)
+
+
 def no_graph_capture() -> dict[str, Any]:
     """``torch.optim.Optimizer``'s checks whether a CUDA graph is being captured (none is), answered without a GPU."""
     checks = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")

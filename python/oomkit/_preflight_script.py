@@ -28,6 +28,7 @@ from oomkit._preflight import Known, Settings, answer, unsupported
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
+    accelerator_answers,
     cublas_workspace,
     cuda_autocast,
     device_answers,
@@ -115,6 +116,12 @@ class _Session:
         # The same functions under torch.cuda.memory, and its memory history.
         for attr, value in {**self.memory.cuda_answers(), **self.memory.history_answers()}.items():
             setattr(torch.cuda.memory, attr, value)
+        # PyTorch's device-agnostic API, which a CPU build answers with no accelerator.
+        accelerator = accelerator_answers(self.rec, self.memory)
+        for owner in (torch.accelerator, getattr(torch.accelerator, "memory", None)):
+            for attr, value in accelerator.items():
+                if owner is not None and hasattr(owner, attr):
+                    setattr(owner, attr, value)
         # What those functions read from, which oomkit's own tracker reads directly.
         torch._C._cuda_memoryStats = self.memory.nested_stats
         # Optimizers ask the GPU whether a CUDA graph is being captured; none is.

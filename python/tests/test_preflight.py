@@ -424,6 +424,36 @@ def test_a_tracker_in_the_script_changes_nothing_and_leaves_no_run_log(tmp_path)
     assert any("its run log was not kept" in n for n in tracked["notes"])
 
 
+ACCELERATOR_SCRIPT = """
+import json, sys, torch
+from torch import nn
+# PyTorch's device-agnostic API, as pytorch/examples now write it; a CPU build has no accelerator.
+device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+torch.accelerator.set_device_index(0)
+model = nn.Linear(1024, 1024, bias=False).to(device)  # 4 MiB
+seen = [str(device), torch.accelerator.device_count(), torch.accelerator.memory_allocated()]
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(256, 1024).to(device)).square().mean().backward()
+    torch.accelerator.synchronize()
+    seen.append(torch.accelerator.max_memory_reserved())
+    with open(sys.argv[1], "w") as f:
+        json.dump(seen, f)
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_written_for_torch_accelerator_runs_on_the_gpu(tmp_path) -> None:
+    script, seen_path = tmp_path / "accelerator.py", tmp_path / "seen.json"
+    script.write_text(ACCELERATOR_SCRIPT)
+    run = preflight_run(script, args=(str(seen_path),))
+    seen = json.loads(seen_path.read_text())
+    assert seen[:3] == ["cuda", 1, 4 << 20]
+    assert run["by_role"]["parameters"] == 4 << 20 and run["by_role"]["optimizer_state"] >= 8 << 20
+    assert 0 < seen[3] <= seen[4] <= run["peak_reserved_bytes"]
+
+
 def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
     p = cli("--capacity", "20MiB", "--", sys.executable, EXAMPLE, "--batch-size", "4", *SMALL)
     assert p.returncode == 5 and "does NOT fit 20MiB" in p.stdout
