@@ -377,6 +377,8 @@ class CudaFunctions(TorchFunctionMode):
         self.on_upload = on_upload
         #: Told when values are read back from the device and taken as zeros.
         self.on_assume = on_assume
+        #: Told when a backward pass (``Tensor.backward``, ``torch.autograd.backward``) has run.
+        self.on_backward: Callable[[], None] | None = None
         #: Make the tensors a module's constructor makes without a device on meta.
         self.build_on_meta = False
 
@@ -449,7 +451,10 @@ class CudaFunctions(TorchFunctionMode):
             # forward, FSDP's hooks gathering parameters, a custom Function's
             # backward) must see the mode, as CUDA's dispatcher sees it.
             with self:
-                return _backward(func, args, kwargs)
+                done = _backward(func, args, kwargs)
+            if self.on_backward is not None:
+                self.on_backward()
+            return done
         return func(*args, **kwargs)
 
 

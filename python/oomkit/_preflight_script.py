@@ -64,6 +64,10 @@ class _Session:
         self.autocast = Autocast()
         self.functions = CudaFunctions(self.autocast, on_upload=self._upload, on_assume=self.rec.assume)
         self.steps_done = 0
+        #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
+        #: a step is a backward pass and the update after it (a loop that updates the weights itself).
+        self.backwards_done = 0
+        self.has_optimizer = False
         self.finished = False
         self._seen_modules: set[int] = set()
         #: What stays in force until the process ends (never closed).
@@ -88,6 +92,8 @@ class _Session:
         self.functions.build_on_meta = True
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        self.functions.on_backward = self._after_backward
+        _on_optimizer_made(self._optimizer_made)
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
         torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
@@ -139,7 +145,19 @@ class _Session:
     def _upload(self, t: torch.Tensor) -> None:
         self.known.add_inputs(self.rec, t)
 
+    def _optimizer_made(self) -> None:
+        self.has_optimizer = True
+
+    def _after_backward(self) -> None:
+        self.backwards_done += 1
+        if not self.has_optimizer:
+            # What follows a backward pass without an optimizer is the script's own update.
+            self.rec.phase = "optimizer"
+
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        if not self.has_optimizer and self.backwards_done >= self.steps:
+            # The forward after the last step's backward: that step's update is done.
+            self._stop()
         # The first forward begins the step: what the script built and still holds is on the GPU now.
         self.rec.begin()
         if self.rec.phase not in ("optimizer",):
@@ -162,11 +180,14 @@ class _Session:
         self.steps_done += 1
         self.rec.phase = "inputs"
         if self.steps_done >= self.steps:
-            self.finish()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # The answer is written; the rest of the script is not needed.
-            os._exit(0)
+            self._stop()
+
+    def _stop(self) -> None:
+        self.finish()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The answer is written; the rest of the script is not needed.
+        os._exit(0)
 
     # ---- the end ----
 
@@ -180,6 +201,10 @@ class _Session:
         self.finished = True
         self.rec.finish()
         notes = list(self.notes)
+        if not self.has_optimizer and self.backwards_done:
+            # A loop that updates the weights itself: its steps are its backward passes.
+            self.steps_done = min(self.backwards_done, self.steps)
+            notes.append(f"the script uses no torch.optim optimizer: each of the {self.steps_done} step(s) measured is a backward pass and what ran after it until the next forward")  # noqa: E501
         if self.steps_done < self.steps:
             if self.steps_done == 0:
                 self._write({"error": "the script ended before its first optimizer step: preflight measures training steps (optimizer.step())"})  # noqa: E501
@@ -242,6 +267,18 @@ def _allow_fused_on_meta() -> None:
         module = sys.modules.get(f"torch.optim.{name}")
         if module is not None and hasattr(module, "_device_dtype_check_for_fused"):
             module._device_dtype_check_for_fused = allowed  # type: ignore[attr-defined]
+
+
+def _on_optimizer_made(told: Any) -> None:
+    """Calls ``told()`` whenever a ``torch.optim`` optimizer is made (its base class's constructor runs)."""
+    base = torch.optim.Optimizer
+    init = base.__init__
+
+    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        told()
+        init(self, *args, **kwargs)
+
+    base.__init__ = new_init  # type: ignore[method-assign]
 
 
 def _one_process_loader(notes: list[str]) -> None:
