@@ -16,6 +16,7 @@ import atexit
 import json
 import os
 import sys
+import traceback
 from contextlib import ExitStack
 from typing import Any
 
@@ -37,7 +38,7 @@ from oomkit._preflight_cuda import (
 )
 from oomkit._preflight_dist import as_rank_zero
 from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, shown_path
 from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
@@ -110,7 +111,9 @@ class _Session:
                 # kernel's launcher) fails there, and that names the part.
                 module = self.rec.innermost_module()
                 where = f" in {module}'s forward" if module else ""
-                self._write({"error": f"the script failed under preflight {done}{where}: {kind.__name__}: {_first_line(value)}"})
+                said = _first_line(value)
+                error = f"{kind.__name__}: {said}" if said else kind.__name__
+                self._write({"error": f"the script failed under preflight {done}{where}: {error}{_at(tb)}"})
             self.finished = True
             previous(kind, value, tb)
 
@@ -235,6 +238,15 @@ class _Session:
                 json.dump(doc, f)
         except OSError as e:
             sys.stderr.write(f"oomkit preflight: cannot write {self.result_path}: {e}\n")
+
+
+def _at(tb: Any) -> str:
+    """Where the error was raised, as " (at FILE:LINE)", for an error whose message alone does not say (a bare assert)."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {shown_path(last.filename)}:{last.lineno})"
 
 
 def _first_line(e: BaseException) -> str:

@@ -638,3 +638,8 @@ def test_a_script_failing_inside_a_module_is_named_with_it(tmp_path) -> None:
     assert p.returncode == 2, p.stderr
     line = p.stderr.strip().splitlines()[-1]
     assert "failed under preflight after 0 optimizer step(s) in FusedNorm's forward: ValueError: Pointer argument" in line, line
+    assert line.endswith("(cpu tensor?) (at " + str(script) + ":6)"), line
+    # A bare assert has no message: where it failed is the line's only clue.
+    script.write_text("import torch\nm = torch.nn.Linear(8, 8).cuda()\nassert m.weight.shape[0] % 3 == 0\n")
+    p = cli("--", sys.executable, str(script))
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(f"after 0 optimizer step(s): AssertionError (at {script}:3)"), p.stderr
