@@ -248,7 +248,7 @@ class _Run:
         with ExitStack() as stack:
             if self.gpus > 1:
                 # FSDP asks torch.cuda for the device, its streams and events.
-                memory = MemoryQueries(rec, self.alloc_conf, self.capacity_bytes, self.notes)
+                memory = MemoryQueries(rec, lambda: self.alloc_conf, self.capacity_bytes, self.notes)
                 stack.enter_context(replaced(torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory)))
                 accelerator = accelerator_answers(rec, memory)
                 stack.enter_context(replaced(torch.accelerator, {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}))

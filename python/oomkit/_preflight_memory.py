@@ -13,6 +13,7 @@ in a note, rather than writing a file that claims an empty GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ RNG_STATE_BYTES = 16
 class MemoryQueries:
     """The allocator's counters at each point of the script, from what the recorder recorded so far."""
 
-    def __init__(self, rec: Any, alloc_conf: str | None, capacity_bytes: int, notes: list[str]) -> None:
+    def __init__(self, rec: Any, alloc_conf: Callable[[], str | None], capacity_bytes: int, notes: list[str]) -> None:
         self.rec = rec
+        #: The allocator's settings in force (asked each time: a script may set them before its first allocation).
         self.alloc_conf = alloc_conf
         self.capacity_bytes = capacity_bytes
         self.notes = notes
@@ -58,7 +60,7 @@ class MemoryQueries:
         args += held
         if self._cached is not None and self._cached[0] == len(kinds) and not held:
             return self._cached[1], self._cached[2]
-        realized = _native.realize_ops(kinds, args, [0] * len(kinds), self.alloc_conf, None)
+        realized = _native.realize_ops(kinds, args, [0] * len(kinds), self.alloc_conf(), None)
         allocated, reserved = realized[3]
         if not held:
             self._cached = (len(kinds), allocated, reserved)

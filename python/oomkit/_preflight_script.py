@@ -25,7 +25,7 @@ import torch
 from oomkit import _native
 from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight import Known, Settings, answer, unsupported
+from oomkit._preflight import Known, Settings, _user_line, answer, unsupported
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
@@ -38,11 +38,14 @@ from oomkit._preflight_cuda import (
 )
 from oomkit._preflight_dist import as_rank_zero
 from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, shown_path
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
 from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
 ENV = "OOMKIT_PREFLIGHT"
+
+#: PyTorch's allocator settings, which a script may set for itself.
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 class _Session:
@@ -54,13 +57,18 @@ class _Session:
         self.capacity: str = settings.get("capacity") or "H100"
         self.snapshot: str | None = settings.get("snapshot")
         self.alloc_conf: str | None = settings.get("alloc_conf")
+        # Without --alloc-conf, the script's own PYTORCH_CUDA_ALLOC_CONF (set before
+        # the allocator starts: its first forward here) is what its allocator runs with.
+        self.alloc_conf_given = bool(settings.get("alloc_conf_given"))
+        self.launch_alloc_conf = self.alloc_conf
+        self._alloc_conf_fixed = False
         self.capacity_bytes, _ = _native.parse_capacity(self.capacity)
         #: The script runs as rank 0 of this many GPUs.
         self.world_size: int = int(settings.get("world_size") or 1)
         self.rec = Recorder(cublas_workspace(self.capacity))
         self.notes: list[str] = []
         #: torch.cuda's memory queries, answered from what is recorded.
-        self.memory = MemoryQueries(self.rec, self.alloc_conf, self.capacity_bytes, self.notes)
+        self.memory = MemoryQueries(self.rec, self.allocator_settings, self.capacity_bytes, self.notes)
         self.known = Known()
         self.autocast = Autocast()
         self.functions = CudaFunctions(self.autocast, on_upload=self._upload, on_assume=self.rec.assume)
@@ -148,6 +156,16 @@ class _Session:
     def _upload(self, t: torch.Tensor) -> None:
         self.known.add_inputs(self.rec, t)
 
+    def allocator_settings(self) -> str | None:
+        """The allocator's settings: --alloc-conf, else PYTORCH_CUDA_ALLOC_CONF as the script left it before its first forward."""
+        if not self.alloc_conf_given and not self._alloc_conf_fixed:
+            theirs = os.environ.get(ALLOC_CONF_ENV) or None
+            if theirs != self.alloc_conf:
+                # Checked as PyTorch checks them when the allocator starts: a bad setting stops the script.
+                _native.realize_ops([], [], [], theirs, None)
+                self.alloc_conf = theirs
+        return self.alloc_conf
+
     def _optimizer_made(self) -> None:
         self.has_optimizer = True
 
@@ -161,6 +179,10 @@ class _Session:
         if not self.has_optimizer and self.backwards_done >= self.steps:
             # The forward after the last step's backward: that step's update is done.
             self._stop()
+        if not self._alloc_conf_fixed:
+            # By the first forward the allocator has started, with what was set by then.
+            self.allocator_settings()
+            self._alloc_conf_fixed = True
         # The first forward begins the step: what the script built and still holds is on the GPU now.
         self.rec.begin()
         if self.rec.phase not in ("optimizer",):
@@ -224,7 +246,10 @@ class _Session:
                 f"the script's set_per_process_memory_fraction({self.memory.fraction}) leaves the allocator "
                 f"{self.memory.fraction:.0%} of the capacity: that is what it is measured against"
             )
-        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, self.alloc_conf)
+        conf = self.allocator_settings()
+        if not self.alloc_conf_given and conf != self.launch_alloc_conf:
+            notes.append(f"the script sets PYTORCH_CUDA_ALLOC_CONF={conf or ''}: the allocator is modelled with it")
+        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, conf)
         try:
             result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
         except PreflightError as e:
@@ -241,12 +266,12 @@ class _Session:
 
 
 def _at(tb: Any) -> str:
-    """Where the error was raised, as " (at FILE:LINE)", for an error whose message alone does not say (a bare assert)."""
+    """The script's line the error came from, as " (at FILE:LINE (FUNCTION))": a bare assert's message alone says nothing."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     if not frames:
         return ""
-    last = frames[-1]
-    return f" (at {shown_path(last.filename)}:{last.lineno})"
+    # Innermost first; the first line outside PyTorch and oomkit is the script's.
+    return f" (at {_user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
 
 
 def _first_line(e: BaseException) -> str:

@@ -484,6 +484,38 @@ def test_a_loop_that_updates_its_weights_itself_is_measured_by_its_backward_pass
     assert not any("uses no torch.optim optimizer" in n for n in optim["notes"])
 
 
+ALLOC_CONF_SCRIPT = """
+import os, sys
+if sys.argv[1] != "-":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = sys.argv[1]  # before torch, as scripts set it
+import torch
+from torch import nn
+model = nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters())
+for step in range(2):
+    model(torch.randn(64, 1024, device="cuda")).sum().backward()
+    scratch = torch.empty((24 + 16 * step) << 20, dtype=torch.uint8, device="cuda")  # a growing buffer
+    del scratch
+    opt.step()
+"""
+
+
+def test_the_scripts_own_allocator_settings_are_modelled(tmp_path) -> None:
+    script = tmp_path / "conf.py"
+    script.write_text(ALLOC_CONF_SCRIPT)
+    default = preflight_run(script, args=("-",))
+    own = preflight_run(script, args=("expandable_segments:True",))
+    given = preflight_run(script, "--alloc-conf", "expandable_segments:True", args=("-",))
+    # A growing buffer takes a new segment each time, unless segments expand.
+    assert own["peak_reserved_bytes"] == given["peak_reserved_bytes"] < default["peak_reserved_bytes"]
+    assert any("sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in n for n in own["notes"])
+    # --alloc-conf wins over what the script sets.
+    overridden = preflight_run(script, "--alloc-conf", "expandable_segments:False", args=("expandable_segments:True",))
+    assert overridden["peak_reserved_bytes"] == default["peak_reserved_bytes"]
+    p = cli("--", sys.executable, str(script), "bogus:1")
+    assert p.returncode == 2 and 'unknown setting "bogus"' in p.stderr and "conf.py:10 (<module>)" in p.stderr, p.stderr
+
+
 def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
     p = cli("--capacity", "20MiB", "--", sys.executable, EXAMPLE, "--batch-size", "4", *SMALL)
     assert p.returncode == 5 and "does NOT fit 20MiB" in p.stdout
@@ -638,8 +670,8 @@ def test_a_script_failing_inside_a_module_is_named_with_it(tmp_path) -> None:
     assert p.returncode == 2, p.stderr
     line = p.stderr.strip().splitlines()[-1]
     assert "failed under preflight after 0 optimizer step(s) in FusedNorm's forward: ValueError: Pointer argument" in line, line
-    assert line.endswith("(cpu tensor?) (at " + str(script) + ":6)"), line
+    assert line.endswith(f"(cpu tensor?) (at {script}:6 (forward))"), line
     # A bare assert has no message: where it failed is the line's only clue.
     script.write_text("import torch\nm = torch.nn.Linear(8, 8).cuda()\nassert m.weight.shape[0] % 3 == 0\n")
     p = cli("--", sys.executable, str(script))
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(f"after 0 optimizer step(s): AssertionError (at {script}:3)"), p.stderr
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(f"after 0 optimizer step(s): AssertionError (at {script}:3 (<module>))"), p.stderr

@@ -234,6 +234,8 @@ fn run_once(
         "capacity": a.capacity,
         "snapshot": snapshot.map(|s| std::path::absolute(s).unwrap_or_else(|_| s.to_path_buf())),
         "alloc_conf": alloc_conf,
+        // Given on the command line, it wins over what the script sets for itself.
+        "alloc_conf_given": a.alloc_conf.is_some(),
         "world_size": a.gpus,
     });
     let words: Vec<String> = a
