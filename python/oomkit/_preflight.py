@@ -595,7 +595,8 @@ def _attached(p: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
-def _user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
+def user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
+    """The innermost frame of a stack (innermost first) outside PyTorch, oomkit and bitsandbytes, as "FILE:LINE (FUNCTION)"."""
     for filename, line, name in stack:
         if not any(part in filename for part in _LIBRARY_PARTS):
             return f"{shown_path(filename)}:{line} ({name})"
@@ -623,7 +624,7 @@ def _at_peak(tr: Trace, roles: dict[int, str]) -> tuple[dict[str, int], list[dic
         size = _rounded(tr.args[i])
         role = roles.get(i, "other")
         by_role[role] = by_role.get(role, 0) + size
-        key = (_user_line(tr.stacks[tr.stack_of[i]]), role)
+        key = (user_line(tr.stacks[tr.stack_of[i]]), role)
         lines[key] = lines.get(key, 0) + size
     by_line = [{"line": line, "role": role, "bytes": b} for (line, role), b in sorted(lines.items(), key=lambda kv: -kv[1])[:TOP_LINES]]
     return by_role, by_line

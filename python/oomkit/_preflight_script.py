@@ -25,7 +25,7 @@ import torch
 from oomkit import _native
 from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight import Known, Settings, _user_line, answer, unsupported
+from oomkit._preflight import Known, Settings, answer, unsupported, user_line
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
@@ -53,6 +53,8 @@ class _Session:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.result_path: str = settings["result"]
+        #: This run's own folder (the answer's), removed by ``oomkit preflight`` after the run.
+        self.run_dir = os.path.dirname(os.path.abspath(self.result_path))
         self.steps: int = int(settings.get("steps", 2))
         self.capacity: str = settings.get("capacity") or "H100"
         self.snapshot: str | None = settings.get("snapshot")
@@ -86,7 +88,7 @@ class _Session:
 
     def start(self) -> None:
         # A tracker in the script measures meta as the GPU and logs into this run's folder.
-        os.environ[PREFLIGHT_DIR_ENV] = os.path.dirname(os.path.abspath(self.result_path))
+        os.environ[PREFLIGHT_DIR_ENV] = self.run_dir
         self._patch_cuda()
         as_rank_zero(self.world_size, self.notes)
         # Held for the life of the process: a context manager's generator
@@ -185,7 +187,9 @@ class _Session:
             self._alloc_conf_fixed = True
         # The first forward begins the step: what the script built and still holds is on the GPU now.
         self.rec.begin()
-        if self.rec.phase not in ("optimizer",):
+        # A forward inside the optimizer's step (a closure, as LBFGS calls) stays in its phase;
+        # a loop without one labels its own update "optimizer" until the next forward.
+        if self.rec.phase != "optimizer" or not self.has_optimizer:
             self.rec.phase = "forward"
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
@@ -238,7 +242,7 @@ class _Session:
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
-        if os.path.isdir(os.path.join(os.environ[PREFLIGHT_DIR_ENV], PREFLIGHT_LOGS)):
+        if os.path.isdir(os.path.join(self.run_dir, PREFLIGHT_LOGS)):
             notes.append("oomkit.Tracker measured the step from the allocator model; its run log was not kept, since nothing ran on a GPU")
         allowed = self.memory.allowed_bytes()
         if self.memory.fraction is not None:
@@ -271,7 +275,7 @@ def _at(tb: Any) -> str:
     if not frames:
         return ""
     # Innermost first; the first line outside PyTorch and oomkit is the script's.
-    return f" (at {_user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
+    return f" (at {user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
 
 
 def _first_line(e: BaseException) -> str:
