@@ -44,30 +44,36 @@ class MemoryQueries:
         # The operations after which the peaks, and the cumulative counters, were last reset.
         self._since = 0
         self._totals_since = 0
-        self._cached: tuple[int, list[int], list[int]] | None = None
+        self._cached: tuple[tuple[int, int], tuple[list[int], list[int], list[int], list[int]]] | None = None
         self._real_snapshot = torch.cuda.memory._snapshot
 
     # ---- the series ----
 
-    def _series(self) -> tuple[list[int], list[int]]:
-        """Bytes allocated and reserved after each operation so far (with what set-up still holds, before the step)."""
+    def _series(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """After each operation so far: bytes allocated, reserved, retries after releasing the cache; and the OOMs' operations.
+
+        Served within what the allocator may hold (the capacity, or the
+        script's share of it), as the GPU's allocator serves them, with the
+        set-up's storages still alive before the step begins (the recorder
+        defers them; they are on the GPU now).
+        """
         tr = self.rec.trace
         kinds, args = list(tr.kinds), list(tr.args)
-        # Before the step begins the recorder defers the set-up's storages;
-        # those still alive are on the GPU now, as they will be recorded.
         held = self.rec.held_before_step()
         kinds += [0] * len(held)
         args += held
-        if self._cached is not None and self._cached[0] == len(kinds) and not held:
-            return self._cached[1], self._cached[2]
-        realized = _native.realize_ops(kinds, args, [0] * len(kinds), self.alloc_conf(), None)
-        allocated, reserved = realized[3]
+        key = (len(kinds), self.allowed_bytes())
+        if self._cached is not None and self._cached[0] == key and not held:
+            return self._cached[1]
+        realized = _native.realize_ops(kinds, args, [0] * len(kinds), self.alloc_conf(), self.allowed_bytes())
+        allocated, reserved, retries = realized[3]
+        series = (allocated, reserved, retries, realized[2][4])
         if not held:
-            self._cached = (len(kinds), allocated, reserved)
-        return allocated, reserved
+            self._cached = (key, series)
+        return series
 
     def _figures(self) -> dict[str, int]:
-        allocated, reserved = self._series()
+        allocated, reserved, retries, ooms = self._series()
         since = min(self._since, len(allocated))
         # The value when the peak was reset is where the new peak starts.
         start = since - 1 if since > 0 else None
@@ -79,9 +85,11 @@ class MemoryQueries:
             window = series[since:] + ([series[start]] if start is not None else [])
             return max(window, default=current(series))
 
+        # Where the accumulated counts start (reset_accumulated_memory_stats).
+        first = min(self._totals_since, len(allocated))
+
         def moved(series: list[int], up: bool) -> int:
             # Each operation moves the counter once, up or down.
-            first = min(self._totals_since, len(series))
             before = [series[first - 1] if first > 0 else 0, *series[first:-1]]
             return sum(abs(b - a) for a, b in zip(before, series[first:]) if (b > a if up else b < a))
 
@@ -94,6 +102,9 @@ class MemoryQueries:
             "reserved_peak": peak(reserved),
             "reserved_total": moved(reserved, True),
             "released_total": moved(reserved, False),
+            # Counted since the accumulated statistics were last reset, as PyTorch counts them.
+            "alloc_retries": current(retries) - (retries[first - 1] if first > 0 else 0),
+            "ooms": sum(1 for op in ooms if op >= self._totals_since),
         }
 
     # ---- torch.cuda's functions ----
@@ -136,12 +147,17 @@ class MemoryQueries:
             stats[f"{name}.all.peak"] = top
             stats[f"{name}.all.allocated"] = up
             stats[f"{name}.all.freed"] = down
+        stats["num_alloc_retries"] = f["alloc_retries"]
+        stats["num_ooms"] = f["ooms"]
         return stats
 
     def nested_stats(self, device: Any = None) -> dict[str, Any]:
         """``torch._C._cuda_memoryStats``: the same counters nested by name, pool and figure, as the allocator returns them."""
         nested: dict[str, Any] = {}
         for key, value in self.memory_stats().items():
+            if key.count(".") != 2:
+                nested[key] = value
+                continue
             name, pool, figure = key.split(".")
             nested.setdefault(name, {}).setdefault(pool, {})[figure] = value
         return nested

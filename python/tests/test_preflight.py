@@ -361,7 +361,8 @@ for step in range(2):
     seen[f"reset{step}"] = [torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()]
     model(x).square().mean().backward()
     stats = torch.cuda.memory_stats()
-    seen[f"backward{step}"] = [torch.cuda.memory_allocated(), stats["allocated_bytes.all.current"], torch.cuda.max_memory_reserved()]
+    seen[f"backward{step}"] = [torch.cuda.memory_allocated(), stats["allocated_bytes.all.current"], torch.cuda.max_memory_reserved(),
+                               stats["num_alloc_retries"], stats["num_ooms"]]
     with open(out, "w") as f:
         json.dump(seen, f)
     opt.step()
@@ -383,8 +384,8 @@ def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> No
     for step in (0, 1):
         now, peak = seen[f"reset{step}"]
         assert now == peak and peak < 64 * mib, seen
-        allocated, from_stats, _ = seen[f"backward{step}"]
-        assert allocated == from_stats
+        allocated, from_stats, _, retries, ooms = seen[f"backward{step}"]
+        assert allocated == from_stats and retries == ooms == 0
     # The script's figures are the report's: its peak reserved is the run's.
     assert seen["backward1"][2] <= run["peak_reserved_bytes"]
     assert not dump.exists()
@@ -396,6 +397,9 @@ def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> No
     tight = cli("--json", "--capacity", "1GiB", "--", sys.executable, str(script), str(seen_path), str(dump), "0.05")
     assert tight.returncode == 5, tight.stderr
     assert json.loads(tight.stdout)["run"]["fits"] is False
+    # The script's own counters saw the 64 MiB fail, after releasing the cache and retrying.
+    _, _, _, retries, ooms = json.loads(seen_path.read_text())["backward0"]
+    assert retries >= 1 and ooms >= 1
 
 
 TRACKED_SCRIPT = """

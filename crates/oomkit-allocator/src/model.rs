@@ -125,6 +125,8 @@ pub(crate) struct Totals {
     pub(crate) free_at_peak: u64,
     /// The trace entry where reserved first reached its peak.
     pub(crate) peak_entry: Option<usize>,
+    /// Allocations retried after the whole cache was released (`num_alloc_retries`).
+    pub(crate) alloc_retries: u64,
 }
 
 /// Where new segments are placed: the trace's own addresses where the
@@ -380,6 +382,8 @@ impl Allocator {
             // captured, when the allocator may not synchronize to flush its cache.
             if found.is_none() && private == 0 {
                 self.release_cached_blocks();
+                // PyTorch counts the retry (`isRetry`) whether or not it succeeds.
+                self.totals.alloc_retries += 1;
                 found = self.alloc_block(pool, stream, size, alloc_size);
             }
         }

@@ -99,6 +99,8 @@ pub struct Realized {
     pub allocated_after: Vec<u64>,
     /// Bytes reserved after each operation, as `torch.cuda.memory_reserved()` would say then.
     pub reserved_after: Vec<u64>,
+    /// Allocations retried after releasing the whole cache, counted up to each operation (`num_alloc_retries`).
+    pub retries_after: Vec<u64>,
 }
 
 /// Serves `ops` through a model of the allocator with `config`, failing
@@ -158,6 +160,7 @@ pub fn realize(ops: &[Op], config: AllocatorConfig, capacity: Option<u64>) -> Re
         }
         out.allocated_after.push(m.totals.allocated);
         out.reserved_after.push(m.totals.reserved);
+        out.retries_after.push(m.totals.alloc_retries);
     }
     m.settle_peak();
     out.peak_reserved = m.totals.peak_reserved;
@@ -281,6 +284,29 @@ mod tests {
         assert_eq!(r.reserved_after.iter().max(), Some(&r.peak_reserved));
         let held: u64 = r.segments.iter().map(|s| s.size).sum();
         assert_eq!(r.reserved_after.last(), Some(&held));
+        assert_eq!(r.retries_after, [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_retry_after_releasing_the_cache_is_counted_as_num_alloc_retries() {
+        // Within 30 MiB: the cached 20 MiB segment of the freed 4 MiB cannot
+        // serve 25 MiB, and both do not fit, so the cache is released and the
+        // allocation retried (PyTorch's `isRetry`), and then it fits.
+        let ops = [
+            Op::Alloc {
+                size: 4 * MIB,
+                stream: 0,
+            },
+            Op::Free { alloc: 0 },
+            Op::Alloc {
+                size: 25 * MIB,
+                stream: 0,
+            },
+        ];
+        let r = realize(&ops, AllocatorConfig::default(), Some(30 * MIB));
+        assert!(r.ooms.is_empty());
+        assert_eq!(r.retries_after, [0, 0, 1]);
+        assert_eq!(r.reserved_after, [20 * MIB, 20 * MIB, 26 * MIB]);
     }
 
     #[test]

@@ -321,7 +321,8 @@ type EndSegmentTuple = (u64, u64, u16, &'static str, bool, Vec<EndBlockTuple>);
 /// stream) through the model of the caching allocator, and returns the
 /// trace, the end segments, the figures (peak reserved, peak allocated,
 /// the operation at the reserved peak, free at the peak, the OOMs) and the
-/// bytes allocated and reserved after each operation.
+/// bytes allocated and reserved, and the retries after releasing the
+/// cache counted, after each operation.
 #[pyfunction]
 #[pyo3(signature = (kinds, a, b, alloc_conf=None, capacity=None))]
 #[allow(clippy::type_complexity)]
@@ -335,7 +336,7 @@ fn realize_ops(
     EntryLists,
     Vec<EndSegmentTuple>,
     (u64, u64, Option<usize>, u64, Vec<usize>),
-    (Vec<u64>, Vec<u64>),
+    (Vec<u64>, Vec<u64>, Vec<u64>),
 )> {
     use oomkit_allocator::{realize, AllocatorConfig, Op, PoolKind};
     if kinds.len() != a.len() || kinds.len() != b.len() {
@@ -401,7 +402,7 @@ fn realize_ops(
             r.free_at_peak,
             r.ooms,
         ),
-        (r.allocated_after, r.reserved_after),
+        (r.allocated_after, r.reserved_after, r.retries_after),
     ))
 }
 
