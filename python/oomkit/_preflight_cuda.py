@@ -226,6 +226,7 @@ def accelerator_answers(rec: Any, memory: MemoryQueries) -> dict[str, Any]:
     a script written for ``torch.accelerator`` would train on the CPU.
     """
     queries = memory.cuda_answers()
+    streams = stream_stand_ins()
     return {
         "current_accelerator": lambda *_, **__: torch.device("cuda"),
         "is_available": lambda: True,
@@ -236,8 +237,8 @@ def accelerator_answers(rec: Any, memory: MemoryQueries) -> dict[str, Any]:
         "set_device_idx": lambda *_, **__: None,
         "device_index": _DeviceContext,
         "synchronize": lambda *_, **__: None,
-        "current_stream": lambda *_, **__: _ONE_STREAM,
-        "set_stream": lambda *_, **__: None,
+        "current_stream": streams["current_stream"],
+        "set_stream": streams["set_stream"],
         "empty_cache": rec.empty_cache,
         "get_memory_info": queries["mem_get_info"],
         **{name: queries[name] for name in ACCELERATOR_MEMORY},

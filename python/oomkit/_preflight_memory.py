@@ -72,19 +72,18 @@ class MemoryQueries:
             self._cached = (key, series)
         return series
 
+    def _operations(self) -> int:
+        """How many operations the series have now (without serving them)."""
+        return len(self.rec.trace.kinds) + len(self.rec.held_before_step())
+
+    def _peak(self, series: list[int]) -> int:
+        """The most in ``series`` since the peaks were last reset, starting from the value then."""
+        since = min(self._since, len(series))
+        window = series[since:] + ([series[since - 1]] if since > 0 else [])
+        return max(window, default=_last(series))
+
     def _figures(self) -> dict[str, int]:
         allocated, reserved, retries, ooms = self._series()
-        since = min(self._since, len(allocated))
-        # The value when the peak was reset is where the new peak starts.
-        start = since - 1 if since > 0 else None
-
-        def current(series: list[int]) -> int:
-            return series[-1] if series else 0
-
-        def peak(series: list[int]) -> int:
-            window = series[since:] + ([series[start]] if start is not None else [])
-            return max(window, default=current(series))
-
         # Where the accumulated counts start (reset_accumulated_memory_stats).
         first = min(self._totals_since, len(allocated))
 
@@ -94,16 +93,16 @@ class MemoryQueries:
             return sum(abs(b - a) for a, b in zip(before, series[first:]) if (b > a if up else b < a))
 
         return {
-            "allocated": current(allocated),
-            "allocated_peak": peak(allocated),
+            "allocated": _last(allocated),
+            "allocated_peak": self._peak(allocated),
             "allocated_total": moved(allocated, True),
             "freed_total": moved(allocated, False),
-            "reserved": current(reserved),
-            "reserved_peak": peak(reserved),
+            "reserved": _last(reserved),
+            "reserved_peak": self._peak(reserved),
             "reserved_total": moved(reserved, True),
             "released_total": moved(reserved, False),
             # Counted since the accumulated statistics were last reset, as PyTorch counts them.
-            "alloc_retries": current(retries) - (retries[first - 1] if first > 0 else 0),
+            "alloc_retries": _last(retries) - (retries[first - 1] if first > 0 else 0),
             "ooms": sum(1 for op in ooms if op >= self._totals_since),
         }
 
@@ -111,27 +110,27 @@ class MemoryQueries:
 
     def memory_allocated(self, device: Any = None) -> int:
         """``torch.cuda.memory_allocated()``."""
-        return self._figures()["allocated"]
+        return _last(self._series()[0])
 
     def max_memory_allocated(self, device: Any = None) -> int:
         """``torch.cuda.max_memory_allocated()``: the peak since the last reset."""
-        return self._figures()["allocated_peak"]
+        return self._peak(self._series()[0])
 
     def memory_reserved(self, device: Any = None) -> int:
         """``torch.cuda.memory_reserved()``."""
-        return self._figures()["reserved"]
+        return _last(self._series()[1])
 
     def max_memory_reserved(self, device: Any = None) -> int:
         """``torch.cuda.max_memory_reserved()``: the peak since the last reset."""
-        return self._figures()["reserved_peak"]
+        return self._peak(self._series()[1])
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         """``torch.cuda.reset_peak_memory_stats()``: the peaks start again from what is held now."""
-        self._since = len(self._series()[0])
+        self._since = self._operations()
 
     def reset_accumulated_memory_stats(self, device: Any = None) -> None:
         """``torch.cuda.reset_accumulated_memory_stats()``: the counts of bytes allocated and freed start again."""
-        self._totals_since = len(self._series()[0])
+        self._totals_since = self._operations()
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         """``torch.cuda.memory_stats()``: the counters of all pools together that the model keeps."""
@@ -220,6 +219,11 @@ class MemoryQueries:
     def history_answers(self) -> dict[str, Any]:
         """The functions of ``torch.cuda.memory`` that record and dump a memory history."""
         return {"_record_memory_history": self.own_history, "_dump_snapshot": self.own_history, "_snapshot": self.own_snapshot}
+
+
+def _last(series: list[int]) -> int:
+    """A counter's value now: after the last operation (0 before any)."""
+    return series[-1] if series else 0
 
 
 def rng_answers() -> dict[str, Any]:

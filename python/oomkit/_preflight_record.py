@@ -249,21 +249,28 @@ class Recorder(TorchDispatchMode):
         """The step begins: what the set-up made and still holds is allocated now, in the order it was made."""
         if not self._deferred:
             return
+        alive = self._alive_pending()
         self._deferred = False
-        pending, self._pending = self._pending, []
-        for ref, _size, stack_id in pending:
-            st = ref()
+        self._pending = []
+        for st, stack_id in alive:
             # Its size now: a storage resized since (FSDP frees by resizing to 0) holds what it holds now.
-            if st is not None and st not in self._index and st.nbytes() > 0:
-                self._allocate(st, st.nbytes(), stack_id)
+            self._allocate(st, st.nbytes(), stack_id)
 
     def held_before_step(self) -> list[int]:
         """Before the step begins: the sizes of the set-up's storages still alive (on the GPU now); after, none."""
         if not self._deferred:
             return []
-        # A storage tracked twice before the step (a parameter moved in place) is held once.
-        alive = {id(st): st for st in (ref() for ref, _size, _stack in self._pending) if st is not None}
-        return [st.nbytes() for st in alive.values() if st not in self._index and st.nbytes() > 0]
+        return [st.nbytes() for st, _stack_id in self._alive_pending()]
+
+    def _alive_pending(self) -> list[tuple[Any, int]]:
+        """The set-up's storages still alive and holding memory, in the order made, each with the stack that made it first."""
+        found: dict[int, tuple[Any, int]] = {}
+        for ref, _size, stack_id in self._pending:
+            st = ref()
+            # A storage tracked twice before the step (a parameter moved in place) is held once.
+            if st is not None and id(st) not in found and st not in self._index and st.nbytes() > 0:
+                found[id(st)] = (st, stack_id)
+        return list(found.values())
 
     @property
     def begun(self) -> bool:
