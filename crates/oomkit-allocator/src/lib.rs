@@ -56,7 +56,7 @@ pub use config::AllocatorConfig;
 pub use error::AllocatorError;
 pub use fixes::{peak_words, replay_fixes, SAME_PEAK};
 pub use realize::{realize, EndBlock, EndSegment, Entry, Op, Realized, FIRST_SEGMENT_ADDRESS};
-pub use replay::{what_if, Options};
+pub use replay::{what_if, Options, AS_RECORDED, FRESH_BASELINE};
 pub use report::{
     Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,
     WhatIf,

@@ -253,7 +253,7 @@ impl Allocator {
     }
 
     /// What the allocator may hold: the device's limit, lowered by a memory fraction.
-    fn allowed(&self) -> Option<u64> {
+    pub(crate) fn allowed(&self) -> Option<u64> {
         match (self.capacity, self.config.memory_fraction) {
             (Some(c), Some(f)) => Some((c as f64 * f) as u64),
             (c, _) => c,

@@ -29,6 +29,12 @@ pub struct Options {
     pub no_baseline: bool,
 }
 
+/// The name of the replay of the trace as it was recorded, from the state it began with.
+pub const AS_RECORDED: &str = "as recorded";
+/// The name of the replay under the recorded settings from an empty cache:
+/// what a new run would do, which scenarios that change a condition are compared with.
+pub const FRESH_BASELINE: &str = "as recorded, fresh start";
+
 /// The entry index the model is at while it lays out the start.
 const BEFORE_TRACE: usize = usize::MAX;
 
@@ -189,7 +195,7 @@ fn device_what_if(
     // Every replay to run, the trace as recorded first; each is independent,
     // so a long trace's replays run side by side.
     let mut jobs: Vec<Job<'_>> = vec![Job {
-        name: "as recorded".into(),
+        name: AS_RECORDED.into(),
         config: recorded.clone(),
         capacity: trace_capacity,
         given: false,
@@ -198,19 +204,24 @@ fn device_what_if(
     }];
     let empty_start = d.start.segments.is_empty();
     for (s, c) in scenarios.iter().zip(configs) {
-        let start = if c == recorded || empty_start {
-            StartKind::AsRecorded
-        } else {
+        // A changed condition is a new run, which starts with an empty
+        // cache: a warm trace's segments would otherwise carry over a cache
+        // that another capacity, micro-batch or setting never builds.
+        let changed = c != recorded || s.capacity.is_some() || s.batch_scale.is_some();
+        let start = if changed && !empty_start {
             StartKind::Fresh
+        } else {
+            StartKind::AsRecorded
         };
         if start == StartKind::Fresh
             && !opts.no_baseline
             && !jobs.iter().any(|j| j.start == StartKind::Fresh)
         {
             // Compared with a fresh start under the recorded settings, so
-            // that dropping the cache from before the trace is not credited to the change.
+            // that dropping the cache from before the trace is not credited
+            // to the change: like is compared with like.
             jobs.push(Job {
-                name: "as recorded, fresh start".into(),
+                name: FRESH_BASELINE.into(),
                 config: recorded.clone(),
                 capacity: trace_capacity,
                 given: false,
@@ -239,13 +250,23 @@ fn device_what_if(
             "{outside} of the trace's allocations lie in no segment it shows: the trace and the segments cannot come from one run of PyTorch's allocator (a generated sample?), so the figures do not describe a run"
         ));
     }
+    let fresh_baseline = jobs
+        .iter()
+        .find(|j| j.start == StartKind::Fresh && j.name == FRESH_BASELINE)
+        .map(|j| j.name.clone());
     let outs: Vec<ScenarioOut> = std::iter::once((first, checks))
         .chain(results)
         .zip(&jobs)
-        .map(|((o, _), j)| ScenarioOut {
+        .enumerate()
+        .map(|(k, ((o, _), j))| ScenarioOut {
             name: j.name.clone(),
             capacity_source: source(j.capacity.is_some(), j.given, limit.is_some()),
             batch_scale: j.scale.map(|(f, _)| f),
+            baseline: match j.start {
+                _ if k == 0 || j.name == FRESH_BASELINE => None,
+                StartKind::Fresh => fresh_baseline.clone(),
+                StartKind::AsRecorded => Some(AS_RECORDED.to_string()),
+            },
             ..o
         })
         .collect();
@@ -506,7 +527,10 @@ fn run(
     r.m.addresses.fresh = d.fresh_base;
     r.m.entry = BEFORE_TRACE;
     match start {
-        StartKind::AsRecorded => crate::layout::lay_out(&mut r.m, &d.start, &mut r.live),
+        StartKind::AsRecorded => {
+            crate::layout::lay_out(&mut r.m, &d.start, &mut r.live);
+            r.fit_start();
+        }
         StartKind::Fresh => r.place_afresh(),
     }
     r.m.settle_peak();
@@ -558,6 +582,7 @@ fn run(
             capacity_source: "none",
             batch_scale: None,
             start,
+            baseline: None,
             segments,
             segment_frees,
             peak_reserved_bytes: m.totals.peak_reserved,
@@ -594,6 +619,37 @@ impl Run<'_, '_> {
                     self.failed.insert(b.addr);
                 }
             }
+        }
+    }
+
+    /// Checks the state the trace began with against the capacity, as the
+    /// allocator checks every request: above it, the cached segments go back
+    /// first (as `release_cached_blocks` does before an allocation fails),
+    /// and what is still held above it is an OOM before the trace begins.
+    fn fit_start(&mut self) {
+        if self.m.fits(0) {
+            return;
+        }
+        self.m.release_cached_blocks();
+        self.absorb_early();
+        let t = &mut self.m.totals;
+        // The cache given back never counted: the run could not have held it.
+        t.peak_reserved = t.reserved;
+        t.peak_entry = None;
+        if !self.m.fits(0) {
+            let held = self.m.totals.reserved;
+            let over = held.saturating_sub(self.m.allowed().unwrap_or(held));
+            self.fail(
+                None,
+                Failure {
+                    size: over,
+                    alloc_size: over,
+                    reserved: held,
+                    active: self.m.totals.active,
+                    largest_free: 0,
+                },
+                false,
+            );
         }
     }
 

@@ -78,6 +78,10 @@ pub struct ScenarioOut {
     pub batch_scale: Option<f64>,
     /// How the blocks live before the trace were laid out.
     pub start: StartKind,
+    /// The scenario its figures are compared with: `as recorded` where it
+    /// starts from the recorded state, `as recorded, fresh start` where it
+    /// starts from an empty cache as a new run does; `None` for those two.
+    pub baseline: Option<String>,
     /// The segments the model allocates, in trace order.
     pub segments: Vec<SegmentOut>,
     /// Segments (or pages) the model gives back.

@@ -129,3 +129,52 @@ fn every_real_trace_replays_under_every_kind_of_scenario() {
         }
     }
 }
+
+/// Under a capacity, no replay holds more than the capacity without an
+/// OOM: on every real trace, at 90% of its peak allocated memory (where it
+/// must run out) and halfway between its allocated and reserved memory
+/// (where most warm traces fit once their cache goes back).
+#[test]
+fn no_scenario_holds_more_than_its_capacity_without_an_oom() {
+    for f in files() {
+        let snap = Snapshot::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+        let w = what_if(&snap, &[], &Options::default()).unwrap();
+        for d in &w.devices {
+            let rec = &d.scenarios[0];
+            if rec.peak_allocated_bytes < 16 << 20 {
+                continue;
+            }
+            let below = rec.peak_allocated_bytes * 9 / 10;
+            let between = rec.peak_allocated_bytes / 2 + rec.peak_reserved_bytes / 2;
+            let scenarios = [
+                Scenario::capacity(&below.to_string()).unwrap(),
+                Scenario::capacity(&between.to_string()).unwrap(),
+                Scenario::batch_scale("0.5").unwrap(),
+            ];
+            let opts = Options {
+                device: Some(d.device),
+                ..Options::default()
+            };
+            let w = what_if(&snap, &scenarios, &opts).unwrap();
+            let name = f.file_name().unwrap().to_string_lossy().to_string();
+            for s in &w.devices[0].scenarios {
+                if let Some(cap) = s.capacity_bytes {
+                    assert!(
+                        s.peak_reserved_bytes <= cap || !s.oom_details.is_empty(),
+                        "{name}: {} holds {} in {cap} with no OOM",
+                        s.name,
+                        s.peak_reserved_bytes
+                    );
+                }
+            }
+            let under = &w.devices[0].scenarios[2];
+            assert!(
+                !under.oom_details.is_empty(),
+                "{name}: {} needs {} allocated at most, in {}, yet no OOM",
+                under.name,
+                rec.peak_allocated_bytes,
+                below
+            );
+        }
+    }
+}

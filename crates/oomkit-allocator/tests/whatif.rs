@@ -331,3 +331,168 @@ fn the_fragmentation_finding_and_the_verdict_carry_the_replayed_fix() {
         analysis.verdict.detail
     );
 }
+
+/// A warm trace made as PyTorch makes one: the program runs warm-up steps,
+/// then the recording starts, so the trace holds only the last step and
+/// begins with the cache the warm-up left. The steps are served through
+/// the model (`realize`), and the snapshot is cut as `_dump_snapshot` cuts it.
+fn warm_trace() -> (Snapshot, u64, u64) {
+    use oomkit_allocator::{realize, AllocatorConfig, Op};
+    let mut ops = Vec::new();
+    // 60 MiB of weights, held throughout.
+    for _ in 0..3 {
+        ops.push(Op::Alloc {
+            size: 20 * MIB,
+            stream: 0,
+        });
+    }
+    let mut step_starts = Vec::new();
+    for step in 0..4u64 {
+        step_starts.push(ops.len());
+        // Activations of a shape that changes with the step (the warm-up's
+        // sequences were longer), so that the cache the warm-up leaves is
+        // larger than the recorded step needs.
+        let first = ops.len();
+        for k in 0..6u64 {
+            ops.push(Op::Alloc {
+                size: (20 + 4 * ((step + k) % 3) + 6 * (3 - step)) * MIB,
+                stream: 0,
+            });
+        }
+        for k in 0..6 {
+            ops.push(Op::Free { alloc: first + k });
+        }
+    }
+    let r = realize(&ops, AllocatorConfig::default(), None);
+    let warm_from = step_starts[3];
+    let entries: Vec<TraceEvent> = r
+        .entries
+        .iter()
+        .filter(|e| e.op >= warm_from)
+        .map(|e| ev(e.action, e.addr, e.size))
+        .collect();
+    let mut snap = empty();
+    snap.traces.push(DeviceTrace {
+        events: entries,
+        ..Default::default()
+    });
+    for s in &r.segments {
+        let blocks: Vec<Block> = s
+            .blocks
+            .iter()
+            .map(|b| Block {
+                address: b.addr,
+                size: b.size,
+                requested_size: b.requested,
+                state: if b.allocated {
+                    BlockState::ActiveAllocated
+                } else {
+                    BlockState::Inactive
+                },
+                stack: StackId::EMPTY,
+            })
+            .collect();
+        let allocated: u64 = s
+            .blocks
+            .iter()
+            .filter(|b| b.allocated)
+            .map(|b| b.size)
+            .sum();
+        snap.segments.push(Segment {
+            device: 0,
+            address: s.addr,
+            total_size: s.size,
+            allocated_size: allocated,
+            active_size: allocated,
+            requested_size: allocated,
+            stream: 0,
+            segment_type: "large".into(),
+            is_expandable: false,
+            private_pool: false,
+            pool: 0,
+            blocks,
+        });
+    }
+    (snap, r.peak_allocated, r.peak_reserved)
+}
+
+#[test]
+fn a_warm_trace_under_a_smaller_capacity_runs_out_or_gives_its_cache_back() {
+    let (snap, allocated, reserved) = warm_trace();
+    let w = what_if(&snap, &[], &Options::default()).unwrap();
+    let d = &w.devices[0];
+    // Warm: the recorded step takes no segment; the cache was there before it.
+    assert_eq!(d.agreement.recorded, 0);
+    assert_eq!(d.agreement.simulated, 0);
+    let step_allocated = d.scenarios[0].peak_allocated_bytes;
+    assert!(
+        step_allocated <= allocated && reserved > step_allocated,
+        "{step_allocated} {allocated} {reserved}"
+    );
+    assert_eq!(d.reserved_at_start_bytes, reserved);
+
+    // Below what the step holds: an OOM, whatever the cache.
+    let below = step_allocated - 10 * MIB;
+    // Between what it holds and what the warm cache reserved.
+    let between = step_allocated / 2 + reserved / 2;
+    let w = what_if(
+        &snap,
+        &[
+            Scenario::capacity(&below.to_string()).unwrap(),
+            Scenario::capacity(&between.to_string()).unwrap(),
+        ],
+        &Options::default(),
+    )
+    .unwrap();
+    let d = &w.devices[0];
+    let names: Vec<&str> = d.scenarios.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names[1], "as recorded, fresh start", "{names:?}");
+    let (low, mid) = (&d.scenarios[2], &d.scenarios[3]);
+    for s in [low, mid] {
+        // A new run: the cache from before the trace is not carried over.
+        assert_eq!(s.start, StartKind::Fresh);
+        assert_eq!(s.baseline.as_deref(), Some("as recorded, fresh start"));
+        assert!(s.peak_reserved_bytes <= s.capacity_bytes.unwrap(), "{s:?}");
+    }
+    assert!(!low.ooms.is_empty(), "{low:?}");
+    assert!(low.oom_details.iter().all(|o| !o.recorded));
+    assert!(mid.ooms.is_empty(), "{mid:?}");
+    assert!(mid.peak_reserved_bytes < reserved);
+}
+
+/// Half the micro-batch on a real warm trace (one training step of a
+/// 36-layer LM, recorded after warm-up with 22.2 GiB reserved at its first
+/// entry): a new run, from an empty cache, against a new run as recorded.
+/// Before, the warm segments were kept, and half the batch "reserved" all of them.
+#[test]
+fn half_the_micro_batch_on_a_warm_trace_reserves_less() {
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../oomkit-cli/tests/real/cs336_lm_large_step_nothanmin.pickle"
+    );
+    let snap = Snapshot::from_bytes(&std::fs::read(file).unwrap()).unwrap();
+    let w = what_if(
+        &snap,
+        &[Scenario::batch_scale("0.5").unwrap()],
+        &Options::default(),
+    )
+    .unwrap();
+    let d = &w.devices[0];
+    assert_eq!(
+        d.agreement.recorded, 0,
+        "warm: the step takes no new segment"
+    );
+    let (rec, fresh, half) = (&d.scenarios[0], &d.scenarios[1], &d.scenarios[2]);
+    assert_eq!(fresh.name, "as recorded, fresh start");
+    assert_eq!(half.start, StartKind::Fresh);
+    assert_eq!(half.baseline.as_deref(), Some(fresh.name.as_str()));
+    assert!(half.peak_allocated_bytes < rec.peak_allocated_bytes);
+    assert!(
+        half.peak_reserved_bytes < fresh.peak_reserved_bytes
+            && half.peak_reserved_bytes < d.reserved_at_start_bytes,
+        "{} against {} fresh and {} at the start",
+        half.peak_reserved_bytes,
+        fresh.peak_reserved_bytes,
+        d.reserved_at_start_bytes
+    );
+}

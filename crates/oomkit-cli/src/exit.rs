@@ -18,6 +18,9 @@ pub const EXIT_NOTHING_FITS: u8 = 5;
 /// Exit code from `find-batch` when a run finished with no peak measured, so no batch is recommended.
 pub const EXIT_UNMEASURED: u8 = 6;
 
+/// Exit code from `find-batch` when a trial failed for a reason other than memory, which no micro-batch can fix.
+pub(crate) const EXIT_COMMAND_FAILED: u8 = 7;
+
 /// Exit code when the command could not be started (the shell's "command not found").
 pub(crate) const EXIT_SPAWN: u8 = 127;
 
@@ -39,7 +42,8 @@ pub(crate) fn run_exit(e: &SuperviseError) -> u8 {
         SuperviseError::Usage(_)
         | SuperviseError::Wait(_)
         | SuperviseError::Gpu(_)
-        | SuperviseError::Unmeasured(_) => RUN_FAILED,
+        | SuperviseError::Unmeasured(_)
+        | SuperviseError::CommandFailed { .. } => RUN_FAILED,
     }
 }
 
@@ -63,5 +67,6 @@ pub(crate) fn supervise_exit(e: &SuperviseError) -> u8 {
         SuperviseError::Gpu(g) => gpu_exit(g),
         SuperviseError::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
         SuperviseError::Unmeasured(_) => EXIT_UNMEASURED,
+        SuperviseError::CommandFailed { .. } => EXIT_COMMAND_FAILED,
     }
 }

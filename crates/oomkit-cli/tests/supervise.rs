@@ -1251,3 +1251,96 @@ fn a_fragmentation_oom_with_a_snapshot_retries_with_the_setting_only_if_its_repl
     assert_eq!(summary["attempts"][0]["replayed"]["avoided"], json!(false));
     assert_eq!(summary["attempts"][0]["action"], json!("step_down"));
 }
+
+/// A script that fails for a reason other than memory (here Python's
+/// ModuleNotFoundError) is not "too large": find-batch stops at once with
+/// the script's own error and exit 7, and `run` does not retry it and names it.
+#[test]
+fn a_failure_that_is_not_memory_stops_the_search_and_the_retries() {
+    let s = Sandbox::new("notmemory");
+    s.gpus(&[]);
+    let job = s.script(
+        "import_error.sh",
+        r#"exec python3 -c "import sys; import not_a_module_oomkit" "$1""#,
+    );
+    let out = s.run(&[
+        "find-batch",
+        "--capacity",
+        "1GiB",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(out.stdout.is_empty(), "no report: {}", text(&out.stdout));
+    assert!(
+        err.contains("trial 1 (micro-batch 1) failed with exit code 1, not for memory (ModuleNotFoundError: No module named 'not_a_module_oomkit')"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("too large") && !err.contains("fits in"),
+        "{err}"
+    );
+
+    let summary = s.dir.join("summary.json");
+    let out = s.run(&[
+        "run",
+        "--batch-size",
+        "8",
+        "--summary-json",
+        summary.to_str().unwrap(),
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("attempt 1 failed with exit code 1, not for memory (ModuleNotFoundError: No module named 'not_a_module_oomkit'): not retried"),
+        "{err}"
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
+    assert_eq!(r["outcome"], "failed");
+    assert_eq!(r["attempts"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        r["attempts"][0]["error"],
+        "ModuleNotFoundError: No module named 'not_a_module_oomkit'"
+    );
+    assert_eq!(r["attempts"][0]["oom"], false);
+}
+
+/// Running out of host memory is a memory failure: the CPU allocator's
+/// message counts a trial as too large, as CUDA's does.
+#[test]
+fn the_cpu_allocator_s_failure_counts_as_too_large() {
+    let s = Sandbox::new("cpuoom");
+    s.gpus(&[]);
+    let job = affine_job_failing_with(
+        &s,
+        100,
+        10,
+        500,
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 5242880000 bytes. Error code 12 (Cannot allocate memory)",
+    );
+    let out = s.run(&[
+        "find-batch",
+        "--capacity",
+        "1GiB",
+        "--margin",
+        "0",
+        "--json",
+        "--",
+        job.to_str().unwrap(),
+        "{batch_size}",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["recommended_batch"], 40);
+    assert!(r["trials"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["oom"] == true));
+}

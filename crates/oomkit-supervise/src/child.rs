@@ -45,6 +45,10 @@ pub struct Outcome {
     pub signal: Option<i32>,
     /// The first OOM message line in its output, if any.
     pub oom_line: Option<String>,
+    /// The command's own error, as its standard error last put it: the last
+    /// line naming an exception (Python's `ModuleNotFoundError: ...`), else
+    /// the last line written there; `None` where it wrote nothing.
+    pub error_line: Option<String>,
     /// The signal oomkit received and passed on, if the user stopped the run.
     pub interrupted_by: Option<i32>,
     /// Wall time.
@@ -86,22 +90,57 @@ fn signal_group(pgid: i32, sig: i32) -> bool {
     unsafe { libc::kill(-pgid, sig) == 0 }
 }
 
-/// Copies one of the child's streams to ours, recording the first OOM line it carries.
+/// What the child's output said, read as it passes.
+#[derive(Debug, Default)]
+struct Heard {
+    /// The first OOM message line, on either stream.
+    oom: Option<String>,
+    /// The last line of standard error naming an exception.
+    error: Option<String>,
+    /// The last line of standard error that was not blank.
+    last: Option<String>,
+}
+
+/// Whether a line of standard error names an exception as Python prints
+/// one at the end of a traceback (`ModuleNotFoundError: No module named 'x'`,
+/// `torch.OutOfMemoryError: ...`, a bare `AssertionError`).
+fn names_an_exception(line: &str) -> bool {
+    static PATTERN: OnceLock<regex::Regex> = OnceLock::new();
+    PATTERN
+        .get_or_init(|| {
+            regex::Regex::new(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)(:.*)?$")
+                .expect("a valid pattern")
+        })
+        .is_match(line)
+}
+
+/// Copies one of the child's streams to ours, noting the first OOM line it
+/// carries and, for standard error, the command's own error.
 fn tee(
     mut from: impl Read,
     mut to: impl Write,
-    oom: Arc<Mutex<Option<String>>>,
+    heard: Arc<Mutex<Heard>>,
+    is_stderr: bool,
     done: mpsc::Sender<()>,
 ) {
     let mut buf = vec![0u8; 16 << 10];
     let mut line: Vec<u8> = Vec::new();
     let scan = |line: &[u8]| {
         let text = String::from_utf8_lossy(line);
-        if detect(&text).is_some() {
-            if let Ok(mut slot) = oom.lock() {
-                if slot.is_none() {
-                    *slot = Some(text.trim_end().to_string());
+        let text = text.trim_end();
+        let oom = detect(text).is_some();
+        if !(oom || is_stderr) || text.trim().is_empty() {
+            return;
+        }
+        if let Ok(mut h) = heard.lock() {
+            if oom && h.oom.is_none() {
+                h.oom = Some(text.to_string());
+            }
+            if is_stderr {
+                if names_an_exception(text) {
+                    h.error = Some(text.to_string());
                 }
+                h.last = Some(text.to_string());
             }
         }
     };
@@ -183,21 +222,21 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         message: e.to_string(),
     })?;
     let pgid = child.id() as i32;
-    let oom = Arc::new(Mutex::new(None));
+    let heard = Arc::new(Mutex::new(Heard::default()));
     let (done_tx, done_rx) = mpsc::channel();
     let mut readers = 0;
     if let Some(out) = child.stdout.take() {
-        let (oom, done) = (Arc::clone(&oom), done_tx.clone());
+        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
         if spec.stdout_to_stderr {
-            std::thread::spawn(move || tee(out, std::io::stderr(), oom, done));
+            std::thread::spawn(move || tee(out, std::io::stderr(), heard, false, done));
         } else {
-            std::thread::spawn(move || tee(out, std::io::stdout(), oom, done));
+            std::thread::spawn(move || tee(out, std::io::stdout(), heard, false, done));
         }
         readers += 1;
     }
     if let Some(err) = child.stderr.take() {
-        let (oom, done) = (Arc::clone(&oom), done_tx.clone());
-        std::thread::spawn(move || tee(err, std::io::stderr(), oom, done));
+        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
+        std::thread::spawn(move || tee(err, std::io::stderr(), heard, true, done));
         readers += 1;
     }
     drop(done_tx);
@@ -230,7 +269,10 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
             break;
         }
     }
-    let oom_line = oom.lock().ok().and_then(|g| g.clone());
+    let (oom_line, error_line) = match heard.lock() {
+        Ok(mut h) => (h.oom.take(), h.error.take().or_else(|| h.last.take())),
+        Err(_) => (None, None),
+    };
     let signal = status.signal();
     // Only a SIGKILL nobody here sent can be the kernel's OOM killer.
     let oom_kill = (signal == Some(libc::SIGKILL) && interrupted_by.is_none())
@@ -240,6 +282,7 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         exit_code: status.code().unwrap_or_else(|| 128 + signal.unwrap_or(0)),
         signal,
         oom_line,
+        error_line,
         interrupted_by,
         duration: started.elapsed(),
         // Linux reports ru_maxrss in KiB.

@@ -329,6 +329,10 @@ fn trial(
     let probe_path =
         std::env::temp_dir().join(format!("oomkit-probe-{}-{n}.json", std::process::id()));
     let _ = std::fs::remove_file(&probe_path);
+    // The tracker records the OOMs it sees here, as under `oomkit run`.
+    let events_path =
+        std::env::temp_dir().join(format!("oomkit-events-{}-{n}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&events_path);
     let baseline = gpu
         .and_then(|g| probe().ok()?.into_iter().find(|x| x.index == g.index))
         .map(|g| g.used_bytes)
@@ -349,6 +353,10 @@ fn trial(
             baseline.to_string().into(),
         ),
         (child_env::ATTEMPT.into(), n.to_string().into()),
+        (
+            child_env::EVENTS_FILE.into(),
+            events_path.clone().into_os_string(),
+        ),
     ];
     if let Some(g) = gpu {
         env.extend(child::visible_devices(&[g.index]));
@@ -384,8 +392,20 @@ fn trial(
     }
     let probed = read_probe(&probe_path);
     let _ = std::fs::remove_file(&probe_path);
+    let events = crate::events::read(&events_path);
+    let _ = std::fs::remove_file(&events_path);
     let (peak, source) = measured_peak(gpu.is_some(), probed, sampled, out.max_rss_bytes);
     let ran = out.exit_code == 0;
+    let memory = out.oom_line.is_some() || !events.ooms.is_empty() || out.oom_kill.is_some();
+    if !ran && !memory {
+        // Not a memory failure: the batch says nothing about what fits, and
+        // every other batch would fail the same way.
+        return Err(SuperviseError::CommandFailed {
+            what: format!("trial {n} (micro-batch {b})"),
+            exit_code: out.exit_code,
+            error: out.error_line.clone(),
+        });
+    }
     if ran && peak.is_none() {
         // A run that finished with no figure says nothing about the budget.
         return Err(SuperviseError::Unmeasured(format!(
@@ -400,13 +420,10 @@ fn trial(
         oom: !ran,
         peak_bytes: peak,
     };
-    let verdict = if !ran && out.oom_line.is_some() {
-        "out of memory".to_string()
+    let verdict = if !ran && out.oom_kill.is_some() && out.oom_line.is_none() {
+        "killed by the kernel's OOM killer".to_string()
     } else if !ran {
-        format!(
-            "failed with exit code {} (counted as too large)",
-            out.exit_code
-        )
+        "out of memory".to_string()
     } else if !fits_budget {
         "ran, but over the budget".to_string()
     } else {

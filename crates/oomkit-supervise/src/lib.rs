@@ -59,6 +59,17 @@ pub enum SuperviseError {
     /// A run finished without a peak to compare with the budget, so nothing can be recommended.
     #[error("{0}")]
     Unmeasured(String),
+    /// The command failed for a reason other than memory (an import error,
+    /// a bad argument): no batch size can fix it, so the search stops.
+    #[error("{what} failed with exit code {exit_code}, not for memory{}: the search stops, as a failure that is not memory says nothing about which micro-batch fits; fix the command and run it again", error.as_ref().map(|e| format!(" ({e})")).unwrap_or_default())]
+    CommandFailed {
+        /// Which run failed, in words (`trial 1 (micro-batch 1)`).
+        what: String,
+        /// The command's exit code.
+        exit_code: i32,
+        /// The command's own error line, as its standard error last put it.
+        error: Option<String>,
+    },
 }
 
 /// Replaces `{batch_size}`, `{grad_accum}`, `{effective_batch}` and `{attempt}` in one argument.

@@ -73,6 +73,9 @@ pub struct Attempt {
     pub oom: bool,
     /// The OOM line, if any.
     pub oom_message: Option<String>,
+    /// Where it failed for a reason other than memory, the command's own
+    /// error as its standard error last put it (`ModuleNotFoundError: ...`); null otherwise.
+    pub error: Option<String>,
     /// Why it ran out, as `oomkit explain` reads the OOM line; null without an OOM.
     pub cause: Option<Cause>,
     /// What oomkit did about it: `expandable_segments`, `other_gpu`, `step_down`, `cpu_fallback` or `stop`; null without an OOM.
@@ -209,6 +212,12 @@ pub fn supervise(
             return Ok(run.finish(opts, &out, None, "succeeded"));
         }
         if !oom {
+            // Not memory: a smaller micro-batch cannot fix it.
+            run.notes.push(format!(
+                "attempt {number} failed with exit code {}, not for memory{}: not retried",
+                out.exit_code,
+                in_parens(out.error_line.as_deref())
+            ));
             return Ok(run.finish(opts, &out, None, "failed"));
         }
         match next_after_oom(
@@ -530,6 +539,9 @@ fn record_attempt(
         exit_code: out.exit_code,
         oom,
         oom_message,
+        error: (out.exit_code != 0 && !oom && out.interrupted_by.is_none())
+            .then(|| out.error_line.clone())
+            .flatten(),
         cause: explained.as_ref().map(|e| e.cause),
         action: None,
         plan_applied,

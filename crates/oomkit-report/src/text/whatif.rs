@@ -2,7 +2,7 @@
 //! says against what the trace recorded, the scenarios side by side, and
 //! one sentence per scenario with the answer.
 
-use oomkit_allocator::{DeviceWhatIf, ScenarioOut, StartKind, WhatIf};
+use oomkit_allocator::{DeviceWhatIf, ScenarioOut, StartKind, WhatIf, FRESH_BASELINE};
 use oomkit_units::{count, human_bytes};
 use std::fmt::Write;
 
@@ -125,7 +125,7 @@ fn table(out: &mut String, d: &DeviceWhatIf) {
         .scenarios
         .iter()
         .map(|s| match s.start {
-            StartKind::Fresh if s.name != "as recorded, fresh start" => format!("{} *", s.name),
+            StartKind::Fresh if s.name != FRESH_BASELINE => format!("{} *", s.name),
             _ => s.name.clone(),
         })
         .collect();
@@ -216,7 +216,7 @@ fn table(out: &mut String, d: &DeviceWhatIf) {
     if d.scenarios.iter().any(|s| s.start == StartKind::Fresh) {
         let _ = writeln!(
             out,
-            "  * the blocks live before the trace are placed afresh under these settings, with nothing cached: compare with \"as recorded, fresh start\""
+            "  * a new run: the blocks live before the trace are placed afresh, with nothing cached, and the figures are compared with \"{FRESH_BASELINE}\""
         );
     }
 }
@@ -245,10 +245,7 @@ pub(crate) fn answers(d: &DeviceWhatIf) -> Vec<(String, bool)> {
     let Some(rec) = d.scenarios.first() else {
         return Vec::new();
     };
-    let fresh = d
-        .scenarios
-        .iter()
-        .find(|s| s.name == "as recorded, fresh start");
+    let fresh = d.scenarios.iter().find(|s| s.name == FRESH_BASELINE);
     let mut out = Vec::new();
     if let Some(first) = rec.recorded_ooms.first() {
         out.push((
@@ -278,14 +275,22 @@ pub(crate) fn answers(d: &DeviceWhatIf) -> Vec<(String, bool)> {
         ));
     }
     for s in d.scenarios.iter().skip(1) {
-        if s.name == "as recorded, fresh start" {
+        if s.name == FRESH_BASELINE {
             continue;
         }
         let base = match (s.start, fresh) {
             (StartKind::Fresh, Some(f)) => f,
             _ => rec,
         };
-        let peak = oomkit_allocator::peak_words(s.peak_reserved_bytes, base.peak_reserved_bytes);
+        let peak = format!(
+            "{}, against {}",
+            oomkit_allocator::peak_words(s.peak_reserved_bytes, base.peak_reserved_bytes),
+            if std::ptr::eq(base, rec) {
+                "the trace as recorded"
+            } else {
+                "a new run as recorded (fresh start)"
+            }
+        );
         let recorded: Vec<String> = s
             .recorded_ooms
             .iter()
