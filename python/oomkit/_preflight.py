@@ -37,8 +37,17 @@ from oomkit._preflight_cuda import (
     no_graph_capture,
 )
 from oomkit._preflight_dist import STRATEGIES, fake_world, replaced, shard, zero_redundancy
+from oomkit._preflight_frames import user_line
 from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError, Trace, plain_tensors, shown_path
+from oomkit._preflight_record import (
+    DEFAULT_TIME_LIMIT,
+    FAKE_DEVICE,
+    PreflightStopped,
+    Recorder,
+    StepUnsupportedError,
+    Trace,
+    plain_tensors,
+)
 from oomkit._preflight_snapshot import write_snapshot
 
 __all__ = ["Preflight", "PreflightError", "preflight"]
@@ -46,10 +55,6 @@ __all__ = ["Preflight", "PreflightError", "preflight"]
 #: Steps run by default: the first creates the optimizer's state, the
 #: second runs with it in place, as every later step does.
 DEFAULT_STEPS = 2
-
-#: Where a line is the user's: the first frame outside PyTorch and oomkit
-#: (a model's code in another package, as transformers', counts as the user's).
-_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}oomkit{os.sep}", f"{os.sep}bitsandbytes{os.sep}", "<frozen ")
 
 #: Lines listed in the answer, largest first.
 TOP_LINES = 10
@@ -146,6 +151,7 @@ def preflight(
     set_to_none: bool = True,
     gpus: int = 1,
     sharding: str = "fsdp",
+    time_limit: float | None = DEFAULT_TIME_LIMIT,
 ) -> Preflight:
     """Runs ``steps`` training steps on tensors without memory and says whether they fit ``capacity``.
 
@@ -165,7 +171,9 @@ def preflight(
     parameters after forward, ``"zero2"`` keeps them until backward) or
     replicated with DDP (``"ddp"``), or replicated with each GPU keeping a
     share of the optimizer's state (``"zero1"``: DDP and PyTorch's
-    ``ZeroRedundancyOptimizer``).
+    ``ZeroRedundancyOptimizer``). A run still going after ``time_limit``
+    seconds (a loop waiting on a value the step does not have; ``None``: no
+    limit) stops with a ``PreflightError`` that says what ran and where.
     """
     if grad_accum < 1 or steps < 1 or gpus < 1:
         raise PreflightError(f"grad_accum, steps and gpus must be at least 1 (got {grad_accum}, {steps} and {gpus})")
@@ -182,6 +190,7 @@ def preflight(
     run = _Run(model, batch, loss, step, optimizer, dtype, autocast, grad_accum, steps, capacity, capacity_bytes, alloc_conf)
     run.set_to_none = set_to_none
     run.gpus, run.sharding = gpus, sharding
+    run.time_limit = time_limit
     result = run.once(micro_batch, snapshot)
     if max_micro_batch is not None:
         assert micro_batch is not None
@@ -213,18 +222,21 @@ class _Run:
         self.capacity, self.capacity_bytes, self.alloc_conf = capacity, capacity_bytes, alloc_conf
         self.set_to_none = True
         self.gpus, self.sharding = 1, "fsdp"
+        self.time_limit: float | None = DEFAULT_TIME_LIMIT
         #: What the run assumed beyond the step itself (sharding), for the answer's notes.
         self.notes: list[str] = []
 
     def once(self, micro_batch: int | None, snapshot: str | os.PathLike[str] | None) -> Preflight:
         if snapshot is not None and os.path.exists(snapshot):
             raise PreflightError(f"{os.fspath(snapshot)}: exists; preflight never overwrites a file")
-        rec = Recorder(cublas_workspace(self.capacity))
+        rec = Recorder(cublas_workspace(self.capacity), self.time_limit)
         known = Known()
         try:
             self._record(rec, known, micro_batch)
         except StepUnsupportedError as e:
             raise unsupported(e) from None
+        except PreflightStopped as e:
+            raise PreflightError(str(e)) from None
         finally:
             rec.finish()
         return answer(
@@ -244,7 +256,7 @@ class _Run:
     def _record(self, rec: Recorder, known: Known, micro_batch: int | None) -> None:
         self.notes = []
         state = Autocast()
-        functions = CudaFunctions(state, on_assume=rec.assume)
+        functions = CudaFunctions(state, read_back=rec.read_back)
         with ExitStack() as stack:
             if self.gpus > 1:
                 # FSDP asks torch.cuda for the device, its streams and events.
@@ -363,7 +375,7 @@ def answer(
     capped = _native.realize_ops(tr.kinds, tr.args, streams, settings.alloc_conf, settings.capacity_bytes)
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     fits = not capped[2][4]
-    by_role, by_line = _at_peak(tr, roles)
+    by_role, by_line = _at_peak(tr, roles, realized[3][0])
     notes = _notes(tr, known) + (extra_notes or [])
     result = Preflight(
         micro_batch=settings.micro_batch,
@@ -595,33 +607,23 @@ def _attached(p: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
-def user_line(stack: tuple[tuple[str, int, str], ...]) -> str:
-    """The innermost frame of a stack (innermost first) outside PyTorch, oomkit and bitsandbytes, as "FILE:LINE (FUNCTION)"."""
-    for filename, line, name in stack:
-        if not any(part in filename for part in _LIBRARY_PARTS):
-            return f"{shown_path(filename)}:{line} ({name})"
-    return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "(no Python frame)"
+def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Bytes live at the allocated peak, by role and by the user's line, in the allocator's blocks.
 
-
-def _at_peak(tr: Trace, roles: dict[int, str]) -> tuple[dict[str, int], list[dict[str, Any]]]:
-    """Bytes live when the most was live, by role and by the user's line."""
-    live = 0
-    peak = -1
-    peak_at = 0
-    for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)):
-        if kind == 0:
-            live += _rounded(arg)
-            if live > peak:
-                peak, peak_at = live, i
-        elif kind == 1:
-            live -= _rounded(tr.args[arg])
+    ``allocated_after`` is the allocator model's allocated bytes after each
+    operation: the peak is where it is highest (the headline's figure), and
+    each allocation counts the block it was handed (the request rounded,
+    plus a remainder too small to split off), so the roles add up to the
+    peak allocated exactly, as ``max_memory_allocated`` counts it.
+    """
+    peak_at = max(range(len(allocated_after)), key=allocated_after.__getitem__, default=-1)
     freed_by = {arg: i for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)) if kind == 1}
     by_role = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other"), 0)
     lines: dict[tuple[str, str], int] = {}
     for i in range(peak_at + 1):
         if tr.kinds[i] != 0 or freed_by.get(i, len(tr.kinds)) <= peak_at:
             continue
-        size = _rounded(tr.args[i])
+        size = allocated_after[i] - (allocated_after[i - 1] if i else 0)
         role = roles.get(i, "other")
         by_role[role] = by_role.get(role, 0) + size
         key = (user_line(tr.stacks[tr.stack_of[i]]), role)
@@ -630,17 +632,18 @@ def _at_peak(tr: Trace, roles: dict[int, str]) -> tuple[dict[str, int], list[dic
     return by_role, by_line
 
 
-def _rounded(size: int) -> int:
-    """The allocator's 512-byte rounding (``round_size``), for sums by role and line."""
-    return max(512, (size + 511) // 512 * 512)
-
-
 def _notes(tr: Trace, known: Known) -> list[str]:
     notes = [
         "sizes are the CUDA allocator's, modelled; the CUDA context is outside them (a GPU's name as the capacity takes it off)",
     ]
     if tr.library:
-        notes.append("includes cuBLAS's workspace, allocated at the first matrix multiply")
+        if len(tr.library) == 1:
+            notes.append("includes cuBLAS's workspace, allocated at the first matrix multiply")
+        else:
+            notes.append(
+                f"includes cuBLAS's {len(tr.library)} workspaces, one for each thread that multiplies matrices "
+                "(the forward's and autograd's backward thread), allocated at each one's first"
+            )
     if tr.assumed:
         where = sorted({w for _, w in tr.assumed})
         notes.append(

@@ -370,14 +370,15 @@ class CudaFunctions(TorchFunctionMode):
         self,
         autocast: Autocast,
         on_upload: Callable[[torch.Tensor], None] | None = None,
-        on_assume: Callable[[str], None] | None = None,
+        read_back: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.autocast = autocast
         #: Told of every copy from the host to the device: the batch, as the loop uploads it.
         self.on_upload = on_upload
-        #: Told when values are read back from the device and taken as zeros.
-        self.on_assume = on_assume
+        #: Gives a device tensor's values on the host (``Recorder.read_back``): known where the
+        #: step made them, else zeros, noted; without it, zeros.
+        self.read_back = read_back
         #: Told when a backward pass (``Tensor.backward``, ``torch.autograd.backward``) has run.
         self.on_backward: Callable[[], None] | None = None
         #: Make the tensors a module's constructor makes without a device on meta.
@@ -394,11 +395,13 @@ class CudaFunctions(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         reads_back = name in _READ_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE
         if reads_back and (name != "to" or _is_cpu(args[1:], kwargs)):
-            # Values read back to the host (a loss logged, a metric) have
-            # none to give: zeros, as the scalars read with item() are.
-            if self.on_assume is not None:
-                self.on_assume(f"Tensor.{name}()")
-            host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
+            # Values read back to the host (a loss logged, a metric, a
+            # generation's tokens): those the step made known, else zeros,
+            # as the scalars read with item() are.
+            if self.read_back is not None:
+                host = self.read_back(args[0], f"Tensor.{name}()")
+            else:
+                host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
             return host if name in ("cpu", "to") else getattr(host, name)()
         if name == "_parse_to":
             # ``Tensor.to`` overrides written in Python (bitsandbytes' 4-bit

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from oomkit._preflight_frames import user_line
+from oomkit._preflight_values import Values
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
 FAKE_DEVICE = "meta"
@@ -62,6 +66,36 @@ _CUBLAS_OPS = frozenset(
 _NO_FAKE_KERNEL = ("no fake impl", "'Meta' backend", "meta kernel")
 
 
+#: How long a preflight may run, in seconds, before it is stopped: a step
+#: on meta tensors takes seconds, and a loop that has not ended by then is
+#: taken not to end (one that waits on a value taken as zero).
+DEFAULT_TIME_LIMIT = 300.0
+
+
+class PreflightStopped(BaseException):
+    """The preflight ran past its time limit; says what it ran and where it stopped.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is, so that a script's own
+    ``except Exception`` cannot swallow it and loop on.
+    """
+
+    def __init__(self, seconds: float, ops: int, where: str) -> None:
+        super().__init__(seconds, ops, where)
+        self.seconds, self.ops, self.where = seconds, ops, where
+
+    def words(self, steps: int | None = None) -> str:
+        """The one line: how long, how much ran (and how many optimizer steps), where, and what to do."""
+        done = "" if steps is None else f", {steps} optimizer step(s)"
+        return (
+            f"stopped the script after {self.seconds:g} s ({self.ops:,} operations on tensors without data{done}) "
+            f"at {self.where}: it had not ended. A loop whose end depends on values the step does not have "
+            f"(read as 0) may never end here; give it a bound, or raise the limit (--time-limit, or time_limit=)"
+        )
+
+    def __str__(self) -> str:
+        return self.words()
+
+
 class StepUnsupportedError(Exception):
     """An operation cannot run on tensors without data; carries the operation and where."""
 
@@ -98,29 +132,24 @@ class Trace:
     assumed: list[tuple[str, str]] = field(default_factory=list)
 
 
-def shown_path(filename: str) -> str:
-    """A file as the user would type it: relative to the working folder when inside it."""
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:
-        return filename
-    return filename if rel.startswith(os.pardir) else rel
-
-
 def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
-    """The innermost frame outside torch, as ``file:line (function)``."""
-    for filename, line, name in stack:
-        if f"{os.sep}torch{os.sep}" not in filename:
-            return f"{shown_path(filename)}:{line} ({name})"
-    return f"{stack[0][0]}:{stack[0][1]} ({stack[0][2]})" if stack else "an unknown line"
+    """Where the step is: the user's line of the stack (``_preflight_frames.user_line``)."""
+    return user_line(stack)
 
 
 class Recorder(TorchDispatchMode):
     """Records the allocations and frees of ``meta`` tensors, with their stacks and phases."""
 
-    def __init__(self, cublas_workspace: int) -> None:
+    def __init__(self, cublas_workspace: int, time_limit: float | None = DEFAULT_TIME_LIMIT) -> None:
         super().__init__()
         self.trace = Trace()
+        #: The values of small tensors, where the step makes them known.
+        self.values = Values()
+        #: Operations run so far, and when the run must stop (None: never).
+        self.ops = 0
+        self.time_limit = time_limit
+        self._started = time.monotonic()
+        self._stopped: PreflightStopped | None = None
         self.phase = "setup"
         self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref[Any]] = {}
@@ -136,8 +165,12 @@ class Recorder(TorchDispatchMode):
         # would otherwise count as a peak no real run has.
         self._deferred = True
         self._pending: list[tuple[weakref.ref[Any], int, int]] = []
-        # The workspace lives as long as the handle: to the end of the process.
-        self._workspace: torch.Tensor | None = None
+        # cuBLAS keeps a workspace per handle and stream
+        # (CublasHandlePool.cpp's cublas_handle_stream_to_workspace), and
+        # each thread takes its own handle: the forward's thread and
+        # autograd's backward thread each get one, which lives as long as
+        # the handle, to the end of the process. By thread: main or backward.
+        self._workspaces: dict[str, torch.Tensor] = {}
         # The modules whose forward is running, innermost last: an operation
         # that cannot run is named with the module that ran it.
         self._modules: list[str] = []
@@ -186,17 +219,31 @@ class Recorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        self.ops += 1
+        self._check_time()
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
-            return self._assume(args[0], func)
+            return self.read_back(args[0], "Tensor.item()").item()
         if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
             # A copy back to the host made below Python (DDP's bucket indices
-            # after their broadcast) has no values to bring: the host tensor
-            # keeps its own, which on rank 0 are the ones sent. (A script's
-            # own reads, .cpu() and .item(), are met above and noted.)
+            # after their broadcast) brings the values where the step made
+            # them known; else the host tensor keeps its own, which on rank 0
+            # are the ones sent. (A script's own reads, .cpu() and .item(),
+            # are met above and noted.)
+            known = self.values.get(args[1])
+            if known is not None and known.values.shape == args[0].shape:
+                args[0].copy_(known.values)
             return args[0]
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as e:
+            # An operation whose result's shape depends on values (nonzero,
+            # masked_select) runs on the CPU where its inputs' values are known.
+            computed = self.values.run_on_cpu(func, args, kwargs) if isinstance(e, NotImplementedError) else None
+            if computed is not None:
+                for t in tree_leaves(computed):
+                    if _is_fake(t):
+                        self.track(t)
+                return computed
             # Meta tensors raise NotImplementedError where an operation needs
             # the values (nonzero, unique) or has no meta kernel, and a custom
             # operator without a fake implementation a RuntimeError saying
@@ -218,30 +265,40 @@ class Recorder(TorchDispatchMode):
         for t in tree_leaves(out):
             if _is_fake(t):
                 self.track(t)
-        if (
-            self._workspace is None
-            and self._cublas_workspace > 0
-            and not self._deferred
-            and func.overloadpacket.__name__ in _CUBLAS_OPS
-        ):
-            self._workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
-            index = self.track(self._workspace)
-            if index is not None:
-                self.trace.library.add(index)
+        self.values.after(func, args, kwargs, out)
+        if self._cublas_workspace > 0 and not self._deferred and func.overloadpacket.__name__ in _CUBLAS_OPS:
+            thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
+            if thread not in self._workspaces:
+                workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
+                self._workspaces[thread] = workspace
+                index = self.track(workspace)
+                if index is not None:
+                    self.trace.library.add(index)
         return out
 
     def assume(self, what: str) -> None:
         """Notes a value read from a tensor without data, taken as zero."""
         self.trace.assumed.append((what, _where(self._stack())))
 
-    def _assume(self, t: torch.Tensor, func: Any) -> Any:
-        """A value read from a tensor without data: taken as zero, and noted."""
-        self.assume("Tensor.item()")
-        if t.dtype == torch.bool:
-            return False
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            return 0.0
-        return 0
+    def read_back(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """A meta tensor's values on the host: known where the step made them, else zeros, noted."""
+        known = self.values.get(t)
+        if known is not None and known.values.shape == t.shape:
+            if known.assumed:
+                self.assume(what)
+            return known.values.clone()
+        self.assume(what)
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+
+    def _check_time(self) -> None:
+        """Stops a run past its time limit, saying what it ran and where."""
+        if self._stopped is not None:
+            # Caught by the script (a bare except) and run on: stopped again at once.
+            raise self._stopped
+        if self.time_limit is None or time.monotonic() - self._started <= self.time_limit:
+            return
+        self._stopped = PreflightStopped(self.time_limit, self.ops, _where(self._stack()))
+        raise self._stopped
 
     # ---- allocations and frees ----
 
@@ -392,7 +449,7 @@ class Recorder(TorchDispatchMode):
             del ref
         self._refs = {}
         self._pending = []
-        self._workspace = None
+        self._workspaces = {}
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from oomkit import _native
 from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight import Known, Settings, answer, unsupported, user_line
+from oomkit._preflight import Known, Settings, answer, unsupported
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
@@ -37,8 +37,9 @@ from oomkit._preflight_cuda import (
     no_graph_capture,
 )
 from oomkit._preflight_dist import as_rank_zero
+from oomkit._preflight_frames import user_line
 from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, StepUnsupportedError
+from oomkit._preflight_record import DEFAULT_TIME_LIMIT, FAKE_DEVICE, PreflightStopped, Recorder, StepUnsupportedError
 from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
@@ -67,13 +68,14 @@ class _Session:
         self.capacity_bytes, _ = _native.parse_capacity(self.capacity)
         #: The script runs as rank 0 of this many GPUs.
         self.world_size: int = int(settings.get("world_size") or 1)
-        self.rec = Recorder(cublas_workspace(self.capacity))
+        limit = settings.get("time_limit", DEFAULT_TIME_LIMIT)
+        self.rec = Recorder(cublas_workspace(self.capacity), None if limit is None else float(limit))
         self.notes: list[str] = []
         #: torch.cuda's memory queries, answered from what is recorded.
         self.memory = MemoryQueries(self.rec, self.allocator_settings, self.capacity_bytes, self.notes)
         self.known = Known()
         self.autocast = Autocast()
-        self.functions = CudaFunctions(self.autocast, on_upload=self._upload, on_assume=self.rec.assume)
+        self.functions = CudaFunctions(self.autocast, on_upload=self._upload, read_back=self.rec.read_back)
         self.steps_done = 0
         #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).
@@ -83,6 +85,9 @@ class _Session:
         self._seen_modules: set[int] = set()
         #: What stays in force until the process ends (never closed).
         self._held = ExitStack()
+        #: How the script asked to exit (``sys.exit``), where it did before its first step:
+        #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
+        self._exited: tuple[Any, BaseException | None] | None = None
 
     # ---- start ----
 
@@ -114,6 +119,11 @@ class _Session:
         def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
             if isinstance(value, StepUnsupportedError):
                 self._write({"error": str(unsupported(value))})
+            elif isinstance(value, PreflightStopped):
+                self._write({"error": value.words(self.steps_done)})
+                self.finished = True
+                # The line above says it all; PyTorch's frames below it would not.
+                return
             elif not self.finished:
                 done = f"after {self.steps_done} optimizer step(s)"
                 # The module whose forward was running, where one was: an
@@ -128,6 +138,20 @@ class _Session:
             previous(kind, value, tb)
 
         sys.excepthook = excepthook
+        self._watch_exit()
+
+    def _watch_exit(self) -> None:
+        """Notes a ``sys.exit`` with a failure before the first step: a script that stops
+        early (``python -m pkg.mod`` whose package fails to import, an argument refused)
+        is named as what it is, not as a script without an optimizer step."""
+        exit_ = sys.exit
+
+        def exit(code: Any = None) -> Any:
+            if code not in (None, 0) and self.steps_done == 0 and self.backwards_done == 0 and not self.finished:
+                self._exited = (code, sys.exc_info()[1])
+            return exit_(code)
+
+        sys.exit = exit
 
     def _patch_cuda(self) -> None:
         for attr, value in device_answers(self.capacity, self.capacity_bytes, self.rec, self.memory).items():
@@ -235,6 +259,9 @@ class _Session:
             self.steps_done = min(self.backwards_done, self.steps)
             notes.append(f"the script uses no torch.optim optimizer: each of the {self.steps_done} step(s) measured is a backward pass and what ran after it until the next forward")  # noqa: E501
         if self.steps_done < self.steps:
+            if self.steps_done == 0 and self._exited is not None:
+                self._write({"error": _exited_early(*self._exited)})
+                return
             if self.steps_done == 0:
                 self._write({"error": "the script ended before its first optimizer step: preflight measures training steps (optimizer.step())"})  # noqa: E501
                 return
@@ -276,6 +303,20 @@ def _at(tb: Any) -> str:
         return ""
     # Innermost first; the first line outside PyTorch and oomkit is the script's.
     return f" (at {user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
+
+
+def _exited_early(code: Any, handling: BaseException | None) -> str:
+    """The one line for a script that exited with a failure before its first step,
+    naming the error it was handling (its first cause) and the user's line it came from."""
+    said = f"code {code}" if isinstance(code, int) else repr(str(code).strip().splitlines()[0] if str(code).strip() else "")
+    # runpy wraps what failed in its own error, raised "from" it.
+    cause = handling
+    while cause is not None and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is None or isinstance(cause, SystemExit):
+        return f"the script exited with {said} before its first optimizer step"
+    error = f"{type(cause).__name__}: {_first_line(cause)}" if _first_line(cause) else type(cause).__name__
+    return f"the script exited before its first optimizer step: {error}{_at(cause.__traceback__)}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -84,11 +84,12 @@ def memtracker_peak(micro_batch: int) -> int:
 def test_the_peak_agrees_with_pytorchs_memtracker() -> None:
     r = preflight(lambda: LM(sdpa=False), tokens, micro_batch=8, capacity="80GiB")
     theirs = memtracker_peak(8)
-    # Ours rounds every tensor to 512 bytes, as the allocator does, and adds
-    # cuBLAS's workspace ("other"); the rest must be the same tensors.
+    # Ours counts every tensor as the block the allocator hands it (rounded
+    # to 512 bytes at least), and adds cuBLAS's two workspaces, the forward's
+    # and the backward thread's ("other"); the rest must be the same tensors.
     ours = sum(b for role, b in r.by_role.items() if role != "other")
     assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
-    assert r.by_role["other"] == 32 << 20
+    assert r.by_role["other"] == 2 * (32 << 20)
     # The allocator's blocks: at least what was live, never far above it.
     assert r.peak_allocated_bytes >= theirs
     assert r.peak_reserved_bytes >= r.peak_allocated_bytes
@@ -355,7 +356,7 @@ seen["built"] = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved()]
 opt = torch.optim.SGD(model.parameters())
 for step in range(2):
     x = torch.randn(256, 1024, device="cuda")  # 1 MiB
-    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     del big
     torch.cuda.reset_peak_memory_stats()
     seen[f"reset{step}"] = [torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()]
@@ -380,10 +381,11 @@ def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> No
     mib = 1 << 20
     # The 4 MiB weight, in a 20 MiB segment (kLargeBuffer, for requests of 1-10 MiB).
     assert seen["built"] == [4 * mib, 20 * mib] and seen["rng"] == 16
-    # After the reset the 64 MiB freed before it is no longer the peak.
+    # After the reset the 128 MiB freed before it is no longer the peak (what is
+    # held then: the weight, its gradient, cuBLAS's two workspaces of 32 MiB).
     for step in (0, 1):
         now, peak = seen[f"reset{step}"]
-        assert now == peak and peak < 64 * mib, seen
+        assert now == peak and peak < 128 * mib, seen
         allocated, from_stats, _, retries, ooms = seen[f"backward{step}"]
         assert allocated == from_stats and retries == ooms == 0
     # The script's figures are the report's: its peak reserved is the run's.
@@ -397,7 +399,7 @@ def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> No
     tight = cli("--json", "--capacity", "1GiB", "--", sys.executable, str(script), str(seen_path), str(dump), "0.05")
     assert tight.returncode == 5, tight.stderr
     assert json.loads(tight.stdout)["run"]["fits"] is False
-    # The script's own counters saw the 64 MiB fail, after releasing the cache and retrying.
+    # The script's own counters saw the 128 MiB fail, after releasing the cache and retrying.
     _, _, _, retries, ooms = json.loads(seen_path.read_text())["backward0"]
     assert retries >= 1 and ooms >= 1
 
@@ -674,8 +676,9 @@ def test_a_script_failing_inside_a_module_is_named_with_it(tmp_path) -> None:
     assert p.returncode == 2, p.stderr
     line = p.stderr.strip().splitlines()[-1]
     assert "failed under preflight after 0 optimizer step(s) in FusedNorm's forward: ValueError: Pointer argument" in line, line
-    assert line.endswith(f"(cpu tensor?) (at {script}:6 (forward))"), line
+    # The script's line, relative to its folder.
+    assert line.endswith("(cpu tensor?) (at ext.py:6 (forward))"), line
     # A bare assert has no message: where it failed is the line's only clue.
     script.write_text("import torch\nm = torch.nn.Linear(8, 8).cuda()\nassert m.weight.shape[0] % 3 == 0\n")
     p = cli("--", sys.executable, str(script))
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(f"after 0 optimizer step(s): AssertionError (at {script}:3 (<module>))"), p.stderr
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith("after 0 optimizer step(s): AssertionError (at ext.py:3 (<module>))"), p.stderr

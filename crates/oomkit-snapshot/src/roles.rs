@@ -173,6 +173,11 @@ struct Decider<'a> {
     told: Vec<u8>,
     /// The gradients the trace allocates: (entry, end, size).
     grad_allocs: Vec<(u32, u32, u64)>,
+    /// Per size, the parameters freed by optimizer code, in trace order:
+    /// (the free's entry, the latest model work then). A step that
+    /// replaces its weights (`p.data = p.data - lr * p.grad`) allocates the
+    /// new weight, then frees the old one of the same size.
+    replaced: HashMap<u64, Vec<(u32, Option<u32>)>, FastState>,
     /// Per size, the most backward results one pass freed within it.
     pass_results: HashMap<u64, u32, FastState>,
 }
@@ -217,6 +222,11 @@ impl Decider<'_> {
             Kind::Library => Told::Known(Role::Other, Evidence::Frames),
             Kind::Input => Told::Known(Role::Inputs, Evidence::Frames),
             Kind::Parameter => Told::Known(Role::Parameters, Evidence::Frames),
+            // A weight the step made to replace one of the same size, freed
+            // after it in the same step, is a parameter, not state.
+            Kind::Optimizer if outlives_step && self.replaces_a_parameter(a) => {
+                Told::Known(Role::Parameters, Evidence::Lifetimes)
+            }
             Kind::Optimizer if outlives_step => Told::Known(Role::OptimizerState, Evidence::Frames),
             Kind::Optimizer => Told::Known(Role::Temporaries, Evidence::Lifetimes),
             // A backward result that outlives its backward pass was
@@ -259,6 +269,34 @@ impl Decider<'_> {
             self.grad_allocs.push((a, f, self.events[i].size));
         }
         self.told[i] = pack(t);
+    }
+
+    /// Whether optimizer code freed a parameter of the allocation's size
+    /// after it (`a`), with no model work in between: the same step put it
+    /// in that parameter's place.
+    fn replaces_a_parameter(&self, a: u32) -> bool {
+        let Some(frees) = self.replaced.get(&self.events[a as usize].size) else {
+            return false;
+        };
+        let k = frees.partition_point(|&(j, _)| j <= a);
+        frees
+            .get(k)
+            .is_some_and(|&(_, model)| model.is_none_or(|m| m < a))
+    }
+
+    /// Notes a parameter that optimizer code freed at entry `i`.
+    fn note_replaced(&mut self, a: u32, i: u32, marks: &Marks) {
+        let is_param = matches!(
+            unpack(self.told[a as usize]),
+            Told::Known(Role::Parameters, _)
+        );
+        if is_param && self.kind(i as usize) == Kind::Optimizer {
+            let size = self.events[a as usize].size;
+            self.replaced
+                .entry(size)
+                .or_default()
+                .push((i, marks.model));
+        }
     }
 
     /// Decides the backward allocations that ended within the pass that
@@ -307,6 +345,7 @@ impl Decider<'_> {
                         ..marks
                     };
                     self.decide(a, i32, &m);
+                    self.note_replaced(a, i32, &marks);
                 }
             }
             match e.action {
@@ -376,6 +415,7 @@ impl<'a> DeviceRoles<'a> {
             trains_by_stacks,
             told: vec![0u8; events.len()],
             grad_allocs: Vec::new(),
+            replaced: HashMap::default(),
             pass_results: HashMap::default(),
         };
         let walked = decider.walk(scan);
@@ -938,6 +978,36 @@ mod tests {
         let end = m.roles(None).roles;
         assert_eq!(end.bytes.parameters, 1024 + 2048);
         assert_eq!(end.bytes.gradients, 0);
+    }
+
+    /// An optimizer that replaces each weight (`p.data = p.data - lr * p.grad`,
+    /// as hand-written SGD loops do): the new weight is made in its step and
+    /// the old one of the same size freed after it; the new one is the
+    /// parameter, step after step, and Adam-like state stays state.
+    #[test]
+    fn a_weight_the_step_puts_in_place_of_another_is_a_parameter() {
+        const BUILT: &[(&str, &str)] =
+            &[("/venv/site-packages/torch/nn/modules/linear.py", "__init__")];
+        let mut m = Mini::new();
+        m.alloc(1, 4096, BUILT);
+        for (step, (old, new)) in [(1u64, 2u64), (2, 3)].into_iter().enumerate() {
+            let act = 100 + step as u64;
+            m.alloc(act, 512, FORWARD);
+            m.alloc(200 + act, 4096, GRAD);
+            m.free(act, 512);
+            m.alloc(new, 4096, OPTIM);
+            m.push(Action::FreeCompleted, old, 4096, OPTIM);
+            m.free(200 + act, 4096);
+        }
+        // An optimizer's state: made in the step, kept, nothing of its size freed.
+        m.alloc(50, 8192, OPTIM);
+        m.alloc(300, 512, FORWARD); // the next step
+        let end = m.roles(None).roles;
+        assert_eq!(end.bytes.parameters, 4096);
+        assert_eq!(end.bytes.optimizer_state, 8192);
+        // Between the two steps the first replacement is the parameter too.
+        let at = m.roles(Some(8)).roles;
+        assert_eq!(at.bytes.parameters, 4096, "{:?}", at.bytes);
     }
 
     #[test]

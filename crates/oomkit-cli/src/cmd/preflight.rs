@@ -75,11 +75,23 @@ pub(crate) struct Args {
     /// init_process_group, so FSDP shards as it would across N).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     gpus: u32,
+    /// Stop the script after this many seconds on tensors without data: a
+    /// loop that waits on a value the step does not have would never end.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = positive_seconds)]
+    time_limit: f64,
     #[command(flatten)]
     format: FormatArgs,
     /// The training command, after `--`: python train.py ARGS.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     command: Vec<String>,
+}
+
+/// A time limit: a positive number of seconds.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{text:?} is not a positive number of seconds")),
+    }
 }
 
 /// Why a run gave no answer.
@@ -237,6 +249,7 @@ fn run_once(
         // Given on the command line, it wins over what the script sets for itself.
         "alloc_conf_given": a.alloc_conf.is_some(),
         "world_size": a.gpus,
+        "time_limit": a.time_limit,
     });
     let words: Vec<String> = a
         .command

@@ -48,6 +48,9 @@ pub fn preflight(r: &PreflightReport) -> String {
     );
     let total: u64 = run.by_role.values().sum();
     if total > 0 {
+        // Shares of the headline's figure, which the roles add up to (each
+        // allocation counted as the block the allocator handed it).
+        let whole = run.peak_allocated_bytes.max(1);
         let _ = writeln!(out, "\n  By role at the peak");
         for role in Role::ALL {
             if let Some(&b) = run.by_role.get(role.key()).filter(|&&b| b > 0) {
@@ -56,9 +59,18 @@ pub fn preflight(r: &PreflightReport) -> String {
                     "    {:<18} {:>10} {:>5.0}%",
                     role.words(),
                     human_bytes(b),
-                    b as f64 * 100.0 / total as f64
+                    b as f64 * 100.0 / whole as f64
                 );
             }
+        }
+        if total != run.peak_allocated_bytes {
+            // Only an answer written before the roles were counted in blocks differs.
+            let _ = writeln!(
+                out,
+                "    the roles add up to {}, not the peak allocated {}: they count what each tensor asked for, the peak the blocks it was handed",
+                human_bytes(total),
+                human_bytes(run.peak_allocated_bytes)
+            );
         }
     }
     if !run.by_line.is_empty() {

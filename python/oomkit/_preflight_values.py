@@ -1,0 +1,177 @@
+"""The values of small tensors without data, where the step itself makes them known.
+
+A ``meta`` tensor has a shape and no values, and a script that reads one
+(``.item()``, ``bool(t)``, ``.tolist()``) decides what to do next by it:
+Hugging Face's ``generate()`` loops ``while not this_peer_finished``, where
+``this_peer_finished`` is ``unfinished.max() == 0`` and ``unfinished`` is
+cleared by its stopping criteria (``cur_len >= max_length``, an EOS token).
+Read as zero, "not finished" never turns true and the loop never ends.
+
+So every small tensor on ``meta`` carries a shadow on the CPU, computed by
+running the same operation on the shadows of its inputs: values the step
+makes itself (a counter, ``torch.full((B,), cur_len >= max_length)``,
+``arange``, a batch uploaded from the host) are then known exactly, and a
+bounded loop runs to its bound. A value that depends on data the step
+does not have (the argmax of logits, which are too large to shadow and
+have no values) is taken as zero, as ``.item()`` always took it, and the
+shadows computed from it are marked assumed, so that reading them is noted
+in the answer. Zero token ids rarely match an end-of-sequence token, so a
+generation runs to its ``max_new_tokens``: the worst case, which is what
+memory is planned for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: Tensors with more elements than this get no shadow: control values
+#: (flags per sequence, counters, positions) are small, and activations
+#: and weights are far too large to compute twice.
+SHADOW_MAX_ELEMENTS = 4096
+
+#: The device tensors without data live on (as ``_preflight_record.FAKE_DEVICE``).
+_META = "meta"
+
+#: Comparisons with a value the step does not have, and what they give:
+#: such a value is taken to equal no particular one (a generated token is
+#: not the end-of-sequence token, so a generation runs to its bound),
+#: which zero, a common token id, would not be.
+_NO_MATCH = {"eq": False, "isin": False, "ne": True}
+
+#: Factories whose values are undefined: their shadow is zeros, which no
+#: correct script reads before writing.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
+
+
+class Shadow:
+    """A small meta tensor's values on the CPU, and how far they are known."""
+
+    __slots__ = ("assumed", "opaque", "values")
+
+    def __init__(self, values: torch.Tensor, assumed: bool, opaque: bool) -> None:
+        self.values = values
+        #: They rest on a value taken as zero: reading them is noted.
+        self.assumed = assumed
+        #: They stand for data the step does not have (zeros in its place,
+        #: and what arithmetic and indexing make of them), rather than values
+        #: computed from such data by a comparison.
+        self.opaque = opaque
+
+
+def _is_meta(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == _META
+
+
+def _small(t: torch.Tensor) -> bool:
+    return t.numel() <= SHADOW_MAX_ELEMENTS
+
+
+class Values:
+    """The shadows of the small meta tensors alive, kept beside them and dropped with them."""
+
+    def __init__(self) -> None:
+        self._shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get(self, t: torch.Tensor) -> Shadow | None:
+        """The shadow of ``t``, if it has one."""
+        try:
+            found = self._shadows.get(t)
+        except TypeError:
+            return None
+        return found if isinstance(found, Shadow) else None
+
+    def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Gives the small meta tensors ``func`` returned their shadows."""
+        outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
+        if not outs:
+            return
+        computed = self._on_cpu(func, args, kwargs)
+        if computed is None:
+            # Some input has no values here (a large tensor, data the step
+            # does not have): the result is taken as zero, and marked so.
+            for t in outs:
+                self._set(t, Shadow(torch.zeros(t.shape, dtype=t.dtype), True, True))
+            return
+        values, assumed, opaque = computed
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        if name in _NO_MATCH and isinstance(values, torch.Tensor):
+            if opaque:
+                match = _NO_MATCH[name] != bool(kwargs.get("invert", False))
+                values = torch.full(values.shape, match, dtype=values.dtype)
+            # What a comparison gives are flags, not data stood in for.
+            opaque = False
+        meta_leaves, _ = tree_flatten(out)
+        cpu_leaves, _ = tree_flatten(values)
+        if len(meta_leaves) != len(cpu_leaves):
+            return
+        for m, c in zip(meta_leaves, cpu_leaves):
+            if _is_meta(m) and _small(m) and isinstance(c, torch.Tensor) and c.shape == m.shape:
+                self._set(m, Shadow(c, assumed, opaque))
+
+    def run_on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
+        """An operation whose result's shape depends on values (``nonzero``), run on the
+        shadows of its inputs and handed back on meta with shadows; None where an input has
+        none, or rests on a value taken as zero."""
+        computed = self._on_cpu(func, args, kwargs)
+        if computed is None or computed[1]:
+            # A shape from values taken as zero (an empty nonzero()) would be a false figure.
+            return None
+        values, assumed, opaque = computed
+
+        def to_meta(c: Any) -> Any:
+            if not isinstance(c, torch.Tensor):
+                return c
+            m = torch.empty(c.shape, dtype=c.dtype, device=_META)
+            if _small(m):
+                self._set(m, Shadow(c, assumed, opaque))
+            return m
+
+        return tree_map(to_meta, values)
+
+    def _on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool, bool] | None:
+        """``func`` run on the inputs' shadows, whether any was assumed and whether any was opaque;
+        None where one has no shadow or it fails."""
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            # Random draws would take from the script's own generator; theirs are data the step does not have.
+            return None
+        assumed = opaque = missing = False
+
+        def to_cpu(a: Any) -> Any:
+            nonlocal assumed, opaque, missing
+            if _is_meta(a):
+                s = self.get(a)
+                if s is None:
+                    missing = True
+                    return a
+                assumed = assumed or s.assumed
+                opaque = opaque or s.opaque
+                return s.values
+            if isinstance(a, torch.device) and a.type == _META:
+                return torch.device("cpu")
+            return a
+
+        cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+        if missing:
+            return None
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        try:
+            if name in _UNINITIALIZED:
+                values = func(*cpu_args, **cpu_kwargs)
+                values = tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, values)
+            else:
+                values = func(*cpu_args, **cpu_kwargs)
+        except Exception:  # noqa: BLE001 - any failure here only means the values stay unknown
+            # An operation the CPU lacks (a float8 kernel), or one that refuses
+            # the zeros standing in for data: its result is simply not known.
+            return None
+        return values, assumed, opaque
+
+    def _set(self, t: torch.Tensor, s: Shadow) -> None:
+        try:
+            self._shadows[t] = s
+        except TypeError:
+            pass
