@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     for m in oomkit_supervise::oom::find_messages(&text) {
         let _ = m.requested_bytes;
     }
-    if let Some(e) = oomkit_supervise::oom::explain(&text, Some("expandable_segments:True")) {
+    if let Some(e) = oomkit_supervise::explain::explain(&text, Some("expandable_segments:True")) {
         let _ = oomkit_report::text::explanation(&e);
     }
 });

@@ -91,5 +91,5 @@ fuzz_target!(|data: &[u8]| {
     ];
     let _ = what_if(&snap, &scenarios, &Options::default());
     let mut a = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
-    oomkit_allocator::replay_fixes(&snap, &mut a);
+    oomkit_compare::replay_fixes(&snap, &mut a);
 });

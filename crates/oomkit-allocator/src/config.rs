@@ -3,7 +3,9 @@
 //! `c10/core/AllocatorConfig.cpp` parses it.
 
 use crate::error::AllocatorError;
-use crate::rules::{division_class, K_LARGE_BUFFER, ROUNDUP_INTERVALS};
+use crate::rules::{
+    division_class, round_size, should_split, PoolKind, K_LARGE_BUFFER, ROUNDUP_INTERVALS,
+};
 use serde_json::Value;
 
 /// One mebibyte, the unit of the `_mb` settings.
@@ -57,6 +59,23 @@ impl AllocatorConfig {
     /// The divisions `roundup_power2_divisions` sets for a size.
     pub fn divisions_for(&self, size: u64) -> u64 {
         self.roundup_power2_divisions[division_class(size)]
+    }
+
+    /// The size a request is served with under these settings (`round_size`).
+    pub fn round(&self, size: u64) -> u64 {
+        round_size(size, self.divisions_for(size))
+    }
+
+    /// Whether a free block of `block` bytes given to a request of `size`
+    /// is split under these settings (`should_split`).
+    pub fn splits(&self, pool: PoolKind, block: u64, size: u64) -> bool {
+        should_split(
+            pool,
+            block,
+            size,
+            self.expandable_segments,
+            self.max_split_size,
+        )
     }
 
     /// Applies settings written as `PYTORCH_CUDA_ALLOC_CONF` writes them

@@ -2,8 +2,11 @@
 //! stream, then size, then address. Each key is packed into one `u128`,
 //! which the B-tree compares in two instructions instead of a tuple's four.
 
-use crate::model::BlockId;
 use std::collections::BTreeMap;
+
+/// A block as this set knows it: its index in the model's arena
+/// (`model::BlockId`), which the set stores and hands back untouched.
+type BlockId = u32;
 
 /// A cached block as the set orders it: stream, size, address, and the block.
 pub(crate) type FreeKey = (u16, u64, u64, BlockId);

@@ -39,7 +39,6 @@
 mod config;
 mod error;
 mod expandable;
-mod fixes;
 mod free;
 mod layout;
 mod model;
@@ -54,7 +53,6 @@ mod tests;
 
 pub use config::AllocatorConfig;
 pub use error::AllocatorError;
-pub use fixes::{peak_words, replay_fixes, SAME_PEAK};
 pub use realize::{realize, EndBlock, EndSegment, Entry, Op, Realized, FIRST_SEGMENT_ADDRESS};
 pub use replay::{what_if, Options, AS_RECORDED, FRESH_BASELINE};
 pub use report::{

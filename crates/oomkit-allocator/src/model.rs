@@ -5,7 +5,7 @@
 
 use crate::config::AllocatorConfig;
 use crate::free::{FreeKey, FreeSet};
-use crate::rules::{allocation_size, round_size, should_split, PoolKind, K_ROUND_LARGE};
+use crate::rules::{allocation_size, PoolKind, K_ROUND_LARGE};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A block's index in the arena.
@@ -365,7 +365,7 @@ impl Allocator {
         stream: u16,
         private: u8,
     ) -> Result<BlockId, Failure> {
-        let size = round_size(orig, &self.config);
+        let size = self.config.round(orig);
         let kind = PoolKind::of(size);
         let pool = self.pool_index(private, kind);
         let alloc_size = allocation_size(size);
@@ -403,7 +403,7 @@ impl Allocator {
                 largest_free,
             });
         };
-        let split = should_split(kind, self.b(block).size, size, &self.config);
+        let split = self.config.splits(kind, self.b(block).size, size);
         let id = self.alloc_found_block(block, size, split);
         self.settle_peak();
         Ok(id)

@@ -10,7 +10,7 @@ use crate::report::{
     Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,
     WhatIf,
 };
-use crate::rules::{round_size, PoolKind};
+use crate::rules::PoolKind;
 use crate::scenario::Scenario;
 use crate::start::{start_state, Start};
 use oomkit_snapshot::{Action, FastState, Role, Snapshot, TraceEvent};
@@ -113,6 +113,8 @@ struct Device<'a> {
     samples: &'a [usize],
 }
 
+/// Replays one device's trace as recorded and under each scenario, and
+/// checks the replay as recorded against the trace's own segments.
 fn device_what_if(
     snap: &Snapshot,
     device: i64,
@@ -121,69 +123,9 @@ fn device_what_if(
     configs: &[AllocatorConfig],
     opts: &Options,
 ) -> DeviceWhatIf {
-    let events = snap.events(device);
-    let start = start_state(snap, device, recorded);
-    let mut notes = start.notes.clone();
-    let n = events.len();
-    let mut after_completes = vec![n as u32; n + 1];
-    let mut after_releases = vec![n as u32; n + 1];
-    for i in (0..n).rev() {
-        after_completes[i] = match events[i].action {
-            Action::FreeCompleted => after_completes[i + 1],
-            _ => i as u32,
-        };
-        after_releases[i] = match events[i].action {
-            Action::SegmentFree | Action::SegmentUnmap => after_releases[i + 1],
-            _ => i as u32,
-        };
-    }
-    let mut top = 0u64;
-    for s in snap.segments.iter().filter(|s| s.device == device) {
-        top = top.max(s.address.saturating_add(s.total_size));
-    }
-    for e in events {
-        if matches!(
-            e.action,
-            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap
-        ) {
-            top = top.max(e.addr.saturating_add(e.size));
-        }
-    }
-    let d = Device {
-        events,
-        private: private_pools(snap, device),
-        start,
-        after_completes,
-        after_releases,
-        fresh_base: top.div_ceil(1 << 30).saturating_add(1) << 30,
-        samples: &opts.samples,
-    };
-
-    // What the trace shows by itself: its segments, its peak, the
-    // capacity its OOMs imply.
-    let recorded_segments = recorded_segments(events, recorded);
-    let (recorded_peak, capacities, limit) = recorded_reserved(events, d.start.reserved());
-    let trace_capacity = capacities.first().copied();
-    if let Some(l) = &limit {
-        notes.push(format!(
-            "the OOM at entry {} came with {} free on the device, more than the {} asked for: the limit was the process's own (set_per_process_memory_fraction, which the snapshot does not record) or a driver that would not give one piece that large, not the device's free memory; it lay between {} (held before) and {} (held when it failed plus the request), so it is replayed at {}, the least it can be: an OOM avoided there is avoided under the real limit, one that happens there may not (--capacity with the limit, the OOM message's \"allowed\", replays against it)",
-            l.event,
-            oomkit_units::human_bytes(l.free),
-            oomkit_units::human_bytes(l.requested),
-            oomkit_units::human_bytes(l.floor),
-            oomkit_units::human_bytes(l.ceiling),
-            oomkit_units::human_bytes(l.floor),
-        ));
-    }
-    if let (Some(lo), Some(hi)) = (capacities.iter().min(), capacities.iter().max()) {
-        if (*hi - *lo) as f64 > CAPACITY_SPREAD * *hi as f64 {
-            notes.push(format!(
-                "the trace's OOMs imply capacities from {} to {}: something else on the device changed what was free; the first is used",
-                oomkit_units::human_bytes(*lo),
-                oomkit_units::human_bytes(*hi)
-            ));
-        }
-    }
+    let d = Device::new(snap, device, recorded, &opts.samples);
+    let mut notes = d.start.notes.clone();
+    let facts = TraceFacts::of(d.events, recorded, d.start.reserved(), &mut notes);
     let roles = scenarios
         .iter()
         .any(|s| s.batch_scale.is_some())
@@ -191,13 +133,169 @@ fn device_what_if(
     if roles.is_some() {
         notes.push("a micro-batch scenario scales the allocations the analysis tells as activations, temporaries or inputs, and keeps the rest as recorded: an approximation, since a smaller batch can also change which kernels run and their workspaces".into());
     }
+    let jobs = jobs(
+        &d,
+        recorded,
+        scenarios,
+        configs,
+        roles.as_deref(),
+        &facts,
+        opts,
+    );
+    let mut results = run_all(&d, &jobs).into_iter();
+    let (first, checks) = results.next().expect("the recorded replay is always run");
+    let agreement = agree(&facts.segments, &first.segments, checks.placed);
+    let outside = outside_recorded(d.events, &d.start);
+    if outside > 0 {
+        notes.push(format!(
+            "{outside} of the trace's allocations lie in no segment it shows: the trace and the segments cannot come from one run of PyTorch's allocator (a generated sample?), so the figures do not describe a run"
+        ));
+    }
+    let fresh_baseline = jobs
+        .iter()
+        .find(|j| j.start == StartKind::Fresh && j.name == FRESH_BASELINE)
+        .map(|j| j.name.clone());
+    let outs: Vec<ScenarioOut> = std::iter::once((first, checks))
+        .chain(results)
+        .zip(&jobs)
+        .enumerate()
+        .map(|(k, ((o, _), j))| ScenarioOut {
+            name: j.name.clone(),
+            capacity_source: source(j.capacity.is_some(), j.given, facts.limit.is_some()),
+            batch_scale: j.scale.map(|(f, _)| f),
+            baseline: match j.start {
+                _ if k == 0 || j.name == FRESH_BASELINE => None,
+                StartKind::Fresh => fresh_baseline.clone(),
+                StartKind::AsRecorded => Some(AS_RECORDED.to_string()),
+            },
+            ..o
+        })
+        .collect();
+    DeviceWhatIf {
+        device,
+        events: d.events.len(),
+        reserved_at_start_bytes: d.start.reserved(),
+        cached_at_start_bytes: d.start.cached(),
+        recorded_segments: facts.segments,
+        recorded_peak_reserved_bytes: facts.peak,
+        agreement,
+        scenarios: outs,
+        notes,
+    }
+}
 
-    // Every replay to run, the trace as recorded first; each is independent,
-    // so a long trace's replays run side by side.
-    let mut jobs: Vec<Job<'_>> = vec![Job {
+impl<'a> Device<'a> {
+    /// What every replay of a device shares: its entries, the state they
+    /// began from, where runs of frees and releases end, the private pool of
+    /// each allocation, and where fresh segments go.
+    fn new(
+        snap: &'a Snapshot,
+        device: i64,
+        recorded: &AllocatorConfig,
+        samples: &'a [usize],
+    ) -> Device<'a> {
+        let events = snap.events(device);
+        let n = events.len();
+        let mut after_completes = vec![n as u32; n + 1];
+        let mut after_releases = vec![n as u32; n + 1];
+        for i in (0..n).rev() {
+            after_completes[i] = match events[i].action {
+                Action::FreeCompleted => after_completes[i + 1],
+                _ => i as u32,
+            };
+            after_releases[i] = match events[i].action {
+                Action::SegmentFree | Action::SegmentUnmap => after_releases[i + 1],
+                _ => i as u32,
+            };
+        }
+        let mut top = 0u64;
+        for s in snap.segments.iter().filter(|s| s.device == device) {
+            top = top.max(s.address.saturating_add(s.total_size));
+        }
+        for e in events {
+            if matches!(
+                e.action,
+                Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap
+            ) {
+                top = top.max(e.addr.saturating_add(e.size));
+            }
+        }
+        Device {
+            events,
+            private: private_pools(snap, device),
+            start: start_state(snap, device, recorded),
+            after_completes,
+            after_releases,
+            fresh_base: top.div_ceil(1 << 30).saturating_add(1) << 30,
+            samples,
+        }
+    }
+}
+
+/// What the trace shows by itself: its own segments, its peak, the
+/// capacity its OOMs imply, and the process's own limit where the first
+/// OOM had room on the device.
+struct TraceFacts {
+    segments: Vec<SegmentOut>,
+    peak: u64,
+    capacity: Option<u64>,
+    limit: Option<ProcessLimit>,
+}
+
+impl TraceFacts {
+    /// Reads the facts off the trace, noting in `notes` a process limit and OOMs that disagree on the capacity.
+    fn of(
+        events: &[TraceEvent],
+        recorded: &AllocatorConfig,
+        start_reserved: u64,
+        notes: &mut Vec<String>,
+    ) -> TraceFacts {
+        let (peak, capacities, limit) = recorded_reserved(events, start_reserved);
+        if let Some(l) = &limit {
+            notes.push(format!(
+                "the OOM at entry {} came with {} free on the device, more than the {} asked for: the limit was the process's own (set_per_process_memory_fraction, which the snapshot does not record) or a driver that would not give one piece that large, not the device's free memory; it lay between {} (held before) and {} (held when it failed plus the request), so it is replayed at {}, the least it can be: an OOM avoided there is avoided under the real limit, one that happens there may not (--capacity with the limit, the OOM message's \"allowed\", replays against it)",
+                l.event,
+                oomkit_units::human_bytes(l.free),
+                oomkit_units::human_bytes(l.requested),
+                oomkit_units::human_bytes(l.floor),
+                oomkit_units::human_bytes(l.ceiling),
+                oomkit_units::human_bytes(l.floor),
+            ));
+        }
+        if let (Some(lo), Some(hi)) = (capacities.iter().min(), capacities.iter().max()) {
+            if (*hi - *lo) as f64 > CAPACITY_SPREAD * *hi as f64 {
+                notes.push(format!(
+                    "the trace's OOMs imply capacities from {} to {}: something else on the device changed what was free; the first is used",
+                    oomkit_units::human_bytes(*lo),
+                    oomkit_units::human_bytes(*hi)
+                ));
+            }
+        }
+        TraceFacts {
+            segments: recorded_segments(events, recorded),
+            peak,
+            capacity: capacities.first().copied(),
+            limit,
+        }
+    }
+}
+
+/// Every replay to run: the trace as recorded first, then, where a
+/// scenario starts afresh, the recorded settings from a fresh start, then
+/// each scenario. Each is independent, so a long trace's replays run side by side.
+fn jobs<'r>(
+    d: &Device<'_>,
+    recorded: &AllocatorConfig,
+    scenarios: &[Scenario],
+    configs: &[AllocatorConfig],
+    roles: Option<&'r [Role]>,
+    facts: &TraceFacts,
+    opts: &Options,
+) -> Vec<Job<'r>> {
+    let mut jobs: Vec<Job<'r>> = vec![Job {
         name: AS_RECORDED.into(),
         config: recorded.clone(),
-        capacity: trace_capacity,
+        capacity: facts.capacity,
         given: false,
         start: StartKind::AsRecorded,
         scale: None,
@@ -223,7 +321,7 @@ fn device_what_if(
             jobs.push(Job {
                 name: FRESH_BASELINE.into(),
                 config: recorded.clone(),
-                capacity: trace_capacity,
+                capacity: facts.capacity,
                 given: false,
                 start,
                 scale: None,
@@ -232,55 +330,16 @@ fn device_what_if(
         jobs.push(Job {
             name: s.label.clone(),
             config: c.clone(),
-            capacity: s.capacity.or(trace_capacity),
+            capacity: s.capacity.or(facts.capacity),
             given: s.capacity.is_some(),
             start,
-            scale: match (s.batch_scale, &roles) {
-                (Some(f), Some(r)) => Some((f, r.as_slice())),
+            scale: match (s.batch_scale, roles) {
+                (Some(f), Some(r)) => Some((f, r)),
                 _ => None,
             },
         });
     }
-    let mut results = run_all(&d, &jobs).into_iter();
-    let (first, checks) = results.next().expect("the recorded replay is always run");
-    let agreement = agree(&recorded_segments, &first.segments, checks.placed);
-    let outside = outside_recorded(events, &d.start);
-    if outside > 0 {
-        notes.push(format!(
-            "{outside} of the trace's allocations lie in no segment it shows: the trace and the segments cannot come from one run of PyTorch's allocator (a generated sample?), so the figures do not describe a run"
-        ));
-    }
-    let fresh_baseline = jobs
-        .iter()
-        .find(|j| j.start == StartKind::Fresh && j.name == FRESH_BASELINE)
-        .map(|j| j.name.clone());
-    let outs: Vec<ScenarioOut> = std::iter::once((first, checks))
-        .chain(results)
-        .zip(&jobs)
-        .enumerate()
-        .map(|(k, ((o, _), j))| ScenarioOut {
-            name: j.name.clone(),
-            capacity_source: source(j.capacity.is_some(), j.given, limit.is_some()),
-            batch_scale: j.scale.map(|(f, _)| f),
-            baseline: match j.start {
-                _ if k == 0 || j.name == FRESH_BASELINE => None,
-                StartKind::Fresh => fresh_baseline.clone(),
-                StartKind::AsRecorded => Some(AS_RECORDED.to_string()),
-            },
-            ..o
-        })
-        .collect();
-    DeviceWhatIf {
-        device,
-        events: events.len(),
-        reserved_at_start_bytes: d.start.reserved(),
-        cached_at_start_bytes: d.start.cached(),
-        recorded_segments,
-        recorded_peak_reserved_bytes: recorded_peak,
-        agreement,
-        scenarios: outs,
-        notes,
-    }
+    jobs
 }
 
 fn source(known: bool, given: bool, process_limit: bool) -> &'static str {
@@ -339,7 +398,7 @@ fn recorded_segments(events: &[TraceEvent], config: &AllocatorConfig) -> Vec<Seg
                     PoolKind::Small
                 }
                 (Action::SegmentAlloc, _) => PoolKind::Large,
-                (_, Some(a)) => PoolKind::of(round_size(a.size, config)),
+                (_, Some(a)) => PoolKind::of(config.round(a.size)),
                 (_, None) => PoolKind::Large,
             };
             out.push(SegmentOut {

@@ -1,8 +1,6 @@
 //! The allocator's size rules, named after the constants of
 //! `c10/cuda/CUDACachingAllocator.cpp` and `c10/core/AllocatorConfig.cpp`.
 
-use crate::config::AllocatorConfig;
-
 /// Every block is rounded up to a multiple of this (`kMinBlockSize`, 512 B).
 pub const K_MIN_BLOCK_SIZE: u64 = 512;
 /// The largest request the small pool serves (`kSmallSize`, 1 MiB).
@@ -59,12 +57,12 @@ impl PoolKind {
 
 /// The size a request is served with (`round_size`): at least 512 B, a
 /// multiple of 512 B, or the next power-of-two division where
-/// `roundup_power2_divisions` asks for one.
-pub fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
+/// `roundup_power2_divisions` sets `divisions` above 1 for its size class
+/// (`AllocatorConfig::round` looks them up).
+pub fn round_size(size: u64, divisions: u64) -> u64 {
     if size < K_MIN_BLOCK_SIZE {
         return K_MIN_BLOCK_SIZE;
     }
-    let divisions = config.divisions_for(size);
     if divisions > 1 && size > K_MIN_BLOCK_SIZE * divisions {
         next_power2_division(size, divisions)
     } else {
@@ -118,12 +116,18 @@ pub fn allocation_size(rounded: u64) -> u64 {
 /// cached (`should_split`): in the small pool or with expandable segments
 /// when at least 512 B remain; in the large pool when the request is under
 /// `max_split_size` and more than 1 MiB remains.
-pub fn should_split(pool: PoolKind, block: u64, size: u64, config: &AllocatorConfig) -> bool {
+pub fn should_split(
+    pool: PoolKind,
+    block: u64,
+    size: u64,
+    expandable_segments: bool,
+    max_split_size: u64,
+) -> bool {
     let remaining = block - size;
-    if pool == PoolKind::Small || config.expandable_segments {
+    if pool == PoolKind::Small || expandable_segments {
         remaining >= K_MIN_BLOCK_SIZE
     } else {
-        size < config.max_split_size && remaining > K_SMALL_SIZE
+        size < max_split_size && remaining > K_SMALL_SIZE
     }
 }
 
@@ -131,30 +135,26 @@ pub fn should_split(pool: PoolKind, block: u64, size: u64, config: &AllocatorCon
 mod tests {
     use super::*;
 
-    fn conf(divisions: u64) -> AllocatorConfig {
-        AllocatorConfig {
-            roundup_power2_divisions: [divisions; ROUNDUP_INTERVALS],
-            ..AllocatorConfig::default()
-        }
-    }
+    /// No `roundup_power2_divisions` (PyTorch's default) and no `max_split_size_mb`.
+    const NO_DIVISIONS: u64 = 0;
+    const NO_MAX_SPLIT: u64 = u64::MAX;
 
     #[test]
     fn sizes_round_as_the_source_says() {
-        let c = AllocatorConfig::default();
-        assert_eq!(round_size(1, &c), 512);
-        assert_eq!(round_size(512, &c), 512);
-        assert_eq!(round_size(513, &c), 1024);
-        assert_eq!(round_size(196_608, &c), 196_608);
+        assert_eq!(round_size(1, NO_DIVISIONS), 512);
+        assert_eq!(round_size(512, NO_DIVISIONS), 512);
+        assert_eq!(round_size(513, NO_DIVISIONS), 1024);
+        assert_eq!(round_size(196_608, NO_DIVISIONS), 196_608);
         // The source's own example: 1200 with 4 divisions is 1280.
         assert_eq!(next_power2_division(1200, 4), 1280);
         assert_eq!(next_power2_division(1024, 4), 1024);
         assert_eq!(next_power2_division(1536, 4), 1536);
         // Only above 512 B times the divisions does the power-of-two rule
         // apply; below, sizes round to 512 B as ever.
-        assert_eq!(round_size(1200, &conf(4)), 1536);
-        assert_eq!(round_size(2049 << 10, &conf(4)), 2560 << 10);
-        assert_eq!(round_size(2049 << 10, &conf(0)), 2049 << 10);
-        assert_eq!(round_size(5 << 20 | 1, &conf(4)), 6 << 20);
+        assert_eq!(round_size(1200, 4), 1536);
+        assert_eq!(round_size(2049 << 10, 4), 2560 << 10);
+        assert_eq!(round_size(2049 << 10, 0), 2049 << 10);
+        assert_eq!(round_size(5 << 20 | 1, 4), 6 << 20);
     }
 
     #[test]
@@ -179,17 +179,27 @@ mod tests {
 
     #[test]
     fn splitting_follows_the_pool() {
-        let c = AllocatorConfig::default();
-        assert!(should_split(PoolKind::Small, 2 << 20, 1024, &c));
-        assert!(!should_split(PoolKind::Small, 1024, 768, &c));
-        assert!(should_split(PoolKind::Large, 20 << 20, 4 << 20, &c));
+        let split = |pool, block, size| should_split(pool, block, size, false, NO_MAX_SPLIT);
+        assert!(split(PoolKind::Small, 2 << 20, 1024));
+        assert!(!split(PoolKind::Small, 1024, 768));
+        assert!(split(PoolKind::Large, 20 << 20, 4 << 20));
         // Exactly 1 MiB left over stays with the block in the large pool.
-        assert!(!should_split(PoolKind::Large, 5 << 20, 4 << 20, &c));
-        let mut m = c.clone();
-        m.max_split_size = 128 << 20;
-        assert!(!should_split(PoolKind::Large, 300 << 20, 200 << 20, &m));
-        let mut e = c;
-        e.expandable_segments = true;
-        assert!(should_split(PoolKind::Large, 5 << 20, 4 << 20, &e));
+        assert!(!split(PoolKind::Large, 5 << 20, 4 << 20));
+        // max_split_size_mb:128: a larger request never splits a block.
+        assert!(!should_split(
+            PoolKind::Large,
+            300 << 20,
+            200 << 20,
+            false,
+            128 << 20
+        ));
+        // Expandable segments split whatever remains.
+        assert!(should_split(
+            PoolKind::Large,
+            5 << 20,
+            4 << 20,
+            true,
+            NO_MAX_SPLIT
+        ));
     }
 }

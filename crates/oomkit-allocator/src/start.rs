@@ -11,8 +11,8 @@
 //! allocator keeps its free neighbours merged.
 
 use crate::config::AllocatorConfig;
-use crate::rules::{round_size, PoolKind, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE};
-use oomkit_snapshot::{Action, BlockState, FastState, Snapshot};
+use crate::rules::{PoolKind, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE};
+use oomkit_snapshot::{Action, BlockState, FastState, Snapshot, TraceEvent};
 use std::collections::{BTreeMap, HashSet};
 
 /// A segment held when the trace begins.
@@ -78,9 +78,22 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
     let events = snap.events(device);
     let mut notes = Vec::new();
     let segments = start_segments(snap, device, &mut notes);
+    let (open, orphans) = trace_holdings(events);
+    let mut blocks = exact_blocks(snap, device, &open);
+    let within = Within::new(&segments);
+    let placed = place_orphans(orphans, &blocks, &within, config, &mut notes);
+    size_orphans(placed, &mut blocks, &within, config, &mut notes);
+    let blocks = without_overlaps(blocks, &within, &mut notes);
+    Start {
+        segments,
+        blocks,
+        notes,
+    }
+}
 
-    // Which addresses the trace allocates and still holds, and which
-    // blocks it frees without having allocated them.
+/// Which addresses the trace allocates and still holds at its end, and the
+/// blocks it frees without having allocated them (from before it began).
+fn trace_holdings(events: &[TraceEvent]) -> (HashSet<u64, FastState>, Vec<Orphan>) {
     let any_requested = events.iter().any(|e| e.action == Action::FreeRequested);
     let mut open: HashSet<u64, FastState> = HashSet::default();
     let mut requested_before: HashSet<u64, FastState> = HashSet::default();
@@ -107,8 +120,11 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             _ => {}
         }
     }
+    (open, orphans)
+}
 
-    // Blocks live at the end that the trace did not allocate: exact.
+/// The blocks live at the end that the trace did not allocate: their sizes exact.
+fn exact_blocks(snap: &Snapshot, device: i64, open: &HashSet<u64, FastState>) -> Vec<StartBlock> {
     let mut blocks: Vec<StartBlock> = Vec::new();
     for s in snap.segments.iter().filter(|s| s.device == device) {
         let stream = snap.stream_index(s.stream as i64).unwrap_or(0);
@@ -125,42 +141,64 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             }
         }
     }
-    let exact: HashSet<u64, FastState> = blocks.iter().map(|b| b.addr).collect();
-    let seg_at: BTreeMap<u64, usize> = segments
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.addr, i))
-        .collect();
-    let containing = |addr: u64| -> Option<&StartSegment> {
-        let (_, &i) = seg_at.range(..=addr).next_back()?;
-        let s = &segments[i];
-        (addr < s.addr + s.size).then_some(s)
-    };
+    blocks
+}
 
-    // Blocks freed without being allocated: placed where they were, sized
-    // below. Their sizes need the next boundary, so place them sorted.
+/// The segments held at the start, found by address.
+struct Within<'s> {
+    segments: &'s [StartSegment],
+    by_addr: BTreeMap<u64, usize>,
+}
+
+impl<'s> Within<'s> {
+    fn new(segments: &'s [StartSegment]) -> Within<'s> {
+        let by_addr = segments
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.addr, i))
+            .collect();
+        Within { segments, by_addr }
+    }
+
+    /// The segment that holds `addr`, if any.
+    fn containing(&self, addr: u64) -> Option<&'s StartSegment> {
+        let (_, &i) = self.by_addr.range(..=addr).next_back()?;
+        let s = &self.segments[i];
+        (addr < s.addr + s.size).then_some(s)
+    }
+}
+
+/// The blocks freed without being allocated, placed where they were in
+/// the segment that holds them (with that segment's end), at the size
+/// their request rounds to; sized against what follows them by [`size_orphans`].
+fn place_orphans(
+    mut orphans: Vec<Orphan>,
+    exact: &[StartBlock],
+    within: &Within<'_>,
+    config: &AllocatorConfig,
+    notes: &mut Vec<String>,
+) -> Vec<(StartBlock, u64)> {
+    let exact: HashSet<u64, FastState> = exact.iter().map(|b| b.addr).collect();
+    // Their sizes need the next boundary, so they are placed sorted.
     orphans.sort_by_key(|o| o.addr);
     let mut unplaced = 0usize;
-    let mut placed: Vec<(StartBlock, u64)> = Vec::new();
+    let mut placed = Vec::new();
     for o in orphans {
         if exact.contains(&o.addr) {
             continue;
         }
-        match containing(o.addr) {
-            Some(s) => {
-                let rounded = round_size(o.requested, config);
-                placed.push((
-                    StartBlock {
-                        addr: o.addr,
-                        size: rounded,
-                        requested: o.requested,
-                        stream: o.stream,
-                        private: if o.pool != 0 { o.pool } else { s.private },
-                        pending: o.pending,
-                    },
-                    s.addr + s.size,
-                ));
-            }
+        match within.containing(o.addr) {
+            Some(s) => placed.push((
+                StartBlock {
+                    addr: o.addr,
+                    size: config.round(o.requested),
+                    requested: o.requested,
+                    stream: o.stream,
+                    private: if o.pool != 0 { o.pool } else { s.private },
+                    pending: o.pending,
+                },
+                s.addr + s.size,
+            )),
             None => unplaced += 1,
         }
     }
@@ -169,8 +207,19 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             "{unplaced} block(s) the trace frees lie in no segment held when it began; their frees are left out"
         ));
     }
+    placed
+}
 
-    // Size the freed-before blocks against what follows them.
+/// Sizes each block freed before the trace against what follows it (the
+/// next block or its segment's end), widened by a remainder too small to
+/// have been split off, and adds it to `blocks`.
+fn size_orphans(
+    placed: Vec<(StartBlock, u64)>,
+    blocks: &mut Vec<StartBlock>,
+    within: &Within<'_>,
+    config: &AllocatorConfig,
+    notes: &mut Vec<String>,
+) {
     let mut starts: Vec<u64> = blocks.iter().map(|b| b.addr).collect();
     starts.extend(placed.iter().map(|(b, _)| b.addr));
     starts.sort_unstable();
@@ -184,7 +233,9 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             clipped += 1;
         } else {
             let gap = room - b.size;
-            let kind = containing(b.addr).map_or(PoolKind::Large, |s| s.kind);
+            let kind = within
+                .containing(b.addr)
+                .map_or(PoolKind::Large, |s| s.kind);
             // A remainder too small to split off stayed with the block.
             let stays = match kind {
                 _ if b.size >= config.max_split_size => true,
@@ -203,9 +254,17 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
             "{clipped} block(s) freed by the trace overlap the next block when rounded; they are taken as ending there"
         ));
     }
+}
+
+/// The live blocks in address order, without those that overlap an
+/// earlier one or lie outside every segment held at the start (a snapshot
+/// where they do is kept whole by dropping them, with a note).
+fn without_overlaps(
+    mut blocks: Vec<StartBlock>,
+    within: &Within<'_>,
+    notes: &mut Vec<String>,
+) -> Vec<StartBlock> {
     blocks.sort_by_key(|b| b.addr);
-    // Live blocks cannot overlap; a snapshot where they do is kept whole
-    // by dropping the later one.
     let mut kept: Vec<StartBlock> = Vec::with_capacity(blocks.len());
     let mut dropped = 0usize;
     for b in blocks {
@@ -220,18 +279,18 @@ pub(crate) fn start_state(snap: &Snapshot, device: i64, config: &AllocatorConfig
         ));
     }
     let before = kept.len();
-    kept.retain(|b| containing(b.addr).is_some_and(|s| b.addr + b.size <= s.addr + s.size));
+    kept.retain(|b| {
+        within
+            .containing(b.addr)
+            .is_some_and(|s| b.addr + b.size <= s.addr + s.size)
+    });
     if kept.len() < before {
         notes.push(format!(
             "{} live block(s) lie outside every segment held at the start and are left out",
             before - kept.len()
         ));
     }
-    Start {
-        segments,
-        blocks: kept,
-        notes,
-    }
+    kept
 }
 
 /// The segments held when the trace begins: those at the end with the

@@ -296,42 +296,6 @@ fn overlapping_segments_are_left_out_with_a_note() {
     }
 }
 
-#[test]
-fn the_fragmentation_finding_and_the_verdict_carry_the_replayed_fix() {
-    let snap = fragmented();
-    let mut analysis = oomkit_snapshot::analyze(&snap, &oomkit_snapshot::Options::default());
-    assert_eq!(
-        analysis.verdict.cause,
-        Some(oomkit_advice::Cause::Fragmentation)
-    );
-    oomkit_allocator::replay_fixes(&snap, &mut analysis);
-    let f = analysis
-        .findings
-        .iter()
-        .find(|f| f.kind == oomkit_advice::FindingKind::OomFragmentation)
-        .unwrap();
-    let r = f.replayed.as_ref().unwrap();
-    assert_eq!(r.oom_event, Some(15));
-    assert_eq!(r.oom_happens, Some(false));
-    assert!(r.helps);
-    assert_eq!(r.model_agreement, 1.0);
-    assert!(
-        f.advice.starts_with("replayed with expandable_segments:True, the OOM at event 15 does not happen and this trace peaks at about the same reserved (60.0 MiB, +0 B) (oomkit whatif): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
-        "{}",
-        f.advice
-    );
-    let fix = analysis.verdict.fix.as_deref().unwrap();
-    assert!(
-        fix.starts_with("replayed with expandable_segments:True"),
-        "{fix}"
-    );
-    assert!(
-        analysis.verdict.detail.contains(fix),
-        "{}",
-        analysis.verdict.detail
-    );
-}
-
 /// A warm trace made as PyTorch makes one: the program runs warm-up steps,
 /// then the recording starts, so the trace holds only the last step and
 /// begins with the cache the warm-up left. The steps are served through

@@ -24,7 +24,7 @@ impl FileAnalysis {
     pub fn new(path: String, file_bytes: u64, snap: &Snapshot, opts: &Options) -> FileAnalysis {
         let mut analysis = analyze(snap, opts);
         // A fragmentation finding's fix is checked by replaying the trace with it.
-        oomkit_allocator::replay_fixes(snap, &mut analysis);
+        crate::fixes::replay_fixes(snap, &mut analysis);
         FileAnalysis {
             path,
             file_bytes,

@@ -24,6 +24,7 @@
 
 mod diff;
 mod error;
+mod fixes;
 mod input;
 mod job;
 mod ranks;
@@ -32,6 +33,7 @@ pub use diff::{
     diff_mixed, diff_runs, diff_snapshots, DeviceDelta, Diff, RoleDelta, SiteDelta, StageDelta,
 };
 pub use error::CompareError;
+pub use fixes::{peak_words, replay_fixes, SAME_PEAK};
 pub use input::{FileAnalysis, Report, RunFile};
 pub use job::{job_attempts, Job, Unreadable};
 pub use ranks::{rank_table, RankRow, IMBALANCE_FRACTION};

@@ -265,7 +265,7 @@ fn oom_limits(message: &str) -> (Option<u64>, Option<u64>) {
 #[pyfunction]
 #[pyo3(signature = (message, alloc_conf=None))]
 fn oom_cause(message: &str, alloc_conf: Option<&str>) -> Option<String> {
-    let e = oomkit_supervise::oom::explain(message, alloc_conf)?;
+    let e = oomkit_supervise::explain::explain(message, alloc_conf)?;
     serde_json::to_value(e.cause)
         .ok()
         .and_then(|v| v.as_str().map(String::from))
@@ -290,8 +290,8 @@ fn back_off(
     message: Option<&str>,
     earlier: Vec<(u64, String)>,
 ) -> Option<(u64, u64)> {
-    use oomkit_supervise::{fit, oom};
-    let observe = |b: u64, m: &str| fit::observe(&oom::explain(m, None)?, b);
+    use oomkit_supervise::fit;
+    let observe = |b: u64, m: &str| fit::observe(&oomkit_supervise::explain::explain(m, None)?, b);
     // Only a capacity OOM with figures steps by them; any other halves.
     let this = message.and_then(|m| observe(micro_batch, m));
     let observed: Vec<fit::Observation> = earlier
@@ -414,6 +414,26 @@ fn parse_capacity(text: &str) -> PyResult<(u64, String)> {
     oomkit_allocator::parse_capacity(text).map_err(|e| PreflightError::new_err(e.to_string()))
 }
 
+/// The largest micro-batch from `start` up to `max` that fits `capacity`:
+/// the project's one search (`oomkit_supervise::search::largest_that_fits`),
+/// calling `measure(b)` for each micro-batch tried, which returns whether it
+/// fits and the most it reserved. An exception `measure` raises ends the
+/// search and is raised here. Returns the largest that fits (or None) and
+/// every micro-batch tried with whether it fitted, by size.
+#[pyfunction]
+fn largest_that_fits(
+    start: u64,
+    max: u64,
+    capacity: u64,
+    measure: &Bound<'_, PyAny>,
+) -> PyResult<oomkit_supervise::search::Largest> {
+    use oomkit_supervise::search::Measured;
+    oomkit_supervise::search::largest_that_fits(start, max, capacity, &mut |b| {
+        let (fits, peak_bytes): (bool, u64) = measure.call1((b,))?.extract()?;
+        Ok::<_, PyErr>(Measured { fits, peak_bytes })
+    })
+}
+
 /// A preflight's answer (`Preflight.as_dict()` as JSON) for the terminal,
 /// as `oomkit preflight` prints it: one renderer for both.
 #[pyfunction]
@@ -464,5 +484,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(realize_ops, m)?)?;
     m.add_function(wrap_pyfunction!(parse_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(preflight_text, m)?)?;
+    m.add_function(wrap_pyfunction!(largest_that_fits, m)?)?;
     Ok(())
 }

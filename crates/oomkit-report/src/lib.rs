@@ -41,8 +41,8 @@ use oomkit_compare::{Diff, Job};
 use oomkit_estimate::calibrate::Calibration;
 use oomkit_estimate::Estimate;
 use oomkit_gpu::Gpu;
+use oomkit_supervise::explain::Explanation;
 use oomkit_supervise::find_batch::FindBatchReport;
-use oomkit_supervise::oom::Explanation;
 use oomkit_supervise::RunSummary;
 use serde_json::Value;
 

@@ -1,9 +1,9 @@
 //! Turning trace entries into events while the pickle is parsed, so that a
 //! million-entry trace never exists as a million generic dicts.
 
-use crate::hash::FastHasher;
 use crate::model::{Action, Interned, TraceEvent};
-use crate::read::StackReader;
+use crate::slots::SlotCache;
+use crate::stack_reader::StackReader;
 use oomkit_pickle::{Claim, Document, Slot};
 
 /// Which field of a trace entry a key names.
@@ -73,43 +73,6 @@ pub(crate) struct EntryClaim {
 const KEY_BUCKETS: usize = 64;
 /// How much of the events' spare capacity one parse step names as about to be filled.
 const EVENTS_AHEAD: usize = 2 << 20;
-/// Size of the direct-mapped cache in front of the stack table.
-pub(crate) const STACK_BUCKETS: usize = 4096;
-
-/// A direct-mapped cache from slots to small values: one probe, no
-/// collision chains, a colliding slot simply replaces the older one.
-pub(crate) struct SlotCache<T: Copy> {
-    buckets: Vec<Option<(Slot, T)>>,
-}
-
-impl<T: Copy> SlotCache<T> {
-    /// Makes a cache of `n` buckets, a power of two.
-    pub(crate) fn new(n: usize) -> Self {
-        debug_assert!(n.is_power_of_two());
-        SlotCache {
-            buckets: vec![None; n],
-        }
-    }
-
-    fn bucket(&self, slot: Slot) -> usize {
-        let mut h = FastHasher::default();
-        std::hash::Hash::hash(&slot, &mut h);
-        std::hash::Hasher::finish(&h) as usize & (self.buckets.len() - 1)
-    }
-
-    pub(crate) fn get(&self, slot: Slot) -> Option<T> {
-        match self.buckets[self.bucket(slot)] {
-            Some((s, v)) if s == slot => Some(v),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn put(&mut self, slot: Slot, value: T) {
-        let at = self.bucket(slot);
-        self.buckets[at] = Some((slot, value));
-    }
-}
-
 impl EntryClaim {
     pub(crate) fn new(file_len: usize) -> Self {
         let events = Vec::with_capacity(file_len / 32);

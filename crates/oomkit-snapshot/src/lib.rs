@@ -30,6 +30,8 @@ mod replay;
 mod report;
 mod roles;
 mod sites;
+mod slots;
+mod stack_reader;
 mod stacks;
 mod timeline;
 

@@ -97,6 +97,7 @@ fn main() {
             max,
             capacity_bytes: c.capacity as u64,
             margin: 0.1,
+            exact: false,
         };
         let t = truth(&c, cfg.budget(), max);
         let a = search(&cfg, &mut probe(&c));

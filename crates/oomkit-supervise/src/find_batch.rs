@@ -162,6 +162,7 @@ pub fn find_batch(
         max: opts.max,
         capacity_bytes: capacity,
         margin: opts.margin,
+        exact: false,
     };
     say(&format!(
         "searching for the largest micro-batch within {} ({} less a {:.0}% margin){}",

@@ -9,7 +9,8 @@
 //! both failed at the same point of the step: a larger batch usually fails
 //! earlier, with less held, so such a line can fall below what really fits.
 
-use crate::oom::{Cause, Explanation};
+use crate::explain::Explanation;
+use crate::oom::Cause;
 
 /// What one capacity OOM said about memory at one micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,7 +4,8 @@
 //! Also the batch-size search behind `oomkit find-batch`.
 //!
 //! ```
-//! use oomkit_supervise::oom::{explain, Cause};
+//! use oomkit_supervise::explain::explain;
+//! use oomkit_supervise::oom::Cause;
 //! let e = explain(
 //!     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
 //!      capacity of 79.15 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process \
@@ -25,13 +26,18 @@ pub mod find_batch;
 pub mod fit;
 pub mod oom;
 pub mod plan;
+mod policy;
+mod recall;
 pub mod remember;
 pub mod replay;
+mod run;
+mod run_gpus;
 pub mod search;
 mod supervise;
 
 pub use plan::BatchPlan;
-pub use supervise::{supervise, Attempt, RunOptions, RunSummary};
+pub use run::{Attempt, RunOptions, RunSummary};
+pub use supervise::supervise;
 
 /// Why a command could not be supervised.
 #[derive(Debug, thiserror::Error)]

@@ -148,9 +148,6 @@ pub struct OomMessage {
 
 pub use oomkit_advice::Cause;
 
-// What a message means is `explain.rs`'s: named here too, where callers read messages.
-pub use crate::explain::{explain, Explanation, PRIVATE_POOL_SHARE, THIN_HEADROOM_FRACTION};
-
 fn size_pattern() -> &'static str {
     // MPS printed KB/MB/GB before it printed KiB/MiB/GiB, with the same 1024 steps.
     r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"

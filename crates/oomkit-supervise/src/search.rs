@@ -13,7 +13,7 @@ use serde::Serialize;
 
 /// Predictions aim this far under the line's crossing, so 1% of noise does not turn a confirming run into a miss.
 const AIM_UNDER: f64 = 0.99;
-/// The search stops once the largest fit is within this fraction of the smallest failure, which bounds its error.
+/// Unless exact, the search stops once the largest fit is within this fraction of the smallest failure, which bounds its error.
 const BRACKET: f64 = 0.04;
 
 /// The result of running the command at one micro-batch.
@@ -40,6 +40,10 @@ pub struct SearchConfig {
     pub capacity_bytes: u64,
     /// The fraction of capacity to leave free.
     pub margin: f64,
+    /// Search to the exact largest micro-batch (the next one up is tried and
+    /// fails), where runs are cheap (`oomkit preflight`, seconds each);
+    /// otherwise stop within [`BRACKET`] of it, where each run is a real one.
+    pub exact: bool,
 }
 
 impl SearchConfig {
@@ -176,7 +180,18 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
                         fit = refit;
                         continue;
                     }
-                    _ => return finish(trials, lo, fit, method),
+                    _ if !cfg.exact => return finish(trials, lo, fit, method),
+                    // Exact: the next one up must be seen to fail.
+                    _ if predicted >= max => return finish(trials, lo, fit, method),
+                    _ => {
+                        let t = run(predicted + 1, &mut trials);
+                        if fits(&t) {
+                            lo = Some(predicted + 1);
+                        } else {
+                            hi = Some(predicted + 1);
+                        }
+                        break;
+                    }
                 }
             }
         } else {
@@ -217,7 +232,10 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
     let full = |trials: &[Trial], l: u64| {
         peak_of(trials, l).is_some_and(|p| p as f64 >= budget as f64 * AIM_UNDER)
     };
-    while h - l > 1 && (h - l) as f64 > l as f64 * BRACKET && !full(&trials, l) {
+    let close_enough = |l: u64, h: u64, trials: &[Trial]| {
+        !cfg.exact && ((h - l) as f64 <= l as f64 * BRACKET || full(trials, l))
+    };
+    while h - l > 1 && !close_enough(l, h, &trials) {
         let aimed = match (peak_of(&trials, l), peak_of(&trials, h)) {
             (Some(pl), Some(ph)) if l > 0 && ph > pl && aim_next => {
                 // A crossing at or below the largest fit says nothing new: bisect instead.
@@ -235,6 +253,77 @@ pub fn search(cfg: &SearchConfig, probe: &mut dyn FnMut(u64) -> Trial) -> Search
         aim_next = aimed.is_none();
     }
     finish(trials, (l > 0).then_some(l), fit, method)
+}
+
+/// What one run measured where every run finishes and measures what it
+/// needs, whether it fits or not (`oomkit preflight`, `oomkit.preflight`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Measured {
+    /// Nothing failed within the capacity.
+    pub fits: bool,
+    /// The most it reserved: within the capacity where it fits, else what it needs without a limit.
+    pub peak_bytes: u64,
+}
+
+/// What [`largest_that_fits`] found: the largest micro-batch that fits
+/// (`None`: not even 1), and every one tried with whether it fitted, by size.
+pub type Largest = (Option<u64>, Vec<(u64, bool)>);
+
+/// The exact largest micro-batch from `start` up to `max` that fits
+/// `capacity`, running `measure` at each one tried (each at most once):
+/// the project's one search, exact because such runs take seconds. Stops
+/// at the first error `measure` returns, and returns it. Otherwise the
+/// largest that fits (`None`: not even 1) and every micro-batch tried with
+/// whether it fitted, by size.
+pub fn largest_that_fits<E>(
+    start: u64,
+    max: u64,
+    capacity: u64,
+    measure: &mut dyn FnMut(u64) -> Result<Measured, E>,
+) -> Result<Largest, E> {
+    let cfg = SearchConfig {
+        start,
+        max,
+        capacity_bytes: capacity,
+        margin: 0.0,
+        exact: true,
+    };
+    let mut failure = None;
+    let result = search(&cfg, &mut |b| {
+        if failure.is_some() {
+            // Something failed: every later run is taken as not fitting, and the search ends soon.
+            return Trial {
+                batch: b,
+                ok: false,
+                oom: true,
+                peak_bytes: None,
+            };
+        }
+        match measure(b) {
+            Ok(m) => Trial {
+                batch: b,
+                ok: m.fits,
+                // The run finished either way: its peak is what the batch needs.
+                oom: false,
+                peak_bytes: Some(m.peak_bytes),
+            },
+            Err(e) => {
+                failure = Some(e);
+                Trial {
+                    batch: b,
+                    ok: false,
+                    oom: true,
+                    peak_bytes: None,
+                }
+            }
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let mut tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.ok)).collect();
+    tried.sort_unstable();
+    Ok((result.recommended_batch, tried))
 }
 
 /// The batch a fitted line `(fixed, per_sample)` predicts for `budget`, aimed under it and capped at `max`.
@@ -321,6 +410,61 @@ mod tests {
         }
     }
 
+    /// Where runs are cheap (preflight), the answer is exact: the largest
+    /// batch that fits, with the next one up seen to fail, on curves that
+    /// are affine, have a fixed step, or measure the peak of a failing run
+    /// too (preflight's runs all finish, whatever they need).
+    #[test]
+    fn an_exact_search_finds_the_largest_batch_and_sees_the_next_fail() {
+        let mib = 1u64 << 20;
+        let cap = 24 * 1024 * mib;
+        let cfg = |start: u64, max: u64| SearchConfig {
+            start,
+            max,
+            capacity_bytes: cap,
+            margin: 0.0,
+            exact: true,
+        };
+        let measured = |fixed: u64, per: u64, step: u64| {
+            move |b: u64| {
+                let m = fixed + per * b + (b / 7) * step;
+                Trial {
+                    batch: b,
+                    ok: m <= cap,
+                    oom: false,
+                    peak_bytes: Some(m),
+                }
+            }
+        };
+        for (fixed, per, step, start, max) in [
+            (2000 * mib, 950 * mib, 0, 8, 64),
+            (2000 * mib, 950 * mib, 300 * mib, 8, 64),
+            (9000 * mib, 40 * mib, 0, 1, 4096),
+            (23 * 1024 * mib, 300 * mib, 0, 8, 64),
+            (30 * 1024 * mib, 10 * mib, 0, 8, 64),
+            (100 * mib, mib, 0, 4, 64),
+        ] {
+            let mut probe = measured(fixed, per, step);
+            let truth = (1..=max).rev().find(|&b| probe(b).ok);
+            let r = search(&cfg(start, max), &mut probe);
+            assert_eq!(
+                r.recommended_batch, truth,
+                "{fixed} {per} {step}: {:?}",
+                r.trials
+            );
+            if let Some(t) = truth.filter(|&t| t < max) {
+                assert!(
+                    r.trials.iter().any(|x| x.batch == t + 1 && !x.ok),
+                    "{:?}",
+                    r.trials
+                );
+            }
+        }
+        // An affine curve: the line from two runs lands on it, one more confirms.
+        let r = search(&cfg(8, 64), &mut measured(2000 * mib, 950 * mib, 0));
+        assert!(r.trials.len() <= 5, "{:?}", r.trials);
+    }
+
     #[test]
     fn a_cliff_whose_failures_report_where_they_died_is_bisected() {
         // A planted allocator failure above 16: a failing run dies at once,
@@ -331,6 +475,7 @@ mod tests {
             max: 128,
             capacity_bytes: 64 * gib,
             margin: 0.1,
+            exact: false,
         };
         let mut cliff = |b: u64| Trial {
             batch: b,
@@ -358,6 +503,7 @@ mod tests {
             max: 100_000,
             capacity_bytes: 80 * gib,
             margin: 0.1,
+            exact: false,
         };
         let r = search(&cfg, &mut affine(10 * gib, 300 << 20, 80 * gib));
         let truth = (cfg.budget() - 10 * gib) / (300 << 20);
@@ -377,6 +523,7 @@ mod tests {
             max: 4096,
             capacity_bytes: 24 * gib,
             margin: 0.0,
+            exact: false,
         };
         let r = search(&cfg, &mut affine(2 * gib, 200 << 20, 24 * gib));
         let truth = (22 * gib) / (200 << 20);
@@ -390,6 +537,7 @@ mod tests {
             max: 64,
             capacity_bytes: 1 << 30,
             margin: 0.0,
+            exact: false,
         };
         let r = search(&cfg, &mut affine(2 << 30, 1, 1 << 30));
         assert_eq!(r.recommended_batch, None);
@@ -407,6 +555,7 @@ mod tests {
             max: 100_000,
             capacity_bytes: 40 * gib,
             margin: 0.0,
+            exact: false,
         };
         let r = lightning_binsearch(&cfg, &mut affine(4 * gib, 100 << 20, 40 * gib));
         assert_eq!(r.recommended_batch, Some(36 * gib / (100 << 20)));

@@ -1,144 +1,26 @@
-//! The retry loop behind `oomkit run`.
+//! The retry loop behind `oomkit run`: each attempt run and read (its
+//! exit, its OOM and the cause its message gives), and the next one chosen
+//! by the policy (`policy.rs`) until the command succeeds, fails for
+//! another reason, or nothing is left to try.
 
 use crate::child::{self, Spec};
 use crate::child_env;
 use crate::events;
-use crate::fit::{self, Observation};
-use crate::oom::{self, Cause, Explanation};
+use crate::explain::{explain, Explanation};
+use crate::oom;
 use crate::plan::BatchPlan;
-use crate::remember::{PlanMemory, Remembered};
+use crate::policy::{next_after_oom, Next};
+use crate::recall::{next_time, recall, remember};
+use crate::remember::PlanMemory;
+use crate::run::{in_parens, Action, Attempt, Run, RunOptions, RunSummary, ALLOC_CONF_ENV};
+use crate::run_gpus::{first_gpus, join};
 use crate::{fill_placeholders, has_batch_placeholder, SuperviseError};
-use oomkit_gpu::{acquire, ClaimDir, GpuError, Held, Request, Wait};
-use oomkit_units::human_bytes;
-use serde::Serialize;
 use std::ffi::OsString;
-
-/// What `oomkit run` was asked to do.
-#[derive(Clone, Debug)]
-pub struct RunOptions {
-    /// The training command and its arguments, placeholders unfilled.
-    pub command: Vec<OsString>,
-    /// How many GPUs to choose; 0 leaves `CUDA_VISIBLE_DEVICES` alone.
-    pub gpus: usize,
-    /// Free memory each chosen GPU must have.
-    pub min_free: Option<u64>,
-    /// How long to wait for GPUs, and how often to look.
-    pub wait: Wait,
-    /// Fail instead of running without a GPU when the machine has none.
-    pub require_gpu: bool,
-    /// The first micro-batch; without it an OOM is reported but not retried.
-    pub batch_size: Option<u64>,
-    /// The first gradient accumulation.
-    pub grad_accum: u64,
-    /// The effective batch to keep; micro-batch x accumulation by default.
-    pub effective_batch: Option<u64>,
-    /// The smallest micro-batch to try.
-    pub min_batch_size: u64,
-    /// Reruns allowed after the first attempt.
-    pub max_retries: u32,
-    /// After the last GPU attempt fails with an OOM, run once more on the CPU.
-    pub cpu_fallback: bool,
-    /// Ask frameworks with entry points (Lightning) to add oomkit's callback, through [`child_env::AUTO_CALLBACK`].
-    pub auto_callback: bool,
-    /// Where the plans that finished are kept, if anywhere.
-    pub memory: Option<PlanMemory>,
-    /// Start from `batch_size` even when a plan finished last time for this command.
-    pub fresh: bool,
-    /// Where GPU claims are kept.
-    pub claims: ClaimDir,
-    /// Send the command's standard output to stderr, keeping stdout for oomkit's JSON.
-    pub child_stdout_to_stderr: bool,
-    /// Cap the command's private memory (`RLIMIT_DATA`), to rehearse running out of host memory.
-    pub host_memory_limit: Option<u64>,
-}
-
-/// One run of the command.
-#[derive(Clone, Debug, Serialize)]
-pub struct Attempt {
-    /// 1 for the first run.
-    pub attempt: u32,
-    /// The micro-batch given to the command, where oomkit manages it.
-    pub batch_size: Option<u64>,
-    /// The accumulation given to the command, where oomkit manages it.
-    pub grad_accum: Option<u64>,
-    /// Micro-batch x accumulation, which may exceed the effective batch when it could not be exact.
-    pub effective_batch: Option<u64>,
-    /// The GPU indices it ran on; empty for none chosen, or for the CPU.
-    pub gpus: Vec<u32>,
-    /// "cuda", "cpu", or "unmanaged" where no GPU was chosen.
-    pub device: &'static str,
-    /// Its exit code, or 128 + n for a signal.
-    pub exit_code: i32,
-    /// Whether its output showed an out-of-memory error.
-    pub oom: bool,
-    /// The OOM line, if any.
-    pub oom_message: Option<String>,
-    /// Where it failed for a reason other than memory, the command's own
-    /// error as its standard error last put it (`ModuleNotFoundError: ...`); null otherwise.
-    pub error: Option<String>,
-    /// Why it ran out, as `oomkit explain` reads the OOM line; null without an OOM.
-    pub cause: Option<Cause>,
-    /// What oomkit did about it: `expandable_segments`, `other_gpu`, `step_down`, `cpu_fallback` or `stop`; null without an OOM.
-    pub action: Option<Action>,
-    /// Whether the command trained with the micro-batch and accumulation it
-    /// was handed: true where its arguments carry `{batch_size}` or an
-    /// integration said so, false where an integration said it could not,
-    /// null where nothing tells (a script that may read `OOMKIT_MICRO_BATCH`
-    /// itself); null where oomkit manages no batch.
-    pub plan_applied: Option<bool>,
-    /// Why the plan was not applied, as the integration said.
-    pub plan_not_applied: Option<String>,
-    /// True when the kernel's OOM killer ended the attempt (SIGKILL while a memory cgroup or the kernel recorded an OOM kill).
-    pub killed_for_memory: bool,
-    /// The run logs the attempt's trackers wrote.
-    pub logs: Vec<String>,
-    /// The snapshot the attempt's tracker dumped at its last OOM, where it recorded history.
-    pub snapshot: Option<String>,
-    /// What replaying that snapshot said of the allocator setting a fragmentation OOM would retry with.
-    pub replayed: Option<crate::replay::FixReplay>,
-    /// Wall time in seconds.
-    pub seconds: f64,
-}
-
-/// How a supervised run went.
-#[derive(Clone, Debug, Serialize)]
-pub struct RunSummary {
-    /// Every attempt in order.
-    pub attempts: Vec<Attempt>,
-    /// The exit code oomkit passes on: the last attempt's.
-    pub exit_code: i32,
-    /// "succeeded", "failed", "oom" (no smaller batch left), or "interrupted".
-    pub outcome: &'static str,
-    /// Things the user should know, such as an effective batch that could not be kept exact.
-    pub notes: Vec<String>,
-}
-
-/// The GPU model in the plan memory's key when oomkit does not choose the GPUs.
-const UNMANAGED_MODEL: &str = "GPUs chosen by the command";
-
-/// The allocator settings variable that `expandable_segments` is added to.
-const ALLOC_CONF_ENV: &str = "PYTORCH_CUDA_ALLOC_CONF";
 
 /// torch elastic's switch for a rendezvous store apart from the workers' one;
 /// torchrun's restarts hang without it on current releases (pytorch #135712,
 /// #167288), and `auto_batch` relies on them to step every rank down.
 const TORCHRUN_SEPARATE_STORE_ENV: &str = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE";
-
-/// What `oomkit run` does after an out-of-memory attempt: the smallest fix the cause allows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    /// Fragmentation: the same plan again with `expandable_segments:True` added to the allocator settings.
-    ExpandableSegments,
-    /// Another process took the memory: the same plan on another GPU.
-    OtherGpu,
-    /// A smaller micro-batch with more accumulation.
-    StepDown,
-    /// One more run on the CPU.
-    CpuFallback,
-    /// Nothing left to try, or nothing that could help.
-    Stop,
-}
 
 fn env(k: &str, v: impl ToString) -> (OsString, OsString) {
     (k.into(), v.to_string().into())
@@ -244,40 +126,6 @@ pub fn supervise(
     }
 }
 
-/// What a supervised run carries from one attempt to the next.
-struct Run {
-    /// The plan the next attempt runs, where oomkit manages the batch.
-    plan: Option<BatchPlan>,
-    /// The GPUs the command gets, where oomkit chose them.
-    gpus: Option<Vec<u32>>,
-    /// The claim on them, held while the run lasts.
-    _held: Option<Held>,
-    /// What oomkit adds to the allocator settings, on top of the user's.
-    alloc_conf: Option<String>,
-    /// Whether the next attempt runs on the CPU (`--cpu-fallback`).
-    on_cpu: bool,
-    /// GPUs where another process took the memory: not chosen again this run.
-    avoid: Vec<u32>,
-    /// Reruns left.
-    retries_left: u32,
-    /// What each capacity OOM said about memory at its micro-batch.
-    observed: Vec<Observation>,
-    /// Every attempt so far.
-    attempts: Vec<Attempt>,
-    /// What the user should know.
-    notes: Vec<String>,
-}
-
-/// What the run does after an OOM.
-enum Next {
-    /// Run again, changed by this action (the plan, the GPU or the allocator settings already updated).
-    Retry(Action),
-    /// Run once more on the CPU.
-    CpuFallback,
-    /// Nothing more to try: the run ends with this outcome.
-    Stop(&'static str),
-}
-
 impl Run {
     /// The summary of a run that ends after its last attempt with `outcome`.
     fn finish(
@@ -332,64 +180,6 @@ fn first_plan(
         }
     }
     Ok(plan)
-}
-
-/// The GPUs of the first attempt, their claim, and the GPU model the plan memory is kept under.
-#[allow(clippy::type_complexity)]
-fn first_gpus(
-    opts: &RunOptions,
-    stopped_by: &std::cell::Cell<i32>,
-    say: &mut dyn FnMut(&str),
-) -> Result<(Option<Vec<u32>>, Option<Held>, String), SuperviseError> {
-    if opts.gpus == 0 {
-        return Ok((None, None, UNMANAGED_MODEL.to_string()));
-    }
-    match take_gpus(opts, &[], stopped_by, say) {
-        Ok((ids, model, h)) => Ok((Some(ids), Some(h), model)),
-        Err(e) if e.is_absent() && !opts.require_gpu => {
-            say(&format!(
-                "warning: {e}; running the command without choosing a GPU (--require-gpu makes this an error)"
-            ));
-            Ok((None, None, UNMANAGED_MODEL.to_string()))
-        }
-        Err(GpuError::Stopped) => Err(SuperviseError::Interrupted(stopped_by.get())),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Starts from the plan that finished last time for this command, where it is smaller or set the allocator.
-fn recall(opts: &RunOptions, key: &str, model: &str, run: &mut Run, say: &mut dyn FnMut(&str)) {
-    let (Some(memory), false) = (&opts.memory, opts.fresh) else {
-        return;
-    };
-    let Some(r) = memory.recall(key) else {
-        return;
-    };
-    let smaller = run.plan.filter(|p| r.micro_batch < p.micro_batch);
-    if smaller.is_none() && r.alloc_conf.is_none() {
-        return;
-    }
-    if let Some(p) = smaller {
-        run.plan = Some(BatchPlan::new(r.micro_batch, p.effective_batch));
-    }
-    run.alloc_conf = r.alloc_conf.clone();
-    let what = [
-        smaller.map(|_| {
-            format!(
-                "micro-batch {} x accumulation {}",
-                r.micro_batch, r.grad_accum
-            )
-        }),
-        r.alloc_conf
-            .as_ref()
-            .map(|c| format!("{ALLOC_CONF_ENV}={c}")),
-    ];
-    let what: Vec<String> = what.into_iter().flatten().collect();
-    say(&format!(
-        "starting from {}, which finished last time for this command on {model} (--fresh starts over; kept in {})",
-        what.join(" and "),
-        memory.path().display()
-    ));
 }
 
 /// The command of attempt `number`, with the variables it gets, and where it runs (`cuda`, `cpu` or `unmanaged`); says which plan it runs.
@@ -503,7 +293,7 @@ fn record_attempt(
         && out.exit_code != 0;
     let (oom_message, explained) = match (&killed, oom) {
         // The kernel's kill is the attempt's end, whatever the output said before it.
-        (Some(m), true) => (Some(m.clone()), oom::explain(m, settings)),
+        (Some(m), true) => (Some(m.clone()), explain(m, settings)),
         (None, true) => read_cause(&events.ooms, out.oom_line.as_deref(), settings),
         (_, false) => (out.oom_line.clone(), None),
     };
@@ -559,226 +349,6 @@ fn record_attempt(
     (attempt, explained)
 }
 
-/// ` (why)`, or nothing.
-fn in_parens(why: Option<&str>) -> String {
-    why.map(|r| format!(" ({r})")).unwrap_or_default()
-}
-
-/// Keeps the plan of a run that finished, unless the command did not apply it.
-fn remember(
-    opts: &RunOptions,
-    key: &str,
-    run: &mut Run,
-    plan_applied: Option<bool>,
-    not_applied: Option<&str>,
-    say: &mut dyn FnMut(&str),
-) {
-    if plan_applied == Some(false) {
-        run.notes.push(format!(
-            "the command did not apply the plan oomkit handed it{}: it is not remembered; give the command {{batch_size}} and {{grad_accum}} so that oomkit's plan reaches it",
-            in_parens(not_applied)
-        ));
-        return;
-    }
-    let Some(memory) = &opts.memory else {
-        return;
-    };
-    let finished = Remembered {
-        micro_batch: run.plan.map_or(0, |p| p.micro_batch),
-        grad_accum: run.plan.map_or(0, |p| p.grad_accum),
-        alloc_conf: run.alloc_conf.clone(),
-        time: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-    };
-    if let Err(e) = memory.remember(key, finished) {
-        say(&format!(
-            "warning: could not keep the plan in {}: {e}",
-            memory.path().display()
-        ));
-    }
-}
-
-/// The smallest fix the OOM's cause allows, applied to the run (allocator
-/// settings, another GPU, a smaller plan), or why there is none.
-#[allow(clippy::too_many_arguments)]
-fn next_after_oom(
-    opts: &RunOptions,
-    run: &mut Run,
-    explained: Option<&Explanation>,
-    settings: Option<&str>,
-    plan_applied: Option<bool>,
-    not_applied: Option<&str>,
-    stopped_by: &std::cell::Cell<i32>,
-    say: &mut dyn FnMut(&str),
-) -> Next {
-    if plan_applied == Some(false) {
-        run.notes.push(format!(
-            "out of memory, and the command did not apply the plan oomkit handed it{}: a smaller micro-batch would not reach it either; give the command {{batch_size}} and {{grad_accum}}",
-            in_parens(not_applied)
-        ));
-        return Next::Stop("oom");
-    }
-    if run.on_cpu {
-        run.notes
-            .push("the CPU run ran out of host memory too".into());
-        return Next::Stop("oom");
-    }
-    if run.retries_left == 0 {
-        run.notes.push(format!(
-            "out of memory; no retries left (--max-retries {})",
-            opts.max_retries
-        ));
-        return Next::Stop("oom");
-    }
-    let cause = explained.map(|e| e.cause);
-    // The smallest fix first: neither of these costs throughput.
-    if cause == Some(Cause::Fragmentation) && !settings.is_some_and(oom::expandable_segments_on) {
-        let conf = with_expandable_segments(settings);
-        // Where the attempt left a snapshot, its replay says whether the
-        // setting avoids the OOM before an attempt is spent finding out.
-        let snapshot = run.attempts.last().and_then(|a| a.snapshot.clone());
-        let replayed = snapshot
-            .as_deref()
-            .and_then(|s| crate::replay::replay_fix(std::path::Path::new(s), &conf));
-        if let Some(last) = run.attempts.last_mut() {
-            last.replayed = replayed.clone();
-        }
-        match (&replayed, &snapshot) {
-            (Some(r), Some(s)) if !r.avoided => {
-                let note = format!(
-                    "the memory was fragmented, but replaying {s} with {conf}, the OOM at event {} still happens (peak {} reserved instead of {}): stepping the micro-batch down instead",
-                    r.event,
-                    human_bytes(r.peak_reserved_bytes),
-                    human_bytes(r.recorded_peak_reserved_bytes)
-                );
-                say(&note);
-                run.notes.push(note);
-            }
-            (r, s) => {
-                let why = match (r, s) {
-                    (Some(r), Some(s)) => format!(
-                        " (replaying {s} with it, the OOM at event {} does not happen; peak {} reserved instead of {})",
-                        r.event,
-                        human_bytes(r.peak_reserved_bytes),
-                        human_bytes(r.recorded_peak_reserved_bytes)
-                    ),
-                    _ => String::new(),
-                };
-                say(&format!(
-                    "the memory was fragmented: retrying the same plan with {ALLOC_CONF_ENV}={conf}{why}"
-                ));
-                run.alloc_conf = Some(conf);
-                return Next::Retry(Action::ExpandableSegments);
-            }
-        }
-    }
-    if cause == Some(Cause::OtherProcesses) {
-        if let Some(next) = other_gpu(opts, run, stopped_by, say) {
-            return next;
-        }
-    }
-    if cause == Some(Cause::MemoryFractionLimit) {
-        run.notes.push("the process hit its own cap (set_per_process_memory_fraction), not the device's: raising the cap fixes it without a smaller batch".into());
-    }
-    match step_down(opts, run, explained, cause) {
-        Some(n) => {
-            if !n.is_exact() {
-                let note = format!(
-                    "micro-batch {} cannot divide the effective batch {}: accumulation {} gives {} samples per step",
-                    n.micro_batch,
-                    n.effective_batch,
-                    n.grad_accum,
-                    n.actual_effective()
-                );
-                say(&note);
-                run.notes.push(note);
-            }
-            run.plan = Some(n);
-            Next::Retry(Action::StepDown)
-        }
-        None if opts.cpu_fallback => Next::CpuFallback,
-        None => Next::Stop("oom"),
-    }
-}
-
-/// The same plan on another GPU that qualifies, never one where another process took the memory;
-/// `None` where no other GPU can take the job (the run steps down instead).
-fn other_gpu(
-    opts: &RunOptions,
-    run: &mut Run,
-    stopped_by: &std::cell::Cell<i32>,
-    say: &mut dyn FnMut(&str),
-) -> Option<Next> {
-    let ids = run.gpus.clone()?;
-    for id in &ids {
-        if !run.avoid.contains(id) {
-            run.avoid.push(*id);
-        }
-    }
-    match take_gpus(opts, &run.avoid, stopped_by, say) {
-        Ok((new_ids, _, h)) => {
-            say(&format!(
-                "another process took the memory on GPU {}: retrying the same plan on GPU {}",
-                join(&ids),
-                join(&new_ids)
-            ));
-            run.gpus = Some(new_ids);
-            run._held = Some(h);
-            Some(Next::Retry(Action::OtherGpu))
-        }
-        Err(GpuError::Stopped) => {
-            run.notes
-                .push("stopped while waiting for another GPU".into());
-            Some(Next::Stop("interrupted"))
-        }
-        Err(e) => {
-            say(&format!(
-                "another process took the memory on GPU {}, and no other GPU can take the job ({e}): stepping down instead",
-                join(&ids)
-            ));
-            None
-        }
-    }
-}
-
-/// The next smaller plan: the largest the capacity OOMs' figures leave
-/// possible, else half; `None` (with a note saying why) where none is allowed.
-fn step_down(
-    opts: &RunOptions,
-    run: &mut Run,
-    explained: Option<&Explanation>,
-    cause: Option<Cause>,
-) -> Option<BatchPlan> {
-    let Some(p) = run.plan else {
-        run.notes.push("out of memory; give --batch-size (and {batch_size} in the command or OOMKIT_MICRO_BATCH in the script) to retry with smaller micro-batches".into());
-        return None;
-    };
-    // Only a capacity OOM with figures steps by them; any other step down
-    // halves, whatever earlier OOMs said.
-    let this = explained.and_then(|e| fit::observe(e, p.micro_batch));
-    run.observed.extend(this);
-    let target = this
-        .and_then(|_| fit::predicted_fit(&run.observed))
-        .unwrap_or(p.micro_batch / 2);
-    let next = p.step_to(target, opts.min_batch_size);
-    if next.is_none() {
-        run.notes
-            .push(if cause == Some(Cause::RequestExceedsCapacity) {
-                format!(
-                    "one allocation is larger than the whole device even at micro-batch {}: no batch can fix it (split the operation, or use a larger GPU)",
-                    p.micro_batch
-                )
-            } else {
-                format!(
-                    "out of memory at micro-batch {}, the smallest allowed (--min-batch-size {})",
-                    p.micro_batch, opts.min_batch_size
-                )
-            });
-    }
-    next
-}
-
 /// The line that says the kernel's OOM killer ended an attempt, in the form `oomkit explain` reads.
 fn kill_message(k: &oomkit_gpu::host::OomKill, signal: i32) -> String {
     let limit = k
@@ -818,7 +388,7 @@ fn read_cause(
         .rev()
         .map(String::as_str)
         .chain(printed)
-        .filter_map(|m| Some((m, oom::explain(m, settings)?)))
+        .filter_map(|m| Some((m, explain(m, settings)?)))
         .collect();
     let has_figures =
         |e: &Explanation| e.message.requested_bytes.is_some() && e.message.free_bytes.is_some();
@@ -837,96 +407,5 @@ fn read_cause(
                 .map(String::from),
             None,
         ),
-    }
-}
-
-/// Chooses and claims the GPUs the job asks for, leaving out `avoid`; a signal
-/// that ends the wait is left in `stopped_by`, for the error that reports it.
-fn take_gpus(
-    opts: &RunOptions,
-    avoid: &[u32],
-    stopped_by: &std::cell::Cell<i32>,
-    say: &mut dyn FnMut(&str),
-) -> Result<(Vec<u32>, String, Held), GpuError> {
-    let req = Request {
-        count: opts.gpus,
-        min_free: opts.min_free,
-        exclude: avoid.to_vec(),
-    };
-    let stop = || match child::take_signal() {
-        Some(sig) => {
-            stopped_by.set(sig);
-            true
-        }
-        None => false,
-    };
-    let a = acquire(&req, &opts.claims, opts.wait, &mut |m| say(m), &stop)?;
-    let names: Vec<String> = a
-        .gpus
-        .iter()
-        .map(|g| {
-            format!(
-                "GPU {} ({}, {} free)",
-                g.index,
-                g.name,
-                human_bytes(g.free_bytes)
-            )
-        })
-        .collect();
-    say(&format!("using {}", names.join(", ")));
-    let model = a.gpus.first().map(|g| g.name.clone()).unwrap_or_default();
-    Ok((a.gpus.iter().map(|g| g.index).collect(), model, a.held))
-}
-
-fn join(ids: &[u32]) -> String {
-    ids.iter()
-        .map(|g| g.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// The user's allocator settings with `expandable_segments:True` added, their other settings kept.
-pub(crate) fn with_expandable_segments(settings: Option<&str>) -> String {
-    let kept: Vec<&str> = settings
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
-        .filter(|kv| {
-            !kv.is_empty()
-                && !kv
-                    .replace(' ', "")
-                    .to_ascii_lowercase()
-                    .starts_with("expandable_segments:")
-        })
-        .collect();
-    let mut all = kept.join(",");
-    if !all.is_empty() {
-        all.push(',');
-    }
-    all.push_str("expandable_segments:True");
-    all
-}
-
-/// What to put in the launch script so that the next run starts where this one ended.
-fn next_time(opts: &RunOptions, plan: Option<&BatchPlan>, alloc_conf: Option<&str>) -> String {
-    let mut parts = Vec::new();
-    if let (Some(p), Some(first)) = (plan, opts.batch_size) {
-        if p.micro_batch != first {
-            parts.push(format!(
-                "--batch-size {} --grad-accum {}",
-                p.micro_batch, p.grad_accum
-            ));
-        }
-    }
-    if let Some(conf) = alloc_conf {
-        parts.push(format!("{ALLOC_CONF_ENV}={conf}"));
-    }
-    if parts.is_empty() {
-        "next time, start as this run ended: nothing to change".into()
-    } else {
-        format!(
-            "next time, start as this run ended: {}",
-            parts.join(" and ")
-        )
     }
 }

@@ -1,7 +1,8 @@
 //! `explain` on real out-of-memory messages copied from public issue threads.
 //! Each case names the thread it came from.
 
-use oomkit_supervise::oom::{explain, Cause, OomKind};
+use oomkit_supervise::explain::explain;
+use oomkit_supervise::oom::{Cause, OomKind};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: f64 = 1024.0 * MIB;

@@ -90,7 +90,7 @@ pub(crate) fn run(a: Args) -> u8 {
         .iter()
         .find_map(|k| std::env::var(k).ok())
     });
-    match oomkit_supervise::oom::explain(&text, conf.as_deref()) {
+    match oomkit_supervise::explain::explain(&text, conf.as_deref()) {
         Some(ex) => {
             print(a.format.output(), &ex);
             EXIT_OK

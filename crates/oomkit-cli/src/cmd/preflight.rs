@@ -11,6 +11,7 @@ use crate::args::FormatArgs;
 use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
 use crate::output::{print, say};
 use oomkit_report::{PreflightReport, PreflightRun};
+use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -136,21 +137,21 @@ pub(crate) fn run(a: Args) -> u8 {
         report.run.snapshot = Some(given.display().to_string());
     }
     if let Some(max) = a.max_micro_batch {
-        let mut tried = vec![(a.micro_batch, report.run.fits)];
-        let mut fits = |b: u64| -> Result<bool, Failure> {
-            if let Some(&(_, ok)) = tried.iter().find(|(t, _)| *t == b) {
-                return Ok(ok);
+        // The project's one search (oomkit-supervise), the run made above reused.
+        let first = measured(&report.run);
+        let mut measure = |b: u64| -> Result<Measured, Failure> {
+            if b == a.micro_batch {
+                return Ok(first);
             }
-            let ok = run_once(&a, Some(b), None, alloc_conf.as_deref())?.fits;
-            tried.push((b, ok));
-            Ok(ok)
+            run_once(&a, Some(b), None, alloc_conf.as_deref()).map(|r| measured(&r))
         };
-        match search(a.micro_batch, report.run.fits, max, &mut fits) {
-            Ok(best) => report.largest_micro_batch = best,
+        match largest_that_fits(a.micro_batch, max, report.run.capacity_bytes, &mut measure) {
+            Ok((best, tried)) => {
+                report.largest_micro_batch = best;
+                report.tried = tried;
+            }
             Err(f) => return failed(f),
         }
-        tried.sort_unstable();
-        report.tried = tried;
     }
     print(a.format.output(), &report);
     let fits = match a.max_micro_batch {
@@ -177,49 +178,17 @@ fn failed(f: Failure) -> u8 {
     }
 }
 
-/// Doubles the micro-batch from `start` while it fits (up to `max`), or
-/// halves it while it does not, then bisects; the largest that fits.
-fn search(
-    start: u64,
-    start_fits: bool,
-    max: u64,
-    fits: &mut dyn FnMut(u64) -> Result<bool, Failure>,
-) -> Result<Option<u64>, Failure> {
-    let (mut lo, mut hi) = (0u64, None);
-    let mut b = start;
-    if start_fits {
-        lo = b;
-        while b < max {
-            b = (b * 2).min(max);
-            if fits(b)? {
-                lo = b;
-            } else {
-                hi = Some(b);
-                break;
-            }
-        }
-    } else {
-        hi = Some(b);
-        while b > 1 {
-            b /= 2;
-            if fits(b)? {
-                lo = b;
-                break;
-            }
-            hi = Some(b);
-        }
+/// What a run measured, as the search reads it: whether it fits, and the
+/// most it reserved (within the capacity where it fits, else without a limit).
+fn measured(r: &PreflightRun) -> Measured {
+    Measured {
+        fits: r.fits,
+        peak_bytes: if r.fits {
+            (r.capacity_bytes as i64 - r.margin_bytes).max(0) as u64
+        } else {
+            r.peak_reserved_bytes
+        },
     }
-    if let Some(mut hi) = hi {
-        while lo > 0 && hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid)? {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-    }
-    Ok((lo > 0).then_some(lo))
 }
 
 /// Runs the command once, with `batch` for `{batch}`, and reads its answer.
@@ -353,31 +322,5 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn searched(start: u64, max: u64, limit: u64) -> (Option<u64>, Vec<u64>) {
-        let mut seen = Vec::new();
-        let mut fits = |b: u64| {
-            seen.push(b);
-            Ok(b <= limit)
-        };
-        let best = search(start, start <= limit, max, &mut fits).ok().flatten();
-        (best, seen)
-    }
-
-    #[test]
-    fn the_search_doubles_then_bisects() {
-        assert_eq!(
-            searched(4, 64, 37),
-            (Some(37), vec![8, 16, 32, 64, 48, 40, 36, 38, 37])
-        );
-        assert_eq!(searched(4, 64, 100).0, Some(64));
-        assert_eq!(searched(16, 64, 5), (Some(5), vec![8, 4, 6, 5]));
-        assert_eq!(searched(4, 64, 0), (None, vec![2, 1]));
     }
 }

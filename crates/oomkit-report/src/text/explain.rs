@@ -1,7 +1,7 @@
 //! The terminal form of an explained OOM message: the verdict, the figures
 //! the message gave, the cause and the advice.
 
-use oomkit_supervise::oom::Explanation;
+use oomkit_supervise::explain::Explanation;
 use oomkit_units::human_bytes;
 use std::fmt::Write;
 

@@ -284,7 +284,7 @@ pub(crate) fn answers(d: &DeviceWhatIf) -> Vec<(String, bool)> {
         };
         let peak = format!(
             "{}, against {}",
-            oomkit_allocator::peak_words(s.peak_reserved_bytes, base.peak_reserved_bytes),
+            oomkit_compare::peak_words(s.peak_reserved_bytes, base.peak_reserved_bytes),
             if std::ptr::eq(base, rec) {
                 "the trace as recorded"
             } else {

@@ -1,13 +1,13 @@
-//! The fix the analysis recommends for fragmentation, checked by replay:
+//! The fix the analysis recommends for fragmentation, checked by replay
+//! through the allocator model (`oomkit-allocator`, which computes figures
+//! and says nothing in words; the words are here):
 //! the trace is replayed with expandable segments, and the finding (and
 //! the verdict, where the OOM is fragmentation's) says what that did, with
 //! figures; where it does not help, it says so and what the replay found
 //! that does.
 
-use crate::replay::{what_if, Options};
-use crate::report::{DeviceWhatIf, ScenarioOut, StartKind};
-use crate::scenario::Scenario;
 use oomkit_advice::{Cause, FindingKind, Replayed};
+use oomkit_allocator::{what_if, DeviceWhatIf, Options, Scenario, ScenarioOut, StartKind};
 use oomkit_snapshot::{Analysis, Snapshot};
 use oomkit_units::{human_bytes, human_delta};
 
@@ -241,6 +241,8 @@ mod tests {
         );
         let helps = words(&r(None, 20 * gib, 24 * gib, None), "set it");
         assert!(helps.ends_with("(oomkit whatif): set it"), "{helps}");
+        let avoided = words(&r(Some(false), 24 * gib, 24 * gib, None), "set it");
+        assert_eq!(avoided, "replayed with expandable_segments:True, the OOM at event 7923 does not happen and this trace peaks at about the same reserved (24.0 GiB, +0 B) (oomkit whatif): set it");
     }
 
     #[test]
