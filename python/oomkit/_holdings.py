@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from oomkit._measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit.tracker import Tracker
+    from oomkit._tracker_core import TrackerCore
 
 
 def _storage_key(t: Any) -> tuple[str, int]:
@@ -82,12 +82,12 @@ def _collect_tensors(v: Any, out: list[Any], depth: int) -> None:
             _collect_tensors(x, out, depth - 1)
 
 
-def model_params(tracker: Tracker) -> list[Any]:
-    model = tracker._model_ref()
+def model_params(tracker: TrackerCore) -> list[Any]:
+    model = tracker.books.model_ref()
     return list(model.parameters()) if model is not None else []
 
-def components(tracker: Tracker) -> dict[str, Any]:
-    model = tracker._model_ref()
+def components(tracker: TrackerCore) -> dict[str, Any]:
+    model = tracker.books.model_ref()
     seen: set = set()
     params_bytes = trainable = frozen = count = 0
     for p in model.parameters() if model is not None else []:
@@ -132,8 +132,8 @@ def components(tracker: Tracker) -> dict[str, Any]:
         "by_module": by_module,
     }
 
-def ema_tensors(tracker: Tracker) -> list[Any]:
-    ema = tracker._ema_ref() if tracker._ema_ref is not None else None
+def ema_tensors(tracker: TrackerCore) -> list[Any]:
+    ema = tracker.books.ema_ref() if tracker.books.ema_ref is not None else None
     if ema is None:
         return []
     torch = _torch()
@@ -144,14 +144,14 @@ def ema_tensors(tracker: Tracker) -> list[Any]:
         _collect_tensors(v, out, 3)
     return out
 
-def ema_cost(tracker: Tracker) -> tuple[int, Optional[str]]:
+def ema_cost(tracker: TrackerCore) -> tuple[int, Optional[str]]:
     tensors = ema_tensors(tracker)
     seen: set = set()
     total = sum(_add_unique(t, seen) for t in tensors)
     return total, (str(tensors[0].device) if tensors else None)
 
-def optimizer_tensors(tracker: Tracker) -> list[Any]:
-    opt = tracker._opt_ref() if tracker._opt_ref is not None else None
+def optimizer_tensors(tracker: TrackerCore) -> list[Any]:
+    opt = tracker.books.opt_ref() if tracker.books.opt_ref is not None else None
     if opt is None:
         return []
     out: list[Any] = []
@@ -163,9 +163,9 @@ def optimizer_tensors(tracker: Tracker) -> list[Any]:
             out.extend(v for v in state.values() if _is_tensor(v))
     return out
 
-def tracked_storages(tracker: Tracker) -> set:
+def tracked_storages(tracker: TrackerCore) -> set:
     keys = set()
-    model = tracker._model_ref()
+    model = tracker.books.model_ref()
     if model is not None:
         for t in list(model.parameters()) + list(model.buffers()):
             keys.add(_storage_key(t))
@@ -177,7 +177,7 @@ def tracked_storages(tracker: Tracker) -> set:
         keys.add(_storage_key(t))
     return keys
 
-def duplicates(tracker: Tracker, when: str) -> dict[str, Any]:
+def duplicates(tracker: TrackerCore, when: str) -> dict[str, Any]:
     params = model_params(tracker)
     want: dict[tuple[int, ...], int] = {}
     for p in params:
@@ -226,19 +226,19 @@ def duplicates(tracker: Tracker, when: str) -> dict[str, Any]:
     return {
         "type": "duplicates",
         "when": when,
-        "step": tracker._current_step,
+        "step": tracker.current_step,
         "bytes": sum(g["bytes"] for g in out),
         "groups": out,
     }
 
-def grad_health(tracker: Tracker) -> None:
+def grad_health(tracker: TrackerCore) -> None:
     try:
         torch = _torch()
         with torch.no_grad():
             grads = [p.grad for p in model_params(tracker) if p.grad is not None]
             rec: dict[str, Any] = {
                 "type": "grad",
-                "step": tracker._current_step,
+                "step": tracker.current_step,
                 "params_with_grad": len(grads),
                 "grad_bytes": sum(_nbytes(g) for g in grads),
             }
@@ -261,6 +261,6 @@ def grad_health(tracker: Tracker) -> None:
                 rec["total_norm"] = summary[0]
                 rec["nan_params"] = int(summary[1])
                 rec["inf_params"] = int(summary[2])
-            tracker._write(rec)
+            tracker.write(rec)
     except Exception as exc:  # noqa: BLE001
-        tracker._error("gradient health", exc)
+        tracker.report_error("gradient health", exc)

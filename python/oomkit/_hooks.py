@@ -16,7 +16,7 @@ from oomkit._holdings import _is_tensor
 from oomkit._measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit.tracker import Tracker
+    from oomkit._tracker_core import TrackerCore
 
 
 # How many tensors of a model's output get a hook that marks the start of backward.
@@ -52,108 +52,108 @@ def _grad_tensors(output: Any, depth: int = 4, out: Optional[list[Any]] = None) 
     return found
 
 
-def hooks_mark(tracker: Tracker) -> bool:
+def hooks_mark(tracker: TrackerCore) -> bool:
     """Whether stage hooks should mark a stage now: inside a step, outside any phase."""
-    return tracker.stage_hooks and tracker._step_open is not None and not tracker._phases
+    return tracker.stage_hooks and tracker.books.step_open is not None and not tracker.books.phases
 
 # ----- hooks ------------------------------------------------------------
 
-def install_model_hooks(tracker: Tracker, model: Any) -> None:
+def install_model_hooks(tracker: TrackerCore, model: Any) -> None:
     try:
         if tracker.stage_hooks:
-            tracker._model_hooks.append(model.register_forward_pre_hook(functools.partial(on_forward_pre, tracker)))
+            tracker.books.model_hooks.append(model.register_forward_pre_hook(functools.partial(on_forward_pre, tracker)))
         try:
             # Called also when the forward raises, so an OOM there is
             # recorded before anything unwinds, even if a framework
             # catches it (accelerate's batch finder does).
-            tracker._model_hooks.append(model.register_forward_hook(functools.partial(on_forward, tracker), always_call=True))
+            tracker.books.model_hooks.append(model.register_forward_hook(functools.partial(on_forward, tracker), always_call=True))
         except TypeError:  # torch without always_call
-            tracker._model_hooks.append(model.register_forward_hook(functools.partial(on_forward, tracker)))
+            tracker.books.model_hooks.append(model.register_forward_hook(functools.partial(on_forward, tracker)))
     except Exception as exc:  # noqa: BLE001
-        tracker._error("model hooks", exc)
+        tracker.report_error("model hooks", exc)
 
-def on_forward_pre(tracker: Tracker, module: Any, args: Any) -> None:
+def on_forward_pre(tracker: TrackerCore, module: Any, args: Any) -> None:
     auto_step(tracker, module)
     if hooks_mark(tracker):
         tracker.begin_stage("forward")
 
-def auto_step(tracker: Tracker, module: Any) -> None:
+def auto_step(tracker: TrackerCore, module: Any) -> None:
     """Opens a step at a training forward when the code marks none, so that its optimizer steps count as steps.
 
     The step ends at the optimizer's step (``_on_opt_post``); with no
     optimizer tracked, where the next training forward starts after a
     backward. Forwards in eval mode or without gradients open nothing.
     """
-    if tracker._user_steps or tracker._phases or tracker._closed:
+    if tracker.books.user_steps or tracker.books.phases or tracker.books.closed:
         return
     try:
         if not getattr(module, "training", True) or not _torch().is_grad_enabled():
             return
-        step = tracker._step_open
-        if step is not None and step.auto and tracker._opt_ref is None and tracker._auto_backward:
+        step = tracker.books.step_open
+        if step is not None and step.auto and tracker.books.opt_ref is None and tracker.books.auto_backward:
             tracker.end_step()
             step = None
         if step is None:
-            tracker._begin_step(tracker._steps_done, auto=True)
+            tracker.open_step(tracker.books.steps_done, auto=True)
     except Exception as exc:  # noqa: BLE001
-        tracker._error("automatic step", exc)
+        tracker.report_error("automatic step", exc)
 
-def on_forward(tracker: Tracker, module: Any, args: Any, output: Any) -> None:
+def on_forward(tracker: TrackerCore, module: Any, args: Any, output: Any) -> None:
     failing = sys.exc_info()[1]
     if failing is not None and output is None:
         tracker.record_oom(failing)
         return
-    tracker._seen["forward"] += 1
+    tracker.books.seen["forward"] += 1
     # A new forward means any backward before it has ended, even one that raised.
-    tracker._backward_pending = False
-    if hooks_mark(tracker) and tracker._stage is not None and tracker._stage.name == "forward":
+    tracker.books.backward_pending = False
+    if hooks_mark(tracker) and tracker.books.stage is not None and tracker.books.stage.name == "forward":
         tracker.end_stage()
     # The backward is watched inside steps, and everywhere while the code
     # marks no step (it may be the only sign of training); a loop that
     # marks its own steps pays nothing for forwards outside them.
-    if not tracker.stage_hooks or (tracker._user_steps and tracker._step_open is None):
+    if not tracker.stage_hooks or (tracker.books.user_steps and tracker.books.step_open is None):
         return
     try:
         if _torch().is_grad_enabled():
             for t in _grad_tensors(output):
                 t.register_hook(functools.partial(on_backward_start, tracker))
     except Exception as exc:  # noqa: BLE001
-        tracker._error("forward hook", exc)
+        tracker.report_error("forward hook", exc)
 
-def on_backward_start(tracker: Tracker, grad: Any) -> None:
+def on_backward_start(tracker: TrackerCore, grad: Any) -> None:
     try:
         # Each output's hook fires; the first one of a backward pass marks it.
-        if tracker._backward_pending:
+        if tracker.books.backward_pending:
             return None
-        tracker._backward_pending = True
-        if hooks_mark(tracker) and tracker._stage is None:
+        tracker.books.backward_pending = True
+        if hooks_mark(tracker) and tracker.books.stage is None:
             tracker.begin_stage("backward")
         from torch.autograd import Variable
 
         Variable._execution_engine.queue_callback(functools.partial(on_backward_end, tracker))
     except Exception as exc:  # noqa: BLE001
-        tracker._error("backward hook", exc)
+        tracker.report_error("backward hook", exc)
     return None
 
-def on_backward_end(tracker: Tracker) -> None:
-    tracker._backward_pending = False
-    tracker._seen["backward"] += 1
-    tracker._auto_backward = True
-    if tracker._stage is not None and tracker._stage.name == "backward":
+def on_backward_end(tracker: TrackerCore) -> None:
+    tracker.books.backward_pending = False
+    tracker.books.seen["backward"] += 1
+    tracker.books.auto_backward = True
+    if tracker.books.stage is not None and tracker.books.stage.name == "backward":
         tracker.end_stage()
-        if tracker._opt_ref is None and due(tracker):
+        if tracker.books.opt_ref is None and due(tracker):
             _holdings.grad_health(tracker)
 
-def on_opt_pre(tracker: Tracker, opt: Any, args: Any, kwargs: Any) -> None:
+def on_opt_pre(tracker: TrackerCore, opt: Any, args: Any, kwargs: Any) -> None:
     if hooks_mark(tracker):
         tracker.begin_stage("optimizer")
 
-def on_opt_post(tracker: Tracker, opt: Any, args: Any, kwargs: Any) -> None:
-    tracker._seen["optimizer"] += 1
-    if tracker._stage is not None and tracker._stage.name == "optimizer":
+def on_opt_post(tracker: TrackerCore, opt: Any, args: Any, kwargs: Any) -> None:
+    tracker.books.seen["optimizer"] += 1
+    if tracker.books.stage is not None and tracker.books.stage.name == "optimizer":
         tracker.end_stage()
-    if tracker._step_open is not None and tracker._step_open.auto:
+    if tracker.books.step_open is not None and tracker.books.step_open.auto:
         tracker.end_step()
 
-def due(tracker: Tracker) -> bool:
-    return tracker._step_open is not None and (tracker._step_open.step or 0) % tracker.grad_every == 0
+def due(tracker: TrackerCore) -> bool:
+    return tracker.books.step_open is not None and (tracker.books.step_open.step or 0) % tracker.grad_every == 0

@@ -1,6 +1,6 @@
 """Type stubs of the native half of oomkit (Rust, PyO3)."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any, final
@@ -17,6 +17,7 @@ __all__ = [
     "batch_plan",
     "cli_main",
     "host_capacity",
+    "largest_that_fits",
     "oom_cause",
     "oom_kind",
     "oom_limits",
@@ -87,3 +88,6 @@ def realize_ops(
 ]: ...
 def parse_capacity(text: str) -> tuple[int, str]: ...
 def preflight_text(doc: str) -> str: ...
+def largest_that_fits(
+    start: int, max: int, capacity: int, measure: Callable[[int], tuple[bool, int]]
+) -> tuple[int | None, list[tuple[int, bool]]]: ...

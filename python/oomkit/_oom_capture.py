@@ -19,16 +19,16 @@ from oomkit import _native, _plan
 from oomkit._measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit.tracker import Tracker
+    from oomkit._tracker_core import TrackerCore
 
 
-def start_history(tracker: Tracker, max_entries: int) -> None:
+def start_history(tracker: TrackerCore, max_entries: int) -> None:
     torch = _torch()
-    if not tracker._meter.cuda:
-        tracker._say("record_history needs CUDA; not recording on this device")
+    if not tracker.meter.cuda:
+        tracker.say("record_history needs CUDA; not recording on this device")
         return
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
-    tracker._history = True
+    tracker.books.history = True
 
 #: A limit the allocator's OOM observer passes below this share of the
 #: device's memory is a cap the process set (set_per_process_memory_fraction).
@@ -36,29 +36,29 @@ CAP_BELOW_TOTAL = 0.99
 
 
 def write_oom(
-    tracker: Tracker, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
+    tracker: TrackerCore, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
 ) -> None:
     """Writes an OOM record for the open step, stage and phase, checks duplicates, dumps a snapshot, and prints the diagnosis.
 
     ``limits`` is the process's own cap (None without one) and what the
     driver had free, where the caller knows them; else the message says them.
     """
-    if tracker._writing_oom:
+    if tracker.books.writing_oom:
         return
-    tracker._writing_oom = True
+    tracker.books.writing_oom = True
     try:
         write_oom_now(tracker, message, requested, limits)
     finally:
-        tracker._writing_oom = False
+        tracker.books.writing_oom = False
 
 def write_oom_now(
-    tracker: Tracker, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
+    tracker: TrackerCore, message: str, requested: Optional[int], limits: Optional[tuple[Optional[int], Optional[int]]] = None
 ) -> None:
-    step = tracker._current_step
+    step = tracker.current_step
     phase = tracker.current_phase
-    stage = tracker._stage.name if tracker._stage is not None else None
+    stage = tracker.books.stage.name if tracker.books.stage is not None else None
     snapshot = None
-    if tracker._history:
+    if tracker.books.history:
         snapshot = os.path.join(
             os.path.dirname(str(tracker.log_path)),
             f"oom-step{step}-rank{tracker.rank}-{int(time.time())}.pickle",
@@ -66,18 +66,18 @@ def write_oom_now(
         try:
             _torch().cuda.memory._dump_snapshot(snapshot)
         except Exception as e:  # noqa: BLE001
-            tracker._error("dump snapshot", e)
+            tracker.report_error("dump snapshot", e)
             snapshot = None
     with contextlib.suppress(Exception):
         # What the failing stage reached up to now, into its open measures.
-        tracker._sample()
-    peak = max([o.peak for o in tracker._open] + [0])
+        tracker.sample()
+    peak = max([o.peak for o in tracker.books.open] + [0])
     # The process's own cap and what the driver had free, as the message says
     # them at the failure (the allocator's figures, not read afterwards).
     if limits is None:
         limits = _native.oom_limits(message) if message else (None, None)
     allowed, free = limits
-    tracker._write(
+    tracker.write(
         {
             "type": "oom",
             "time": time.time(),
@@ -87,10 +87,10 @@ def write_oom_now(
             "requested_bytes": requested,
             "message": message[:2000],
             "memory": {
-                "allocated_bytes": tracker._meter.now(),
-                "reserved_bytes": tracker._meter.reserved(),
+                "allocated_bytes": tracker.meter.now(),
+                "reserved_bytes": tracker.meter.reserved(),
                 "peak_bytes": peak,
-                "capacity_bytes": tracker._meter.capacity,
+                "capacity_bytes": tracker.meter.capacity,
                 "allowed_bytes": allowed,
                 "free_bytes": free,
             },
@@ -100,15 +100,15 @@ def write_oom_now(
     _plan.report_oom(message, step, stage or phase, snapshot)
     # Under torchrun, a trainer's plan steps down for every rank's restart
     # (auto_batch does its own, from the exception it sees).
-    if _plan.active() is None and tracker._plan_fields:
-        _plan.elastic_step_down(tracker._plan_fields, message, tracker.rank)
+    if _plan.active() is None and tracker.books.plan_fields:
+        _plan.elastic_step_down(tracker.books.plan_fields, message, tracker.rank)
     tracker.find_duplicates(when="oom")
-    tracker._log.flush()
+    tracker.log.flush()
     report = _native.analyze_run_text(tracker.log_path)
     sys.stderr.write(f"\noomkit (rank {tracker.rank}): out of memory, diagnosis\n{report}\n")
     sys.stderr.flush()
 
-def on_allocator_oom(tracker: Tracker, device: int, alloc: int, device_limit: int, device_free: int) -> None:
+def on_allocator_oom(tracker: TrackerCore, device: int, alloc: int, device_limit: int, device_free: int) -> None:
     """Records an OOM the CUDA allocator reports, at the failing allocation, even if a framework swallows the error.
 
     The allocator passes the device, the bytes asked for, the memory the
@@ -116,12 +116,12 @@ def on_allocator_oom(tracker: Tracker, device: int, alloc: int, device_limit: in
     and the bytes the driver reports free; it releases its lock first.
     """
     try:
-        if tracker._closed or device != getattr(tracker._meter, "index", None):
+        if tracker.books.closed or device != getattr(tracker.meter, "index", None):
             return
         # The limit is the device's (cudaMemGetInfo's total, which may differ a
         # little from the properties' total), or the process's own cap where a
         # memory fraction lowers it clearly below.
-        total = getattr(tracker._meter, "capacity", None)
+        total = getattr(tracker.meter, "capacity", None)
         allowed = int(device_limit) if total and device_limit < total * CAP_BELOW_TOTAL else None
         write_oom(
             tracker,
@@ -131,14 +131,14 @@ def on_allocator_oom(tracker: Tracker, device: int, alloc: int, device_limit: in
             (allowed, int(device_free)),
         )
         # The exception that follows is this same OOM.
-        tracker._observed_oom = True
+        tracker.books.observed_oom = True
     except Exception as e:  # noqa: BLE001
-        tracker._error("allocator oom observer", e)
+        tracker.report_error("allocator oom observer", e)
 
 
 # Trackers on CUDA that hear the allocator's OOM observer; the observer
 # cannot be removed once attached, so one is attached per process.
-_WATCHERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
+_WATCHERS: weakref.WeakSet[TrackerCore] = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
 
 
@@ -147,7 +147,7 @@ def _allocator_oom(device: int, alloc: int, device_limit: int, device_free: int)
         on_allocator_oom(t, device, alloc, device_limit, device_free)
 
 
-def _watch_allocator_ooms(tracker: Tracker) -> None:
+def _watch_allocator_ooms(tracker: TrackerCore) -> None:
     """Has the CUDA allocator tell ``tracker`` of every OOM, where torch offers the (private) observer."""
     global _OBSERVER_ATTACHED
     _WATCHERS.add(tracker)
@@ -159,10 +159,10 @@ def _watch_allocator_ooms(tracker: Tracker) -> None:
             attach(_allocator_oom)
             _OBSERVER_ATTACHED = True
     except Exception as exc:  # noqa: BLE001
-        tracker._error("allocator oom observer", exc)
+        tracker.report_error("allocator oom observer", exc)
 
 
-def _forget_tracker(tracker: Tracker) -> None:
+def _forget_tracker(tracker: TrackerCore) -> None:
     _WATCHERS.discard(tracker)
 
 

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import oomkit
-from oomkit._preflight import OPTIMIZERS
+from oomkit._preflight_driver import OPTIMIZERS
 
 #: The environment variable carrying the settings from ``oomkit estimate``.
 ENV = "OOMKIT_PREFLIGHT_CONFIG"

@@ -19,7 +19,7 @@ autograd records and saves for backward, as on the GPU:
 - PyTorch's default of foreach kernels, which it takes for CUDA tensors
   only (optimizers and ``clip_grad_norm_``, whose foreach forms hold a
   temporary for every tensor at once), is taken for ``meta`` ones too
-  (:func:`foreach_on_meta`).
+  (:func:`foreach_stand_ins`).
 
 A mode is switched off while it handles a call, so the functions a
 composite written in Python calls inside (``multi_head_attention_forward``
@@ -33,8 +33,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FunctionType
 from typing import Any, cast
 
@@ -383,6 +382,8 @@ class CudaFunctions(TorchFunctionMode):
         self.on_backward: Callable[[], None] | None = None
         #: Make the tensors a module's constructor makes without a device on meta.
         self.build_on_meta = False
+        #: Composites run with their check for a mode skipped, made once each (``_opened``).
+        self._opened: dict[Any, FunctionType] = {}
 
     def __torch_function__(
         self,
@@ -449,20 +450,20 @@ class CudaFunctions(TorchFunctionMode):
                 return routed
         if name in OPENED and isinstance(func, FunctionType):
             with self:
-                return _opened(func)(*args, **kwargs)
+                return _opened(func, self._opened)(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             # What runs in Python during backward (a checkpoint's recomputed
             # forward, FSDP's hooks gathering parameters, a custom Function's
             # backward) must see the mode, as CUDA's dispatcher sees it.
             with self:
-                done = _backward(func, args, kwargs)
+                done = _backward(func, args, kwargs, self._opened)
             if self.on_backward is not None:
                 self.on_backward()
             return done
         return func(*args, **kwargs)
 
 
-def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cache: dict[Any, FunctionType]) -> Any:
     """``Tensor.backward`` or ``torch.autograd.backward`` run with the mode on, as the latter."""
     if func is torch.Tensor.backward:
         # Tensor.backward(gradient, retain_graph, create_graph, inputs) is
@@ -472,20 +473,18 @@ def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if len(args) > 4:
             kwargs["inputs"] = args[4]
             args = args[:4]
-    return _opened(cast(FunctionType, torch.autograd.backward))(*args, **kwargs)
+    return _opened(cast(FunctionType, torch.autograd.backward), cache)(*args, **kwargs)
 
 
-_OPENED_CACHE: dict[Any, Any] = {}
-
-
-def _opened(func: FunctionType) -> FunctionType:
-    """``func`` without its check for a mode, so that called with the mode on it runs its body instead of handing itself back."""
-    found = _OPENED_CACHE.get(func)
+def _opened(func: FunctionType, cache: dict[Any, FunctionType]) -> FunctionType:
+    """``func`` without its check for a mode, so that called with the mode on it runs its body
+    instead of handing itself back; made once per mode, in ``cache``."""
+    found = cache.get(func)
     if found is None:
         scope = dict(func.__globals__, has_torch_function=lambda *_: False)
         found = FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
         found.__kwdefaults__ = func.__kwdefaults__
-        _OPENED_CACHE[func] = found
+        cache[func] = found
     return found
 
 
@@ -545,9 +544,9 @@ def _cuda_attention(
     return None
 
 
-@contextmanager
-def foreach_on_meta() -> Iterator[None]:
-    """While active, PyTorch chooses foreach kernels for ``meta`` tensors by default, as it does for CUDA ones."""
+def foreach_stand_ins() -> list[tuple[Any, str, Any]]:
+    """What makes PyTorch choose foreach kernels for ``meta`` tensors by default, as it
+    does for CUDA ones: (owner, name, value) for the fake GPU's ledger."""
     import importlib
 
     import torch.utils._foreach_utils as foreach_utils
@@ -557,22 +556,17 @@ def foreach_on_meta() -> Iterator[None]:
     def with_meta() -> list[str]:
         return [*original(), FAKE_DEVICE]
 
-    patched = []
+    found = []
     for name in FOREACH_LISTS:
         module = importlib.import_module(name)
         if getattr(module, "_get_foreach_kernels_supported_devices", None) is original:
-            module._get_foreach_kernels_supported_devices = with_meta  # type: ignore[attr-defined]
-            patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            module._get_foreach_kernels_supported_devices = original  # type: ignore[attr-defined]
+            found.append((module, "_get_foreach_kernels_supported_devices", with_meta))
+    return found
 
 
-@contextmanager
-def cuda_autocast(autocast: Autocast, functions: CudaFunctions | None = None) -> Iterator[None]:
-    """While active, ``torch.autocast("cuda", ...)`` enters the emulated regions.
+def autocast_stand_ins(autocast: Autocast, functions: CudaFunctions | None = None) -> list[tuple[Any, str, Any]]:
+    """What makes ``torch.autocast("cuda", ...)`` enter the emulated regions:
+    (owner, name, value) for the fake GPU's ledger.
 
     ``functions`` is pushed again for a region entered where function modes
     are not active (activation checkpointing's recompute inside backward:
@@ -635,18 +629,11 @@ def cuda_autocast(autocast: Autocast, functions: CudaFunctions | None = None) ->
             return autocast.dtype() or torch.float16
         return get_dtype(device_type)
 
-    cls.__init__ = new_init  # type: ignore[method-assign]
-    cls.__enter__ = new_enter  # type: ignore[method-assign]
-    cls.__exit__ = new_exit  # type: ignore[method-assign]
-    torch.amp.is_autocast_available = new_available
-    torch.is_autocast_enabled = new_is_enabled  # type: ignore[assignment]
-    torch.get_autocast_dtype = new_get_dtype
-    try:
-        yield
-    finally:
-        cls.__init__ = init  # type: ignore[method-assign]
-        cls.__enter__ = enter  # type: ignore[method-assign]
-        cls.__exit__ = exit_  # type: ignore[method-assign]
-        torch.amp.is_autocast_available = available
-        torch.is_autocast_enabled = is_enabled
-        torch.get_autocast_dtype = get_dtype
+    return [
+        (cls, "__init__", new_init),
+        (cls, "__enter__", new_enter),
+        (cls, "__exit__", new_exit),
+        (torch.amp, "is_autocast_available", new_available),
+        (torch, "is_autocast_enabled", new_is_enabled),
+        (torch, "get_autocast_dtype", new_get_dtype),
+    ]

@@ -20,10 +20,8 @@ the GPU).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,8 +45,9 @@ ONE_STREAM = "communication streams are not modelled (one stream)"
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK")
 
 
-def fake_process_group(world_size: int) -> None:
-    """Initialises ``torch.distributed`` as rank 0 of ``world_size`` with the fake process group."""
+def fake_process_group(world_size: int, init: Any) -> bool:
+    """Initialises ``torch.distributed`` as rank 0 of ``world_size`` with the fake process group,
+    through ``init`` (PyTorch's own ``init_process_group``); whether it made one (none was there)."""
     import torch.distributed as dist
 
     try:
@@ -59,49 +58,33 @@ def fake_process_group(world_size: int) -> None:
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise PreflightError(f"torch.distributed is already initialised with {dist.get_world_size()} ranks, not {world_size}")
-        return
-    init = _init_process_group or dist.init_process_group
+        return False
     init(backend="fake", store=FakeStore(), rank=0, world_size=world_size)
+    return True
 
 
-#: ``torch.distributed.init_process_group`` as PyTorch defines it, before a script's is replaced.
-_init_process_group: Any = None
+def rank_zero_environment(world_size: int) -> dict[str, str]:
+    """The environment torchrun gives rank 0 of ``world_size`` (nothing for one GPU).
 
-
-def as_rank_zero(world_size: int, notes: list[str]) -> None:
-    """Makes this process rank 0 of ``world_size``: a script's own ``init_process_group`` gets the fake group.
-
-    Above one GPU, the environment torchrun would set is set, so that a
-    script reading ``RANK`` or ``WORLD_SIZE`` takes the branch it takes on
-    a cluster; with one, a script that initialises a group anyway (NCCL,
-    which needs a GPU) gets a fake group of one. FSDP and DDP are let run
-    on it (:func:`fsdp_on_meta`, :func:`ddp_on_one_rank`); what they
-    could not do is added to ``notes``.
+    One GPU keeps the environment as it is: a script that shards only under
+    torchrun (``RANK`` set) takes its one-GPU branch, as it would.
     """
-    import torch.distributed as dist
+    if world_size <= 1:
+        return {}
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), **dict.fromkeys(RANK_ENV, "0")}
+    env["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    env["MASTER_PORT"] = os.environ.get("MASTER_PORT", "29500")
+    return env
 
-    global _init_process_group
-    if _init_process_group is None:
-        _init_process_group = dist.init_process_group
-    if world_size > 1:
-        notes.append(f"rank 0 of {world_size} GPUs: the script's process group is PyTorch's fake one; {ONE_STREAM}")
-        # One GPU keeps the environment as it is: a script that shards only
-        # under torchrun (RANK set) takes its one-GPU branch, as it would.
-        os.environ["WORLD_SIZE"] = str(world_size)
-        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-        for name in RANK_ENV:
-            os.environ[name] = "0"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
 
-    def init_process_group(*_: Any, **__: Any) -> None:
-        # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
-        fake_process_group(world_size)
+def rank_zero_note(world_size: int) -> str:
+    """What an answer for several GPUs says of the process group it ran in."""
+    return f"rank 0 of {world_size} GPUs: the script's process group is PyTorch's fake one; {ONE_STREAM}"
 
-    dist.init_process_group = init_process_group
-    for owner, attributes in fsdp_on_meta() + ddp_on_one_rank(notes):
-        for name, value in attributes.items():
-            setattr(owner, name, value)
+
+def parallel_stand_ins(notes: list[str]) -> list[tuple[Any, dict[str, Any]]]:
+    """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, as (owner, attributes) to set."""
+    return fsdp_on_meta() + ddp_on_one_rank(notes)
 
 
 def _reduced_in_place(_state: Any, bucket: Any) -> Any:
@@ -175,23 +158,6 @@ def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
     return changes
 
 
-@contextlib.contextmanager
-def fake_world(world_size: int, notes: list[str]) -> Iterator[None]:
-    """Rank 0 of ``world_size`` GPUs for the block: a fake process group, FSDP and DDP let run on it; undone after."""
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    fake_process_group(world_size)
-    with contextlib.ExitStack() as stack:
-        for owner, attributes in fsdp_on_meta() + ddp_on_one_rank(notes):
-            stack.enter_context(replaced(owner, attributes))
-        try:
-            yield
-        finally:
-            if created:
-                dist.destroy_process_group()
-
-
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The units FSDP is usually applied to: the layers of the model's largest ``ModuleList``."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
@@ -205,8 +171,8 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
     """Spreads ``model`` over ``world_size`` GPUs as ``strategy`` does; returns the model to train and notes.
 
     FSDP's strategies apply ``fully_shard`` to each block and to the model;
-    ``ddp`` wraps it in ``DistributedDataParallel``. Runs inside
-    :func:`fake_world` (or a script made rank 0 by :func:`as_rank_zero`).
+    ``ddp`` wraps it in ``DistributedDataParallel``. Runs in the fake GPU
+    (``_preflight_world.FakeGpu``) as rank 0 of ``world_size``.
     """
     if strategy not in STRATEGIES:
         raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(STRATEGIES)}")
@@ -245,20 +211,3 @@ def zero_redundancy(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     defaults = {k: v for k, v in opt.defaults.items() if k in takes and k != "params"}
     groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in opt.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
-
-
-@contextlib.contextmanager
-def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
-    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after."""
-    missing = object()
-    old = {name: getattr(owner, name, missing) for name in attributes}
-    for name, value in attributes.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)

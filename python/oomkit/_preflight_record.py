@@ -174,9 +174,23 @@ class Recorder(TorchDispatchMode):
         # The modules whose forward is running, innermost last: an operation
         # that cannot run is named with the module that ran it.
         self._modules: list[str] = []
-        self._module_hooks: list[Any] = []
 
-    def __enter__(self) -> Recorder:
+    def stand_ins(self) -> list[tuple[Any, str, Any]]:
+        """What the recorder replaces while it records, for the fake GPU's ledger: storages
+        resized in place (FSDP frees and retakes memory so) are told to it."""
+        resize = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(st: Any, size: int) -> Any:
+            out = resize(st, size)
+            recorder.resized(st, int(size))
+            return out
+
+        return [(torch.UntypedStorage, "resize_", resize_)]
+
+    def hooks(self) -> list[tuple[Callable[[Any], Any], Callable[..., Any]]]:
+        """The global hooks the recorder needs, as (register, hook) for the fake GPU's ledger:
+        which module's forward is running, so that an operation that cannot run names it."""
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         def entered(module: torch.nn.Module, _args: Any) -> None:
@@ -186,28 +200,11 @@ class Recorder(TorchDispatchMode):
             if self._modules:
                 self._modules.pop()
 
-        self._module_hooks = [register_module_forward_pre_hook(entered), register_module_forward_hook(left)]
-        resize = self._resize = torch.UntypedStorage.resize_
-        recorder = self
-
-        def resize_(st: Any, size: int) -> Any:
-            out = resize(st, size)
-            recorder.resized(st, int(size))
-            return out
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-        return super().__enter__()
+        return [(register_module_forward_pre_hook, entered), (register_module_forward_hook, left)]
 
     def innermost_module(self) -> str | None:
         """The class of the innermost module whose forward is running (or was, when an error left it), if any."""
         return self._modules[-1] if self._modules else None
-
-    def __exit__(self, *exc: Any) -> None:
-        for hook in self._module_hooks:
-            hook.remove()
-        self._module_hooks = []
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
 
     # ---- what the step does ----
 

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import traceback
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -25,21 +24,13 @@ import torch
 from oomkit import _native
 from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight import Known, Settings, answer, unsupported
-from oomkit._preflight_cuda import (
-    Autocast,
-    CudaFunctions,
-    accelerator_answers,
-    cublas_workspace,
-    cuda_autocast,
-    device_answers,
-    foreach_on_meta,
-    no_graph_capture,
-)
-from oomkit._preflight_dist import as_rank_zero
+from oomkit._preflight_answer import Settings, answer, unsupported
+from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
 from oomkit._preflight_frames import user_line
 from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import DEFAULT_TIME_LIMIT, FAKE_DEVICE, PreflightStopped, Recorder, StepUnsupportedError
+from oomkit._preflight_record import DEFAULT_TIME_LIMIT, PreflightStopped, Recorder, StepUnsupportedError
+from oomkit._preflight_roles import Known
+from oomkit._preflight_world import FakeGpu, Hook
 from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
@@ -83,8 +74,6 @@ class _Session:
         self.has_optimizer = False
         self.finished = False
         self._seen_modules: set[int] = set()
-        #: What stays in force until the process ends (never closed).
-        self._held = ExitStack()
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -94,25 +83,30 @@ class _Session:
     def start(self) -> None:
         # A tracker in the script measures meta as the GPU and logs into this run's folder.
         os.environ[PREFLIGHT_DIR_ENV] = self.run_dir
-        self._patch_cuda()
-        as_rank_zero(self.world_size, self.notes)
-        # Held for the life of the process: a context manager's generator
-        # left unreferenced is collected at once and runs its exit, which
-        # put CUDA's own autocast back (it never casts meta tensors).
-        self._held.enter_context(cuda_autocast(self.autocast, self.functions))
-        self._held.enter_context(foreach_on_meta())
-        self.functions.__enter__()
-        self.rec.__enter__()
-        # Modules built without a device are built on meta (never allocated),
-        # as if built on the CPU and moved; other tensors keep their device.
-        self.functions.build_on_meta = True
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.functions.on_backward = self._after_backward
-        _on_optimizer_made(self._optimizer_made)
-        register_optimizer_step_pre_hook(self._before_step)
-        register_optimizer_step_post_hook(self._after_step)
-        torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        # The fake GPU for the life of the process: the script runs in it to its end.
+        self.world = FakeGpu(
+            capacity=self.capacity,
+            capacity_bytes=self.capacity_bytes,
+            recorder=self.rec,
+            memory=self.memory,
+            autocast=self.autocast,
+            functions=self.functions,
+            notes=self.notes,
+            world_size=self.world_size,
+            hooks=[
+                Hook("the optimizer's step begins its phase", register_optimizer_step_pre_hook, self._before_step),
+                Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),
+                Hook("the first forward begins the step", torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward),
+            ],
+            on_optimizer_made=self._optimizer_made,
+        )
+        self.world.__enter__()
+        # Modules built without a device are built on meta (never allocated),
+        # as if built on the CPU and moved; other tensors keep their device.
+        self.functions.build_on_meta = True
         atexit.register(self._at_exit)
         previous = sys.excepthook
 
@@ -152,30 +146,6 @@ class _Session:
             return exit_(code)
 
         sys.exit = exit
-
-    def _patch_cuda(self) -> None:
-        for attr, value in device_answers(self.capacity, self.capacity_bytes, self.rec, self.memory).items():
-            setattr(torch.cuda, attr, value)
-        # The same functions under torch.cuda.memory, and its memory history.
-        for attr, value in {**self.memory.cuda_answers(), **self.memory.history_answers()}.items():
-            setattr(torch.cuda.memory, attr, value)
-        # PyTorch's device-agnostic API, which a CPU build answers with no accelerator.
-        accelerator = accelerator_answers(self.rec, self.memory)
-        for owner in (torch.accelerator, getattr(torch.accelerator, "memory", None)):
-            for attr, value in accelerator.items():
-                if owner is not None and hasattr(owner, attr):
-                    setattr(owner, attr, value)
-        # What those functions read from, which oomkit's own tracker reads directly.
-        torch._C._cuda_memoryStats = self.memory.nested_stats
-        # Optimizers ask the GPU whether a CUDA graph is being captured; none is.
-        for attr, value in no_graph_capture().items():
-            setattr(torch.optim.Optimizer, attr, value)
-        # Fused optimizers (the Trainer's default on CUDA) refuse meta
-        # parameters by device, though their kernels have meta versions.
-        _allow_fused_on_meta()
-        # torch.compile would trace the fake step; eager is what is measured.
-        torch.compile = _no_compile(self.notes)
-        _one_process_loader(self.notes)
 
     # ---- during the script ----
 
@@ -322,62 +292,6 @@ def _exited_early(code: Any, handling: BaseException | None) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else ""
-
-
-def _no_compile(notes: list[str]) -> Any:
-    def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if "torch.compile was skipped: the step is measured as eager PyTorch runs it" not in notes:
-            notes.append("torch.compile was skipped: the step is measured as eager PyTorch runs it")
-        if model is None:
-            return lambda m: m
-        return model
-
-    return compile
-
-
-def _allow_fused_on_meta() -> None:
-    """Lets ``fused=True`` optimizers take meta parameters, as they take CUDA ones."""
-    import torch.optim.optimizer as base
-
-    check = base._device_dtype_check_for_fused
-
-    def allowed(p: torch.Tensor, cuda_unsupported: bool = False) -> None:
-        if p.device.type != FAKE_DEVICE:
-            check(p, cuda_unsupported)
-
-    for name in ("optimizer", "adam", "adamw", "sgd", "adagrad"):
-        module = sys.modules.get(f"torch.optim.{name}")
-        if module is not None and hasattr(module, "_device_dtype_check_for_fused"):
-            module._device_dtype_check_for_fused = allowed  # type: ignore[attr-defined]
-
-
-def _on_optimizer_made(told: Any) -> None:
-    """Calls ``told()`` whenever a ``torch.optim`` optimizer is made (its base class's constructor runs)."""
-    base = torch.optim.Optimizer
-    init = base.__init__
-
-    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        told()
-        init(self, *args, **kwargs)
-
-    base.__init__ = new_init  # type: ignore[method-assign]
-
-
-def _one_process_loader(notes: list[str]) -> None:
-    """DataLoader workers would carry meta tensors between processes; the batch is the same from one."""
-    loader = torch.utils.data.DataLoader
-    init = loader.__init__
-
-    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("num_workers", 0):
-            kwargs["num_workers"] = 0
-            kwargs.pop("prefetch_factor", None)
-            kwargs["persistent_workers"] = False
-            if "data loader workers were run in the main process" not in notes:
-                notes.append("data loader workers were run in the main process")
-        init(self, *args, **kwargs)
-
-    loader.__init__ = new_init  # type: ignore[method-assign]
 
 
 def install() -> None:

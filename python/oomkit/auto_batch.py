@@ -159,6 +159,62 @@ def _note_oom(exc: BaseException) -> None:
         pass
 
 
+def _starting_plan(
+    first: tuple[int, int], effective: int, min_batch_size: int
+) -> tuple[int, int, int, str, Any, str, list[tuple[int, str]]]:
+    """The plan the first try runs, and where it came from: the decorator's own, capped by
+    ``oomkit run``'s micro-batch, or the one every rank agreed on in torch elastic's store
+    after a restart. Returns the micro-batch, accumulation, attempt, its source, the store's
+    channel (None outside torchrun), what the store held, and the earlier OOMs it records."""
+    micro, accum = first
+    attempt, source = 1, "auto_batch"
+    # (micro-batch, message) of each OOM so far: two give the per-sample cost.
+    earlier: list[tuple[int, str]] = []
+    env = _plan.from_env()
+    if env is not None:
+        attempt = env.attempt or 1
+        if env.micro_batch < micro:
+            micro, accum = _native.batch_plan(env.micro_batch, effective)
+            source = "oomkit run"
+    channel = None
+    stored = ""
+    if _elastic.under_torchrun():
+        try:
+            channel = _elastic.channel()
+            if channel is not None:
+                stored, agreed = channel.read()
+                if agreed is not None and agreed.stop:
+                    raise BatchSizeError(_elastic.stop_text(agreed, min_batch_size))
+                if agreed is not None and agreed.effective_batch != effective:
+                    _log.warning(
+                        "oomkit.auto_batch: ignoring the plan in %s: it keeps an effective batch of %d, not %d",
+                        channel.where,
+                        agreed.effective_batch,
+                        effective,
+                    )
+                elif agreed is not None:
+                    micro, accum, attempt = agreed.micro_batch, agreed.grad_accum, agreed.attempt
+                    source = _plan.ELASTIC_SOURCE
+                    if agreed.failed_micro_batch is not None and agreed.message:
+                        earlier.append((agreed.failed_micro_batch, agreed.message))
+                    if _rank() == 0:
+                        _log.warning(
+                            "oomkit.auto_batch: attempt %d after %s ran out of memory at micro-batch %s: "
+                            "every rank runs micro-batch %d x accumulation %d",
+                            attempt,
+                            "a rank" if agreed.rank is None else f"rank {agreed.rank}",
+                            agreed.failed_micro_batch,
+                            micro,
+                            accum,
+                        )
+        except BatchSizeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - without the store, retries stay in-process
+            _log.warning("oomkit.auto_batch: torch elastic's store cannot be read (%s); restarts will not step down", exc)
+            channel = None
+    return micro, accum, attempt, source, channel, stored, earlier
+
+
 def auto_batch(
     fn: Optional[Callable[..., T]] = None,
     *,
@@ -214,52 +270,7 @@ def auto_batch(
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> T:
-            micro, accum = first_plan()
-            attempt, source = 1, "auto_batch"
-            # (micro-batch, message) of each OOM so far: two give the per-sample cost.
-            earlier: list[tuple[int, str]] = []
-            env = _plan.from_env()
-            if env is not None:
-                attempt = env.attempt or 1
-                if env.micro_batch < micro:
-                    micro, accum = _native.batch_plan(env.micro_batch, effective)
-                    source = "oomkit run"
-            channel = None
-            stored = ""
-            if _elastic.under_torchrun():
-                try:
-                    channel = _elastic.channel()
-                    if channel is not None:
-                        stored, agreed = channel.read()
-                        if agreed is not None and agreed.stop:
-                            raise BatchSizeError(_elastic.stop_text(agreed, min_batch_size))
-                        if agreed is not None and agreed.effective_batch != effective:
-                            _log.warning(
-                                "oomkit.auto_batch: ignoring the plan in %s: it keeps an effective batch of %d, not %d",
-                                channel.where,
-                                agreed.effective_batch,
-                                effective,
-                            )
-                        elif agreed is not None:
-                            micro, accum, attempt = agreed.micro_batch, agreed.grad_accum, agreed.attempt
-                            source = _plan.ELASTIC_SOURCE
-                            if agreed.failed_micro_batch is not None and agreed.message:
-                                earlier.append((agreed.failed_micro_batch, agreed.message))
-                            if _rank() == 0:
-                                _log.warning(
-                                    "oomkit.auto_batch: attempt %d after %s ran out of memory at micro-batch %s: "
-                                    "every rank runs micro-batch %d x accumulation %d",
-                                    attempt,
-                                    "a rank" if agreed.rank is None else f"rank {agreed.rank}",
-                                    agreed.failed_micro_batch,
-                                    micro,
-                                    accum,
-                                )
-                except BatchSizeError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - without the store, retries stay in-process
-                    _log.warning("oomkit.auto_batch: torch elastic's store cannot be read (%s); restarts will not step down", exc)
-                    channel = None
+            micro, accum, attempt, source, channel, stored, earlier = _starting_plan(first_plan(), effective, min_batch_size)
             retries = 0
             while True:
                 plan = _plan.Plan(micro, accum, effective, attempt, source)

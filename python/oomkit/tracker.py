@@ -27,6 +27,7 @@ from oomkit._holdings import unwrap_optimizer
 from oomkit._measure import _Meter, _Open, _torch, preflight_dir
 from oomkit._oom import find_oom, requested_bytes
 from oomkit._oom_capture import _forget_tracker, _watch_allocator_ooms, record_history
+from oomkit._tracker_core import Books
 
 LOG_VERSION = 1
 
@@ -76,9 +77,10 @@ class Tracker:
         reset_peaks: bool = False,
     ) -> None:
         torch = _torch()
-        self._model_ref = weakref.ref(model)
-        self._opt_ref: Optional[Any] = None
-        self._ema_ref = weakref.ref(ema) if ema is not None else None
+        # The running state the tracker's parts read and update too (_tracker_core).
+        self._books = Books(model_ref=weakref.ref(model), ema_ref=weakref.ref(ema) if ema is not None else None)
+        #: What the tracker's parts see of it (``_tracker_core.TrackerCore``).
+        self._core = _Core(self)
         self.grad_every = max(1, int(grad_every))
         self.stage_hooks = bool(stage_hooks)
         self.rank, self.world_size = _rank()
@@ -86,34 +88,12 @@ class Tracker:
             self.rank = int(rank)
         self.console = (self.rank == 0) if console is None else bool(console)
         self._errors = 0
-        self._closed = False
-        self._open: list[_Open] = []
-        self._step_open: Optional[_Open] = None
-        self._stage: Optional[_Open] = None
-        self._phases: list[_Open] = []
-        self._steps_done = 0
-        # Until the code marks a step itself, each optimizer step is one (see _on_forward_pre).
-        self._user_steps = False
-        self._auto_backward = False
-        self._backward_pending = False
-        # What the hooks saw, inside steps or not: the end record says it, so
-        # that a log with no steps still tells what ran.
-        self._seen = {"forward": 0, "backward": 0, "optimizer": 0}
         # The process's high-water mark at the last sample, and the highest seen.
         self._counter = 0
         self._high = 0
         # How the run ended, where the tracker learns it before closing.
         self._ended: dict[str, Any] = {}
         self._components_after_first_step = False
-        self._model_hooks: list[Any] = []
-        self._opt_hooks: list[Any] = []
-        # The last plan record, where an integration or auto_batch wrote one.
-        self._plan_fields: Optional[dict[str, Any]] = None
-        # An OOM seen by the CUDA allocator's observer, before its exception exists.
-        self._observed_oom = False
-        # Set while an OOM is being written: an allocation that fails inside
-        # (another thread's, or one made while dumping) is not written again.
-        self._writing_oom = False
         # `oomkit find-batch` names a file for this run's peak; only rank 0 writes it.
         probe = os.environ.get(_plan.PROBE_FILE_ENV)
         self._probe = probe if probe and self.rank == 0 else None
@@ -134,17 +114,16 @@ class Tracker:
             log_dir = os.path.join(fake, PREFLIGHT_LOGS)
         self.log_path = self._new_log_path(log_dir)
         self._log = _native.RunLog(self.log_path)
-        self._history = False
         if record_history:
-            _oom_capture.start_history(self, max_entries)
+            _oom_capture.start_history(self._core, max_entries)
         if self._meter.cuda:
-            _watch_allocator_ooms(self)
+            _watch_allocator_ooms(self._core)
         # Before the start record, so that a resumed optimizer's state is counted in it.
         self.set_optimizer(optimizer)
         components: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                components = _holdings.components(self)
+                components = _holdings.components(self._core)
         except Exception as exc:  # noqa: BLE001 - an exotic model or optimizer: log it, count nothing
             self._error("components", exc)
         self._write(
@@ -177,7 +156,7 @@ class Tracker:
         _plan.report_event({"log": os.path.abspath(self.log_path), "rank": self.rank})
         _LIVE.add(self)
         _close_at_exit_once()
-        _hooks.install_model_hooks(self, model)
+        _hooks.install_model_hooks(self._core, model)
         if check_duplicates:
             self.find_duplicates(when="start")
 
@@ -186,7 +165,7 @@ class Tracker:
     @property
     def optimizer(self) -> Any:
         """The torch optimizer whose state is counted (wrappers removed), or None."""
-        return self._opt_ref() if self._opt_ref is not None else None
+        return self._books.opt_ref() if self._books.opt_ref is not None else None
 
     def set_optimizer(self, optimizer: Any, hooks: Optional[bool] = None) -> None:
         """Tracks ``optimizer`` (unwrapped from accelerate, Lightning or DeepSpeed) instead of the current one.
@@ -197,20 +176,20 @@ class Tracker:
         again; the old optimizer's hooks are removed.
         """
         try:
-            for h in self._opt_hooks:
+            for h in self._books.opt_hooks:
                 with contextlib.suppress(Exception):
                     h.remove()
-            self._opt_hooks.clear()
-            self._opt_ref = None
+            self._books.opt_hooks.clear()
+            self._books.opt_ref = None
             if optimizer is None:
                 return
             inner = unwrap_optimizer(optimizer)
-            self._opt_ref = weakref.ref(inner)
+            self._books.opt_ref = weakref.ref(inner)
             # A new optimizer's state appears after its own first step.
             self._components_after_first_step = False
             if self.stage_hooks if hooks is None else hooks:
-                self._opt_hooks.append(inner.register_step_pre_hook(functools.partial(_hooks.on_opt_pre, self)))
-                self._opt_hooks.append(inner.register_step_post_hook(functools.partial(_hooks.on_opt_post, self)))
+                self._books.opt_hooks.append(inner.register_step_pre_hook(functools.partial(_hooks.on_opt_pre, self._core)))
+                self._books.opt_hooks.append(inner.register_step_post_hook(functools.partial(_hooks.on_opt_post, self._core)))
         except Exception as exc:  # noqa: BLE001
             self._error("optimizer hooks", exc)
 
@@ -240,35 +219,35 @@ class Tracker:
 
     def begin_step(self, index: int) -> None:
         """Starts measuring training step ``index``; a step still open is ended first."""
-        self._user_steps = True
+        self._books.user_steps = True
         self._begin_step(index, auto=False)
 
     def _begin_step(self, index: int, auto: bool) -> None:
         try:
-            if self._step_open is not None:
+            if self._books.step_open is not None:
                 self.end_step()
             now, _ = self._sample()
-            self._step_open = self._open_measure("step", "step", int(index), now)
-            self._step_open.auto = auto
-            self._auto_backward = False
+            self._books.step_open = self._open_measure("step", "step", int(index), now)
+            self._books.step_open.auto = auto
+            self._books.auto_backward = False
         except Exception as exc:  # noqa: BLE001
             self._error("begin step", exc)
 
     def end_step(self) -> None:
         """Ends the open step (and its open stage) and writes them; does nothing when no step is open."""
-        step = self._step_open
+        step = self._books.step_open
         if step is None:
             return
         try:
             now, reserved = self._sample()
-            if self._stage is not None:
-                self._close(self._stage, now, reserved)
+            if self._books.stage is not None:
+                self._close(self._books.stage, now, reserved)
             self._close(step, now, reserved)
         except Exception as exc:  # noqa: BLE001
-            self._drop(self._stage)
+            self._drop(self._books.stage)
             self._drop(step)
             self._error("end step", exc)
-        self._steps_done += 1
+        self._books.steps_done += 1
 
     def begin_stage(self, name: str) -> None:
         """Starts stage ``name`` (forward, backward, optimizer) of the open step, ending the stage before it.
@@ -277,21 +256,21 @@ class Tracker:
         the tracker with ``stage_hooks=False`` so hooks do not mark them too.
         Outside a step, or inside a phase, it does nothing.
         """
-        if self._step_open is None or self._phases:
+        if self._books.step_open is None or self._books.phases:
             return
         try:
-            if name == "optimizer" and _hooks.due(self):
-                _holdings.grad_health(self)
+            if name == "optimizer" and _hooks.due(self._core):
+                _holdings.grad_health(self._core)
             now, reserved = self._sample()
-            if self._stage is not None:
-                self._close(self._stage, now, reserved)
-            self._stage = self._open_measure("stage", name, self._step_open.step, now)
+            if self._books.stage is not None:
+                self._close(self._books.stage, now, reserved)
+            self._books.stage = self._open_measure("stage", name, self._books.step_open.step, now)
         except Exception as exc:  # noqa: BLE001
             self._error(f"begin {name}", exc)
 
     def end_stage(self) -> None:
         """Ends the open stage and writes it; does nothing when none is open."""
-        stage = self._stage
+        stage = self._books.stage
         if stage is None:
             return
         try:
@@ -305,15 +284,15 @@ class Tracker:
         """Starts measuring a named phase such as "eval", inside or outside a step."""
         try:
             now, _ = self._sample()
-            self._phases.append(self._open_measure("phase", str(name), self._current_step, now))
+            self._books.phases.append(self._open_measure("phase", str(name), self._current_step, now))
         except Exception as exc:  # noqa: BLE001
             self._error(f"begin {name}", exc)
 
     def end_phase(self) -> None:
         """Ends the innermost open phase and writes it; does nothing when none is open."""
-        if not self._phases:
+        if not self._books.phases:
             return
-        phase = self._phases[-1]
+        phase = self._books.phases[-1]
         try:
             now, reserved = self._sample()
             self._close(phase, now, reserved)
@@ -324,22 +303,22 @@ class Tracker:
     @property
     def _current_step(self) -> Optional[int]:
         """The open step's index, or None outside a step."""
-        return self._step_open.step if self._step_open is not None else None
+        return self._books.step_open.step if self._books.step_open is not None else None
 
     @property
     def closed(self) -> bool:
         """True once the tracker is closed."""
-        return self._closed
+        return self._books.closed
 
     @property
     def in_step(self) -> bool:
         """True while a step is open."""
-        return self._step_open is not None
+        return self._books.step_open is not None
 
     @property
     def current_phase(self) -> Optional[str]:
         """The innermost open phase's name, or None."""
-        return self._phases[-1].name if self._phases else None
+        return self._books.phases[-1].name if self._books.phases else None
 
     def record_oom(self, exc: BaseException) -> bool:
         """Records an out-of-memory error (found in ``exc`` or its ``__cause__``/``__context__``) once.
@@ -358,17 +337,17 @@ class Tracker:
             for e in (exc, oom):
                 with contextlib.suppress(Exception):
                     e._oomkit_seen = True  # type: ignore[attr-defined]
-            if self._closed:
+            if self._books.closed:
                 return True
             text = str(oom).strip()
             message = text.splitlines()[0] if text else type(oom).__name__
-            if self._observed_oom:
+            if self._books.observed_oom:
                 # The allocator's observer already wrote this one, at the failing allocation;
                 # `oomkit run` still gets the exception's message, which has the figures.
-                self._observed_oom = False
+                self._books.observed_oom = False
                 _plan.report_oom(message, self._current_step, self.current_phase)
                 return True
-            _oom_capture.write_oom(self, message, requested_bytes(text))
+            _oom_capture.write_oom(self._core, message, requested_bytes(text))
         except Exception as e:  # noqa: BLE001
             self._error("oom capture", e)
         return True
@@ -381,7 +360,7 @@ class Tracker:
             self._write(rec)
             if record_type == "plan":
                 # The plan this process runs, for the step down after an OOM under torchrun.
-                self._plan_fields = dict(fields)
+                self._books.plan_fields = dict(fields)
         except Exception as exc:  # noqa: BLE001
             self._error(f"note {record_type}", exc)
 
@@ -392,7 +371,7 @@ class Tracker:
         try:
             torch = _torch()
             with torch.no_grad():
-                result = _holdings.duplicates(self, when)
+                result = _holdings.duplicates(self._core, when)
             self._write(result)
         except Exception as exc:  # noqa: BLE001
             self._error("find_duplicates", exc)
@@ -400,33 +379,33 @@ class Tracker:
 
     def close(self) -> None:
         """Ends what is open, removes the hooks, writes the final record and closes the log."""
-        if self._closed:
+        if self._books.closed:
             return
         with contextlib.suppress(Exception):
-            while self._phases:
+            while self._books.phases:
                 self.end_phase()
             self.end_step()
-        self._closed = True
-        _forget_tracker(self)
-        for h in self._model_hooks + self._opt_hooks:
+        self._books.closed = True
+        _forget_tracker(self._core)
+        for h in self._books.model_hooks + self._books.opt_hooks:
             with contextlib.suppress(Exception):
                 h.remove()
-        self._model_hooks.clear()
-        self._opt_hooks.clear()
+        self._books.model_hooks.clear()
+        self._books.opt_hooks.clear()
         with contextlib.suppress(Exception):
             end: dict[str, Any] = {
                 "type": "end",
                 "time": time.time(),
-                "steps": self._steps_done,
+                "steps": self._books.steps_done,
                 "ended": "closed",
-                "seen": dict(self._seen),
+                "seen": dict(self._books.seen),
                 "peak_bytes": self._high,
             }
             end.update(self._ended)
             self._write(end)
         with contextlib.suppress(Exception):
             self._log.close()
-        if self._history:
+        if self._books.history:
             with contextlib.suppress(Exception):
                 _torch().cuda.memory._record_memory_history(enabled=None)
 
@@ -451,7 +430,7 @@ class Tracker:
         before = self._counter
         self._counter = mark
         if self._meter.resets or mark > before:
-            for o in self._open:
+            for o in self._books.open:
                 if mark > o.peak:
                     o.peak = mark
             self._high = max(self._high, mark)
@@ -460,7 +439,7 @@ class Tracker:
             # A counter that fell was reset inside this interval, so what it
             # reached since is this interval's too.
             low = mark if mark < before else now
-            for o in self._open:
+            for o in self._books.open:
                 if max(now, low) > o.peak:
                     o.peak = max(now, low)
                 if before > o.at_most:
@@ -471,19 +450,19 @@ class Tracker:
 
     def _open_measure(self, kind: str, name: str, step: Optional[int], now: int) -> _Open:
         o = _Open(kind, name, step, now)
-        self._open.append(o)
+        self._books.open.append(o)
         return o
 
     def _drop(self, o: Optional[_Open]) -> None:
         """Forgets a measure, written or not, so that nothing keeps it open."""
         if o is None:
             return
-        self._open = [x for x in self._open if x is not o]
-        self._phases = [x for x in self._phases if x is not o]
-        if o is self._stage:
-            self._stage = None
-        if o is self._step_open:
-            self._step_open = None
+        self._books.open = [x for x in self._books.open if x is not o]
+        self._books.phases = [x for x in self._books.phases if x is not o]
+        if o is self._books.stage:
+            self._books.stage = None
+        if o is self._books.step_open:
+            self._books.step_open = None
 
     def _close(self, o: _Open, end: int, reserved: int) -> None:
         """Writes a finished measure; `end` and `reserved` come from the sample just taken."""
@@ -515,7 +494,7 @@ class Tracker:
     def _write_components(self) -> None:
         try:
             with _torch().no_grad():
-                rec = _holdings.components(self)
+                rec = _holdings.components(self._core)
             rec["type"] = "components"
             rec["step"] = self._current_step
             self._write(rec)
@@ -528,7 +507,7 @@ class Tracker:
         # allocator rarely returns memory, so reserved bytes at the end of a
         # step are its peak; the device also holds the CUDA context.
         need = max(self._probe_peak, peak, self._high, reserved)
-        record: dict[str, Any] = {"device": self.device, "steps": self._steps_done + 1}
+        record: dict[str, Any] = {"device": self.device, "steps": self._books.steps_done + 1}
         if self._meter.cuda:
             free, total = _torch().cuda.mem_get_info(self._meter.index)
             baseline = int(os.environ.get(_plan.BASELINE_USED_BYTES_ENV, "0") or 0)
@@ -558,7 +537,7 @@ class Tracker:
         return path
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._closed and record.get("type") != "end":
+        if self._books.closed and record.get("type") != "end":
             return
         self._log.write(record)
 
@@ -574,6 +553,77 @@ class Tracker:
         if self._errors == 1:
             with contextlib.suppress(Exception):
                 self._say(f"tracker error in {where} (training continues): {exc}")
+
+
+class _Core:
+    """The tracker as its parts see it (``_tracker_core.TrackerCore``): its books, its
+    settings, and what they may ask of it, each answered by the tracker itself."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._t = tracker
+        self.books = tracker._books
+
+    @property
+    def rank(self) -> int:
+        return self._t.rank
+
+    @property
+    def stage_hooks(self) -> bool:
+        return self._t.stage_hooks
+
+    @property
+    def grad_every(self) -> int:
+        return self._t.grad_every
+
+    @property
+    def log_path(self) -> str:
+        return self._t.log_path
+
+    @property
+    def meter(self) -> _Meter:
+        return self._t._meter
+
+    @property
+    def log(self) -> Any:
+        return self._t._log
+
+    @property
+    def current_step(self) -> Optional[int]:
+        return self._t._current_step
+
+    @property
+    def current_phase(self) -> Optional[str]:
+        return self._t.current_phase
+
+    def begin_stage(self, name: str) -> None:
+        self._t.begin_stage(name)
+
+    def end_stage(self) -> None:
+        self._t.end_stage()
+
+    def open_step(self, index: int, auto: bool) -> None:
+        self._t._begin_step(index, auto)
+
+    def end_step(self) -> None:
+        self._t.end_step()
+
+    def record_oom(self, exc: BaseException) -> bool:
+        return self._t.record_oom(exc)
+
+    def find_duplicates(self, when: str = "manual") -> dict[str, Any]:
+        return self._t.find_duplicates(when)
+
+    def sample(self) -> tuple[int, int]:
+        return self._t._sample()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._t._write(record)
+
+    def say(self, msg: str) -> None:
+        self._t._say(msg)
+
+    def report_error(self, where: str, exc: BaseException) -> None:
+        self._t._error(where, exc)
 
 
 # Set while an integration builds its tracker: it writes the plan it applied
@@ -602,14 +652,14 @@ PLAIN_FRAMEWORK = "pytorch"
 def note_plan(plan: _plan.Plan) -> None:
     """Writes ``plan`` to every open tracker's log, as `auto_batch` starts a try with it."""
     for t in list(_LIVE):
-        if not t._closed:
+        if not t.closed:
             t.note("plan", **plan.record(PLAIN_FRAMEWORK))
 
 
 def note_oom(exc: BaseException) -> None:
     """Records an OOM that ``oom_guard`` caught in the first open tracker that takes it."""
     for t in list(_LIVE):
-        if not t._closed and t.record_oom(exc):
+        if not t.closed and t.record_oom(exc):
             return
 
 
@@ -644,7 +694,6 @@ def _close_at_exit() -> None:
             else:
                 t._ended = {"ended": "exit"}
             t.close()
-
 
 
 __all__ = ["LOG_VERSION", "PLAIN_FRAMEWORK", "Tracker", "note_oom", "note_plan", "record_history", "unwrap_optimizer"]

@@ -1,0 +1,161 @@
+"""The role of every allocation of a preflight, known from the objects that hold it.
+
+Preflight holds the model, the optimizer and the batch, so it knows which
+storages are parameters, gradients, optimizer state and inputs instead of
+inferring them ([roles.md](../../docs/roles.md)); what FSDP and DDP
+allocate themselves is told by the function that allocated it; of the
+rest, what forward made and still held when forward ended is
+activations, and everything else temporaries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from oomkit._preflight_record import FAKE_DEVICE, Recorder, Trace, plain_tensors
+
+
+class Known:
+    """The allocations whose role preflight knows from the objects holding them."""
+
+    def __init__(self) -> None:
+        self.params: set[int] = set()
+        self.inputs: set[int] = set()
+        self.grads: set[int] = set()
+        self.state: set[int] = set()
+        self._watched: set[int] = set()
+
+    @staticmethod
+    def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
+        leaves = [p for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
+        for t in leaves:
+            i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
+            if i is None and t.device.type == FAKE_DEVICE:
+                i = rec.track(t)
+            if i is not None:
+                into.add(i)
+
+    def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
+        params = list(model.parameters())
+        self.add_params(rec, params + list(model.buffers()) + [t for p in params for t in _attached(p)])
+
+    def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
+        self._add(rec, self.params, [t.detach() for t in tensors])
+
+    def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
+        self._add(rec, self.grads, grads)
+
+    def watch_grads(self, rec: Recorder, params: Any) -> None:
+        """Every tensor that becomes a parameter's ``.grad`` is a gradient, even one replaced
+        later in the same backward (a weight used twice, as tied embeddings are)."""
+        for p in params:
+            if p.requires_grad and id(p) not in self._watched:
+                self._watched.add(id(p))
+                p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
+
+    def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
+        for holder in (opt, *_inner_optimizers(opt)):
+            self._add(rec, self.state, [list(s.values()) for s in holder.state.values()])
+        # An optimizer may give parameters new tensors inside its step.
+        self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
+
+    def add_inputs(self, rec: Recorder, data: Any) -> None:
+        self._add(rec, self.inputs, data)
+
+    def add_grads(self, rec: Recorder, model: torch.nn.Module) -> None:
+        self._add(rec, self.grads, [p.grad for p in model.parameters() if p.grad is not None])
+
+    def add_state(self, rec: Recorder, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        self.add_state_of(rec, opt)
+        self.add_model(rec, model)
+
+    def roles(self, tr: Trace) -> dict[int, str]:
+        """The role of every allocation, by its index."""
+        out: dict[int, str] = {}
+        for i, kind in enumerate(tr.kinds):
+            if kind != 0:
+                continue
+            if i in tr.library:
+                role = "other"
+            elif i in self.params:
+                role = "parameters"
+            elif i in self.state:
+                role = "optimizer_state"
+            elif i in self.grads:
+                role = "gradients"
+            elif i in self.inputs:
+                role = "inputs"
+            elif (spread := _parallel_role(tr.stacks[tr.stack_of[i]])) is not None:
+                role = spread
+            elif tr.phases[i] == "forward":
+                # Made in forward and still held when forward ended: saved for backward.
+                role = "activations" if tr.freed_in.get(i, "end") != "forward" else "temporaries"
+            elif tr.phases[i] == "setup":
+                role = "other"
+            else:
+                role = "temporaries"
+            out[i] = role
+        return out
+
+
+#: FSDP's functions that allocate a gathered (unsharded) parameter, and
+#: those that allocate a gradient to reduce-scatter, by name
+#: (``torch/distributed/fsdp/_fully_shard``).
+FSDP_GATHERS = frozenset(
+    {"foreach_all_gather", "foreach_all_gather_copy_out", "alloc_storage", "init_all_gather_outputs", "init_unsharded_param"}
+)
+FSDP_REDUCES = frozenset({"foreach_reduce"})
+
+
+#: DDP's own file: what it allocates itself (its gradient buckets) is ``other``, as docs/roles.md has it.
+DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+
+#: Wrappers PyTorch puts around its functions, passed over to find the function that allocated.
+_WRAPPERS = (os.path.join("torch", "_dynamo"), os.path.join("torch", "_compile.py"))
+
+
+def _parallel_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
+    """The role of what data parallelism allocates itself: FSDP's gathered parameters and
+    gradients to reduce-scatter, DDP's buckets (``other``); else None."""
+    for filename, _line, name in stack:
+        if "fsdp" in filename:
+            if name in FSDP_GATHERS:
+                return "parameters"
+            if name in FSDP_REDUCES:
+                return "gradients"
+    inner = next((f for f in stack if not any(w in f[0] for w in _WRAPPERS)), None)
+    if inner is not None and inner[0].endswith(DDP_FILE):
+        return "other"
+    return None
+
+
+#: Where optimizers that wrap another keep it: ZeroRedundancyOptimizer's
+#: ``optim`` (this rank's share), Accelerate's and Lightning's ``optimizer``.
+WRAPPED_OPTIMIZER = ("optim", "optimizer", "_optimizer")
+
+
+def _inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers ``opt`` wraps, innermost last; their state is the state."""
+    found: list[torch.optim.Optimizer] = []
+    current = opt
+    while len(found) < 4:
+        inner = next((getattr(current, a) for a in WRAPPED_OPTIMIZER if isinstance(getattr(current, a, None), torch.optim.Optimizer)), None)
+        if inner is None or inner is current or inner in found:
+            break
+        found.append(inner)
+        current = inner
+    return found
+
+
+def _attached(p: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors a quantized parameter carries beside its data (bitsandbytes' ``quant_state``: scales, code book)."""
+    state = getattr(p, "quant_state", None)
+    found: list[torch.Tensor] = []
+    while state is not None and len(found) < 16:
+        found += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        # Double quantization quantizes the scales too, with a state of its own.
+        state = getattr(state, "state2", None)
+    return found

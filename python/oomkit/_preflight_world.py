@@ -1,0 +1,302 @@
+"""The world a preflight runs in: the fake GPU, every stand-in in one ledger.
+
+A step written for a GPU runs on ``meta`` tensors only if much of PyTorch
+answers as it would on a GPU: ``torch.cuda`` (one GPU of the capacity,
+whose memory is the recorder's), ``torch.accelerator``, the device
+mapping and CUDA's autocast and attention (a function mode), the
+recorder (a dispatch mode), PyTorch's choice of foreach kernels and of
+fused optimizers, the data loader's workers (run in the process),
+``torch.compile`` (skipped, noted), several GPUs (PyTorch's fake process
+group, FSDP and DDP let run on it), and the hooks that mark the step's
+phases. Each is an entry of :meth:`FakeGpu.ledger`: an attribute set on
+an owner (:class:`StandIn`) or a global hook registered (:class:`Hook`),
+installed one way (:func:`replaced`, a hook's handle) and undone on exit,
+so that after ``oomkit.preflight()`` returns, torch is as it was.
+``oomkit.preflight()`` enters the world around its steps; the script hook
+(``oomkit preflight -- python train.py``) enters it for the life of the
+process. Adding a stand-in is one entry in :meth:`FakeGpu.ledger`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from oomkit._preflight_cuda import (
+    Autocast,
+    CudaFunctions,
+    accelerator_answers,
+    autocast_stand_ins,
+    device_answers,
+    foreach_stand_ins,
+    no_graph_capture,
+)
+from oomkit._preflight_dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
+from oomkit._preflight_memory import MemoryQueries
+from oomkit._preflight_record import FAKE_DEVICE, Recorder
+
+#: The note a skipped ``torch.compile`` leaves.
+COMPILE_SKIPPED = "torch.compile was skipped: the step is measured as eager PyTorch runs it"
+
+#: The note data loader workers run in the process leave.
+WORKERS_IN_PROCESS = "data loader workers were run in the main process"
+
+#: Optimizers whose module checks a fused optimizer's devices under its own name.
+FUSED_CHECKS = ("optimizer", "adam", "adamw", "sgd", "adagrad")
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """An attribute the fake GPU sets on an owner (a module, a class) while it is entered."""
+
+    #: What it stands in for, in words.
+    what: str
+    owner: Any
+    name: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A global hook the fake GPU registers while it is entered (``register(fn)`` returns its handle)."""
+
+    #: What it is for, in words.
+    what: str
+    register: Callable[[Any], Any]
+    fn: Callable[..., Any]
+
+
+#: An entry of the ledger.
+Entry = Union[StandIn, Hook]
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
+    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after (deleting those it added)."""
+    missing = object()
+    old = {name: getattr(owner, name, missing) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables for the block, and puts the old ones back after."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class FakeGpu:
+    """The world a preflight runs in: one GPU of ``capacity``, or rank 0 of ``world_size``.
+
+    ``hooks`` are the driver's own global hooks (the optimizer's step hooks
+    that mark phases), registered and removed with the rest;
+    ``on_optimizer_made`` is told whenever a ``torch.optim`` optimizer is
+    made. ``start_process_group`` makes the fake process group at once
+    (``oomkit.preflight(gpus=N)``) rather than when the script asks for one.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: str,
+        capacity_bytes: int,
+        recorder: Recorder,
+        memory: MemoryQueries,
+        autocast: Autocast,
+        functions: CudaFunctions,
+        notes: list[str],
+        world_size: int = 1,
+        start_process_group: bool = False,
+        hooks: list[Hook] | None = None,
+        on_optimizer_made: Callable[[], None] | None = None,
+    ) -> None:
+        self.capacity, self.capacity_bytes = capacity, capacity_bytes
+        self.recorder, self.memory = recorder, memory
+        self.autocast, self.functions = autocast, functions
+        self.notes = notes
+        self.world_size = world_size
+        self.start_process_group = start_process_group
+        self.extra_hooks = hooks or []
+        self.on_optimizer_made = on_optimizer_made
+        self._stack: ExitStack | None = None
+        #: PyTorch's own ``init_process_group``, before the ledger replaces it.
+        self._init_process_group: Any = None
+
+    # ----- the ledger ---------------------------------------------------------
+
+    def ledger(self) -> list[Entry]:
+        """Every stand-in of the fake GPU, in the order installed."""
+        rec, memory = self.recorder, self.memory
+        entries: list[Entry] = []
+
+        def attrs(what: str, owner: Any, values: dict[str, Any]) -> None:
+            entries.extend(StandIn(what, owner, name, value) for name, value in values.items() if owner is not None)
+
+        attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory))
+        attrs(
+            "torch.cuda.memory's queries answered from the allocator model",
+            torch.cuda.memory,
+            {**memory.cuda_answers(), **memory.history_answers()},
+        )
+        accelerator = accelerator_answers(rec, memory)
+        device_api = getattr(torch, "accelerator", None)
+        for owner in (device_api, getattr(device_api, "memory", None)):
+            attrs("torch.accelerator answers as CUDA", owner, {k: v for k, v in accelerator.items() if hasattr(owner, k)})
+        attrs("what torch.cuda's functions and oomkit's tracker read memory from", torch._C, {"_cuda_memoryStats": memory.nested_stats})
+        attrs("optimizers' checks for a CUDA graph being captured (none is)", torch.optim.Optimizer, no_graph_capture())
+        for owner, name, value in foreach_stand_ins():
+            entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
+        for owner, name, value in autocast_stand_ins(self.autocast, self.functions):
+            entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
+        for owner, name, value in _fused_on_meta():
+            entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
+        attrs("torch.compile skipped, noted", torch, {"compile": _no_compile(self.notes)})
+        attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
+        if self.on_optimizer_made is not None:
+            attrs("told whenever an optimizer is made", torch.optim.Optimizer, {"__init__": _told_when_made(self.on_optimizer_made)})
+        for owner, name, value in rec.stand_ins():
+            entries.append(StandIn("storages resized in place are recorded", owner, name, value))
+        entries += self._distributed()
+        for register, fn in rec.hooks():
+            entries.append(Hook("which module's forward is running", register, fn))
+        entries += self.extra_hooks
+        return entries
+
+    def _distributed(self) -> list[Entry]:
+        """Rank 0 of the fake process group: the script's own ``init_process_group`` answered by it, FSDP and DDP let run on it."""
+        import torch.distributed as dist
+
+        entries: list[Entry] = []
+        if not dist.is_available():
+            return entries
+        init = self._init_process_group = dist.init_process_group
+        world_size = self.world_size
+
+        def init_process_group(*_: Any, **__: Any) -> None:
+            # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
+            fake_process_group(world_size, init)
+
+        entries.append(
+            StandIn("the script's init_process_group gets the fake process group", dist, "init_process_group", init_process_group)
+        )
+        for owner, values in parallel_stand_ins(self.notes):
+            entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
+        return entries
+
+    # ----- entering and leaving ----------------------------------------------
+
+    def __enter__(self) -> FakeGpu:
+        stack = ExitStack()
+        try:
+            for entry in self.ledger():
+                if isinstance(entry, StandIn):
+                    stack.enter_context(replaced(entry.owner, {entry.name: entry.value}))
+                else:
+                    stack.callback(entry.register(entry.fn).remove)
+            if self.world_size > 1:
+                self.notes.append(rank_zero_note(self.world_size))
+                stack.enter_context(environment(rank_zero_environment(self.world_size)))
+            if self.start_process_group:
+                import torch.distributed as dist
+
+                if fake_process_group(self.world_size, self._init_process_group):
+                    stack.callback(dist.destroy_process_group)
+            # The function mode above autograd, the recorder below it.
+            stack.enter_context(self.functions)
+            stack.enter_context(self.recorder)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
+# ----- the stand-ins written here ----------------------------------------------
+
+
+def _no_compile(notes: list[str]) -> Any:
+    """``torch.compile`` that hands the model back, noted: the step is measured eager."""
+
+    def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if COMPILE_SKIPPED not in notes:
+            notes.append(COMPILE_SKIPPED)
+        if model is None:
+            return lambda m: m
+        return model
+
+    return compile
+
+
+def _fused_on_meta() -> list[tuple[Any, str, Any]]:
+    """``fused=True`` optimizers take meta parameters, as they take CUDA ones (their kernels have meta versions)."""
+    import torch.optim.optimizer as base
+
+    check = base._device_dtype_check_for_fused
+
+    def allowed(p: torch.Tensor, cuda_unsupported: bool = False) -> None:
+        if p.device.type != FAKE_DEVICE:
+            check(p, cuda_unsupported)
+
+    found = []
+    for name in FUSED_CHECKS:
+        module = sys.modules.get(f"torch.optim.{name}")
+        if module is not None and hasattr(module, "_device_dtype_check_for_fused"):
+            found.append((module, "_device_dtype_check_for_fused", allowed))
+    return found
+
+
+def _one_process_loader(notes: list[str]) -> Any:
+    """``DataLoader.__init__`` with its workers in the main process: they would carry
+    meta tensors between processes; the batch is the same."""
+    init = torch.utils.data.DataLoader.__init__
+
+    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("num_workers", 0):
+            kwargs["num_workers"] = 0
+            kwargs.pop("prefetch_factor", None)
+            kwargs["persistent_workers"] = False
+            if WORKERS_IN_PROCESS not in notes:
+                notes.append(WORKERS_IN_PROCESS)
+        init(self, *args, **kwargs)
+
+    return new_init
+
+
+def _told_when_made(told: Callable[[], None]) -> Any:
+    """``Optimizer.__init__`` that calls ``told()`` first, whenever a ``torch.optim`` optimizer is made."""
+    init = torch.optim.Optimizer.__init__
+
+    def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        told()
+        init(self, *args, **kwargs)
+
+    return new_init

@@ -1,0 +1,242 @@
+"""The rules docs/architecture.md states, checked: the fake GPU is undone, no import circles, no long function without a why, every module named.
+
+`scripts/check_deps.py` enforces the circles and the long functions in the
+test command; here it is shown to catch each on a small crate and package
+made for the purpose, and the repository itself to pass it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import oomkit
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_deps() -> Any:
+    spec = importlib.util.spec_from_file_location("check_deps", ROOT / "scripts" / "check_deps.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----- the fake GPU is undone ----------------------------------------------
+
+
+def _owners() -> list[Any]:
+    """Everything the fake GPU's ledger may touch, and more: each is compared whole."""
+    import torch.amp.autocast_mode as autocast_mode
+    import torch.distributed as dist
+    import torch.nn.modules.module as module
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+    from torch.nn.parallel import distributed as ddp
+
+    owners = [
+        torch,
+        torch.cuda,
+        torch.cuda.memory,
+        torch._C,
+        torch.amp,
+        torch.optim.Optimizer,
+        torch.optim.adamw,
+        torch.optim.adam,
+        torch.optim.sgd,
+        optimizer,
+        foreach_utils,
+        torch.utils.data.DataLoader,
+        torch.UntypedStorage,
+        autocast_mode.autocast,
+        dist,
+        ddp,
+        ddp.DistributedDataParallel,
+        module,
+    ]
+    accelerator = getattr(torch, "accelerator", None)
+    owners += [x for x in (accelerator, getattr(accelerator, "memory", None)) if x is not None]
+    return owners
+
+
+def _state() -> dict[str, Any]:
+    """The identity of every attribute of every owner, the global hooks, the modes in force and the environment."""
+    import torch.nn.modules.module as module
+    import torch.optim.optimizer as optimizer
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    state: dict[str, Any] = {}
+    for owner in _owners():
+        for name, value in list(vars(owner).items()):
+            state[f"{getattr(owner, '__name__', owner)}.{name}"] = id(value)
+    for hooks in ("_global_forward_pre_hooks", "_global_forward_hooks"):
+        state[hooks] = tuple(getattr(module, hooks).keys())
+    for hooks in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        state[hooks] = tuple(getattr(optimizer, hooks).keys())
+    state["function modes"] = len(_get_current_function_mode_stack())
+    state["dispatch modes"] = len(_get_current_dispatch_mode_stack())
+    state["environment"] = tuple(sorted(os.environ.items()))
+    state["process group"] = torch.distributed.is_initialized()
+    return state
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_after_a_preflight_torch_is_as_it_was(gpus: int) -> None:
+    # Imported first, so that importing them inside the run is not a change.
+    import torch.nn.parallel  # noqa: F401
+
+    before = _state()
+    answer = oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, autocast=torch.bfloat16)
+    assert answer.fits and answer.by_role["parameters"] > 0
+    after = _state()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, changed
+    # And when the step fails, the same.
+    with pytest.raises(oomkit.PreflightError):
+        oomkit.preflight(_Net, lambda b: torch.zeros(b, 32).nonzero(), micro_batch=4, gpus=gpus)
+    assert _state() == before
+
+
+def test_the_ledger_names_every_stand_in() -> None:
+    from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
+    from oomkit._preflight_memory import MemoryQueries
+    from oomkit._preflight_record import Recorder
+    from oomkit._preflight_world import FakeGpu, Hook, StandIn
+
+    rec = Recorder(cublas_workspace("H100"))
+    notes: list[str] = []
+    world = FakeGpu(
+        capacity="H100",
+        capacity_bytes=80 << 30,
+        recorder=rec,
+        memory=MemoryQueries(rec, lambda: None, 80 << 30, notes),
+        autocast=Autocast(),
+        functions=CudaFunctions(Autocast()),
+        notes=notes,
+    )
+    ledger = world.ledger()
+    assert all(isinstance(e, (StandIn, Hook)) and e.what for e in ledger)
+    replaced = {(getattr(e.owner, "__name__", str(e.owner)), e.name) for e in ledger if isinstance(e, StandIn)}
+    for want in [
+        ("torch.cuda", "is_available"),
+        ("torch.cuda", "memory_allocated"),
+        ("torch", "compile"),
+        ("DataLoader", "__init__"),
+        ("UntypedStorage", "resize_"),
+        ("autocast", "__enter__"),
+        ("torch.distributed", "init_process_group"),
+    ]:
+        assert want in replaced, (want, sorted(replaced))
+
+
+# ----- no import circles, no long function without a why ------------------
+
+
+def test_an_import_circle_in_a_crate_is_found(tmp_path: Path) -> None:
+    check = _check_deps()
+    src = tmp_path / "crate" / "src"
+    (src / "text").mkdir(parents=True)
+    (src / "lib.rs").write_text("mod a;\nmod b;\nmod text;\npub use a::A;\n")
+    (src / "a.rs").write_text("use crate::b::B;\npub struct A(B);\n")
+    (src / "b.rs").write_text("use crate::{a::A, text::t};\npub struct B;\n#[cfg(test)]\nmod tests {\n    use crate::a::A;\n}\n")
+    (src / "text" / "mod.rs").write_text("mod t;\npub use t::*;\n")
+    (src / "text" / "t.rs").write_text("pub fn t() { super::u(); }\n")
+    graph = check.rust_graph(str(tmp_path / "crate"))
+    # A group (`crate::{a::A, text::t}`) opened, the test module left out, `super::` followed.
+    assert graph["b"] == {"a", "text::t"} and graph["a"] == {"b"} and graph["text::t"] == {"text"}
+    assert check.circles(graph) == [["a", "b"]]
+    # Without the edge back, none.
+    (src / "a.rs").write_text("pub struct A;\n")
+    assert check.circles(check.rust_graph(str(tmp_path / "crate"))) == []
+
+
+def test_an_import_circle_in_the_package_is_found_type_checking_imports_too(tmp_path: Path) -> None:
+    check = _check_deps()
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg import a\n")
+    (pkg / "a.py").write_text("from pkg._b import thing\n")
+    (pkg / "_b.py").write_text(
+        textwrap.dedent(
+            """
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from pkg.a import A
+            thing = 1
+            """
+        )
+    )
+    assert check.circles(check.python_graph(str(pkg))) == [["pkg._b", "pkg.a"]]
+    (pkg / "_b.py").write_text("thing = 1\n")
+    assert check.circles(check.python_graph(str(pkg))) == []
+
+
+def test_a_long_function_needs_a_word_on_why(tmp_path: Path) -> None:
+    check = _check_deps()
+    body = "\n".join(f"    let x{i} = {i};" for i in range(check.LONG_FUNCTION + 5))
+    rs = tmp_path / "long.rs"
+    rs.write_text(f"/// Adds.\nfn long() {{\n{body}\n}}\n\n/// Adds.\n///\n/// Long on purpose: one table read top to bottom.\nfn kept() {{\n{body}\n}}\n")
+    found = {name: why for name, _line, _length, why in check.rust_long_functions(str(rs))}
+    assert found == {"long": False, "kept": True}
+    py = tmp_path / "long.py"
+    lines = "\n".join(f"    x{i} = {i}" for i in range(check.LONG_FUNCTION + 5))
+    py.write_text(f'def long():\n{lines}\n\n\ndef kept():\n    """Kept whole: one table."""\n{lines}\n')
+    found = {name: why for name, _line, _length, why in check.python_long_functions(str(py))}
+    assert found == {"long": False, "kept": True}
+
+
+def test_the_repository_keeps_the_rules() -> None:
+    check = _check_deps()
+    assert check.import_circles() == []
+    assert check.long_functions() == []
+
+
+# ----- docs/architecture.md names every module -----------------------------
+
+
+def test_the_architecture_names_every_module() -> None:
+    # Each crate's row of the table names each of its modules (`name.rs`, `dir/`), and the package's rows each file.
+    rows = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        row = re.match(r"\| `(crates/[a-z-]+|python/oomkit(?:/integrations)?)` \|(.*)", line)
+        if row:
+            rows[row.group(1)] = set(re.findall(r"([A-Za-z0-9_]+)(?:\.rs|\.py|/)", row.group(2)))
+    missing = []
+    for crate in sorted((ROOT / "crates").iterdir()):
+        if not (crate / "src").is_dir():
+            continue
+        named = rows.get(f"crates/{crate.name}", set())
+        for path in sorted((crate / "src").rglob("*.rs")):
+            stem = path.stem if path.stem != "mod" else path.parent.name
+            if stem not in ("lib", "main", "tests") and path.parent.name != "bin" and stem not in named:
+                missing.append(str(path.relative_to(ROOT)))
+    for folder in ("python/oomkit", "python/oomkit/integrations"):
+        named = rows.get(folder, set())
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.stem != "__init__" and path.stem not in named:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+if sys.platform == "win32":  # pragma: no cover - oomkit's tests run on Linux
+    pytest.skip("Linux only", allow_module_level=True)
