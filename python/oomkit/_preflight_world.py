@@ -79,9 +79,15 @@ Entry = Union[StandIn, Hook]
 
 @contextlib.contextmanager
 def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
-    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after (deleting those it added)."""
+    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after.
+
+    Only what the owner held itself is put back; a name it had from a base
+    class (``UntypedStorage.resize_``, a C method of its base) or not at
+    all is deleted again, so that the class is left as it was.
+    """
     missing = object()
-    old = {name: getattr(owner, name, missing) for name in attributes}
+    own = getattr(owner, "__dict__", {})
+    old = {name: own[name] if name in own else missing for name in attributes}
     for name, value in attributes.items():
         setattr(owner, name, value)
     try:
@@ -89,7 +95,8 @@ def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
     finally:
         for name, value in old.items():
             if value is missing:
-                delattr(owner, name)
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
             else:
                 setattr(owner, name, value)
 

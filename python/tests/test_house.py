@@ -35,6 +35,8 @@ def _check_deps() -> Any:
 
 def _owners() -> list[Any]:
     """Everything the fake GPU's ledger may touch, and more: each is compared whole."""
+    import importlib
+
     import torch.amp.autocast_mode as autocast_mode
     import torch.distributed as dist
     import torch.nn.modules.module as module
@@ -49,9 +51,7 @@ def _owners() -> list[Any]:
         torch._C,
         torch.amp,
         torch.optim.Optimizer,
-        torch.optim.adamw,
-        torch.optim.adam,
-        torch.optim.sgd,
+        *(importlib.import_module(f"torch.optim.{name}") for name in ("adamw", "adam", "sgd", "adagrad")),
         optimizer,
         foreach_utils,
         torch.utils.data.DataLoader,
@@ -102,18 +102,19 @@ class _Net(torch.nn.Module):
 
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_after_a_preflight_torch_is_as_it_was(gpus: int) -> None:
-    # Imported first, so that importing them inside the run is not a change.
-    import torch.nn.parallel  # noqa: F401
-
+    # A first run imports what PyTorch imports lazily (torch._dynamo sets
+    # TORCHINDUCTOR_CACHE_DIR, and each import adds an attribute to torch):
+    # PyTorch's own doing, not the fake GPU's.
+    oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, autocast=torch.bfloat16)
     before = _state()
     answer = oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, autocast=torch.bfloat16)
     assert answer.fits and answer.by_role["parameters"] > 0
     after = _state()
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     assert not changed, changed
-    # And when the step fails, the same.
-    with pytest.raises(oomkit.PreflightError):
-        oomkit.preflight(_Net, lambda b: torch.zeros(b, 32).nonzero(), micro_batch=4, gpus=gpus)
+    # And when the step fails (a mask from values the step does not have), the same.
+    with pytest.raises(oomkit.PreflightError, match="without data"):
+        oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, loss=lambda m, x: m(x)[m(x) > 0].sum())
     assert _state() == before
 
 
