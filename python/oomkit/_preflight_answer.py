@@ -24,6 +24,10 @@ from oomkit._preflight_record import Recorder, StepUnsupportedError, Trace
 from oomkit._preflight_roles import Known
 from oomkit._preflight_snapshot import write_snapshot
 
+#: The roles an answer tells memory by, in the order a report lists them (docs/roles.md;
+#: ``kv_cache``: held across forwards and read by a later one, as a generation's cache is).
+ROLES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries", "inputs", "other")
+
 #: Lines listed in the answer, largest first.
 TOP_LINES = 10
 
@@ -53,7 +57,7 @@ class Preflight:
     #: The capacity less the peak reserved (negative when it does not fit).
     margin_bytes: int
     #: Bytes live at the allocated peak, by role (``parameters``, ``gradients``,
-    #: ``optimizer_state``, ``activations``, ``temporaries``, ``inputs``, ``other``).
+    #: ``optimizer_state``, ``activations``, ``kv_cache``, ``temporaries``, ``inputs``, ``other``).
     by_role: dict[str, int]
     #: The user's lines holding the most at the allocated peak: ``{"line", "bytes", "role"}``.
     by_line: list[dict[str, Any]]
@@ -69,6 +73,10 @@ class Preflight:
     largest_micro_batch: int | None = None
     #: The accumulation that keeps the effective batch at the largest micro-batch.
     largest_grad_accum: int | None = None
+    #: ``training`` (optimizer steps, or backward passes) or ``inference`` (forwards alone, the whole run measured).
+    mode: str = "training"
+    #: Top-level forwards of the model run (a module's forward called outside any other's).
+    forwards: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as plain data (what ``json.dumps`` writes)."""
@@ -89,6 +97,8 @@ class Settings:
     capacity: str
     capacity_bytes: int
     alloc_conf: str | None
+    #: ``training`` or ``inference`` (forwards alone).
+    mode: str = "training"
 
 
 def answer(
@@ -108,7 +118,7 @@ def answer(
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     fits = not capped[2][4]
     by_role, by_line = _at_peak(tr, roles, realized[3][0])
-    notes = _notes(tr, known) + (extra_notes or [])
+    notes = _notes(tr, known, settings.mode) + (extra_notes or [])
     result = Preflight(
         micro_batch=settings.micro_batch,
         grad_accum=settings.grad_accum,
@@ -124,6 +134,8 @@ def answer(
         by_line=by_line,
         allocations=sum(1 for k in tr.kinds if k == 0),
         notes=notes,
+        mode=settings.mode,
+        forwards=rec.forwards,
     )
     if snapshot is not None:
         full = {
@@ -165,7 +177,7 @@ def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int]) -> tu
     """
     peak_at = max(range(len(allocated_after)), key=allocated_after.__getitem__, default=-1)
     freed_by = {arg: i for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)) if kind == 1}
-    by_role = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other"), 0)
+    by_role = dict.fromkeys(ROLES, 0)
     lines: dict[tuple[str, str], int] = {}
     for i in range(peak_at + 1):
         if tr.kinds[i] != 0 or freed_by.get(i, len(tr.kinds)) <= peak_at:
@@ -179,7 +191,7 @@ def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int]) -> tu
     return by_role, by_line
 
 
-def _notes(tr: Trace, known: Known) -> list[str]:
+def _notes(tr: Trace, known: Known, mode: str) -> list[str]:
     notes = [
         "sizes are the CUDA allocator's, modelled; the CUDA context is outside them (a GPU's name as the capacity takes it off)",
     ]
@@ -197,6 +209,6 @@ def _notes(tr: Trace, known: Known) -> list[str]:
             f"{len(tr.assumed)} value(s) read from tensors without data were taken as 0 "
             f"(first at {where[0]}); a step whose memory depends on data may differ"
         )
-    if not known.grads:
+    if not known.grads and mode == "training":
         notes.append("no parameter received a gradient: nothing was trained")
     return notes

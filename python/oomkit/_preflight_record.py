@@ -130,6 +130,10 @@ class Trace:
     library: set[int] = field(default_factory=set)
     #: Values read from tensors that have none, taken as zero: (operation, where).
     assumed: list[tuple[str, str]] = field(default_factory=list)
+    #: Allocations held across forwards and read by a later one (a generation's key-value cache).
+    kv_cache: set[int] = field(default_factory=set)
+    #: The top-level forward each operation ran in (0: outside any), by operation index.
+    forward_of: list[int] = field(default_factory=list)
 
 
 def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
@@ -174,6 +178,15 @@ class Recorder(TorchDispatchMode):
         # The modules whose forward is running, innermost last: an operation
         # that cannot run is named with the module that ran it.
         self._modules: list[str] = []
+        #: Top-level forwards begun (a module's forward called outside any other's).
+        self.forwards = 0
+        #: The top-level forward running now (0: none).
+        self.forward_open = 0
+        # The forward each allocation was made in (0: outside any), and for
+        # those made outside, the first forward that read them: a tensor
+        # read by a later forward than its own is held across forwards.
+        self._made_in: dict[int, int] = {}
+        self._first_reader: dict[int, int] = {}
 
     def stand_ins(self) -> list[tuple[Any, str, Any]]:
         """What the recorder replaces while it records, for the fake GPU's ledger: storages
@@ -194,11 +207,16 @@ class Recorder(TorchDispatchMode):
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         def entered(module: torch.nn.Module, _args: Any) -> None:
+            if not self._modules:
+                self.forwards += 1
+                self.forward_open = self.forwards
             self._modules.append(type(module).__name__)
 
         def left(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
             if self._modules:
                 self._modules.pop()
+            if not self._modules:
+                self.forward_open = 0
 
         return [(register_module_forward_pre_hook, entered), (register_module_forward_hook, left)]
 
@@ -259,6 +277,8 @@ class Recorder(TorchDispatchMode):
                 error.needs_kernel = getattr(func, "namespace", "aten") not in ("aten", "prims")
                 raise error from None
             raise
+        if self.forward_open and not self._deferred:
+            self._note_reads(args, kwargs)
         for t in tree_leaves(out):
             if _is_fake(t):
                 self.track(t)
@@ -272,6 +292,24 @@ class Recorder(TorchDispatchMode):
                 if index is not None:
                     self.trace.library.add(index)
         return out
+
+    def _note_reads(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Marks the allocations a forward reads that an earlier forward made, or that an
+        earlier forward read too: held across forwards (a key-value cache, written by one
+        step of a generation and read by the next)."""
+        now = self.forward_open
+        for t in tree_leaves((args, kwargs)):
+            if not _is_fake(t) or is_traceable_wrapper_subclass(t):
+                continue
+            index = self._index.get(t.untyped_storage())
+            if index is None or index in self.trace.kv_cache:
+                continue
+            made = self._made_in.get(int(index), 0)
+            if made:
+                if made < now:
+                    self.trace.kv_cache.add(int(index))
+            elif self._first_reader.setdefault(int(index), now) != now:
+                self.trace.kv_cache.add(int(index))
 
     def assume(self, what: str) -> None:
         """Notes a value read from a tensor without data, taken as zero."""
@@ -306,9 +344,12 @@ class Recorder(TorchDispatchMode):
         alive = self._alive_pending()
         self._deferred = False
         self._pending = []
+        # Made before any forward, though allocated as the first one begins.
+        open_now, self.forward_open = self.forward_open, 0
         for st, stack_id in alive:
             # Its size now: a storage resized since (FSDP frees by resizing to 0) holds what it holds now.
             self._allocate(st, st.nbytes(), stack_id)
+        self.forward_open = open_now
 
     def held_before_step(self) -> list[int]:
         """Before the step begins: the sizes of the set-up's storages still alive (on the GPU now); after, none."""
@@ -357,6 +398,8 @@ class Recorder(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._index[st] = index
         self._refs[index] = weakref.ref(st, self._freed_callback(index))
+        if self.forward_open:
+            self._made_in[index] = self.forward_open
         return index
 
     def index_of(self, t: torch.Tensor) -> int | None:
@@ -409,6 +452,7 @@ class Recorder(TorchDispatchMode):
         tr.kinds.append(kind)
         tr.args.append(arg)
         tr.phases.append(self.current_phase())
+        tr.forward_of.append(self.forward_open)
         tr.stack_of.append(self._stack_id() if stack_id is None else stack_id)
 
     def current_phase(self) -> str:

@@ -88,6 +88,9 @@ class Known:
                 role = "gradients"
             elif i in self.inputs:
                 role = "inputs"
+            elif i in tr.kv_cache:
+                # Held across forwards and read by a later one: a generation's cache.
+                role = "kv_cache"
             elif (spread := _parallel_role(tr.stacks[tr.stack_of[i]])) is not None:
                 role = spread
             elif tr.phases[i] == "forward":

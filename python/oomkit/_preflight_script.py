@@ -228,14 +228,23 @@ class _Session:
             # A loop that updates the weights itself: its steps are its backward passes.
             self.steps_done = min(self.backwards_done, self.steps)
             notes.append(f"the script uses no torch.optim optimizer: each of the {self.steps_done} step(s) measured is a backward pass and what ran after it until the next forward")  # noqa: E501
+        mode = "training"
         if self.steps_done < self.steps:
             if self.steps_done == 0 and self._exited is not None:
                 self._write({"error": _exited_early(*self._exited)})
                 return
-            if self.steps_done == 0:
-                self._write({"error": "the script ended before its first optimizer step: preflight measures training steps (optimizer.step())"})  # noqa: E501
+            if self.steps_done == 0 and self.rec.forwards == 0:
+                self._write({"error": "the script ended before its model's first forward: preflight measures what a model runs on the GPU (a forward, a training step)"})  # noqa: E501
                 return
-            notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {self.steps} asked for")
+            if self.steps_done == 0:
+                # No optimizer step and no backward: inference or evaluation, measured as it ran, to its end.
+                mode = "inference"
+                notes.append(
+                    f"no optimizer step and no backward: the script's whole run is measured, {self.rec.forwards} forward(s) "
+                    "of its model (inference or evaluation; a generation runs to its length bound)"
+                )
+            else:
+                notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {self.steps} asked for")
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
@@ -250,7 +259,7 @@ class _Session:
         conf = self.allocator_settings()
         if not self.alloc_conf_given and conf != self.launch_alloc_conf:
             notes.append(f"the script sets PYTORCH_CUDA_ALLOC_CONF={conf or ''}: the allocator is modelled with it")
-        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, conf)
+        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, conf, mode=mode)
         try:
             result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
         except PreflightError as e:

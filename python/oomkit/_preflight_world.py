@@ -87,7 +87,7 @@ def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
     """
     missing = object()
     own = getattr(owner, "__dict__", {})
-    old = {name: own[name] if name in own else missing for name in attributes}
+    old = {name: own.get(name, missing) for name in attributes}
     for name, value in attributes.items():
         setattr(owner, name, value)
     try:

@@ -528,7 +528,7 @@ def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -
     never = tmp_path / "never.py"
     never.write_text("import torch\nx = torch.zeros(4, device='cuda')\nprint('no training here')\n")
     p = cli("--", sys.executable, str(never))
-    assert p.returncode == 2 and "before its first optimizer step" in p.stderr
+    assert p.returncode == 2 and "the script ended before its model's first forward" in p.stderr
     needs_data = tmp_path / "needs_data.py"
     needs_data.write_text(
         "import torch\nm = torch.nn.Linear(4, 4).cuda()\nopt = torch.optim.SGD(m.parameters())\n"

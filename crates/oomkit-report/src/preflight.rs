@@ -39,6 +39,17 @@ pub struct PreflightRun {
     pub notes: Vec<String>,
     /// The snapshot written, if any.
     pub snapshot: Option<String>,
+    /// `training` (optimizer steps or backward passes) or `inference` (forwards alone, the whole run measured).
+    #[serde(default = "training")]
+    pub mode: String,
+    /// Top-level forwards of the model run.
+    #[serde(default)]
+    pub forwards: u64,
+}
+
+/// The mode of an answer that does not say (one written before inference was measured).
+fn training() -> String {
+    "training".into()
 }
 
 /// A line of the user's code and what it held at the peak.

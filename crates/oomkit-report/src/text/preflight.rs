@@ -37,13 +37,20 @@ pub fn preflight(r: &PreflightReport) -> String {
             "short"
         },
     );
+    let ran = if run.mode == "inference" {
+        format!(
+            "{} forward(s) of the model and no backward (inference)",
+            run.forwards
+        )
+    } else {
+        format!("{} step(s)", run.steps)
+    };
     let _ = writeln!(
         out,
-        "  peak reserved {}, peak allocated {}, {} free inside segments at the peak; {} step(s), {} allocations on meta tensors",
+        "  peak reserved {}, peak allocated {}, {} free inside segments at the peak; {ran}, {} allocations on meta tensors",
         human_bytes(run.peak_reserved_bytes),
         human_bytes(run.peak_allocated_bytes),
         human_bytes(run.free_in_segments_at_peak_bytes),
-        run.steps,
         run.allocations,
     );
     let total: u64 = run.by_role.values().sum();
@@ -52,12 +59,25 @@ pub fn preflight(r: &PreflightReport) -> String {
         // allocation counted as the block the allocator handed it).
         let whole = run.peak_allocated_bytes.max(1);
         let _ = writeln!(out, "\n  By role at the peak");
+        // The vocabulary's roles in their order, then any only preflight
+        // tells (a generation's cache), after the activations.
+        let mut order: Vec<(&str, String)> = Vec::new();
         for role in Role::ALL {
-            if let Some(&b) = run.by_role.get(role.key()).filter(|&&b| b > 0) {
+            order.push((role.key(), role.words().to_string()));
+            if role == Role::Activations {
+                for key in run.by_role.keys() {
+                    if Role::ALL.iter().all(|r| r.key() != key) {
+                        order.push((key, key.replace('_', " ")));
+                    }
+                }
+            }
+        }
+        for (key, words) in order {
+            if let Some(&b) = run.by_role.get(key).filter(|&&b| b > 0) {
                 let _ = writeln!(
                     out,
                     "    {:<18} {:>10} {:>5.0}%",
-                    role.words(),
+                    words,
                     human_bytes(b),
                     b as f64 * 100.0 / whole as f64
                 );

@@ -1,0 +1,110 @@
+"""Inference and generation under `oomkit preflight`: measured as they run, to their end.
+
+A script with no optimizer step and no backward (a forward under
+``no_grad``, or with autograd on and no backward, a Hugging Face
+``generate()``) used to end with "preflight measures training steps". It is
+now measured whole: the same answer, with ``mode`` ``inference``, the
+number of forwards, and the tensors held across forwards and read by a
+later one (a generation's cache) as ``kv_cache``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+from pathlib import Path
+
+import pytest
+from preflight_cli import preflight_run
+
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed (Python 3.10+ only)"
+)
+
+FORWARD = """
+    import sys
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().eval()
+    x = torch.randn(512, 1024, device="cuda")
+    if sys.argv[1] == "no_grad":
+        with torch.no_grad():
+            y = model(x)
+    else:
+        y = model(x)  # autograd on, no backward: every layer's input is kept
+    print(tuple(y.shape))
+"""
+
+
+@pytest.mark.parametrize("how", ["no_grad", "autograd"])
+def test_a_forward_only_script_is_measured_as_inference(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "infer.py"
+    script.write_text(textwrap.dedent(FORWARD))
+    run = preflight_run(script, "--capacity", "24GiB", args=(how,), cwd=tmp_path)
+    assert run["mode"] == "inference" and run["forwards"] == 1, run
+    assert run["steps"] == 0 and run["fits"]
+    weights = 4 * (1024 * 1024 + 1024) * 4
+    assert weights <= run["by_role"]["parameters"] <= weights + 8 * 512
+    assert sum(run["by_role"].values()) == run["peak_allocated_bytes"]
+    assert any("no optimizer step and no backward" in n for n in run["notes"])
+    assert not any("nothing was trained" in n for n in run["notes"])
+    # With autograd on, each layer's input is kept for a backward that never comes.
+    x = 512 * 1024 * 4
+    held = run["by_role"]["activations"]
+    assert (held >= 3 * x) if how == "autograd" else (held <= 2 * x), run["by_role"]
+
+
+GENERATE = """
+    import sys
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cache, new = sys.argv[1], int(sys.argv[2])
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=4000, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    ids = torch.randint(3, 4000, (4, 128)).cuda()
+    kw = dict(max_new_tokens=new, pad_token_id=0, attention_mask=torch.ones_like(ids), do_sample=False)
+    if cache == "static":
+        kw.update(cache_implementation="static")
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+    print("GENERATED", tuple(out.shape))
+"""
+
+
+@needs_transformers
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_generation_is_measured_to_its_longest_sequence_with_its_cache(tmp_path: Path, cache: str) -> None:
+    script = tmp_path / "generate.py"
+    script.write_text(textwrap.dedent(GENERATE))
+    short = preflight_run(script, "--capacity", "24GiB", args=(cache, "16"), cwd=tmp_path)
+    long = preflight_run(script, "--capacity", "24GiB", args=(cache, "256"), cwd=tmp_path)
+    for run, new in ((short, 16), (long, 256)):
+        assert run["mode"] == "inference", run
+        # One forward for the prompt, one per new token after it: no early end.
+        assert run["forwards"] == new, run
+    # The cache at the longest sequence: layers x (keys, values) x batch x
+    # key-value heads x tokens x head dim, in fp32; a static cache holds its
+    # whole length from the start.
+    def cache_bytes(tokens: int) -> int:
+        return 4 * 2 * 4 * 4 * tokens * 64 * 4
+
+    for run, tokens in ((short, 128 + 16), (long, 128 + 256)):
+        held = run["by_role"]["kv_cache"]
+        assert 0.85 * cache_bytes(tokens) <= held <= 1.3 * cache_bytes(tokens), (held, cache_bytes(tokens), run["by_role"])
+    assert long["peak_allocated_bytes"] > short["peak_allocated_bytes"]
+
+
+def test_a_script_without_a_forward_says_so(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from preflight_cli import OOMKIT
+
+    script = tmp_path / "nothing.py"
+    script.write_text("import torch\nx = torch.zeros(4, device='cuda')\n")
+    p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("oomkit: preflight: the script ended before its model's first forward")
