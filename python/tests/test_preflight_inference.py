@@ -108,3 +108,47 @@ def test_a_script_without_a_forward_says_so(tmp_path: Path) -> None:
     p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("oomkit: preflight: the script ended before its model's first forward")
+
+
+KNOB = """
+    import sys
+    import torch
+
+    model = torch.nn.Linear(1024, 1024).cuda()
+    cache = torch.zeros(0, 256, 1024, device="cuda")
+    with torch.no_grad():
+        for _ in range(int(sys.argv[1])):  # each step keeps 1 MiB more, as a cache does
+            step = model(torch.randn(256, 1024, device="cuda"))
+            cache = torch.cat([cache, step[None]])
+    print("CACHED", tuple(cache.shape))
+"""
+
+
+def test_any_placeholder_is_searched_by_the_one_search(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from preflight_cli import OOMKIT
+
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(KNOB))
+
+    def preflight(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [OOMKIT, "preflight", "--json", "--capacity", "96MiB", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+        )
+
+    p = preflight("--search", "steps=1..200", "--", sys.executable, str(script), "{steps}")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["searched"] == "steps" and doc["largest_micro_batch"] is None
+    best = doc["largest"]
+    tried = dict(doc["tried"])
+    assert 1 < best < 200 and tried[best] and tried[best + 1] is False, doc["tried"]
+    assert [v for v, _ in doc["tried"]] == sorted(tried)
+    # The run reported is the one at the smallest value; the boundary is what a run there says.
+    assert doc["run"]["mode"] == "inference" and doc["run"]["forwards"] == 1
+    for steps, fits in ((best, True), (best + 1, False)):
+        one = preflight("--", sys.executable, str(script), str(steps))
+        assert json.loads(one.stdout)["run"]["fits"] is fits, (steps, one.stdout[-500:])

@@ -409,6 +409,28 @@ fn preflight() {
         &dir,
         &[],
     );
+    // Any placeholder, searched from its smallest value up by the same search.
+    check(
+        "preflight_knob",
+        &with(
+            &["--capacity", "24GiB", "--search", "seq=1..64"],
+            &["{seq}"],
+        ),
+        &dir,
+        &[],
+    );
+    check(
+        "preflight_knob_no_placeholder",
+        &with(&["--search", "seq=1..8"], &["8"]),
+        &dir,
+        &[],
+    );
+    check(
+        "preflight_knob_bad_range",
+        &with(&["--search", "seq=64..8"], &["{seq}"]),
+        &dir,
+        &[],
+    );
     check(
         "preflight_existing_snapshot",
         &with(&["--snapshot", "taken.pickle"], &[]),

@@ -455,6 +455,7 @@ fn preflight_text(doc: &str) -> PyResult<String> {
         tried,
         largest_micro_batch: v["largest_micro_batch"].as_u64(),
         largest_grad_accum: v["largest_grad_accum"].as_u64(),
+        ..Default::default()
     };
     Ok(oomkit_report::text::preflight(&report))
 }

@@ -70,10 +70,17 @@ pub struct PreflightReport {
     pub command: Vec<String>,
     /// The run at the first micro-batch (or the script's own).
     pub run: PreflightRun,
-    /// Micro-batches the search tried, in order, and whether each fitted.
+    /// The values the search tried, by size, and whether each fitted.
     pub tried: Vec<(u64, bool)>,
-    /// The largest micro-batch that fits, when a search ran.
+    /// The largest micro-batch that fits, when the micro-batch was searched.
     pub largest_micro_batch: Option<u64>,
+    /// The placeholder searched (`batch` for `--max-micro-batch`, the name
+    /// `--search NAME=LO..HI` gave), where a search ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub searched: Option<String>,
+    /// The largest value of it that fits (null: not even the smallest tried), where a search ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub largest: Option<Option<u64>>,
     /// The accumulation that keeps the effective batch at it, where the accumulation is known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub largest_grad_accum: Option<u64>,

@@ -72,6 +72,11 @@ pub(crate) struct Args {
     /// command with each one tried in place of {batch}.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_micro_batch: Option<u64>,
+    /// Search the largest value of a placeholder of the command that fits,
+    /// from LO up to HI: NAME=LO..HI puts each value tried for {NAME}
+    /// (--search seq=512..32768 with --seq-len {seq} in the command).
+    #[arg(long, value_name = "NAME=LO..HI", value_parser = knob, conflicts_with = "max_micro_batch")]
+    search: Option<Knob>,
     /// Run the script as rank 0 of N GPUs (a fake process group answers its
     /// init_process_group, so FSDP shards as it would across N).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -85,6 +90,42 @@ pub(crate) struct Args {
     /// The training command, after `--`: python train.py ARGS.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     command: Vec<String>,
+}
+
+/// A placeholder of the command to search, and the range searched.
+#[derive(Clone, Debug)]
+pub(crate) struct Knob {
+    /// The placeholder's name, `seq` for `{seq}`.
+    name: String,
+    /// The smallest value, run first.
+    lo: u64,
+    /// The largest value worth trying.
+    hi: u64,
+}
+
+/// Reads `NAME=LO..HI`.
+fn knob(text: &str) -> Result<Knob, String> {
+    let bad =
+        || format!("{text:?}: give NAME=LO..HI, as seq=512..32768, with {{NAME}} in the command");
+    let (name, range) = text.split_once('=').ok_or_else(bad)?;
+    let (lo, hi) = range.split_once("..").ok_or_else(bad)?;
+    let (lo, hi): (u64, u64) = (
+        lo.trim().parse().map_err(|_| bad())?,
+        hi.trim().parse().map_err(|_| bad())?,
+    );
+    let name = name.trim();
+    if name.is_empty()
+        || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        || lo == 0
+        || hi < lo
+    {
+        return Err(bad());
+    }
+    Ok(Knob {
+        name: name.to_string(),
+        lo,
+        hi,
+    })
 }
 
 /// A time limit: a positive number of seconds.
@@ -110,6 +151,16 @@ pub(crate) fn run(a: Args) -> u8 {
         say("preflight: --max-micro-batch needs {batch} in the command where the micro-batch goes (python train.py --batch-size {batch})");
         return EXIT_INPUT;
     }
+    if let Some(k) = &a.search {
+        let placeholder = format!("{{{}}}", k.name);
+        if !a.command.iter().any(|w| w.contains(&placeholder)) {
+            say(&format!(
+                "preflight: --search {}: the command has no {placeholder} where the value goes (python generate.py --max-new-tokens {placeholder})",
+                k.name
+            ));
+            return EXIT_INPUT;
+        }
+    }
     if let Some(s) = a.snapshot.as_ref().filter(|s| s.exists()) {
         say(&format!(
             "{}: exists; preflight never overwrites a file",
@@ -123,7 +174,14 @@ pub(crate) fn run(a: Args) -> u8 {
         .or_else(|| std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok())
         .filter(|c| !c.is_empty());
     let batch = has_batch.then_some(a.micro_batch);
-    let first = match run_once(&a, batch, a.snapshot.as_deref(), alloc_conf.as_deref()) {
+    let knob = a.search.as_ref().map(|k| (k.name.as_str(), k.lo));
+    let first = match run_once(
+        &a,
+        batch,
+        knob,
+        a.snapshot.as_deref(),
+        alloc_conf.as_deref(),
+    ) {
         Ok(r) => r,
         Err(f) => return failed(f),
     };
@@ -143,19 +201,46 @@ pub(crate) fn run(a: Args) -> u8 {
             if b == a.micro_batch {
                 return Ok(first);
             }
-            run_once(&a, Some(b), None, alloc_conf.as_deref()).map(|r| measured(&r))
+            run_once(&a, Some(b), None, None, alloc_conf.as_deref()).map(|r| measured(&r))
         };
         match largest_that_fits(a.micro_batch, max, report.run.capacity_bytes, &mut measure) {
             Ok((best, tried)) => {
                 report.largest_micro_batch = best;
+                report.searched = Some("batch".into());
+                report.largest = Some(best);
+                report.tried = tried;
+            }
+            Err(f) => return failed(f),
+        }
+    }
+    if let Some(k) = &a.search {
+        // The same search over any placeholder, from its smallest value up.
+        let first = measured(&report.run);
+        let mut measure = |v: u64| -> Result<Measured, Failure> {
+            if v == k.lo {
+                return Ok(first);
+            }
+            run_once(
+                &a,
+                batch,
+                Some((k.name.as_str(), v)),
+                None,
+                alloc_conf.as_deref(),
+            )
+            .map(|r| measured(&r))
+        };
+        match largest_that_fits(k.lo, k.hi, report.run.capacity_bytes, &mut measure) {
+            Ok((best, tried)) => {
+                report.searched = Some(k.name.clone());
+                report.largest = Some(best);
                 report.tried = tried;
             }
             Err(f) => return failed(f),
         }
     }
     print(a.format.output(), &report);
-    let fits = match a.max_micro_batch {
-        Some(_) => report.largest_micro_batch.is_some(),
+    let fits = match &report.largest {
+        Some(best) => best.is_some(),
         None => report.run.fits,
     };
     if fits {
@@ -191,10 +276,12 @@ fn measured(r: &PreflightRun) -> Measured {
     }
 }
 
-/// Runs the command once, with `batch` for `{batch}`, and reads its answer.
+/// Runs the command once, with `batch` for `{batch}` and a searched
+/// placeholder's value for it (`("seq", 4096)` for `{seq}`), and reads its answer.
 fn run_once(
     a: &Args,
     batch: Option<u64>,
+    knob: Option<(&str, u64)>,
     snapshot: Option<&Path>,
     alloc_conf: Option<&str>,
 ) -> Result<PreflightRun, Failure> {
@@ -223,9 +310,15 @@ fn run_once(
     let words: Vec<String> = a
         .command
         .iter()
-        .map(|w| match batch {
-            Some(b) => w.replace(BATCH, &b.to_string()),
-            None => w.clone(),
+        .map(|w| {
+            let w = match batch {
+                Some(b) => w.replace(BATCH, &b.to_string()),
+                None => w.clone(),
+            };
+            match knob {
+                Some((name, v)) => w.replace(&format!("{{{name}}}"), &v.to_string()),
+                None => w,
+            }
         })
         .collect();
     let mut path = std::ffi::OsString::from(dir.0.as_os_str());

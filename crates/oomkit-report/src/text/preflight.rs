@@ -112,24 +112,23 @@ pub fn preflight(r: &PreflightReport) -> String {
             .map(|(b, ok)| format!("{b} {}", if *ok { "fits" } else { "no" }))
             .collect();
         let _ = writeln!(out);
-        match r.largest_micro_batch {
-            Some(b) => {
-                let _ = writeln!(
-                    out,
-                    "largest micro-batch that fits: {b}{} (tried {})",
+        // A placeholder other than `{batch}` (`--search NAME=LO..HI`), or the micro-batch.
+        let line = match (
+            r.searched.as_deref().filter(|n| *n != "batch"),
+            r.largest.flatten(),
+        ) {
+            (Some(name), Some(v)) => format!("largest {name} that fits: {v}"),
+            (Some(name), None) => format!("no {name} tried fits"),
+            (None, _) => match r.largest_micro_batch {
+                Some(b) => format!(
+                    "largest micro-batch that fits: {b}{}",
                     r.largest_grad_accum
-                        .map_or(String::new(), |a| format!(" x accumulation {a}")),
-                    tried.join(", ")
-                );
-            }
-            None => {
-                let _ = writeln!(
-                    out,
-                    "no micro-batch tried fits (tried {})",
-                    tried.join(", ")
-                );
-            }
-        }
+                        .map_or(String::new(), |a| format!(" x accumulation {a}"))
+                ),
+                None => "no micro-batch tried fits".to_string(),
+            },
+        };
+        let _ = writeln!(out, "{line} (tried {})", tried.join(", "));
     }
     if !run.notes.is_empty() {
         let _ = writeln!(out);
