@@ -77,6 +77,10 @@ class Preflight:
     mode: str = "training"
     #: Top-level forwards of the model run (a module's forward called outside any other's).
     forwards: int = 0
+    #: The most allocated while each phase ran (``setup``, ``inputs``, ``forward``,
+    #: ``backward``, ``optimizer``, and ``eval``: forwards without gradients in a
+    #: script that trains), in the allocator's blocks.
+    phase_peaks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as plain data (what ``json.dumps`` writes)."""
@@ -136,6 +140,7 @@ def answer(
         notes=notes,
         mode=settings.mode,
         forwards=rec.forwards,
+        phase_peaks=_phase_peaks(tr, realized[3][0]),
     )
     if snapshot is not None:
         full = {
@@ -189,6 +194,15 @@ def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int]) -> tu
         lines[key] = lines.get(key, 0) + size
     by_line = [{"line": line, "role": role, "bytes": b} for (line, role), b in sorted(lines.items(), key=lambda kv: -kv[1])[:TOP_LINES]]
     return by_role, by_line
+
+
+def _phase_peaks(tr: Trace, allocated_after: list[int]) -> dict[str, int]:
+    """The most allocated after any operation of each phase: an evaluation's own peak beside training's."""
+    peaks: dict[str, int] = {}
+    for phase, allocated in zip(tr.phases, allocated_after):
+        if allocated > peaks.get(phase, -1):
+            peaks[phase] = allocated
+    return peaks
 
 
 def _notes(tr: Trace, known: Known, mode: str) -> list[str]:

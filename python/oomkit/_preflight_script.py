@@ -185,6 +185,9 @@ class _Session:
         # a loop without one labels its own update "optimizer" until the next forward.
         if self.rec.phase != "optimizer" or not self.has_optimizer:
             self.rec.phase = "forward"
+        if self.has_optimizer and not torch.is_grad_enabled() and self.rec.phase == "forward":
+            # A forward without gradients in a script that trains: its evaluation, a phase of its own.
+            self.rec.phase = "eval"
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
             own = list(module.parameters(recurse=False))

@@ -152,3 +152,37 @@ def test_any_placeholder_is_searched_by_the_one_search(tmp_path: Path) -> None:
     for steps, fits in ((best, True), (best + 1, False)):
         one = preflight("--", sys.executable, str(script), str(steps))
         assert json.loads(one.stdout)["run"]["fits"] is fits, (steps, one.stdout[-500:])
+
+
+TRAIN_WITH_EVAL = """
+    import sys
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    eval_batch = int(sys.argv[1])
+    for it in range(3):
+        if it == 0:  # as nanoGPT does: evaluate before training, without gradients
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(eval_batch, 1024, device="cuda")).square().mean()
+            model.train()
+        model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_an_evaluation_inside_training_has_its_own_peak(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN_WITH_EVAL))
+    small = preflight_run(script, args=("64",), cwd=tmp_path)
+    large = preflight_run(script, args=("4096",), cwd=tmp_path)
+    for run in (small, large):
+        assert run["mode"] == "training" and set(run["phase_peaks"]) >= {"eval", "forward", "backward", "optimizer"}, run
+        assert max(run["phase_peaks"].values()) == run["peak_allocated_bytes"]
+    # The evaluation's batch moves its own peak (4096 x 4096 floats of GELU
+    # input and output, 64 MiB each), not training's.
+    assert large["phase_peaks"]["eval"] - small["phase_peaks"]["eval"] >= 100 << 20
+    training = ("forward", "backward", "optimizer")
+    assert [large["phase_peaks"][p] for p in training] == [small["phase_peaks"][p] for p in training]

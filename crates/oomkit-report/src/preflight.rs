@@ -45,6 +45,9 @@ pub struct PreflightRun {
     /// Top-level forwards of the model run.
     #[serde(default)]
     pub forwards: u64,
+    /// The most allocated while each phase ran (`eval`: forwards without gradients in a script that trains).
+    #[serde(default)]
+    pub phase_peaks: BTreeMap<String, u64>,
 }
 
 /// The mode of an answer that does not say (one written before inference was measured).

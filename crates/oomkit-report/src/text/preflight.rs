@@ -53,6 +53,21 @@ pub fn preflight(r: &PreflightReport) -> String {
         human_bytes(run.free_in_segments_at_peak_bytes),
         run.allocations,
     );
+    if let Some(&eval) = run.phase_peaks.get("eval") {
+        let _ = writeln!(
+            out,
+            "  evaluation (forwards without gradients) peaks at {} allocated, training at {}",
+            human_bytes(eval),
+            human_bytes(
+                run.phase_peaks
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != "eval")
+                    .map(|(_, v)| *v)
+                    .max()
+                    .unwrap_or(0)
+            )
+        );
+    }
     let total: u64 = run.by_role.values().sum();
     if total > 0 {
         // Shares of the headline's figure, which the roles add up to (each
