@@ -220,6 +220,11 @@ class Recorder(TorchDispatchMode):
 
         return [(register_module_forward_pre_hook, entered), (register_module_forward_hook, left)]
 
+    @property
+    def module_depth(self) -> int:
+        """How many modules' forwards are running now, one inside the other (1: a top-level forward)."""
+        return len(self._modules)
+
     def innermost_module(self) -> str | None:
         """The class of the innermost module whose forward is running (or was, when an error left it), if any."""
         return self._modules[-1] if self._modules else None

@@ -26,11 +26,12 @@ from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
 from oomkit._preflight_answer import Settings, answer, unsupported
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
+from oomkit._preflight_fixes import INSIDE, Fixer, optimizer_stand_ins
 from oomkit._preflight_frames import user_line
 from oomkit._preflight_memory import MemoryQueries
 from oomkit._preflight_record import DEFAULT_TIME_LIMIT, PreflightStopped, Recorder, StepUnsupportedError
 from oomkit._preflight_roles import Known
-from oomkit._preflight_world import FakeGpu, Hook
+from oomkit._preflight_world import FakeGpu, Hook, StandIn
 from oomkit.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
@@ -74,6 +75,9 @@ class _Session:
         self.has_optimizer = False
         self.finished = False
         self._seen_modules: set[int] = set()
+        #: The changes tried inside the script for "what would make it fit" (``_preflight_fixes``).
+        self.fixes: list[str] = [f for f in settings.get("fixes") or [] if f in INSIDE]
+        self.fixer = Fixer(self.fixes, self.autocast)
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -100,6 +104,11 @@ class _Session:
                 Hook("the optimizer's step begins its phase", register_optimizer_step_pre_hook, self._before_step),
                 Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),
                 Hook("the first forward begins the step", torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward),
+                Hook("a fix tried ends with each forward", torch.nn.modules.module.register_module_forward_hook, self._after_forward),
+            ],
+            stand_ins=[
+                StandIn(f"a fix tried: torch.optim.{name} made 8-bit", owner, name, value)
+                for owner, name, value in optimizer_stand_ins(self.fixes)
             ],
             on_optimizer_made=self._optimizer_made,
         )
@@ -188,11 +197,17 @@ class _Session:
         if self.has_optimizer and not torch.is_grad_enabled() and self.rec.phase == "forward":
             # A forward without gradients in a script that trains: its evaluation, a phase of its own.
             self.rec.phase = "eval"
+        if self.rec.module_depth == 1:
+            self.fixer.top_forward_begins(module)
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
             own = list(module.parameters(recurse=False))
             self.known.add_params(self.rec, own + list(module.buffers(recurse=False)))
             self.known.watch_grads(self.rec, own)
+
+    def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if not self.rec.forward_open:
+            self.fixer.top_forward_ends()
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         self.rec.begin()

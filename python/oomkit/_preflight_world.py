@@ -120,7 +120,8 @@ class FakeGpu:
     """The world a preflight runs in: one GPU of ``capacity``, or rank 0 of ``world_size``.
 
     ``hooks`` are the driver's own global hooks (the optimizer's step hooks
-    that mark phases), registered and removed with the rest;
+    that mark phases), registered and removed with the rest, and
+    ``stand_ins`` its own replacements (a fix tried: the optimizer made 8-bit);
     ``on_optimizer_made`` is told whenever a ``torch.optim`` optimizer is
     made. ``start_process_group`` makes the fake process group at once
     (``oomkit.preflight(gpus=N)``) rather than when the script asks for one.
@@ -139,6 +140,7 @@ class FakeGpu:
         world_size: int = 1,
         start_process_group: bool = False,
         hooks: list[Hook] | None = None,
+        stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[], None] | None = None,
     ) -> None:
         self.capacity, self.capacity_bytes = capacity, capacity_bytes
@@ -148,6 +150,7 @@ class FakeGpu:
         self.world_size = world_size
         self.start_process_group = start_process_group
         self.extra_hooks = hooks or []
+        self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
         self._stack: ExitStack | None = None
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
@@ -188,6 +191,7 @@ class FakeGpu:
         for owner, name, value in rec.stand_ins():
             entries.append(StandIn("storages resized in place are recorded", owner, name, value))
         entries += self._distributed()
+        entries += self.extra_stand_ins
         for register, fn in rec.hooks():
             entries.append(Hook("which module's forward is running", register, fn))
         entries += self.extra_hooks

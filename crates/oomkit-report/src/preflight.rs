@@ -55,6 +55,21 @@ fn training() -> String {
     "training".into()
 }
 
+/// A change that might make a step fit, measured on the script.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FixRow {
+    /// The change, in words.
+    pub change: String,
+    /// The peak allocated with it.
+    pub peak_allocated_bytes: u64,
+    /// The peak reserved with it.
+    pub peak_reserved_bytes: u64,
+    /// Whether it fits the capacity with it.
+    pub fits: bool,
+    /// What it costs, in words.
+    pub cost: String,
+}
+
 /// A line of the user's code and what it held at the peak.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct LineBytes {
@@ -84,6 +99,13 @@ pub struct PreflightReport {
     /// The largest value of it that fits (null: not even the smallest tried), where a search ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub largest: Option<Option<u64>>,
+    /// What would make it fit: each change run on the script, then all of
+    /// them (when it does not fit, or with `--fixes`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fixes: Vec<FixRow>,
+    /// The changes that could not be measured, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fix_notes: Vec<String>,
     /// The accumulation that keeps the effective batch at it, where the accumulation is known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub largest_grad_accum: Option<u64>,

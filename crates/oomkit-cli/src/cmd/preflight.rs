@@ -10,7 +10,7 @@
 use crate::args::FormatArgs;
 use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
 use crate::output::{print, say};
-use oomkit_report::{PreflightReport, PreflightRun};
+use oomkit_report::{FixRow, PreflightReport, PreflightRun};
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -81,6 +81,10 @@ pub(crate) struct Args {
     /// init_process_group, so FSDP shards as it would across N).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     gpus: u32,
+    /// Say what would make it fit, each change run on the script: done when
+    /// it does not fit, and with this flag when it does.
+    #[arg(long)]
+    fixes: bool,
     /// Stop the script after this many seconds on tensors without data: a
     /// loop that waits on a value the step does not have would never end.
     #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = positive_seconds)]
@@ -175,12 +179,18 @@ pub(crate) fn run(a: Args) -> u8 {
         .filter(|c| !c.is_empty());
     let batch = has_batch.then_some(a.micro_batch);
     let knob = a.search.as_ref().map(|k| (k.name.as_str(), k.lo));
+    let base = Variant {
+        batch,
+        alloc_conf: alloc_conf.as_deref(),
+        ..Variant::default()
+    };
     let first = match run_once(
         &a,
-        batch,
-        knob,
-        a.snapshot.as_deref(),
-        alloc_conf.as_deref(),
+        &Variant {
+            knob,
+            snapshot: a.snapshot.as_deref(),
+            ..base
+        },
     ) {
         Ok(r) => r,
         Err(f) => return failed(f),
@@ -201,7 +211,14 @@ pub(crate) fn run(a: Args) -> u8 {
             if b == a.micro_batch {
                 return Ok(first);
             }
-            run_once(&a, Some(b), None, None, alloc_conf.as_deref()).map(|r| measured(&r))
+            run_once(
+                &a,
+                &Variant {
+                    batch: Some(b),
+                    ..base
+                },
+            )
+            .map(|r| measured(&r))
         };
         match largest_that_fits(a.micro_batch, max, report.run.capacity_bytes, &mut measure) {
             Ok((best, tried)) => {
@@ -222,10 +239,10 @@ pub(crate) fn run(a: Args) -> u8 {
             }
             run_once(
                 &a,
-                batch,
-                Some((k.name.as_str(), v)),
-                None,
-                alloc_conf.as_deref(),
+                &Variant {
+                    knob: Some((k.name.as_str(), v)),
+                    ..base
+                },
             )
             .map(|r| measured(&r))
         };
@@ -238,6 +255,9 @@ pub(crate) fn run(a: Args) -> u8 {
             Err(f) => return failed(f),
         }
     }
+    if a.fixes || !report.run.fits {
+        report.fixes = fixes(&a, &base, knob, &mut report.fix_notes);
+    }
     print(a.format.output(), &report);
     let fits = match &report.largest {
         Some(best) => best.is_some(),
@@ -248,6 +268,115 @@ pub(crate) fn run(a: Args) -> u8 {
     } else {
         EXIT_NOTHING_FITS
     }
+}
+
+/// A change tried for "what would make it fit", as the script is run with it.
+struct Change {
+    /// In words, for the report.
+    change: String,
+    /// What it costs, in words.
+    cost: &'static str,
+    /// Changes made inside the script.
+    inside: Vec<&'static str>,
+    /// The allocator's expandable segments.
+    expandable: bool,
+    /// Half the micro-batch (and twice the accumulation).
+    halved: bool,
+}
+
+/// The changes preflight can make without editing the script, each run on
+/// it, then all of them together: the fixes of the answer, measured.
+fn fixes(
+    a: &Args,
+    base: &Variant<'_>,
+    knob: Option<(&str, u64)>,
+    notes: &mut Vec<String>,
+) -> Vec<FixRow> {
+    let mut changes = vec![
+        Change {
+            change: "activation checkpointing of the model's repeated blocks".into(),
+            cost: "each block's forward run again in backward (about a third more compute)",
+            inside: vec!["checkpoint"],
+            expandable: false,
+            halved: false,
+        },
+        Change {
+            change: "bf16 autocast around the model's forward".into(),
+            cost: "matmuls in bfloat16 (the weights and the optimizer stay float32)",
+            inside: vec!["autocast"],
+            expandable: false,
+            halved: false,
+        },
+        Change {
+            change: "8-bit AdamW (bitsandbytes) for torch.optim.AdamW".into(),
+            cost: "the optimizer's moments in 8 bits, with bitsandbytes installed",
+            inside: vec!["adamw8bit"],
+            expandable: false,
+            halved: false,
+        },
+        Change {
+            change: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
+            cost: "none to speak of: the allocator maps pages instead of whole segments",
+            inside: Vec::new(),
+            expandable: true,
+            halved: false,
+        },
+    ];
+    if let Some(b) = base.batch.filter(|&b| b > 1) {
+        changes.push(Change {
+            change: format!("micro-batch {} x accumulation 2", b / 2),
+            cost: "twice the forward and backward passes per optimizer step",
+            inside: Vec::new(),
+            expandable: false,
+            halved: true,
+        });
+    }
+    let all = Change {
+        change: "all of the above".into(),
+        cost: "each of the costs above",
+        inside: changes.iter().flat_map(|c| c.inside.clone()).collect(),
+        expandable: true,
+        halved: changes.iter().any(|c| c.halved),
+    };
+    changes.push(all);
+    let mut rows = Vec::new();
+    for c in changes {
+        let conf = if c.expandable {
+            Some(match base.alloc_conf {
+                Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
+                _ => "expandable_segments:True".to_string(),
+            })
+        } else {
+            None
+        };
+        let v = Variant {
+            knob,
+            batch: if c.halved {
+                base.batch.map(|b| (b / 2).max(1))
+            } else {
+                base.batch
+            },
+            alloc_conf: conf.as_deref().or(base.alloc_conf),
+            alloc_conf_fixed: c.expandable,
+            fixes: &c.inside,
+            snapshot: None,
+        };
+        match run_once(a, &v) {
+            Ok(r) => rows.push(FixRow {
+                change: c.change,
+                peak_allocated_bytes: r.peak_allocated_bytes,
+                peak_reserved_bytes: r.peak_reserved_bytes,
+                fits: r.fits,
+                cost: c.cost.into(),
+            }),
+            Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => notes.push(format!(
+                "{}: not measured ({})",
+                c.change,
+                m.trim_start_matches("preflight: ")
+            )),
+        }
+    }
+    rows
 }
 
 fn failed(f: Failure) -> u8 {
@@ -276,15 +405,25 @@ fn measured(r: &PreflightRun) -> Measured {
     }
 }
 
-/// Runs the command once, with `batch` for `{batch}` and a searched
-/// placeholder's value for it (`("seq", 4096)` for `{seq}`), and reads its answer.
-fn run_once(
-    a: &Args,
+/// What one run of the command is given: the values of its placeholders,
+/// where its snapshot goes, its allocator settings and the fixes tried in it.
+#[derive(Clone, Copy, Default)]
+struct Variant<'v> {
+    /// The micro-batch for `{batch}`.
     batch: Option<u64>,
-    knob: Option<(&str, u64)>,
-    snapshot: Option<&Path>,
-    alloc_conf: Option<&str>,
-) -> Result<PreflightRun, Failure> {
+    /// A searched placeholder and its value (`("seq", 4096)` for `{seq}`).
+    knob: Option<(&'v str, u64)>,
+    snapshot: Option<&'v Path>,
+    alloc_conf: Option<&'v str>,
+    /// The settings are oomkit's (a fix tried), not the script's to override.
+    alloc_conf_fixed: bool,
+    /// Changes made inside the script (`_preflight_fixes`: checkpoint, autocast, adamw8bit).
+    fixes: &'v [&'v str],
+}
+
+/// Runs the command once, as `v` says, and reads its answer.
+fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
+    let (batch, knob, snapshot, alloc_conf) = (v.batch, v.knob, v.snapshot, v.alloc_conf);
     let dir = Scratch::new().map_err(|e| {
         Failure::NoAnswer(format!(
             "preflight: cannot make a scratch folder in {}: {e}",
@@ -303,9 +442,10 @@ fn run_once(
         "snapshot": snapshot.map(|s| std::path::absolute(s).unwrap_or_else(|_| s.to_path_buf())),
         "alloc_conf": alloc_conf,
         // Given on the command line, it wins over what the script sets for itself.
-        "alloc_conf_given": a.alloc_conf.is_some(),
+        "alloc_conf_given": a.alloc_conf.is_some() || v.alloc_conf_fixed,
         "world_size": a.gpus,
         "time_limit": a.time_limit,
+        "fixes": v.fixes,
     });
     let words: Vec<String> = a
         .command

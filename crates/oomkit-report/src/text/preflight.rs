@@ -68,6 +68,94 @@ pub fn preflight(r: &PreflightReport) -> String {
             )
         );
     }
+    roles(&mut out, run);
+    if !run.by_line.is_empty() {
+        let _ = writeln!(out, "\n  Lines holding the most at the peak");
+        for l in run.by_line.iter().take(LINES_SHOWN) {
+            let _ = writeln!(
+                out,
+                "    {:>10}  {:<16} {}",
+                human_bytes(l.bytes),
+                l.role.replace('_', " "),
+                l.line
+            );
+        }
+    }
+    if !r.tried.is_empty() {
+        let tried: Vec<String> = r
+            .tried
+            .iter()
+            .map(|(b, ok)| format!("{b} {}", if *ok { "fits" } else { "no" }))
+            .collect();
+        let _ = writeln!(out);
+        // A placeholder other than `{batch}` (`--search NAME=LO..HI`), or the micro-batch.
+        let line = match (
+            r.searched.as_deref().filter(|n| *n != "batch"),
+            r.largest.flatten(),
+        ) {
+            (Some(name), Some(v)) => format!("largest {name} that fits: {v}"),
+            (Some(name), None) => format!("no {name} tried fits"),
+            (None, _) => match r.largest_micro_batch {
+                Some(b) => format!(
+                    "largest micro-batch that fits: {b}{}",
+                    r.largest_grad_accum
+                        .map_or(String::new(), |a| format!(" x accumulation {a}"))
+                ),
+                None => "no micro-batch tried fits".to_string(),
+            },
+        };
+        let _ = writeln!(out, "{line} (tried {})", tried.join(", "));
+    }
+    fixes(&mut out, r);
+    if !run.notes.is_empty() {
+        let _ = writeln!(out);
+        for n in &run.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
+    }
+    if let Some(s) = &run.snapshot {
+        let _ = writeln!(
+            out,
+            "snapshot: {s} (oomkit analyze, report and whatif open it)"
+        );
+    }
+    out
+}
+
+/// What would make it fit: each change run on the script, with its peaks and cost.
+fn fixes(out: &mut String, r: &PreflightReport) {
+    if r.fixes.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nWhat would make it fit, each change run on the script (peaks against {}):",
+        human_bytes(r.run.capacity_bytes)
+    );
+    let width = r.fixes.iter().map(|f| f.change.len()).max().unwrap_or(0);
+    let _ = writeln!(
+        out,
+        "  {:width$}  {:>13}  {:>14}  {:<4}  cost",
+        "change", "peak reserved", "peak allocated", "fits"
+    );
+    for f in &r.fixes {
+        let _ = writeln!(
+            out,
+            "  {:width$}  {:>13}  {:>14}  {:<4}  {}",
+            f.change,
+            human_bytes(f.peak_reserved_bytes),
+            human_bytes(f.peak_allocated_bytes),
+            if f.fits { "yes" } else { "no" },
+            f.cost
+        );
+    }
+    for n in &r.fix_notes {
+        let _ = writeln!(out, "  note: {n}");
+    }
+}
+
+/// What held the peak by role, as shares of the peak allocated they add up to.
+fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
     let total: u64 = run.by_role.values().sum();
     if total > 0 {
         // Shares of the headline's figure, which the roles add up to (each
@@ -108,56 +196,6 @@ pub fn preflight(r: &PreflightReport) -> String {
             );
         }
     }
-    if !run.by_line.is_empty() {
-        let _ = writeln!(out, "\n  Lines holding the most at the peak");
-        for l in run.by_line.iter().take(LINES_SHOWN) {
-            let _ = writeln!(
-                out,
-                "    {:>10}  {:<16} {}",
-                human_bytes(l.bytes),
-                l.role.replace('_', " "),
-                l.line
-            );
-        }
-    }
-    if !r.tried.is_empty() {
-        let tried: Vec<String> = r
-            .tried
-            .iter()
-            .map(|(b, ok)| format!("{b} {}", if *ok { "fits" } else { "no" }))
-            .collect();
-        let _ = writeln!(out);
-        // A placeholder other than `{batch}` (`--search NAME=LO..HI`), or the micro-batch.
-        let line = match (
-            r.searched.as_deref().filter(|n| *n != "batch"),
-            r.largest.flatten(),
-        ) {
-            (Some(name), Some(v)) => format!("largest {name} that fits: {v}"),
-            (Some(name), None) => format!("no {name} tried fits"),
-            (None, _) => match r.largest_micro_batch {
-                Some(b) => format!(
-                    "largest micro-batch that fits: {b}{}",
-                    r.largest_grad_accum
-                        .map_or(String::new(), |a| format!(" x accumulation {a}"))
-                ),
-                None => "no micro-batch tried fits".to_string(),
-            },
-        };
-        let _ = writeln!(out, "{line} (tried {})", tried.join(", "));
-    }
-    if !run.notes.is_empty() {
-        let _ = writeln!(out);
-        for n in &run.notes {
-            let _ = writeln!(out, "note: {n}");
-        }
-    }
-    if let Some(s) = &run.snapshot {
-        let _ = writeln!(
-            out,
-            "snapshot: {s} (oomkit analyze, report and whatif open it)"
-        );
-    }
-    out
 }
 
 #[cfg(test)]

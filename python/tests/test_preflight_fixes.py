@@ -1,0 +1,111 @@
+"""What would make it fit, measured: each change preflight makes to a script checked against the script changed by hand.
+
+`oomkit preflight` reruns the user's unchanged script with one change at a
+time (activation checkpointing of its repeated blocks, bf16 autocast, 8-bit
+AdamW, expandable segments, half the micro-batch), then all of them. Each
+figure must be what preflight measures on the script written with that
+change by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from preflight_cli import OOMKIT
+
+SCRIPT = """
+    import argparse
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--checkpoint", action="store_true")
+    p.add_argument("--autocast", action="store_true")
+    p.add_argument("--adam8", action="store_true")
+    a = p.parse_args()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block() for _ in range(6)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False) if a.checkpoint else layer(x)
+            return x
+
+    model = Net().cuda()
+    if a.adam8:
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(a.batch, 128, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
+            y = model(x)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def preflight(script: Path, *args: str, capacity: str = "100MiB") -> dict:
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--capacity", capacity, *args], capture_output=True, text=True, timeout=600, cwd=script.parent
+    )
+    assert p.returncode in (0, 5), p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}")
+    assert doc["run"]["fits"] is False, doc["run"]["peak_reserved_bytes"]
+    rows = {row["change"]: row for row in doc["fixes"]}
+    assert list(rows)[-1] == "all of the above"
+    by_hand = {
+        "activation checkpointing of the model's repeated blocks": ("--batch", "64", "--checkpoint"),
+        "bf16 autocast around the model's forward": ("--batch", "64", "--autocast"),
+        "micro-batch 32 x accumulation 2": ("--batch", "32"),
+    }
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        by_hand["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"] = ("--batch", "64", "--adam8")
+    for change, args in by_hand.items():
+        hand = preflight(script, "--", sys.executable, str(script), *args)["run"]
+        row = rows[change]
+        assert row["peak_allocated_bytes"] == hand["peak_allocated_bytes"], (change, row, hand["peak_allocated_bytes"])
+        assert row["peak_reserved_bytes"] == hand["peak_reserved_bytes"], (change, row, hand["peak_reserved_bytes"])
+        assert row["fits"] == hand["fits"] and row["cost"]
+    # Each lowers what the step needs, and all of them together lower it most.
+    base = doc["run"]["peak_allocated_bytes"]
+    for change in by_hand:
+        assert rows[change]["peak_allocated_bytes"] < base, change
+    assert rows["all of the above"]["peak_allocated_bytes"] <= min(r["peak_allocated_bytes"] for r in rows.values())
+    expandable = rows["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
+    assert expandable["peak_allocated_bytes"] <= base * 1.01
+
+
+def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    plain = preflight(script, "--", sys.executable, str(script), "--batch", "4", capacity="1GiB")
+    assert plain["run"]["fits"] and "fixes" not in plain
+    asked = preflight(script, "--fixes", "--", sys.executable, str(script), "--batch", "4", capacity="1GiB")
+    assert asked["run"]["fits"] and len(asked["fixes"]) >= 4
