@@ -86,9 +86,15 @@ class Values:
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Gives the small meta tensors ``func`` returned their shadows."""
-        outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
-        if not outs:
-            return
+        if isinstance(out, torch.Tensor):
+            # Most operations return one tensor, most of them large: checked without a walk.
+            if out.device.type != _META or out.numel() > SHADOW_MAX_ELEMENTS:
+                return
+            outs = [out]
+        else:
+            outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
+            if not outs:
+                return
         computed = self._on_cpu(func, args, kwargs)
         if computed is None:
             # Some input has no values here (a large tensor, data the step
