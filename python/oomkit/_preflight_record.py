@@ -42,6 +42,10 @@ _OWN_FILES = (
     os.path.join("oomkit", "_preflight_"),
 )
 
+#: Whether each file seen in a stack is one of ``_OWN_FILES``: a stack is
+#: taken for every allocation, and its frames come from few files.
+_OWN_BY_FILE: dict[str, bool] = {}
+
 #: The phases a step goes through, in the words the trace's roles use.
 PHASES = ("setup", "inputs", "forward", "backward", "optimizer")
 
@@ -473,7 +477,10 @@ class Recorder(TorchDispatchMode):
         f: Any = sys._getframe(1)
         while f is not None and len(frames) < MAX_FRAMES:
             co = f.f_code
-            if not any(own in co.co_filename for own in _OWN_FILES):
+            own = _OWN_BY_FILE.get(co.co_filename)
+            if own is None:
+                own = _OWN_BY_FILE[co.co_filename] = any(o in co.co_filename for o in _OWN_FILES)
+            if not own:
                 frames.append((co.co_filename, f.f_lineno, co.co_name))
             f = f.f_back
         return tuple(frames)
