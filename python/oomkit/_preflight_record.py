@@ -191,6 +191,9 @@ class Recorder(TorchDispatchMode):
         # read by a later forward than its own is held across forwards.
         self._made_in: dict[int, int] = {}
         self._first_reader: dict[int, int] = {}
+        # A rearranged whole copy made between forwards, by its index, to the
+        # allocation it copies: when the copy proves a cache, so was that.
+        self._copied_from: dict[int, int] = {}
 
     def stand_ins(self) -> list[tuple[Any, str, Any]]:
         """What the recorder replaces while it records, for the fake GPU's ledger: storages
@@ -291,6 +294,13 @@ class Recorder(TorchDispatchMode):
         for t in tree_leaves(out):
             if _is_fake(t):
                 self.track(t)
+        if (
+            not self.forward_open
+            and self.forwards
+            and isinstance(out, torch.Tensor)
+            and torch._C._current_graph_task_id() == -1  # backward's copies feed no forward
+        ):
+            self._carry_forward_origin(args, out)
         self.values.after(func, args, kwargs, out)
         if self._cublas_workspace > 0 and not self._deferred and func.overloadpacket.__name__ in _CUBLAS_OPS:
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
@@ -301,6 +311,22 @@ class Recorder(TorchDispatchMode):
                 if index is not None:
                     self.trace.library.add(index)
         return out
+
+    def _carry_forward_origin(self, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        """Gives a tensor made between forwards, as a whole rearranged copy of one a forward
+        made, that forward as its origin: a beam search reorders its cache this way, and
+        the copy is the cache the next forward reads."""
+        if not _is_fake(out) or not args or not _is_fake(args[0]):
+            return
+        source = args[0]
+        origin = self._index.get(source.untyped_storage())
+        made = self._made_in.get(int(origin)) if origin is not None else None
+        if not made or source.numel() != out.numel():
+            return
+        index = self._index.get(out.untyped_storage())
+        if index is not None and int(index) not in self._made_in:
+            self._made_in[int(index)] = made
+            self._copied_from[int(index)] = int(origin)
 
     def _note_reads(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Marks the allocations a forward reads that an earlier forward made, or that an
@@ -316,9 +342,29 @@ class Recorder(TorchDispatchMode):
             made = self._made_in.get(int(index), 0)
             if made:
                 if made < now:
-                    self.trace.kv_cache.add(int(index))
+                    self._held_across(int(index))
             elif self._first_reader.setdefault(int(index), now) != now:
-                self.trace.kv_cache.add(int(index))
+                self._held_across(int(index))
+
+    def _last_caches(self) -> None:
+        """Marks as cache what the line that made a cache made in a forward that none read
+        after: the last forward of a generation grows its cache where the others did."""
+        tr = self.trace
+        lines = {tr.stack_of[i] for i in tr.kv_cache}
+        if not lines:
+            return
+        for i, made in self._made_in.items():
+            if made and i not in tr.kv_cache and tr.stack_of[i] in lines:
+                tr.kv_cache.add(i)
+
+    def _held_across(self, index: int) -> None:
+        """Marks an allocation held across forwards, with those it was copied from."""
+        while index not in self.trace.kv_cache:
+            self.trace.kv_cache.add(index)
+            source = self._copied_from.get(index)
+            if source is None:
+                return
+            index = source
 
     def assume(self, what: str) -> None:
         """Notes a value read from a tensor without data, taken as zero."""
@@ -496,6 +542,7 @@ class Recorder(TorchDispatchMode):
 
     def finish(self) -> None:
         """Frees the workspace and stops watching; storages alive now stay allocated."""
+        self._last_caches()
         for ref in self._refs.values():
             # Dropping the references without their callbacks keeps what is
             # alive at the end allocated, as a snapshot taken then would show.

@@ -60,6 +60,7 @@ GENERATE = """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cache, new = sys.argv[1], int(sys.argv[2])
+    BEAMS = 3
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                       num_key_value_heads=4, vocab_size=4000, max_position_embeddings=4096,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -68,6 +69,10 @@ GENERATE = """
     kw = dict(max_new_tokens=new, pad_token_id=0, attention_mask=torch.ones_like(ids), do_sample=False)
     if cache == "static":
         kw.update(cache_implementation="static")
+    elif cache == "sample":
+        kw.update(do_sample=True, top_k=50, top_p=0.9, temperature=0.7)
+    elif cache == "beam":
+        kw.update(num_beams=BEAMS, early_stopping=True)
     with torch.no_grad():
         out = model.generate(ids, **kw)
     print("GENERATED", tuple(out.shape))
@@ -75,7 +80,7 @@ GENERATE = """
 
 
 @needs_transformers
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "sample", "beam"])
 def test_a_generation_is_measured_to_its_longest_sequence_with_its_cache(tmp_path: Path, cache: str) -> None:
     script = tmp_path / "generate.py"
     script.write_text(textwrap.dedent(GENERATE))
@@ -85,16 +90,83 @@ def test_a_generation_is_measured_to_its_longest_sequence_with_its_cache(tmp_pat
         assert run["mode"] == "inference", run
         # One forward for the prompt, one per new token after it: no early end.
         assert run["forwards"] == new, run
-    # The cache at the longest sequence: layers x (keys, values) x batch x
-    # key-value heads x tokens x head dim, in fp32; a static cache holds its
-    # whole length from the start.
+    # The cache at the longest sequence: layers x (keys, values) x sequences
+    # x key-value heads x tokens x head dim, in fp32; a static cache holds its
+    # whole length from the start, and a beam search keeps one sequence per
+    # beam, its cache reordered (copied) between forwards.
+    sequences = 4 * (3 if cache == "beam" else 1)
+
     def cache_bytes(tokens: int) -> int:
-        return 4 * 2 * 4 * 4 * tokens * 64 * 4
+        return 4 * 2 * sequences * 4 * tokens * 64 * 4
 
     for run, tokens in ((short, 128 + 16), (long, 128 + 256)):
         held = run["by_role"]["kv_cache"]
         assert 0.85 * cache_bytes(tokens) <= held <= 1.3 * cache_bytes(tokens), (held, cache_bytes(tokens), run["by_role"])
     assert long["peak_allocated_bytes"] > short["peak_allocated_bytes"]
+
+
+HAND_WRITTEN = """
+    import sys
+    import torch
+    from torch import nn
+
+    LAYERS, DIM, VOCAB, EOS = 4, 512, 4000, 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(DIM, 3 * DIM)
+            self.out = nn.Linear(DIM, DIM)
+
+        def forward(self, x, cache):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            if cache is not None:  # the hand-written cache: keys and values grown by concatenation
+                k, v = torch.cat([cache[0], k], 1), torch.cat([cache[1], v], 1)
+            a = torch.softmax(q @ k.transpose(1, 2) / DIM**0.5, -1) @ v
+            return x + self.out(a), (k, v)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.head = nn.Linear(DIM, VOCAB)
+
+        def forward(self, ids, caches):
+            x, new = self.emb(ids), []
+            for block, cache in zip(self.blocks, caches):
+                x, kv = block(x, cache)
+                new.append(kv)
+            return self.head(x[:, -1]), new
+
+    model = LM().cuda().eval()
+    ids, caches = torch.randint(3, VOCAB, (4, 128)).cuda(), [None] * LAYERS
+    with torch.no_grad():
+        for _ in range(int(sys.argv[1])):
+            logits, caches = model(ids, caches)
+            ids = logits.argmax(-1, keepdim=True)
+            if (ids == EOS).all():  # an early end the data decides
+                break
+    print("DONE")
+"""
+
+
+def test_a_hand_written_generation_loop_runs_to_its_bound_with_its_cache(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(HAND_WRITTEN))
+    run = preflight_run(script, "--capacity", "24GiB", args=("64",), cwd=tmp_path)
+    assert run["mode"] == "inference", run
+    # The end-of-sequence check reads data that does not exist: it ends nothing.
+    assert run["forwards"] == 64, run
+    # Layers x (keys, values) x batch x tokens x width, fp32, at the longest
+    # sequence: the last forward makes the cache of the prompt and the 63
+    # tokens fed back while the script still holds the one before it (its
+    # ``caches`` is replaced only when the forward returns), as a GPU would.
+    def cache(tokens: int) -> int:
+        return 4 * 2 * 4 * tokens * 512 * 4
+
+    both = cache(128 + 63) + cache(128 + 62)
+    assert 0.95 * both <= run["by_role"]["kv_cache"] <= 1.1 * both, (both, run["by_role"])
 
 
 def test_a_script_without_a_forward_says_so(tmp_path: Path) -> None:
