@@ -63,6 +63,7 @@ class Fixer:
         self.autocast = autocast
         self._wrapped: set[int] = set()
         self._in_autocast = False
+        self._autocast_applied = False
 
     def top_forward_begins(self, module: torch.nn.Module) -> None:
         """A forward of a module called outside any other's begins."""
@@ -73,8 +74,15 @@ class Fixer:
                     self._wrapped.add(id(block))
                     block.forward = functools.partial(_checkpointed, block.forward)
         if "autocast" in self.fixes and not self._in_autocast:
-            self.autocast.enter(True, torch.bfloat16)
-            self._in_autocast = True
+            if self.autocast.dtype() is None:
+                self.autocast.enter(True, torch.bfloat16)
+                self._in_autocast = True
+                self._autocast_applied = True
+            elif not self._autocast_applied:
+                # The script's own autocast is in force at its first forward: the
+                # change would change nothing. (Later, a checkpointed block's
+                # forward run again in backward is under the autocast it ran in.)
+                raise PreflightError("the script already runs its model's forward under autocast")
 
     def top_forward_ends(self) -> None:
         """That forward has returned."""

@@ -127,6 +127,11 @@ class _Session:
                 self.finished = True
                 # The line above says it all; PyTorch's frames below it would not.
                 return
+            elif isinstance(value, PreflightError) and not self.finished:
+                # Preflight's own refusal (a fix that cannot apply here), at the user's line.
+                self._write({"error": f"{_first_line(value)}{_at(tb)}"})
+                self.finished = True
+                return
             elif not self.finished:
                 done = f"after {self.steps_done} optimizer step(s)"
                 # The module whose forward was running, where one was: an

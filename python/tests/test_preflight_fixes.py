@@ -109,3 +109,20 @@ def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
     assert plain["run"]["fits"] and "fixes" not in plain
     asked = preflight(script, "--fixes", "--", sys.executable, str(script), "--batch", "4", capacity="1GiB")
     assert asked["run"]["fits"] and len(asked["fixes"]) >= 4
+
+
+def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}", "--autocast")
+    rows = {row["change"]: row for row in doc["fixes"]}
+    # Autocast around a forward already under autocast would change nothing: no row claims a figure for it.
+    assert "bf16 autocast around the model's forward" not in rows, rows
+    assert any(
+        n.startswith("bf16 autocast around the model's forward: not measured: the script already runs its model's forward under autocast (at train.py:")
+        for n in doc["fix_notes"]
+    ), doc["fix_notes"]
+    # "All of the above" is the changes that ran, together, and it ran.
+    assert list(rows)[-1] == "all of the above"
+    checkpointed = rows["activation checkpointing of the model's repeated blocks"]
+    assert rows["all of the above"]["peak_allocated_bytes"] <= checkpointed["peak_allocated_bytes"]

@@ -331,52 +331,77 @@ fn fixes(
             halved: true,
         });
     }
-    let all = Change {
-        change: "all of the above".into(),
-        cost: "each of the costs above",
-        inside: changes.iter().flat_map(|c| c.inside.clone()).collect(),
-        expandable: true,
-        halved: changes.iter().any(|c| c.halved),
-    };
-    changes.push(all);
     let mut rows = Vec::new();
+    let mut measured_changes = Vec::new();
     for c in changes {
-        let conf = if c.expandable {
-            Some(match base.alloc_conf {
-                Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
-                _ => "expandable_segments:True".to_string(),
-            })
-        } else {
-            None
-        };
-        let v = Variant {
-            knob,
-            batch: if c.halved {
-                base.batch.map(|b| (b / 2).max(1))
-            } else {
-                base.batch
-            },
-            alloc_conf: conf.as_deref().or(base.alloc_conf),
-            alloc_conf_fixed: c.expandable,
-            fixes: &c.inside,
-            snapshot: None,
-        };
-        match run_once(a, &v) {
-            Ok(r) => rows.push(FixRow {
-                change: c.change,
-                peak_allocated_bytes: r.peak_allocated_bytes,
-                peak_reserved_bytes: r.peak_reserved_bytes,
-                fits: r.fits,
-                cost: c.cost.into(),
-            }),
-            Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => notes.push(format!(
-                "{}: not measured ({})",
-                c.change,
-                m.trim_start_matches("preflight: ")
-            )),
+        if let Some(row) = try_change(a, base, knob, &c, notes) {
+            rows.push(row);
+            measured_changes.push(c);
         }
     }
+    // Together only what ran alone: a change that cannot run here (no
+    // bitsandbytes, autocast the script already has) would sink the rest.
+    if measured_changes.len() >= 2 {
+        let all = Change {
+            change: "all of the above".into(),
+            cost: "each of the costs above",
+            inside: measured_changes
+                .iter()
+                .flat_map(|c| c.inside.clone())
+                .collect(),
+            expandable: measured_changes.iter().any(|c| c.expandable),
+            halved: measured_changes.iter().any(|c| c.halved),
+        };
+        rows.extend(try_change(a, base, knob, &all, notes));
+    }
     rows
+}
+
+/// One change run on the script: its row, or a note saying why it could not be measured.
+fn try_change(
+    a: &Args,
+    base: &Variant<'_>,
+    knob: Option<(&str, u64)>,
+    c: &Change,
+    notes: &mut Vec<String>,
+) -> Option<FixRow> {
+    let conf = if c.expandable {
+        Some(match base.alloc_conf {
+            Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
+            _ => "expandable_segments:True".to_string(),
+        })
+    } else {
+        None
+    };
+    let v = Variant {
+        knob,
+        batch: if c.halved {
+            base.batch.map(|b| (b / 2).max(1))
+        } else {
+            base.batch
+        },
+        alloc_conf: conf.as_deref().or(base.alloc_conf),
+        alloc_conf_fixed: c.expandable,
+        fixes: &c.inside,
+        snapshot: None,
+    };
+    match run_once(a, &v) {
+        Ok(r) => Some(FixRow {
+            change: c.change.clone(),
+            peak_allocated_bytes: r.peak_allocated_bytes,
+            peak_reserved_bytes: r.peak_reserved_bytes,
+            fits: r.fits,
+            cost: c.cost.into(),
+        }),
+        Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => {
+            notes.push(format!(
+                "{}: not measured: {}",
+                c.change,
+                m.trim_start_matches("preflight: ")
+            ));
+            None
+        }
+    }
 }
 
 fn failed(f: Failure) -> u8 {
