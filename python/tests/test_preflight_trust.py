@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -121,7 +122,8 @@ def test_a_loop_that_never_ends_is_stopped_by_the_time_limit_with_one_line(tmp_p
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("oomkit: preflight: stopped the script after 3 s ("), last
-    assert "0 optimizer step(s)) at script.py:14 (<module>): it had not ended" in last, last
+    # Stopped inside the loop: at its condition or its body, whichever was running.
+    assert re.search(r"0 optimizer step\(s\)\) at script\.py:1[4-8] \(<module>\): it had not ended", last), last
     assert "Traceback" not in p.stderr
 
 
