@@ -204,51 +204,39 @@ pub(crate) fn run(a: Args) -> u8 {
     if let (Some(given), Some(_)) = (&a.snapshot, &report.run.snapshot) {
         report.run.snapshot = Some(given.display().to_string());
     }
-    if let Some(max) = a.max_micro_batch {
-        // The project's one search (oomkit-supervise), the run made above reused.
-        let first = measured(&report.run);
-        let mut measure = |b: u64| -> Result<Measured, Failure> {
-            if b == a.micro_batch {
-                return Ok(first);
-            }
-            run_once(
-                &a,
-                &Variant {
-                    batch: Some(b),
-                    ..base
-                },
-            )
-            .map(|r| measured(&r))
-        };
-        match largest_that_fits(a.micro_batch, max, report.run.capacity_bytes, &mut measure) {
-            Ok((best, tried)) => {
-                report.largest_micro_batch = best;
-                report.searched = Some("batch".into());
-                report.largest = Some(best);
-                report.tried = tried;
-            }
-            Err(f) => return failed(f),
-        }
-    }
-    if let Some(k) = &a.search {
-        // The same search over any placeholder, from its smallest value up.
+    // The project's one search (oomkit-supervise), over the micro-batch
+    // (--max-micro-batch) or any placeholder (--search), the run made above
+    // reused as its first value.
+    let searched = match (a.max_micro_batch, &a.search) {
+        (Some(max), _) => Some(("batch", a.micro_batch, max)),
+        (None, Some(k)) => Some((k.name.as_str(), k.lo, k.hi)),
+        (None, None) => None,
+    };
+    if let Some((name, lo, hi)) = searched {
         let first = measured(&report.run);
         let mut measure = |v: u64| -> Result<Measured, Failure> {
-            if v == k.lo {
+            if v == lo {
                 return Ok(first);
             }
-            run_once(
-                &a,
-                &Variant {
-                    knob: Some((k.name.as_str(), v)),
+            let variant = if a.search.is_some() {
+                Variant {
+                    knob: Some((name, v)),
                     ..base
-                },
-            )
-            .map(|r| measured(&r))
+                }
+            } else {
+                Variant {
+                    batch: Some(v),
+                    ..base
+                }
+            };
+            run_once(&a, &variant).map(|r| measured(&r))
         };
-        match largest_that_fits(k.lo, k.hi, report.run.capacity_bytes, &mut measure) {
+        match largest_that_fits(lo, hi, report.run.capacity_bytes, &mut measure) {
             Ok((best, tried)) => {
-                report.searched = Some(k.name.clone());
+                if a.search.is_none() {
+                    report.largest_micro_batch = best;
+                }
+                report.searched = Some(name.to_string());
                 report.largest = Some(best);
                 report.tried = tried;
             }
