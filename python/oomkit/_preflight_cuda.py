@@ -209,6 +209,8 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
         "device": _DeviceContext,
         "device_of": _DeviceContext,
         "is_bf16_supported": lambda *a, **k: True,
+        # torch.compile's tracer asks, as the optimizers do: no CUDA graph is being captured.
+        "is_current_stream_capturing": lambda: False,
         "get_device_name": lambda *a, **k: f"oomkit preflight ({capacity})",
         "get_device_capability": lambda *a, **k: (major, minor),
         "get_device_properties": properties,

@@ -25,6 +25,10 @@ _INSTALLED = ("site-packages", "dist-packages")
 #: oomkit's own files (the preflight's driver, the tracker): machinery, never the user's line.
 _OWN = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
 
+#: Marks of code PyTorch's compilers generate (an FX graph's ``forward``, inductor's
+#: output code in the temporary folder): PyTorch's, not the user's, as the snapshot reader has them.
+_GENERATED_BY_TORCH = ("<eval_with_key>", "/torchinductor_")
+
 #: Stacks are given innermost frame first: (filename, line, function).
 Stack = tuple[tuple[str, int, str], ...]
 
@@ -34,7 +38,7 @@ def classify(filename: str) -> str:
     f = filename.replace("\\", "/")
     if f.startswith("<frozen") or f.startswith(_OWN):
         return RUNTIME
-    if "/torch/" in f or f.startswith("torch/") or "/functorch/" in f:
+    if "/torch/" in f or f.startswith("torch/") or "/functorch/" in f or any(g in f for g in _GENERATED_BY_TORCH):
         return TORCH
     if any(f"/{p}/" in f for p in _INSTALLED):
         return LIBRARY

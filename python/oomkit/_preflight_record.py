@@ -194,6 +194,10 @@ class Recorder(TorchDispatchMode):
         # A rearranged whole copy made between forwards, by its index, to the
         # allocation it copies: when the copy proves a cache, so was that.
         self._copied_from: dict[int, int] = {}
+        #: Whether torch.compile's tracer is capturing a graph: its fake tensors pass unrecorded.
+        self.capturing = False
+        #: Whether the operation running is one a fusing compiler computes inside another's kernel: its result takes no memory.
+        self.fusing = False
 
     def stand_ins(self) -> list[tuple[Any, str, Any]]:
         """What the recorder replaces while it records, for the fake GPU's ledger: storages
@@ -248,6 +252,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         self.ops += 1
         self._check_time()
+        if self.capturing:
+            return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
         if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
@@ -291,9 +297,10 @@ class Recorder(TorchDispatchMode):
             raise
         if self.forward_open and not self._deferred:
             self._note_reads(args, kwargs)
-        for t in tree_leaves(out):
-            if _is_fake(t):
-                self.track(t)
+        if not self.fusing:
+            for t in tree_leaves(out):
+                if _is_fake(t):
+                    self.track(t)
         if (
             not self.forward_open
             and self.forwards

@@ -206,8 +206,10 @@ class _Session:
             self.fixer.top_forward_begins(module)
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
-            own = list(module.parameters(recurse=False))
-            self.known.add_params(self.rec, own + list(module.buffers(recurse=False)))
+            # A compiled module runs its submodules inside its graph, their own forwards unseen.
+            whole = isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
+            own = list(module.parameters(recurse=whole))
+            self.known.add_params(self.rec, own + list(module.buffers(recurse=whole)))
             self.known.watch_grads(self.rec, own)
 
     def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:

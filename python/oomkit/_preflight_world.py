@@ -6,7 +6,7 @@ whose memory is the recorder's), ``torch.accelerator``, the device
 mapping and CUDA's autocast and attention (a function mode), the
 recorder (a dispatch mode), PyTorch's choice of foreach kernels and of
 fused optimizers, the data loader's workers (run in the process),
-``torch.compile`` (skipped, noted), several GPUs (PyTorch's fake process
+``torch.compile`` (its graphs captured and partitioned as its backend would), several GPUs (PyTorch's fake process
 group, FSDP and DDP let run on it), and the hooks that mark the step's
 phases. Each is an entry of :meth:`FakeGpu.ledger`: an attribute set on
 an owner (:class:`StandIn`) or a global hook registered (:class:`Hook`),
@@ -29,6 +29,7 @@ from typing import Any, Union
 
 import torch
 
+from oomkit._preflight_compile import Compiler, checkpoint_stand_in
 from oomkit._preflight_cuda import (
     Autocast,
     CudaFunctions,
@@ -41,9 +42,6 @@ from oomkit._preflight_cuda import (
 from oomkit._preflight_dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit._preflight_memory import MemoryQueries
 from oomkit._preflight_record import FAKE_DEVICE, Recorder
-
-#: The note a skipped ``torch.compile`` leaves.
-COMPILE_SKIPPED = "torch.compile was skipped: the step is measured as eager PyTorch runs it"
 
 #: The note data loader workers run in the process leave.
 WORKERS_IN_PROCESS = "data loader workers were run in the main process"
@@ -184,7 +182,10 @@ class FakeGpu:
             entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
         for owner, name, value in _fused_on_meta():
             entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
-        attrs("torch.compile skipped, noted", torch, {"compile": _no_compile(self.notes)})
+        compiler = Compiler(self.notes, rec, self.autocast)
+        attrs("torch.compile's graphs partitioned as its backend would", torch, {"compile": compiler.stand_in()})
+        tagged = {"checkpoint": checkpoint_stand_in()}
+        attrs("checkpointed regions tagged for the partitioner, as torch.compile tags them", torch.utils.checkpoint, tagged)
         attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
         if self.on_optimizer_made is not None:
             attrs("told whenever an optimizer is made", torch.optim.Optimizer, {"__init__": _told_when_made(self.on_optimizer_made)})
@@ -252,19 +253,6 @@ class FakeGpu:
 
 
 # ----- the stand-ins written here ----------------------------------------------
-
-
-def _no_compile(notes: list[str]) -> Any:
-    """``torch.compile`` that hands the model back, noted: the step is measured eager."""
-
-    def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if COMPILE_SKIPPED not in notes:
-            notes.append(COMPILE_SKIPPED)
-        if model is None:
-            return lambda m: m
-        return model
-
-    return compile
 
 
 def _fused_on_meta() -> list[tuple[Any, str, Any]]:

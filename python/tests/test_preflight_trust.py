@@ -195,6 +195,9 @@ def test_frames_are_told_apart_as_analyze_tells_them() -> None:
     assert classify("/venv/lib/python3.12/site-packages/torch/nn/modules/module.py") == TORCH
     assert classify("/usr/lib/python3.12/importlib/metadata/__init__.py") == RUNTIME
     assert classify("<frozen importlib._bootstrap>") == RUNTIME
+    # The code PyTorch's compilers generate (a compiled step's graphs) is PyTorch's, as `analyze` has it.
+    assert classify("<eval_with_key>.3") == TORCH
+    assert classify("/tmp/torchinductor_me/ab/cabxyz.py") == TORCH
     assert classify("/home/me/model.py") == USER
     assert classify("train.py") == USER
     stack = (

@@ -40,6 +40,12 @@ pub enum FrameClass {
     User,
 }
 
+/// Marks of code PyTorch's compilers generate: an FX graph's `forward`
+/// (`<eval_with_key>.3`), and inductor's output code, written under
+/// `torchinductor_<user>/` in the temporary folder. Neither is the user's
+/// line, though neither lives under `torch/`.
+const GENERATED_BY_TORCH: [&str; 2] = ["<eval_with_key>", "/torchinductor_"];
+
 /// Classifies a frame so that torch internals, the runtime and native code
 /// can be skipped when looking for the line that asked for memory.
 pub fn classify(frame: &Frame) -> FrameClass {
@@ -52,7 +58,11 @@ pub fn classify(frame: &Frame) -> FrameClass {
         return FrameClass::Runtime;
     }
     let f = f.replace('\\', "/");
-    if f.contains("/torch/") || f.starts_with("torch/") || f.contains("/functorch/") {
+    if f.contains("/torch/")
+        || f.starts_with("torch/")
+        || f.contains("/functorch/")
+        || GENERATED_BY_TORCH.iter().any(|g| f.contains(g))
+    {
         return FrameClass::Torch;
     }
     if f.contains("/site-packages/") || f.contains("/dist-packages/") {
@@ -225,6 +235,25 @@ mod tests {
             line,
             name: name.into(),
         }
+    }
+
+    #[test]
+    fn code_torch_generates_is_torch_not_the_user() {
+        for generated in [
+            "<eval_with_key>.3",
+            "/tmp/torchinductor_me/ab/cabxyz.py",
+            "C:\\Users\\me\\AppData\\Local\\Temp\\torchinductor_me\\x.py",
+        ] {
+            assert_eq!(
+                classify(&f(generated, 12, "forward")),
+                FrameClass::Torch,
+                "{generated}"
+            );
+        }
+        assert_eq!(
+            classify(&f("/tmp/job/model.py", 5, "forward")),
+            FrameClass::User
+        );
     }
 
     #[test]

@@ -1,0 +1,646 @@
+"""``torch.compile`` under preflight: the graphs AOTAutograd captures, partitioned as the backend would, run on meta.
+
+What a compiled training step holds between its forward and its backward
+is what AOTAutograd's partitioner decides to save: with the default
+backend (inductor), the min-cut partitioner recomputes cheap pointwise
+operations in the backward instead of saving their outputs, often far
+less than eager PyTorch saves. The partitioner runs on fake tensors
+before any kernel exists, so preflight runs it as ``torch.compile`` does:
+the module's forward is captured with the backend's decompositions,
+split into a forward and a backward graph by the backend's partitioner,
+and both graphs are then run as eager operations on ``meta`` tensors,
+recorded like any others. Only the kernels themselves differ (a fused
+kernel's own scratch memory is not modelled, nor are CUDA graphs'
+private pools under ``mode="reduce-overhead"``), and the answer notes it.
+
+The graph is captured by AOTAutograd's own tracer, not by Dynamo's
+bytecode capture: Dynamo would trace preflight's stand-ins for CUDA too.
+For a forward without graph breaks both give AOTAutograd the same ATen
+graph. A forward that cannot be captured whole (it reads a tensor's
+value, or calls what cannot be traced) runs eagerly, as Dynamo runs the
+code around a graph break, and the answer says so with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from oomkit._preflight_cuda import Autocast
+    from oomkit._preflight_record import Recorder
+
+#: The note a compiled step leaves: what is modelled, and what is not.
+COMPILED = (
+    "torch.compile ({backend}) was modelled: its graphs were captured and split by "
+    "AOTAutograd's partitioner as the backend splits them, then run on meta; fused kernels' "
+    "own scratch memory is not counted, and memory inside a compiled module is named by the line that calls it"
+)
+
+#: The note a backend preflight does not model leaves.
+NOT_MODELLED = "torch.compile's backend {backend!r} is not modelled: the step is measured as eager PyTorch runs it"
+
+#: The note a forward that could not be captured whole leaves.
+RAN_EAGER = (
+    "torch.compile could not capture {what}'s forward whole ({reason}): it was measured as eager PyTorch "
+    "runs it, where Dynamo would compile the parts around what it cannot capture"
+)
+
+#: The note a compiled callable that reached Dynamo's recompile limit leaves.
+RECOMPILES = (
+    "torch.compile compiled {what} for {limit} sizes of its inputs, Dynamo's recompile limit: "
+    "inputs of other sizes were measured as eager PyTorch runs them, as Dynamo runs them"
+)
+
+#: How many graphs Dynamo compiles for one function before it runs the rest eager
+#: (``torch._dynamo.config.recompile_limit``, where the script leaves it).
+RECOMPILE_LIMIT = 8
+
+#: What a capture that failed returns.
+_FAILED = object()
+
+#: The note CUDA graphs leave.
+CUDA_GRAPHS = (
+    "torch.compile mode={mode!r} records CUDA graphs, whose private memory pool is not modelled: "
+    "the graphs' inputs and outputs are kept alive between replays on a GPU"
+)
+
+#: Modes that record CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+#: Backends that compile through AOTAutograd with inductor's decompositions and min-cut partitioner.
+INDUCTOR_LIKE = ("inductor", "aot_eager_decomp_partition")
+
+#: Backends that compile through AOTAutograd with the min-cut partitioner, no decompositions.
+MIN_CUT = ("aot_eager",)
+
+#: Backends that compile through AOTAutograd with the default partitioner (save every output backward reads).
+DEFAULT_PARTITION = ("aot_eager_default_partitioner",)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How a backend splits a captured graph: which partitioner, with which decompositions."""
+
+    #: The backend's name, as the note shows it.
+    backend: str
+    #: ``min_cut`` (recompute cheap operations) or ``default`` (save what backward reads).
+    partitioner: str
+    #: Whether inductor's decompositions are applied before partitioning.
+    inductor_decompositions: bool
+
+
+def partition_of(backend: Any) -> Partition | None:
+    """How ``backend`` (a name, or a callable) splits a graph; None where the step runs eager.
+
+    A name PyTorch does not know raises the error ``torch.compile`` raises.
+    """
+    if backend is None:
+        backend = "inductor"
+    if not isinstance(backend, str):
+        return None
+    from torch._dynamo.backends.registry import lookup_backend
+
+    lookup_backend(backend)
+    if backend in INDUCTOR_LIKE:
+        return Partition(backend, "min_cut", True)
+    if backend in MIN_CUT:
+        return Partition(backend, "min_cut", False)
+    if backend in DEFAULT_PARTITION:
+        return Partition(backend, "default", False)
+    return None
+
+
+def check_mode(mode: str | None) -> None:
+    """Raises the error ``torch.compile`` raises for a mode it does not know."""
+    if mode is None:
+        return
+    from torch._inductor import list_mode_options
+
+    known = list(list_mode_options())
+    if mode not in known:
+        raise RuntimeError(f"Unrecognized mode={mode}, should be one of: {', '.join(known)}")
+
+
+class Compiler:
+    """``torch.compile``'s stand-in: compiled modules and functions whose graphs are partitioned as the backend would."""
+
+    def __init__(self, notes: list[str], recorder: Recorder, autocast: Autocast) -> None:
+        self.notes = notes
+        self.recorder = recorder
+        self.autocast = autocast
+
+    def _note(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+
+    def stand_in(self) -> Callable[..., Any]:
+        """The function that replaces ``torch.compile`` (its arguments, its errors)."""
+
+        def compile(model: Any = None, *, backend: Any = None, mode: str | None = None, disable: bool = False, **_: Any) -> Any:
+            if model is None:
+                return lambda m: compile(m, backend=backend, mode=mode, disable=disable)
+            check_mode(mode)
+            partition = partition_of(backend)
+            if disable:
+                return model
+            if mode in CUDA_GRAPH_MODES:
+                self._note(CUDA_GRAPHS.format(mode=mode))
+            if partition is None:
+                name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+                self._note(NOT_MODELLED.format(backend=name))
+                return model
+            return self.compiled(model, partition)
+
+        return compile
+
+    def compiled(self, target: Any, partition: Partition) -> Any:
+        """``target`` compiled: a module as ``torch.compile`` wraps one, a module's own
+        ``compile()`` (its ``_call_impl``), or a function."""
+        if isinstance(target, torch.nn.Module):
+            return _compiled_module(target, _Graphs(self, partition, target))
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, torch.nn.Module) and getattr(target, "__name__", "") in ("_call_impl", "__call__", "forward"):
+            # nn.Module.compile() sets this as the module's call: the module's own call runs under it.
+            graphs = _Graphs(self, partition, owner, call=target)
+            return functools.wraps(target)(graphs)
+        return functools.wraps(target)(_Graphs(self, partition, None, call=target))
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[Callable[[], None]]:
+        """The block in which AOTAutograd traces a forward: the recorder lets the tracer's fake
+        tensors pass unrecorded, global module hooks (the step's bookkeeping) are held back, and
+        autocast's cast cache is the trace's own. Yields the call that ends the capture (the
+        graphs are ready and run next, recorded)."""
+        import torch.nn.modules.module as nn_module
+
+        hooks = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+        held = [dict(h) for h in hooks]
+        cache = self.autocast.cache
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            self.recorder.capturing = False
+            self.autocast.cache = cache
+            for h, saved in zip(hooks, held):
+                h.update(saved)
+
+        self.recorder.capturing = True
+        self.autocast.cache = {}
+        for h in hooks:
+            h.clear()
+        try:
+            with _composites_decomposed():
+                yield end
+        finally:
+            end()
+
+
+def _meta_shadowed_composites() -> list[Any]:
+    """PyTorch's composite operators (``nll_loss``, ``broadcast_tensors``) whose Python reference
+    is also registered as their ``meta`` kernel.
+
+    Such a registration names its operator, so the operator is among those
+    ``torch.ops.aten`` has already resolved: the walk needs no list of all
+    operators.
+    """
+    from torch._C import DispatchKey
+
+    found = []
+    for packet in list(vars(torch.ops.aten).values()):
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for op in list(vars(packet).values()):
+            if (
+                isinstance(op, torch._ops.OpOverload)
+                and DispatchKey.Meta in op.py_kernels
+                and (
+                    DispatchKey.CompositeImplicitAutograd in op.py_kernels
+                    or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+                )
+            ):
+                found.append(op)
+    return found
+
+
+@contextlib.contextmanager
+def _composites_decomposed() -> Iterator[None]:
+    """While AOTAutograd traces ``meta`` tensors, composite operators decompose before autograd,
+    as they do for the CUDA tensors ``torch.compile`` traces.
+
+    AOTAutograd traces with PyTorch's Python dispatcher on, which would run
+    a composite's ``meta`` reference in place of its decomposition for a
+    ``meta`` tensor, under autograd: the operator would have no gradient
+    (``nll_loss``: a loss whose backward reaches no weight).
+    """
+    from torch._C import DispatchKey
+
+    held = {op: op.py_kernels.pop(DispatchKey.Meta) for op in _meta_shadowed_composites() if DispatchKey.Meta in op.py_kernels}
+    for op in held:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in held.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+class _Graphs:
+    """A compiled callable: per kind of input, a forward and backward graph partitioned as the backend would."""
+
+    def __init__(self, compiler: Compiler, partition: Partition, module: torch.nn.Module | None, call: Any = None) -> None:
+        self.compiler = compiler
+        self.partition = partition
+        self.module = module
+        self.call = call
+        # By signature of the inputs: the compiled callable, or None where the forward runs eager.
+        self.by_signature: dict[tuple[Any, ...], Any] = {}
+        # The signatures without sizes seen so far, whether symbolic sizes can be traced, and the graphs made for one size each.
+        self.sizes_seen: set[tuple[Any, ...]] = set()
+        self.dynamic_works = True
+        self.static_graphs = 0
+        # Whether the compilation running now has captured its graphs, and the call that ends its capture.
+        self.captured = False
+        # The modules' Python attributes before the capture running now.
+        self.state = _ModuleState(None)
+        self.ends_capture: Callable[[], None] = lambda: None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        static = self._signature(args, kwargs, sizes=True)
+        general = self._signature(args, kwargs, sizes=False)
+        for key in (static, general):
+            if key in self.by_signature:
+                compiled = self.by_signature[key]
+                return self._eager(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
+        if general in self.sizes_seen and self.dynamic_works:
+            # Inputs that differ from ones seen only in their sizes get one graph with symbolic
+            # sizes, as Dynamo's automatic dynamic shapes compile one after the first change of size.
+            out = self._capture(general, True, args, kwargs)
+            if out is not _FAILED:
+                return out
+            # Where symbolic sizes cannot be traced, each size gets its own graph, as far as Dynamo's limit.
+            self.dynamic_works = False
+        self.sizes_seen.add(general)
+        limit = _recompile_limit()
+        if self.static_graphs >= limit:
+            self.compiler._note(RECOMPILES.format(what=self._what(), limit=limit))
+            self.by_signature[static] = None
+            return self._eager(*args, **kwargs)
+        self.static_graphs += 1
+        out = self._capture(static, False, args, kwargs)
+        if out is _FAILED:
+            # What cannot be captured at one size cannot at others: these inputs run eager at every size.
+            self.by_signature[general] = None
+            return self._eager(*args, **kwargs)
+        return out
+
+    def _capture(self, key: tuple[Any, ...], dynamic: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Captures, partitions and runs the graphs for ``key``'s inputs; ``_FAILED`` where they
+        cannot be captured (noted, unless only symbolic sizes failed)."""
+        compiled = self._aot(dynamic)
+        self.captured = False
+        self.state = _ModuleState(self.module)
+        try:
+            with self.compiler.capturing() as end:
+                self.ends_capture = end
+                out = compiled(*args, **kwargs)
+        except Exception as e:
+            # A failure to capture runs the forward eager, named; one after is the step's own.
+            if self.captured:
+                raise
+            self.state.restore()
+            if not dynamic:
+                self.compiler._note(RAN_EAGER.format(what=self._what(), reason=_reason(e)))
+                self.by_signature[key] = None
+            return _FAILED
+        self.by_signature[key] = compiled
+        self.compiler._note(COMPILED.format(backend=self.partition.backend))
+        return out
+
+    def _what(self) -> str:
+        """The compiled module's class, or the function's name, for a note."""
+        return type(self.module).__name__ if self.module is not None else getattr(self.call, "__name__", "a function")
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        with self._own_call():
+            if self.call is not None:
+                return self.call(*args, **kwargs)
+            assert self.module is not None
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _own_call(self) -> Iterator[None]:
+        """While the module's own call runs inside its compiled one (``nn.Module.compile()``),
+        the module is not compiled: else its call would come back here."""
+        module = self.module
+        if module is None or self.call is None or getattr(module, "_compiled_call_impl", None) is None:
+            yield
+            return
+        held, module._compiled_call_impl = module._compiled_call_impl, None
+        try:
+            yield
+        finally:
+            module._compiled_call_impl = held
+
+    def _aot(self, dynamic: bool) -> Callable[..., Any]:
+        """A new AOTAutograd compilation (it captures at its first call, for those inputs; with
+        ``dynamic``, for any sizes)."""
+        from torch._functorch.aot_autograd import aot_function
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+        partition_fn: Any = default_partition
+        if self.partition.partitioner == "min_cut":
+            partition_fn = min_cut_rematerialization_partition
+            if self.partition.inductor_decompositions:
+                partition_fn = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+        decompositions = None
+        if self.partition.inductor_decompositions:
+            from torch._inductor.compile_fx import select_decomp_table
+
+            decompositions = select_decomp_table()
+
+        def ready(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            kept = self.state.changed()
+            if kept:
+                # Dynamo would replay the forward's writes to Python state at each call; a
+                # graph alone cannot, and the trace's own tensors must not stay behind.
+                raise _StateKept(f"its forward keeps state in Python attributes ({', '.join(kept[:3])})")
+            # The first graph ready ends the capture: what runs from here is the step, recorded.
+            self.captured = True
+            self.ends_capture()
+            return _ran(gm, self.compiler.recorder)
+
+        module = self.module
+        if module is None:
+            fn = self.call
+            return aot_function(
+                fn,
+                fw_compiler=ready,
+                bw_compiler=ready,
+                partition_fn=partition_fn,
+                decompositions=decompositions,
+                keep_inference_input_mutations=True,
+                dynamic=dynamic,
+            )
+
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+
+        def functional(named_params: dict[str, Any], named_buffers: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            with self._own_call():
+                return torch.func.functional_call(module, {**named_params, **named_buffers}, args, kwargs)
+
+        inner = aot_function(
+            functional,
+            fw_compiler=ready,
+            bw_compiler=ready,
+            partition_fn=partition_fn,
+            decompositions=decompositions,
+            num_params_buffers=len(params) + len(buffers),
+            keep_inference_input_mutations=True,
+            dynamic=dynamic,
+        )
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            # The module's tensors as they are now (a fix may have replaced some), passed as the graph's inputs.
+            params_now = dict(module.named_parameters(remove_duplicate=False))
+            return inner(params_now, dict(module.named_buffers(remove_duplicate=False)), *args, **kwargs)
+
+        return run
+
+    def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, sizes: bool) -> tuple[Any, ...]:
+        """What a compiled graph is specialised on: its inputs' shapes (or only their number of
+        dimensions), types and whether they need gradients, and the modes."""
+        parts: list[Any] = [torch.is_grad_enabled(), self.compiler.autocast.dtype()]
+        if self.module is not None:
+            parts.append(self.module.training)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                parts.append((tuple(leaf.shape) if sizes else leaf.dim(), leaf.dtype, leaf.requires_grad, leaf.device.type))
+            elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+                parts.append(leaf)
+            else:
+                parts.append(type(leaf).__name__)
+        return tuple(parts)
+
+
+def checkpoint_stand_in() -> Any:
+    """``torch.utils.checkpoint.checkpoint`` that, met while a compiled forward is captured,
+    tags its region for the partitioner as ``torch.compile`` does.
+
+    Dynamo turns a checkpointed region into a higher-order operator whose
+    operations AOTAutograd marks "prefer recompute": the partitioner then
+    saves the region's inputs and recomputes the rest in backward.
+    Traced plainly, the recomputation would be merged back into the forward
+    and the checkpoint would save nothing. Outside a capture it is
+    PyTorch's own.
+    """
+    import itertools
+
+    import torch.fx.traceback as fx_traceback
+    import torch.utils.checkpoint as ac
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    real = ac.checkpoint
+    regions = itertools.count(1)
+
+    def prefer_recompute(_ctx: Any, _op: Any, *_: Any, **__: Any) -> Any:
+        return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        if get_proxy_mode() is None:
+            return real(function, *args, **kwargs)
+        own = kwargs.pop("context_fn", None)
+        region = next(regions)
+
+        def contexts() -> Any:
+            selective = own is not None and own is not ac.noop_context_fn
+            forward, recompute = own() if selective else ac.create_selective_checkpoint_contexts(prefer_recompute)
+            forward.ac_graph_id = region
+            return forward, recompute
+
+        kwargs.update(use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
+        with fx_traceback.preserve_node_meta():
+            return real(function, *args, **kwargs)
+
+    return checkpoint
+
+
+class _StateKept(Exception):
+    """A forward that writes to its modules' Python attributes, which a captured graph cannot replay."""
+
+
+class _ModuleState:
+    """The Python attributes of a module and its submodules (not their parameters, buffers or
+    submodules), lists and dicts one level deep: what a forward traced once may have changed."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.saved: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
+        if module is None:
+            return
+        for name, m in module.named_modules():
+            attrs = {k: v for k, v in vars(m).items() if k not in _REGISTRIES}
+            inner = {k: _contents(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
+            self.saved.append((name or type(m).__name__, m, attrs, inner))
+
+    def changed(self) -> list[str]:
+        """The attributes added, rebound, or whose list or dict changed, since the snapshot."""
+        found = []
+        for shown, m, attrs, inner in self.saved:
+            now = {k: v for k, v in vars(m).items() if k not in _REGISTRIES}
+            for k in now.keys() | attrs.keys():
+                if now.get(k, _MISSING) is not attrs.get(k, _MISSING) or (k in inner and _contents(now[k]) != inner[k]):
+                    found.append(f"{shown}.{k}")
+        return found
+
+    def restore(self) -> None:
+        """Puts every attribute back as it was."""
+        for _shown, m, attrs, inner in self.saved:
+            for k in [k for k in vars(m) if k not in _REGISTRIES and k not in attrs]:
+                del vars(m)[k]
+            for k, v in attrs.items():
+                if k in inner:
+                    if isinstance(v, list):
+                        v[:] = [x for _, x in inner[k]]
+                    else:
+                        v.clear()
+                        v.update({key: x for key, (_, x) in inner[k].items()})
+                vars(m)[k] = v
+
+
+def _contents(v: Any) -> Any:
+    """What a list or dict holds, compared by identity (tensors have no plain ``==``)."""
+    if isinstance(v, list):
+        return [(id(x), x) for x in v]
+    return {k: (id(x), x) for k, x in v.items()}
+
+
+#: A module's registries of parameters, buffers, submodules and hooks: not Python state a forward writes.
+_REGISTRIES = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks_with_kwargs",
+    }
+)
+
+_MISSING = object()
+
+
+def _ran(gm: torch.fx.GraphModule, recorder: Recorder) -> Any:
+    """A graph run as eager operations, in AOTAutograd's boxed convention (it frees its inputs
+    as it goes), its fused intermediates unrecorded."""
+    fused = fused_away(gm.graph)
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n not in fused:
+                return super().run_node(n)
+            recorder.fusing = True
+            try:
+                return super().run_node(n)
+            finally:
+                recorder.fusing = False
+
+    def run(args: list[Any]) -> Any:
+        return Run(gm).boxed_run(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def fused_away(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The pointwise results a fusing compiler never writes to memory: every use of them (through
+    views) is another pointwise operation or a reduction, computed in the same kernel.
+
+    Inductor fuses such chains into one kernel that reads the chain's inputs
+    and writes its end; run one operation at a time, each link would hold a
+    tensor of its own. A result the graph returns (saved for backward, a
+    gradient) is written.
+    """
+
+    def fusible_uses(n: torch.fx.Node) -> bool:
+        for user in n.users:
+            op = user.target
+            if user.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+                return False
+            if op.is_view:
+                if not fusible_uses(user):
+                    return False
+            elif not (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags):
+                return False
+        return True
+
+    return {
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in n.target.tags
+        and n.users
+        and fusible_uses(n)
+    }
+
+
+def _compiled_module(module: torch.nn.Module, graphs: _Graphs) -> torch.nn.Module:
+    """``module`` wrapped as ``torch.compile`` wraps one (an ``OptimizedModule``: ``_orig_mod``,
+    its state dict's names, its attributes), its forward the compiled graphs."""
+
+    class _Context:
+        """What ``OptimizedModule`` calls to compile the module's call: here, the graphs."""
+
+        def __call__(self, _call: Any) -> Any:
+            return graphs
+
+    compiled: torch.nn.Module = _compiled_class()(module, _Context())
+    return compiled
+
+
+@functools.cache
+def _compiled_class() -> type:
+    """The class of a module compiled under preflight, made at first use (importing
+    ``torch._dynamo`` takes a second): an ``OptimizedModule``, so that code that unwraps
+    compiled modules (``_orig_mod``) finds one, called without its warning about global
+    hooks (preflight's own)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    return type("OptimizedModule", (OptimizedModule,), {"__call__": call, "__module__": __name__})
+
+
+def _recompile_limit() -> int:
+    """Dynamo's recompile limit, as the script left it."""
+    import torch._dynamo.config as config
+
+    return int(getattr(config, "recompile_limit", RECOMPILE_LIMIT))
+
+
+def _reason(e: BaseException) -> str:
+    """An error's first line, short enough for a note."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return line if isinstance(e, _StateKept) else f"{type(e).__name__}: {line}"
