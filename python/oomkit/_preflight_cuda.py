@@ -270,7 +270,8 @@ def cublas_workspace(capacity: str | None) -> int:
     return CUBLAS_WORKSPACE_OLDER if name.startswith(PRE_HOPPER) else CUBLAS_WORKSPACE_HOPPER
 
 
-def _is_cuda(device: Any) -> bool:
+def is_cuda(device: Any) -> bool:
+    """Whether ``device`` (a device, a name, an index) is a CUDA device."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, int) and not isinstance(device, bool):
@@ -313,11 +314,11 @@ def _is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _cuda_by_default() -> bool:
     """Whether ``torch.set_default_device`` or ``with torch.device(...)`` made CUDA the default device."""
-    return _is_cuda(getattr(_default_device, "CURRENT_DEVICE", None))
+    return is_cuda(getattr(_default_device, "CURRENT_DEVICE", None))
 
 
 def _to_meta(value: Any) -> Any:
-    return FAKE_DEVICE if _is_cuda(value) else value
+    return FAKE_DEVICE if is_cuda(value) else value
 
 
 class Autocast:
@@ -414,7 +415,7 @@ class CudaFunctions(TorchFunctionMode):
         if name == "pin_memory":
             # Page-locked host memory needs a GPU; the copy it speeds up is the same.
             return args[0]
-        if name == "cuda" or (name == "to" and any(_is_cuda(a) for a in (*args[1:], kwargs.get("device")))):
+        if name == "cuda" or (name == "to" and any(is_cuda(a) for a in (*args[1:], kwargs.get("device")))):
             source = args[0]
             if name == "cuda":
                 moved = source.to(FAKE_DEVICE)

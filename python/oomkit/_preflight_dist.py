@@ -167,10 +167,18 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(largest)
 
 
-def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch.nn.Module, list[str]]:
+def shard(
+    model: torch.nn.Module,
+    world_size: int,
+    strategy: str,
+    units: list[torch.nn.Module] | None = None,
+    fully_shard: Any = None,
+) -> tuple[torch.nn.Module, list[str]]:
     """Spreads ``model`` over ``world_size`` GPUs as ``strategy`` does; returns the model to train and notes.
 
-    FSDP's strategies apply ``fully_shard`` to each block and to the model;
+    FSDP's strategies apply ``fully_shard`` to each block (``units``, else
+    the layers of the model's largest ``ModuleList``) and to the model
+    (with ``fully_shard``, else PyTorch's);
     ``ddp`` wraps it in ``DistributedDataParallel``. Runs in the fake GPU
     (``_preflight_world.FakeGpu``) as rank 0 of ``world_size``.
     """
@@ -183,11 +191,13 @@ def shard(model: torch.nn.Module, world_size: int, strategy: str) -> tuple[torch
         note = f"rank 0 of {world_size} GPUs with DDP (the whole model on each{state}), through PyTorch's fake process group; {ONE_STREAM}"
         return DistributedDataParallel(model), [note]
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    if fully_shard is None:
+        from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cuda", (world_size,))
     reshard = RESHARD_AFTER_FORWARD[strategy]
-    units = blocks(model)
+    units = blocks(model) if units is None else units
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

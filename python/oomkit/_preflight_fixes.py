@@ -10,7 +10,11 @@ tensors without data, so that each answer is a measurement of their code:
 - ``autocast``: every top-level forward run under ``torch.autocast("cuda",
   torch.bfloat16)``, for a script that runs in float32;
 - ``adamw8bit``: bitsandbytes' 8-bit ``AdamW8bit`` (``Adam8bit``) made
-  wherever the script makes ``torch.optim.AdamW`` (``Adam``).
+  wherever the script makes ``torch.optim.AdamW`` (``Adam``);
+- ``fsdp``: the model sharded over N GPUs with FSDP's ``fully_shard`` (each
+  repeated block, then the model) when the script moves it to the GPU, as
+  one shards it by hand before making the optimizer, run as rank 0 of N in
+  PyTorch's fake process group.
 
 The allocator's ``expandable_segments`` and a smaller micro-batch with more
 accumulation need no change inside the script: the command reruns it with
@@ -26,10 +30,10 @@ from typing import Any
 import torch
 
 from oomkit._native import PreflightError
-from oomkit._preflight_cuda import Autocast
+from oomkit._preflight_cuda import Autocast, is_cuda
 
 #: The changes made inside the script, by name.
-INSIDE = ("checkpoint", "autocast", "adamw8bit")
+INSIDE = ("checkpoint", "autocast", "adamw8bit", "fsdp")
 
 
 def optimizer_stand_ins(fixes: list[str]) -> list[tuple[Any, str, Any]]:
@@ -56,17 +60,74 @@ def _eight_bit(cls: Any) -> Any:
 
 
 class Fixer:
-    """The changes made at the model's forwards: checkpointing its blocks, and autocast around each."""
+    """The changes made at the model's forwards (checkpointing its blocks, autocast around each)
+    and where the script moves it to the GPU (sharding it)."""
 
-    def __init__(self, fixes: list[str], autocast: Autocast) -> None:
+    def __init__(self, fixes: list[str], autocast: Autocast, world_size: int = 1, notes: list[str] | None = None) -> None:
         self.fixes = fixes
         self.autocast = autocast
+        self.world_size = world_size
+        self.notes = notes if notes is not None else []
         self._wrapped: set[int] = set()
         self._in_autocast = False
         self._autocast_applied = False
+        #: The model sharded for ``fsdp``, once it is, and PyTorch's ``fully_shard`` that shards it.
+        self.sharded: torch.nn.Module | None = None
+        self.real_fully_shard: Any = None
+
+    def stand_ins(self) -> list[tuple[Any, str, Any]]:
+        """What the changes replace, as (owner, name, value) for the fake GPU's ledger: the
+        optimizers made 8-bit, and a module's move to the GPU that shards it."""
+        found = optimizer_stand_ins(self.fixes)
+        if "fsdp" in self.fixes:
+            for name in ("to", "cuda"):
+                found.append((torch.nn.Module, name, self._sharding_after(getattr(torch.nn.Module, name))))
+            import torch.distributed.fsdp as fsdp
+
+            self.real_fully_shard = fsdp.fully_shard
+            found.append((fsdp, "fully_shard", self._not_twice(fsdp.fully_shard)))
+            from torch.nn.parallel import DistributedDataParallel
+
+            found.append((DistributedDataParallel, "__init__", _replicated))
+        return found
+
+    def _not_twice(self, fully_shard: Any) -> Any:
+        """``fully_shard`` that, called by the script on a model the fix has sharded already, says
+        the script shards its model itself (the fix changes nothing there)."""
+        fixer = self
+
+        def shard_once(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if fixer.sharded is not None:
+                raise PreflightError("the script already shards its model with FSDP")
+            return fully_shard(module, *args, **kwargs)
+
+        return shard_once
+
+    def _sharding_after(self, move: Any) -> Any:
+        """``Module.to`` (or ``cuda``) that, the first time a model with repeated blocks goes to
+        the GPU, shards it over the GPUs as ``fully_shard`` would, before any optimizer sees its
+        parameters."""
+        fixer = self
+
+        def moved(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = move(module, *args, **kwargs)
+            to_gpu = move.__name__ == "cuda" or any(is_cuda(a) for a in (*args, kwargs.get("device")))
+            if fixer.sharded is None and to_gpu and not _parallel(module):
+                units = repeated_blocks(module)
+                if units:
+                    from oomkit._preflight_dist import shard
+
+                    _, said = shard(module, fixer.world_size, "fsdp", units=units, fully_shard=fixer.real_fully_shard)
+                    fixer.notes.extend(n for n in said if n not in fixer.notes)
+                    fixer.sharded = module
+            return out
+
+        return moved
 
     def top_forward_begins(self, module: torch.nn.Module) -> None:
         """A forward of a module called outside any other's begins."""
+        if "fsdp" in self.fixes and self.sharded is None:
+            raise PreflightError(_why_not_sharded(module))
         if "checkpoint" in self.fixes and id(module) not in self._wrapped:
             self._wrapped.add(id(module))
             for block in repeated_blocks(module):
@@ -89,6 +150,39 @@ class Fixer:
         if self._in_autocast:
             self.autocast.exit()
             self._in_autocast = False
+
+
+def _replicated(*_: Any, **__: Any) -> None:
+    """``DistributedDataParallel`` under the sharding fix: the script replicates its model, which
+    the fix would have to replace in its code."""
+    raise PreflightError(_REPLICATED)
+
+
+#: Why the sharding fix does not apply to a script that wraps its model in DDP.
+_REPLICATED = "the script replicates its model with DistributedDataParallel: FSDP in its place is a change to its code"
+
+
+def _parallel(module: torch.nn.Module) -> str | None:
+    """How the script spreads ``module`` over GPUs itself, if it does: ``DDP`` or ``FSDP``."""
+    for m in module.modules():
+        name = type(m).__name__
+        if name == "DistributedDataParallel":
+            return "DDP"
+        if name.startswith("FSDP") or name == "FullyShardedDataParallel":
+            return "FSDP"
+    return None
+
+
+def _why_not_sharded(module: torch.nn.Module) -> str:
+    """Why the model reached its first forward unsharded, for the note in place of the row."""
+    how = _parallel(module)
+    if how == "FSDP":
+        return "the script already shards its model with FSDP"
+    if how == "DDP":
+        return _REPLICATED
+    if not repeated_blocks(module):
+        return f"{type(module).__name__} has no repeated blocks (a ModuleList or Sequential of layers) to shard one by one"
+    return "the script does not move its model to the GPU with .to() or .cuda(), where preflight shards it"
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

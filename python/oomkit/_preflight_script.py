@@ -26,7 +26,7 @@ from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
 from oomkit._preflight_answer import Settings, answer, unsupported
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
-from oomkit._preflight_fixes import INSIDE, Fixer, optimizer_stand_ins
+from oomkit._preflight_fixes import INSIDE, Fixer
 from oomkit._preflight_frames import user_line
 from oomkit._preflight_memory import MemoryQueries
 from oomkit._preflight_record import DEFAULT_TIME_LIMIT, PreflightStopped, Recorder, StepUnsupportedError
@@ -77,7 +77,10 @@ class _Session:
         self._seen_modules: set[int] = set()
         #: The changes tried inside the script for "what would make it fit" (``_preflight_fixes``).
         self.fixes: list[str] = [f for f in settings.get("fixes") or [] if f in INSIDE]
-        self.fixer = Fixer(self.fixes, self.autocast)
+        self.fixer = Fixer(self.fixes, self.autocast, self.world_size, self.notes)
+        #: Whether the script is launched as torchrun launches it (``--gpus``): its ranks' environment.
+        #: A script sharded only by the fix runs as written for one GPU.
+        self.torchrun = bool(settings.get("torchrun", self.world_size > 1))
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -100,6 +103,9 @@ class _Session:
             functions=self.functions,
             notes=self.notes,
             world_size=self.world_size,
+            # The fix that shards the model needs the process group before the model moves.
+            start_process_group="fsdp" in self.fixes,
+            torchrun_environment=self.torchrun,
             hooks=[
                 Hook("the optimizer's step begins its phase", register_optimizer_step_pre_hook, self._before_step),
                 Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),
@@ -107,8 +113,8 @@ class _Session:
                 Hook("a fix tried ends with each forward", torch.nn.modules.module.register_module_forward_hook, self._after_forward),
             ],
             stand_ins=[
-                StandIn(f"a fix tried: torch.optim.{name} made 8-bit", owner, name, value)
-                for owner, name, value in optimizer_stand_ins(self.fixes)
+                StandIn(f"a fix tried: {getattr(owner, '__name__', owner)}.{name} replaced", owner, name, value)
+                for owner, name, value in self.fixer.stand_ins()
             ],
             on_optimizer_made=self._optimizer_made,
         )

@@ -122,7 +122,9 @@ class FakeGpu:
     ``stand_ins`` its own replacements (a fix tried: the optimizer made 8-bit);
     ``on_optimizer_made`` is told whenever a ``torch.optim`` optimizer is
     made. ``start_process_group`` makes the fake process group at once
-    (``oomkit.preflight(gpus=N)``) rather than when the script asks for one.
+    (``oomkit.preflight(gpus=N)``) rather than when the script asks for one;
+    ``torchrun_environment`` gives the process rank 0's environment under
+    torchrun (``RANK``, ``WORLD_SIZE``) when there are several GPUs.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class FakeGpu:
         notes: list[str],
         world_size: int = 1,
         start_process_group: bool = False,
+        torchrun_environment: bool = True,
         hooks: list[Hook] | None = None,
         stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[], None] | None = None,
@@ -147,6 +150,7 @@ class FakeGpu:
         self.notes = notes
         self.world_size = world_size
         self.start_process_group = start_process_group
+        self.torchrun_environment = torchrun_environment
         self.extra_hooks = hooks or []
         self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
@@ -175,6 +179,8 @@ class FakeGpu:
         for owner in (device_api, getattr(device_api, "memory", None)):
             attrs("torch.accelerator answers as CUDA", owner, {k: v for k, v in accelerator.items() if hasattr(owner, k)})
         attrs("what torch.cuda's functions and oomkit's tracker read memory from", torch._C, {"_cuda_memoryStats": memory.nested_stats})
+        # FSDP's default mesh (fully_shard without one) and DeviceMesh ask the C++ side for the accelerator.
+        attrs("the accelerator distributed code asks for is CUDA", torch._C, {"_get_accelerator": lambda *_, **__: torch.device("cuda")})
         attrs("optimizers' checks for a CUDA graph being captured (none is)", torch.optim.Optimizer, no_graph_capture())
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
@@ -231,7 +237,8 @@ class FakeGpu:
                     stack.callback(entry.register(entry.fn).remove)
             if self.world_size > 1:
                 self.notes.append(rank_zero_note(self.world_size))
-                stack.enter_context(environment(rank_zero_environment(self.world_size)))
+                if self.torchrun_environment:
+                    stack.enter_context(environment(rank_zero_environment(self.world_size)))
             if self.start_process_group:
                 import torch.distributed as dist
 

@@ -2,9 +2,9 @@
 
 `oomkit preflight` reruns the user's unchanged script with one change at a
 time (activation checkpointing of its repeated blocks, bf16 autocast, 8-bit
-AdamW, expandable segments, half the micro-batch), then all of them. Each
-figure must be what preflight measures on the script written with that
-change by hand.
+AdamW, expandable segments, half the micro-batch), then all of them, and
+then the model sharded with FSDP over 8 GPUs. Each figure must be what
+preflight measures on the script written with that change by hand.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SCRIPT = """
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--autocast", action="store_true")
     p.add_argument("--adam8", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     a = p.parse_args()
 
     class Block(nn.Module):
@@ -50,6 +51,14 @@ SCRIPT = """
             return x
 
     model = Net().cuda()
+    if a.fsdp:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("nccl")
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     if a.adam8:
         import bitsandbytes as bnb
         opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
@@ -63,6 +72,10 @@ SCRIPT = """
         opt.step()
         opt.zero_grad()
 """
+
+
+#: The row of the sharding fix, for a script run on one GPU.
+SHARDED = "FSDP over 8 GPUs (fully_shard of each block)"
 
 
 def preflight(script: Path, *args: str, capacity: str = "100MiB") -> dict:
@@ -79,7 +92,7 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
     doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}")
     assert doc["run"]["fits"] is False, doc["run"]["peak_reserved_bytes"]
     rows = {row["change"]: row for row in doc["fixes"]}
-    assert list(rows)[-1] == "all of the above"
+    assert list(rows)[-2:] == ["all of the above", SHARDED]
     by_hand = {
         "activation checkpointing of the model's repeated blocks": ("--batch", "64", "--checkpoint"),
         "bf16 autocast around the model's forward": ("--batch", "64", "--autocast"),
@@ -87,8 +100,11 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
     }
     if importlib.util.find_spec("bitsandbytes") is not None:
         by_hand["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"] = ("--batch", "64", "--adam8")
+    # Sharded by hand: the script launched on 8 GPUs, each block and the model given to fully_shard.
+    by_hand[SHARDED] = ("--batch", "64", "--fsdp")
     for change, args in by_hand.items():
-        hand = preflight(script, "--", sys.executable, str(script), *args)["run"]
+        gpus = ("--gpus", "8") if change == SHARDED else ()
+        hand = preflight(script, *gpus, "--", sys.executable, str(script), *args)["run"]
         row = rows[change]
         assert row["peak_allocated_bytes"] == hand["peak_allocated_bytes"], (change, row, hand["peak_allocated_bytes"])
         assert row["peak_reserved_bytes"] == hand["peak_reserved_bytes"], (change, row, hand["peak_reserved_bytes"])
@@ -97,7 +113,8 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
     base = doc["run"]["peak_allocated_bytes"]
     for change in by_hand:
         assert rows[change]["peak_allocated_bytes"] < base, change
-    assert rows["all of the above"]["peak_allocated_bytes"] <= min(r["peak_allocated_bytes"] for r in rows.values())
+    alone = [r["peak_allocated_bytes"] for change, r in rows.items() if change != SHARDED]
+    assert rows["all of the above"]["peak_allocated_bytes"] <= min(alone)
     expandable = rows["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
     assert expandable["peak_allocated_bytes"] <= base * 1.01
 
@@ -111,6 +128,19 @@ def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
     assert asked["run"]["fits"] and len(asked["fixes"]) >= 4
 
 
+def test_sharding_is_a_note_where_the_script_spreads_its_model_itself(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    doc = preflight(script, "--gpus", "8", "--fixes", "--", sys.executable, str(script), "--batch", "4", "--fsdp", capacity="1GiB")
+    assert SHARDED not in {row["change"] for row in doc["fixes"]}
+    said = [n for n in doc["fix_notes"] if n.startswith(SHARDED)]
+    assert said == [f"{SHARDED}: not measured: the script already shards its model with FSDP (at train.py:{_line(script, 'fully_shard(layer)')} (<module>))"], doc["fix_notes"]
+
+
+def _line(script: Path, text: str) -> int:
+    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
 def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
@@ -122,7 +152,7 @@ def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tm
         n.startswith("bf16 autocast around the model's forward: not measured: the script already runs its model's forward under autocast (at train.py:")
         for n in doc["fix_notes"]
     ), doc["fix_notes"]
-    # "All of the above" is the changes that ran, together, and it ran.
-    assert list(rows)[-1] == "all of the above"
+    # "All of the above" is the changes that ran on the script's GPU, together, and it ran; sharding follows.
+    assert list(rows)[-2:] == ["all of the above", SHARDED]
     checkpointed = rows["activation checkpointing of the model's repeated blocks"]
     assert rows["all of the above"]["peak_allocated_bytes"] <= checkpointed["peak_allocated_bytes"]

@@ -19,6 +19,9 @@ use std::process::{Command, Stdio};
 /// What `{batch}` in the command is replaced with.
 const BATCH: &str = "{batch}";
 
+/// The GPUs the sharding fix spreads a one-GPU script over: one node's worth.
+const SHARD_OVER_GPUS: u32 = 8;
+
 /// The hook the script's interpreter imports at start: it starts the
 /// preflight where `OOMKIT_PREFLIGHT` is set, then hands over to any other
 /// `sitecustomize` the environment has.
@@ -270,6 +273,8 @@ struct Change {
     expandable: bool,
     /// Half the micro-batch (and twice the accumulation).
     halved: bool,
+    /// The GPUs it runs as rank 0 of, where it spreads the model over more than the script's.
+    gpus: Option<u32>,
 }
 
 /// The changes preflight can make without editing the script, each run on
@@ -287,6 +292,7 @@ fn fixes(
             inside: vec!["checkpoint"],
             expandable: false,
             halved: false,
+            gpus: None,
         },
         Change {
             change: "bf16 autocast around the model's forward".into(),
@@ -294,6 +300,7 @@ fn fixes(
             inside: vec!["autocast"],
             expandable: false,
             halved: false,
+            gpus: None,
         },
         Change {
             change: "8-bit AdamW (bitsandbytes) for torch.optim.AdamW".into(),
@@ -301,6 +308,7 @@ fn fixes(
             inside: vec!["adamw8bit"],
             expandable: false,
             halved: false,
+            gpus: None,
         },
         Change {
             change: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
@@ -308,6 +316,7 @@ fn fixes(
             inside: Vec::new(),
             expandable: true,
             halved: false,
+            gpus: None,
         },
     ];
     if let Some(b) = base.batch.filter(|&b| b > 1) {
@@ -317,6 +326,7 @@ fn fixes(
             inside: Vec::new(),
             expandable: false,
             halved: true,
+            gpus: None,
         });
     }
     let mut rows = Vec::new();
@@ -339,9 +349,22 @@ fn fixes(
                 .collect(),
             expandable: measured_changes.iter().any(|c| c.expandable),
             halved: measured_changes.iter().any(|c| c.halved),
+            gpus: measured_changes.iter().find_map(|c| c.gpus),
         };
         rows.extend(try_change(a, base, knob, &all, notes));
     }
+    // More GPUs is another kind of change: its own row, after the ones on the script's GPUs
+    // (which it may not combine with: bitsandbytes' 8-bit step takes no sharded tensors).
+    let over = if a.gpus > 1 { a.gpus } else { SHARD_OVER_GPUS };
+    let sharded = Change {
+        change: format!("FSDP over {over} GPUs (fully_shard of each block)"),
+        cost: "a GPU per rank; each gathers a block's weights as it runs it, and gradients are reduce-scattered",
+        inside: vec!["fsdp"],
+        expandable: false,
+        halved: false,
+        gpus: Some(over),
+    };
+    rows.extend(try_change(a, base, knob, &sharded, notes));
     rows
 }
 
@@ -372,6 +395,7 @@ fn try_change(
         alloc_conf_fixed: c.expandable,
         fixes: &c.inside,
         snapshot: None,
+        gpus: c.gpus,
     };
     match run_once(a, &v) {
         Ok(r) => Some(FixRow {
@@ -430,8 +454,10 @@ struct Variant<'v> {
     alloc_conf: Option<&'v str>,
     /// The settings are oomkit's (a fix tried), not the script's to override.
     alloc_conf_fixed: bool,
-    /// Changes made inside the script (`_preflight_fixes`: checkpoint, autocast, adamw8bit).
+    /// Changes made inside the script (`_preflight_fixes`: checkpoint, autocast, adamw8bit, fsdp).
     fixes: &'v [&'v str],
+    /// The GPUs it runs as rank 0 of, where a fix spreads the model over other than `--gpus`.
+    gpus: Option<u32>,
 }
 
 /// Runs the command once, as `v` says, and reads its answer.
@@ -456,7 +482,9 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         "alloc_conf": alloc_conf,
         // Given on the command line, it wins over what the script sets for itself.
         "alloc_conf_given": a.alloc_conf.is_some() || v.alloc_conf_fixed,
-        "world_size": a.gpus,
+        "world_size": v.gpus.unwrap_or(a.gpus),
+        // Launched as torchrun launches it only where the command says so (`--gpus`).
+        "torchrun": a.gpus > 1,
         "time_limit": a.time_limit,
         "fixes": v.fixes,
     });
