@@ -487,11 +487,17 @@ SCRIPT_CASES = (
     ("train.py b4", "preflight/train.py", ["--batch-size", "4", "--steps", "2"], False),
     ("train.py b12", "preflight/train.py", ["--batch-size", "12", "--steps", "2"], False),
     ("fsdp_train.py", "preflight/fsdp_train.py", ["--steps", "2"], True),
+    # A torch.compile'd step (inductor modelled) and generation to its bound, with each kind of cache.
+    ("compiled.py b8", "preflight/compiled.py", ["--batch-size", "8", "--steps", "2"], False),
+    ("generate.py dynamic", "preflight/generate.py", ["--max-new-tokens", "256"], False),
+    ("generate.py static", "preflight/generate.py", ["--max-new-tokens", "256", "--cache", "static"], False),
 )
 
 #: The same scripts, small, where nothing is measured (CPU).
 QUICK_SCRIPT_ARGS = {"preflight/train.py": ["--ctx", "256", "--dim", "128", "--heads", "4", "--layers", "2"],
-                     "preflight/fsdp_train.py": ["--seq", "256", "--dim", "128", "--layers", "2"]}
+                     "preflight/fsdp_train.py": ["--seq", "256", "--dim", "128", "--layers", "2"],
+                     "preflight/compiled.py": ["--ctx", "256", "--layers", "2"],
+                     "preflight/generate.py": ["--layers", "2", "--prompt", "16", "--max-new-tokens", "8"]}
 
 
 def scripts(v: Validation) -> dict[str, Any]:
@@ -555,7 +561,7 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 60, scripts), ("oom", 60, oom), ("overhead", 20, overhead),
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,7 +298,7 @@ class Recorder(TorchDispatchMode):
         if self.forward_open and not self._deferred:
             self._note_reads(args, kwargs)
         if not self.fusing:
-            for t in tree_leaves(out):
+            for t in _tensors_in(out):
                 if _is_fake(t):
                     self.track(t)
         if (
@@ -340,7 +340,7 @@ class Recorder(TorchDispatchMode):
         earlier forward read too: held across forwards (a key-value cache, written by one
         step of a generation and read by the next)."""
         now = self.forward_open
-        for t in tree_leaves((args, kwargs)):
+        for t in _tensors_in(args, kwargs):
             if not _is_fake(t) or is_traceable_wrapper_subclass(t):
                 continue
             index = self._index.get(t.untyped_storage())
@@ -566,6 +566,23 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     attrs, _ctx = t.__tensor_flatten__()
     inner = [getattr(t, a) for a in attrs]
     return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
+
+
+def _tensors_in(*values: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results: tensors, lists and tuples of them,
+    and the values of a dict (an ATen operator nests no deeper), without pytree's general walk,
+    which costs more than the rest of recording an operation."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
+                elif isinstance(v, (list, tuple, dict)):
+                    yield from _tensors_in(v)
+        elif isinstance(value, dict):
+            yield from _tensors_in(*value.values())
 
 
 def _is_fake(t: Any) -> bool:
