@@ -47,6 +47,7 @@ def arguments(description: str, sizes: List[str], default_size: str) -> argparse
     ap.add_argument("--log-dir", default="oomkit-logs")
     ap.add_argument("--record-history", action="store_true", help="CUDA: the tracker records allocation history and dumps a snapshot at an OOM")
     ap.add_argument("--snapshot", default=None, help="CUDA: record allocation history and dump a snapshot here at the end (or at an OOM)")
+    ap.add_argument("--record-after", type=int, default=0, help="with --snapshot: start recording after this many steps (a warm cache)")
     ap.add_argument("--max-entries", type=int, default=1_000_000)
     ap.add_argument("--memory-fraction", type=float, default=None, help="CUDA: cap this process's memory (a real OOM when it is exceeded)")
     ap.add_argument("--oom-above", type=int, default=0, help="a real allocator failure when the micro-batch is larger than this")
@@ -101,7 +102,7 @@ def run(
     if device.type == "cuda" and args.memory_fraction:
         # It takes a device with an index ("cuda" alone is refused).
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, torch.cuda.current_device())
-    if device.type == "cuda" and args.snapshot:
+    if device.type == "cuda" and args.snapshot and not args.record_after:
         torch.cuda.memory._record_memory_history(max_entries=args.max_entries)
     torch.manual_seed(0)
     built = build(device, torch.float32)
@@ -167,6 +168,9 @@ def run(
             result.update(_bench(args, model, one_step, device))
         else:
             for i in range(args.steps):
+                if device.type == "cuda" and args.snapshot and args.record_after and i == args.record_after:
+                    # After warm-up steps, as most recordings are made: the trace begins with the cache full.
+                    torch.cuda.memory._record_memory_history(max_entries=args.max_entries)
                 _sync(device)
                 t = time.perf_counter()
                 if tracker is not None:
@@ -193,6 +197,8 @@ def run(
         result["steps_done"] = len(times)
         result["step_ms_median"] = statistics.median(times) * 1e3 if times else None
         result["peak_bytes"] = _peak(device)
+        if device.type == "cuda":
+            result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
         if tracker is not None:
             tracker.close()
             result["log"] = tracker.log_path

@@ -20,8 +20,16 @@ runs):
   limit against a bisection of real steps (scripts/gpu_preflight_check.py);
 - scripts: `oomkit preflight -- python SCRIPT` (the command, on unchanged
   scripts with bfloat16 autocast: the README's GPT at two micro-batches,
-  and the FSDP GPT under torchrun) beside the same scripts run on the GPU
+  the FSDP GPT under torchrun, the GPT compiled, and `generate()` with a
+  dynamic and a static cache) beside the same scripts run on the GPU
   (scripts/measure_script.py);
+- warm: `oomkit whatif` on a trace recorded after warm-up steps, its
+  answers for a capacity below the peak allocated, one between allocated
+  and reserved, and half the micro-batch, beside the same run measured
+  under `set_per_process_memory_fraction` and at half the micro-batch;
+- workspaces: the cuBLAS workspaces a training step holds, read from a
+  snapshot of the GPU (preflight adds one per thread that multiplies
+  matrices);
 
 then:
 
@@ -531,6 +539,85 @@ def scripts(v: Validation) -> dict[str, Any]:
     return {"cases": rows}
 
 
+def _scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`oomkit whatif --json`'s scenarios of the first device, by name."""
+    return {sc["name"]: sc for sc in doc["devices"][0]["scenarios"]}
+
+
+def warm(v: Validation) -> dict[str, Any]:
+    """`oomkit whatif` on a trace recorded after warm-up steps, beside the same run measured under
+    two capacities (below its peak allocated; between allocated and reserved) and at half the micro-batch."""
+    if not v.cuda:
+        return {"skipped": "a trace needs CUDA: whatif's answers are checked against the allocator itself"}
+    flags = v.gpt_flags()
+    steps = ["--steps", "6"]
+    rec = v.example("gpt_train.py", flags + steps + ["--record-after", "3", "--snapshot", "warm.pickle"])
+    if rec["rc"] != 0 or not rec["result"]:
+        return {"error": "the recording failed", "stderr": rec["stderr"][-800:]}
+    trace = os.path.join(v.work, "warm.pickle")
+    probe = v.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"])
+    total = int(probe["stdout"].strip())
+    base = v.sh([v.oomkit, "whatif", "--json", trace])
+    if base["rc"] != 0:
+        return {"error": "whatif failed on the recording", "stderr": base["stderr"][-800:]}
+    recorded = _scenarios(json.loads(base["stdout"]))["as recorded"]
+    allocated, reserved = recorded["peak_allocated_bytes"], recorded["peak_reserved_bytes"]
+    below, between = int(allocated * 0.9), (allocated + reserved) // 2
+    asked = v.sh([v.oomkit, "whatif", "--json", trace, "--capacity", str(below), "--capacity", str(between), "--batch-scale", "0.5"])
+    if asked["rc"] != 0:
+        return {"error": "whatif failed on the scenarios", "stderr": asked["stderr"][-800:]}
+    predicted = list(_scenarios(json.loads(asked["stdout"])).values())[-3:]
+    rows = []
+    micro = int(flags[flags.index("--batch") + 1])
+    runs = [
+        ("capacity below the peak allocated", predicted[0], flags + ["--memory-fraction", f"{below / total:.6f}"]),
+        ("capacity between allocated and reserved", predicted[1], flags + ["--memory-fraction", f"{between / total:.6f}"]),
+        ("half the micro-batch", predicted[2], [f if f != str(micro) else str(micro // 2) for f in flags]),
+    ]
+    for name, scenario, run_flags in runs:
+        r = v.example("gpt_train.py", run_flags + steps)
+        got = r["result"] or {}
+        row = {
+            "case": name,
+            "scenario": scenario["name"],
+            "predicted_oom": bool(scenario["ooms"]),
+            "predicted_reserved_bytes": scenario["peak_reserved_bytes"],
+            "measured_oom": got.get("status") == "oom",
+            "measured_reserved_bytes": got.get("peak_reserved_bytes"),
+            "rc": r["rc"],
+        }
+        row["oom_right"] = row["predicted_oom"] == row["measured_oom"]
+        if not row["measured_oom"] and row["measured_reserved_bytes"]:
+            row["reserved_error"] = round(row["predicted_reserved_bytes"] / row["measured_reserved_bytes"] - 1, 4)
+        rows.append(row)
+    return {"trace": {"peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, "total_bytes": total}, "rows": rows}
+
+
+#: What names cuBLAS's workspace in a snapshot's C++ frames (CublasHandlePool.cpp).
+CUBLAS_FRAMES = ("getCurrentCUDABlasHandle", "CublasHandlePool", "getCUDABlasLtWorkspace", "cublasWorkspace")
+
+
+def workspaces(v: Validation) -> dict[str, Any]:
+    """The cuBLAS workspaces a training step holds, read from a snapshot of this GPU (preflight adds one per
+    thread that multiplies matrices: the forward's and autograd's backward thread's)."""
+    if not v.cuda:
+        return {"skipped": "a snapshot needs CUDA"}
+    r = v.example("gpt_train.py", v.gpt_flags() + ["--steps", "2", "--snapshot", "workspaces.pickle"])
+    path = os.path.join(v.work, "workspaces.pickle")
+    if r["rc"] != 0 or not os.path.exists(path):
+        return {"error": "the recording failed", "stderr": r["stderr"][-800:]}
+    with open(path, "rb") as f:
+        snap = pickle.load(f)  # our own recording, made just now
+    found = []
+    for seg in snap.get("segments", []):
+        for block in seg.get("blocks", []):
+            names = " ".join(str(fr.get("name", "")) for fr in block.get("frames", []))
+            if block.get("state") == "active_allocated" and any(k in names for k in CUBLAS_FRAMES):
+                found.append(block["size"])
+    probe = v.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"])
+    return {"gpu": probe["stdout"].strip(), "workspace_sizes": found, "count": len(found)}
+
+
 def draft(v: Validation) -> str:
     """The tables for VALIDATION.md."""
     s = v.results["sections"]
@@ -543,7 +630,7 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("allocator", "preflight", "scripts", "oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("allocator", "preflight", "scripts", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -561,7 +648,8 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("oom", 60, oom), ("overhead", 20, overhead),
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("warm", 90, warm),
+            ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:

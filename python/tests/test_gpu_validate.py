@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
 
 import pytest
+from preflight_cli import OOMKIT
 
 pytest.importorskip("transformers", reason="transformers is not installed for this Python (it needs Python 3.10 or newer)")
 pytest.importorskip("lightning", reason="lightning is not installed for this Python")
@@ -28,9 +35,10 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     r = json.loads((out / "results.json").read_text())
     s = r["sections"]
     assert {k: d["status"] for k, d in s.items()} == {
-        "allocator": "ok", "preflight": "ok", "scripts": "ok", "planted": "ok", "oom": "ok", "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
+        "allocator": "ok", "preflight": "ok", "scripts": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
+        "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
     }, {k: d.get("error") for k, d in s.items()}
-    assert s["allocator"]["skipped"]
+    assert s["allocator"]["skipped"] and s["warm"]["skipped"] and s["workspaces"]["skipped"]
     # Preflight's side runs anywhere: each case's predictions and its search.
     cases = {c["case"]: c for c in s["preflight"]["cases"]}
     assert cases["gpt-100m"]["predicted_largest_micro_batch"] == 11, cases["gpt-100m"]
@@ -90,3 +98,80 @@ def test_the_measuring_wrapper_runs_a_script_as_python_would(tmp_path):
     p = subprocess.run([sys.executable, wrapper, str(script), "--batch-size", "3"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == "True ['--batch-size', '3'] imported beside the script"
+
+
+def _validation(tmp_path: Path) -> Any:
+    """The script as a module, and a run of it that believes it has a GPU."""
+    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gv)
+    v = gv.Validation(Namespace(device="cuda", quick=True, out=str(tmp_path / "out"), work=None, budget=300))
+    v.oomkit = OOMKIT
+    return gv, v
+
+
+#: A GPU's memory, as the sections ask torch for it.
+TOTAL = 80 << 30
+
+
+def test_the_warm_trace_section_asks_whatif_and_measures_each_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU the recording and the runs are real; here the demo snapshot stands for the
+    # recording, and the runs report what the GPU would: whatif's reading of them is what is checked.
+    gv, v = _validation(tmp_path)
+    demo = Path(SCRIPT).parents[1] / "crates" / "oomkit-cli" / "assets" / "demo_snapshot.pickle"
+    runs: list[list[str]] = []
+    recorded = json.loads(subprocess.run([OOMKIT, "whatif", "--json", str(demo)], capture_output=True, text=True, check=True).stdout)
+    allocated = recorded["devices"][0]["scenarios"][0]["peak_allocated_bytes"]
+
+    def example(script: str, flags: list[str], **_: Any) -> dict[str, Any]:
+        runs.append(flags)
+        if "--snapshot" in flags:
+            shutil.copy(demo, os.path.join(v.work, flags[flags.index("--snapshot") + 1]))
+            return {"rc": 0, "stderr": "", "result": {"status": "ok"}}
+        # A cap below what the step holds at once fails, as the allocator would.
+        capped = "--memory-fraction" in flags and float(flags[flags.index("--memory-fraction") + 1]) * TOTAL < allocated
+        return {"rc": 1 if capped else 0, "stderr": "", "result": {"status": "oom" if capped else "ok", "peak_reserved_bytes": 18 << 30}}
+
+    real_sh = v.sh
+    monkeypatch.setattr(v, "example", example)
+    monkeypatch.setattr(v, "sh", lambda cmd, **kw: {"rc": 0, "stdout": str(TOTAL)} if cmd[:2] == [sys.executable, "-c"] else real_sh(cmd, **kw))
+    out = gv.warm(v)
+    trace = out["trace"]
+    assert trace["total_bytes"] == TOTAL and trace["peak_allocated_bytes"] < trace["peak_reserved_bytes"], out
+    rows = {row["case"]: row for row in out["rows"]}
+    assert list(rows) == ["capacity below the peak allocated", "capacity between allocated and reserved", "half the micro-batch"]
+    below = rows["capacity below the peak allocated"]
+    # Below what the step holds at once, whatif says it runs out, as the capped run did.
+    assert below["predicted_oom"] and below["measured_oom"] and below["oom_right"], below
+    # The runs asked for: the recording after 3 warm-up steps, then each capacity as the matching
+    # share of the GPU, then half the micro-batch with no cap.
+    assert runs[0][-4:] == ["--record-after", "3", "--snapshot", "warm.pickle"]
+    shares = [float(r[r.index("--memory-fraction") + 1]) for r in runs[1:3]]
+    assert abs(shares[0] * TOTAL - int(trace["peak_allocated_bytes"] * 0.9)) < 1e-5 * TOTAL
+    assert runs[3][runs[3].index("--batch") + 1] == "16" and "--memory-fraction" not in runs[3]
+    half = rows["half the micro-batch"]
+    assert half["scenario"] == "micro-batch x0.5" and half["reserved_error"] == round(half["predicted_reserved_bytes"] / (18 << 30) - 1, 4)
+
+
+def test_the_workspace_section_finds_cublas_blocks_by_their_frames(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gv, v = _validation(tmp_path)
+
+    def block(size: int, name: str) -> dict[str, Any]:
+        return {"size": size, "state": "active_allocated", "frames": [{"name": name, "filename": "??", "line": 0}]}
+
+    snapshot = {
+        "segments": [
+            {"blocks": [block(32 << 20, "at::cuda::getCurrentCUDABlasHandle()"), block(1 << 20, "at::native::empty_cuda")]},
+            {"blocks": [block(32 << 20, "at::cuda::getCUDABlasLtWorkspace()")]},
+        ]
+    }
+
+    def example(script: str, flags: list[str], **_: Any) -> dict[str, Any]:
+        with open(os.path.join(v.work, "workspaces.pickle"), "wb") as f:
+            pickle.dump(snapshot, f)
+        return {"rc": 0, "stderr": "", "result": {"status": "ok"}}
+
+    monkeypatch.setattr(v, "example", example)
+    monkeypatch.setattr(v, "sh", lambda cmd, **kw: {"rc": 0, "stdout": "NVIDIA H100 80GB HBM3\n"})
+    assert gv.workspaces(v) == {"gpu": "NVIDIA H100 80GB HBM3", "workspace_sizes": [32 << 20, 32 << 20], "count": 2}
