@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,45 @@ class Compiler:
         self.notes = notes
         self.recorder = recorder
         self.autocast = autocast
+        #: The classes registered as pytree nodes for a capture (Hugging Face's caches), to remove again.
+        self.registered: list[type] = []
+
+    def registrations(self) -> Any:
+        """A handle whose ``remove()`` takes back the pytree nodes the captures registered, for the
+        fake GPU's ledger: after a preflight, PyTorch's registry is as it was."""
+        compiler = self
+
+        class Handle:
+            def remove(self) -> None:
+                import torch.fx._pytree as fx_pytree
+                import torch.utils._pytree as pytree
+
+                for cls in compiler.registered:
+                    pytree._deregister_pytree_node(cls)
+                    fx_pytree._deregister_pytree_flatten_spec(cls)
+                compiler.registered.clear()
+
+        return Handle()
+
+    def register_caches(self) -> None:
+        """Hugging Face's ``DynamicCache`` as a pytree node, the way transformers registers it for
+        ``torch.export``, where the script uses transformers: a forward that returns its cache
+        (a model's default in training too) can then be captured, as Dynamo captures it."""
+        cache_utils = sys.modules.get("transformers.cache_utils")
+        cls = getattr(cache_utils, "DynamicCache", None)
+        if cls is None or cls in self.registered:
+            return
+        import torch.utils._pytree as pytree
+
+        if cls in pytree.SUPPORTED_NODES:
+            return
+        try:
+            from transformers.integrations.executorch import register_dynamic_cache_export_support
+        except ImportError:
+            return
+        register_dynamic_cache_export_support()
+        if cls in pytree.SUPPORTED_NODES:
+            self.registered.append(cls)
 
     def _note(self, note: str) -> None:
         if note not in self.notes:
@@ -308,6 +348,7 @@ class _Graphs:
     def _capture(self, key: tuple[Any, ...], dynamic: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Captures, partitions and runs the graphs for ``key``'s inputs; ``_FAILED`` where they
         cannot be captured (noted, unless only symbolic sizes failed)."""
+        self.compiler.register_caches()
         compiled = self._aot(dynamic)
         self.captured = False
         self.state = _ModuleState(self.module)
@@ -394,8 +435,8 @@ class _Graphs:
                 dynamic=dynamic,
             )
 
-        params = dict(module.named_parameters(remove_duplicate=False))
-        buffers = dict(module.named_buffers(remove_duplicate=False))
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers())
 
         def functional(named_params: dict[str, Any], named_buffers: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             with self._own_call():
@@ -414,8 +455,8 @@ class _Graphs:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             # The module's tensors as they are now (a fix may have replaced some), passed as the graph's inputs.
-            params_now = dict(module.named_parameters(remove_duplicate=False))
-            return inner(params_now, dict(module.named_buffers(remove_duplicate=False)), *args, **kwargs)
+            params_now = dict(module.named_parameters())
+            return inner(params_now, dict(module.named_buffers()), *args, **kwargs)
 
         return run
 

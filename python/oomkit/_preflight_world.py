@@ -190,6 +190,7 @@ class FakeGpu:
             entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
         compiler = Compiler(self.notes, rec, self.autocast)
         attrs("torch.compile's graphs partitioned as its backend would", torch, {"compile": compiler.stand_in()})
+        entries.append(Hook("the pytree nodes torch.compile's captures registered, taken back", _called, compiler.registrations))
         tagged = {"checkpoint": checkpoint_stand_in()}
         attrs("checkpointed regions tagged for the partitioner, as torch.compile tags them", torch.utils.checkpoint, tagged)
         attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
@@ -260,6 +261,11 @@ class FakeGpu:
 
 
 # ----- the stand-ins written here ----------------------------------------------
+
+
+def _called(make: Callable[[], Any]) -> Any:
+    """A hook's registration that is a call: ``make()`` returns the handle to remove."""
+    return make()
 
 
 def _fused_on_meta() -> list[tuple[Any, str, Any]]:

@@ -7,6 +7,7 @@ made for the purpose, and the repository itself to pass it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -89,6 +90,7 @@ def _state() -> dict[str, Any]:
         id(op.py_kernels.get(torch._C.DispatchKey.Meta))
         for op in (torch.ops.aten.nll_loss.default, torch.ops.aten.broadcast_tensors.default, torch.ops.aten.dropout.default)
     )
+    state["pytree nodes"] = tuple(sorted(map(str, torch.utils._pytree.SUPPORTED_NODES)))
     state["function modes"] = len(_get_current_function_mode_stack())
     state["dispatch modes"] = len(_get_current_dispatch_mode_stack())
     state["environment"] = tuple(sorted(os.environ.items()))
@@ -117,6 +119,9 @@ def test_after_a_preflight_torch_is_as_it_was(gpus: int, compiled: bool) -> None
     # TORCHINDUCTOR_CACHE_DIR, and each import adds an attribute to torch):
     # PyTorch's own doing, not the fake GPU's.
     loss = _compiled_loss if compiled else None
+    if compiled and importlib.util.find_spec("transformers") is not None:
+        # A compiled step registers Hugging Face's cache as a pytree node where transformers is loaded: taken back too.
+        importlib.import_module("transformers.cache_utils")
     oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, autocast=torch.bfloat16, loss=loss)
     before = _state()
     answer = oomkit.preflight(_Net, lambda b: torch.zeros(b, 32), micro_batch=4, gpus=gpus, autocast=torch.bfloat16, loss=loss)

@@ -11,6 +11,7 @@ backend PyTorch does not know.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -246,3 +247,32 @@ def test_a_backend_pytorch_does_not_know_is_one_line_naming_the_users_line(cases
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("oomkit: preflight: the script failed under preflight"), last
     assert "InvalidBackend: Invalid backend: 'no_such_backend'" in last and "(at cases.py:" in last, last
+
+
+HF = """
+    import sys
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=512)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    run = torch.compile(model) if sys.argv[1] == "compile" else model
+    for _ in range(2):
+        ids = torch.randint(0, 5000, (8, 256), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(input_ids=ids, labels=ids).loss  # the output holds its DynamicCache, as by default
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed (Python 3.10+ only)")
+def test_a_hugging_face_model_that_returns_its_cache_is_compiled_with_its_tied_weights(tmp_path: Path) -> None:
+    script = tmp_path / "hf.py"
+    script.write_text(textwrap.dedent(HF))
+    eager = preflight_run(script, "--capacity", "24GiB", args=("eager",), cwd=tmp_path)
+    compiled = preflight_run(script, "--capacity", "24GiB", args=("compile",), cwd=tmp_path)
+    assert any(MODELLED in n for n in compiled["notes"]), compiled["notes"]
+    assert compiled["by_role"]["parameters"] == eager["by_role"]["parameters"]
+    assert compiled["peak_allocated_bytes"] < eager["peak_allocated_bytes"]
