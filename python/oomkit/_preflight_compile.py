@@ -9,16 +9,19 @@ before any kernel exists, so preflight runs it as ``torch.compile`` does:
 the module's forward is captured with the backend's decompositions,
 split into a forward and a backward graph by the backend's partitioner,
 and both graphs are then run as eager operations on ``meta`` tensors,
-recorded like any others. Only the kernels themselves differ (a fused
-kernel's own scratch memory is not modelled, nor are CUDA graphs'
-private pools under ``mode="reduce-overhead"``), and the answer notes it.
+recorded like any others, except that a pointwise result inductor would
+compute inside the kernel that uses it takes no memory. Only the kernels
+themselves differ (a fused kernel's own scratch memory is not modelled,
+nor are CUDA graphs' private pools under ``mode="reduce-overhead"``), and
+the answer notes it.
 
 The graph is captured by AOTAutograd's own tracer, not by Dynamo's
 bytecode capture: Dynamo would trace preflight's stand-ins for CUDA too.
 For a forward without graph breaks both give AOTAutograd the same ATen
 graph. A forward that cannot be captured whole (it reads a tensor's
-value, or calls what cannot be traced) runs eagerly, as Dynamo runs the
-code around a graph break, and the answer says so with the reason.
+value, writes its modules' Python attributes, or calls what cannot be
+traced) runs eagerly, and the answer says so with the reason: more than
+Dynamo, which compiles the parts around what it cannot capture, holds.
 """
 
 from __future__ import annotations
