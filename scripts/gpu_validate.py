@@ -23,6 +23,10 @@ runs):
   the FSDP GPT under torchrun, the GPT compiled, and `generate()` with a
   dynamic and a static cache) beside the same scripts run on the GPU
   (scripts/measure_script.py);
+- boundary: the longest context of the README's GPT that `oomkit
+  preflight --search ctx=...` finds fits 24 GiB, and the next it tried,
+  each run on the GPU capped at 24 GiB: the first must fit, the second
+  run out;
 - warm: `oomkit whatif` on a trace recorded after warm-up steps, its
   answers for a capacity below the peak allocated, one between allocated
   and reserved, and half the micro-batch, beside the same run measured
@@ -539,6 +543,39 @@ def scripts(v: Validation) -> dict[str, Any]:
     return {"cases": rows}
 
 
+def boundary(v: Validation) -> dict[str, Any]:
+    """`oomkit preflight --search ctx=LO..HI`'s longest context that fits a capacity, and the
+    next one it tried, each run for real on the GPU capped at that capacity: the first must fit,
+    the second must run out."""
+    script = os.path.join(EXAMPLES, "preflight", "train.py")
+    if v.cuda and not v.args.quick:
+        capacity, span, flags = "24GiB", "ctx=256..8192", ["--batch-size", "8", "--steps", "2"]
+    else:
+        capacity, span, flags = "1GiB", "ctx=64..4096", ["--batch-size", "8", "--steps", "2", "--dim", "128", "--heads", "4", "--layers", "2"]
+    pred = v.sh([v.oomkit, "preflight", "--json", "--capacity", capacity, "--search", span, "--", sys.executable, script, *flags,
+                 "--ctx", "{ctx}"], timeout=600)  # fmt: skip
+    if pred["rc"] not in (0, 5):
+        return {"error": "the search failed", "stderr": pred["stderr"][-800:]}
+    doc = json.loads(pred["stdout"])
+    largest, tried = doc["largest"], doc["tried"]
+    above = sorted(value for value, fits in tried if not fits and (largest is None or value > largest))
+    out: dict[str, Any] = {"capacity": capacity, "search": span, "largest": largest, "tried": tried, "rows": []}
+    if largest is None or not above or not v.cuda:
+        return out
+    probe = v.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"])
+    capacity_bytes = int(json.loads(v.sh([v.oomkit, "preflight", "--json", "--capacity", capacity, "--", sys.executable, script, *flags,
+                                          "--ctx", str(largest)])["stdout"])["run"]["capacity_bytes"])  # fmt: skip
+    share = capacity_bytes / int(probe["stdout"].strip())
+    for ctx, expect in ((largest, "fits"), (above[0], "runs out")):
+        m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), "--memory-fraction", f"{share:.6f}", script, *flags,
+                  "--ctx", str(ctx)], timeout=300)  # fmt: skip
+        got = result_line(m["stdout"]) or {}
+        row = {"ctx": ctx, "expected": expect, "rc": m["rc"], "oom": got.get("oom"), "measured_reserved_bytes": got.get("peak_reserved_bytes")}
+        row["right"] = (m["rc"] == 0) if expect == "fits" else bool(got.get("oom"))
+        out["rows"].append(row)
+    return out
+
+
 def _scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`oomkit whatif --json`'s scenarios of the first device, by name."""
     return {sc["name"]: sc for sc in doc["devices"][0]["scenarios"]}
@@ -630,7 +667,7 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("allocator", "preflight", "scripts", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("allocator", "preflight", "scripts", "boundary", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -648,7 +685,7 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("warm", 90, warm),
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("boundary", 90, boundary), ("warm", 90, warm),
             ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None

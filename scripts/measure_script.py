@@ -3,11 +3,16 @@
     python scripts/measure_script.py examples/preflight/train.py --batch-size 8 --steps 2
     torchrun --standalone --nproc_per_node 1 scripts/measure_script.py examples/preflight/fsdp_train.py --steps 2
 
+    python scripts/measure_script.py --memory-fraction 0.3 examples/preflight/train.py --ctx 4096
+
 The script runs as `python SCRIPT ARGS` would run it (as `__main__`, with
 its own arguments); when it ends, rank 0 prints one line
-`RESULT {"peak_allocated_bytes", "peak_reserved_bytes", "device"}`, from
+`RESULT {"peak_allocated_bytes", "peak_reserved_bytes", "device", "oom"}`, from
 `torch.cuda.max_memory_allocated()` and `max_memory_reserved()`: the
-figures `oomkit preflight` predicts for the same command.
+figures `oomkit preflight` predicts for the same command, and whether it
+ran out of memory. `--memory-fraction F` caps the process at that share of
+the GPU first (`torch.cuda.set_per_process_memory_fraction`), as a GPU of
+that capacity would.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import json
 import os
 import runpy
 import sys
+
+#: Whether the script ran out of memory, for the result line.
+_RAN_OUT = {"oom": False}
 
 
 def _report() -> None:
@@ -31,6 +39,7 @@ def _report() -> None:
                 "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "device": torch.cuda.get_device_name(),
+                "oom": _RAN_OUT["oom"],
             }
         ),
         flush=True,
@@ -38,14 +47,28 @@ def _report() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: measure_script.py SCRIPT [ARGS...]")
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    args = sys.argv[1:]
+    fraction = None
+    if args[:1] == ["--memory-fraction"] and len(args) >= 2:
+        fraction, args = float(args[1]), args[2:]
+    if not args:
+        sys.exit("usage: measure_script.py [--memory-fraction F] SCRIPT [ARGS...]")
+    script = args[0]
+    sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if fraction is not None:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     # Registered before the script's own exit handlers, so it runs after them: the peaks are final.
     atexit.register(_report)
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as e:
+        import torch
+
+        _RAN_OUT["oom"] = isinstance(e, torch.OutOfMemoryError)
+        raise
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     r = json.loads((out / "results.json").read_text())
     s = r["sections"]
     assert {k: d["status"] for k, d in s.items()} == {
-        "allocator": "ok", "preflight": "ok", "scripts": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
+        "allocator": "ok", "preflight": "ok", "scripts": "ok", "boundary": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
         "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
     }, {k: d.get("error") for k, d in s.items()}
     assert s["allocator"]["skipped"] and s["warm"]["skipped"] and s["workspaces"]["skipped"]
@@ -51,6 +51,11 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     ]  # fmt: skip
     assert all(c["preflight_rc"] == 0 and c["predicted_reserved_bytes"] >= c["predicted_allocated_bytes"] > 0 for c in scripts), scripts
     assert scripts[0]["predicted_allocated_bytes"] < scripts[1]["predicted_allocated_bytes"]
+
+    # The longest context the search finds: it fits, and the next value it tried does not (run on a GPU only).
+    boundary = s["boundary"]
+    assert boundary["largest"] and boundary["rows"] == [], boundary
+    assert any(not fits and value > boundary["largest"] for value, fits in boundary["tried"]), boundary
 
     rows = {row["case"]: row for row in s["planted"]["rows"]}
     assert len(rows) == 2 * 5 + 2
