@@ -27,6 +27,9 @@ runs):
   preflight --search ctx=...` finds fits 24 GiB, and the next it tried,
   each run on the GPU capped at 24 GiB: the first must fit, the second
   run out;
+- fixes: two of preflight's "what would make it fit" rows (activation
+  checkpointing, 8-bit AdamW) beside examples/preflight/blocks.py changed
+  by hand the same way, run on the GPU;
 - warm: `oomkit whatif` on a trace recorded after warm-up steps, its
   answers for a capacity below the peak allocated, one between allocated
   and reserved, and half the micro-batch, beside the same run measured
@@ -576,6 +579,46 @@ def boundary(v: Validation) -> dict[str, Any]:
     return out
 
 
+#: The fixes measured against a GPU: preflight's row, and the flag of examples/preflight/blocks.py that makes the same change by hand.
+FIXES_BY_HAND = {
+    "activation checkpointing of the model's repeated blocks": "--checkpoint",
+    "8-bit AdamW (bitsandbytes) for torch.optim.AdamW": "--adam8",
+}
+
+
+def fixes(v: Validation) -> dict[str, Any]:
+    """Two of preflight's "what would make it fit" rows (checkpointing, 8-bit AdamW) beside the
+    script changed by hand run for real: each row's peaks against the GPU's."""
+    script = os.path.join(EXAMPLES, "preflight", "blocks.py")
+    batch = "64" if v.cuda and not v.args.quick else "8"
+    pred = v.sh([v.oomkit, "preflight", "--json", "--fixes", "--capacity", "H100", "--", sys.executable, script, "--batch", batch], timeout=600)
+    if pred["rc"] not in (0, 5):
+        return {"error": "preflight failed", "stderr": pred["stderr"][-800:]}
+    doc = json.loads(pred["stdout"])
+    rows_by_change = {row["change"]: row for row in doc.get("fixes", [])}
+    out: dict[str, Any] = {"batch": int(batch), "fix_notes": doc.get("fix_notes", []), "rows": []}
+    for change, flag in FIXES_BY_HAND.items():
+        row: dict[str, Any] = {"change": change, "flag": flag}
+        fix = rows_by_change.get(change)
+        if fix is None:
+            row["not_measured"] = next((n for n in doc.get("fix_notes", []) if n.startswith(change)), "no row")
+            out["rows"].append(row)
+            continue
+        row.update(predicted_allocated_bytes=fix["peak_allocated_bytes"], predicted_reserved_bytes=fix["peak_reserved_bytes"])
+        if v.cuda:
+            m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), script, "--batch", batch, flag], timeout=300)
+            got = result_line(m["stdout"])
+            row["measured_rc"] = m["rc"]
+            if got is not None:
+                for kind in ("allocated", "reserved"):
+                    row[f"measured_{kind}_bytes"] = got[f"peak_{kind}_bytes"]
+                    row[f"{kind}_error"] = round(row[f"predicted_{kind}_bytes"] / got[f"peak_{kind}_bytes"] - 1, 4)
+            else:
+                row["measured_error"] = m["stderr"][-800:]
+        out["rows"].append(row)
+    return out
+
+
 def _scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`oomkit whatif --json`'s scenarios of the first device, by name."""
     return {sc["name"]: sc for sc in doc["devices"][0]["scenarios"]}
@@ -667,7 +710,7 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("allocator", "preflight", "scripts", "boundary", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("allocator", "preflight", "scripts", "boundary", "fixes", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -685,7 +728,7 @@ def main() -> None:
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("boundary", 90, boundary), ("warm", 90, warm),
+    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("boundary", 90, boundary), ("fixes", 60, fixes), ("warm", 90, warm),
             ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None

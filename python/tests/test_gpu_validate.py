@@ -35,7 +35,7 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     r = json.loads((out / "results.json").read_text())
     s = r["sections"]
     assert {k: d["status"] for k, d in s.items()} == {
-        "allocator": "ok", "preflight": "ok", "scripts": "ok", "boundary": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
+        "allocator": "ok", "preflight": "ok", "scripts": "ok", "boundary": "ok", "fixes": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
         "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
     }, {k: d.get("error") for k, d in s.items()}
     assert s["allocator"]["skipped"] and s["warm"]["skipped"] and s["workspaces"]["skipped"]
@@ -56,6 +56,13 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     boundary = s["boundary"]
     assert boundary["largest"] and boundary["rows"] == [], boundary
     assert any(not fits and value > boundary["largest"] for value, fits in boundary["tried"]), boundary
+
+    # Preflight's rows for two fixes, ready to be set beside the script changed by hand on a GPU.
+    fixes = {row["change"]: row for row in s["fixes"]["rows"]}
+    checkpointed = fixes["activation checkpointing of the model's repeated blocks"]
+    assert checkpointed["predicted_allocated_bytes"] > 0 and "measured_rc" not in checkpointed, checkpointed
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        assert fixes["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"]["predicted_allocated_bytes"] > 0
 
     rows = {row["case"]: row for row in s["planted"]["rows"]}
     assert len(rows) == 2 * 5 + 2

@@ -13,65 +13,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 from preflight_cli import OOMKIT
 
-SCRIPT = """
-    import argparse
-    import torch
-    from torch import nn
-    from torch.utils.checkpoint import checkpoint
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--checkpoint", action="store_true")
-    p.add_argument("--autocast", action="store_true")
-    p.add_argument("--adam8", action="store_true")
-    p.add_argument("--fsdp", action="store_true")
-    a = p.parse_args()
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([Block() for _ in range(6)])
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = checkpoint(layer, x, use_reentrant=False) if a.checkpoint else layer(x)
-            return x
-
-    model = Net().cuda()
-    if a.fsdp:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
-
-        dist.init_process_group("nccl")
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    if a.adam8:
-        import bitsandbytes as bnb
-        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        x = torch.randn(a.batch, 128, 256, device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
-            y = model(x)
-        y.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-"""
+#: The script, as the examples have it (run from a copy named train.py).
+SCRIPT = (Path(__file__).resolve().parents[2] / "examples" / "preflight" / "blocks.py").read_text()
 
 
 #: The row of the sharding fix, for a script run on one GPU.
@@ -88,7 +35,7 @@ def preflight(script: Path, *args: str, capacity: str = "100MiB") -> dict:
 
 def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+    script.write_text(SCRIPT)
     doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}")
     assert doc["run"]["fits"] is False, doc["run"]["peak_reserved_bytes"]
     rows = {row["change"]: row for row in doc["fixes"]}
@@ -121,7 +68,7 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
 
 def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+    script.write_text(SCRIPT)
     plain = preflight(script, "--", sys.executable, str(script), "--batch", "4", capacity="1GiB")
     assert plain["run"]["fits"] and "fixes" not in plain
     asked = preflight(script, "--fixes", "--", sys.executable, str(script), "--batch", "4", capacity="1GiB")
@@ -130,7 +77,7 @@ def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
 
 def test_sharding_is_a_note_where_the_script_spreads_its_model_itself(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+    script.write_text(SCRIPT)
     doc = preflight(script, "--gpus", "8", "--fixes", "--", sys.executable, str(script), "--batch", "4", "--fsdp", capacity="1GiB")
     assert SHARDED not in {row["change"] for row in doc["fixes"]}
     said = [n for n in doc["fix_notes"] if n.startswith(SHARDED)]
@@ -143,7 +90,7 @@ def _line(script: Path, text: str) -> int:
 
 def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+    script.write_text(SCRIPT)
     doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}", "--autocast")
     rows = {row["change"]: row for row in doc["fixes"]}
     # Autocast around a forward already under autocast would change nothing: no row claims a figure for it.
