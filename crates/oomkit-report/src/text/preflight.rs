@@ -18,11 +18,22 @@ pub fn preflight(r: &PreflightReport) -> String {
         Some(a) if a > 1 => format!(" x accumulation {a}"),
         _ => String::new(),
     };
-    let batch = run
+    let micro = run
         .micro_batch
-        .map_or("the script's micro-batch".to_string(), |b| {
-            format!("micro-batch {b}{}", accum(run.grad_accum))
-        });
+        .map(|b| format!("micro-batch {b}{}", accum(run.grad_accum)));
+    // With a search over another placeholder, the run reported is the one at its smallest value.
+    let knob = r
+        .searched
+        .as_deref()
+        .filter(|&name| name != "batch")
+        .zip(r.tried.first())
+        .map(|(name, &(lo, _))| format!("{name}={lo}"));
+    let batch = match (micro, knob) {
+        (Some(m), Some(k)) => format!("{m}, {k}"),
+        (Some(m), None) => m,
+        (None, Some(k)) => k,
+        (None, None) => "the script's micro-batch".to_string(),
+    };
     let verdict = if run.fits { "fits" } else { "does NOT fit" };
     let margin = run.margin_bytes.unsigned_abs();
     let _ = writeln!(
@@ -202,6 +213,42 @@ fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
 mod tests {
     use super::*;
     use crate::preflight::{LineBytes, PreflightRun};
+
+    #[test]
+    fn a_knob_search_names_the_value_its_run_was_at() {
+        let gib = 1u64 << 30;
+        let run = PreflightRun {
+            capacity_bytes: 24 * gib,
+            capacity: "24GiB".into(),
+            fits: true,
+            margin_bytes: 20 * gib as i64,
+            ..Default::default()
+        };
+        let r = PreflightReport {
+            run: run.clone(),
+            tried: vec![(512, true), (1024, true), (2048, false)],
+            searched: Some("seq".into()),
+            largest: Some(Some(1024)),
+            ..Default::default()
+        };
+        assert!(
+            preflight(&r).starts_with("seq=512 fits 24GiB"),
+            "{}",
+            preflight(&r)
+        );
+        let both = PreflightReport {
+            run: PreflightRun {
+                micro_batch: Some(8),
+                ..run
+            },
+            ..r
+        };
+        assert!(
+            preflight(&both).starts_with("micro-batch 8, seq=512 fits 24GiB"),
+            "{}",
+            preflight(&both)
+        );
+    }
 
     #[test]
     fn the_verdict_comes_first_and_roles_follow_oomkits_order() {
