@@ -136,6 +136,11 @@ class Validation:
         r["result"] = result_line(r["stdout"])
         return r
 
+    def gpu_total_bytes(self) -> int:
+        """The GPU's memory, as PyTorch reports it (asked in a child, as every GPU use here is)."""
+        probe = self.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"])
+        return int(probe["stdout"].strip())
+
     def analyze(self, path: str) -> dict[str, Any]:
         r = self.sh([self.oomkit, "analyze", "--json", path])
         if r["rc"] != 0:
@@ -565,10 +570,8 @@ def boundary(v: Validation) -> dict[str, Any]:
     out: dict[str, Any] = {"capacity": capacity, "search": span, "largest": largest, "tried": tried, "rows": []}
     if largest is None or not above or not v.cuda:
         return out
-    probe = v.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"])
-    capacity_bytes = int(json.loads(v.sh([v.oomkit, "preflight", "--json", "--capacity", capacity, "--", sys.executable, script, *flags,
-                                          "--ctx", str(largest)])["stdout"])["run"]["capacity_bytes"])  # fmt: skip
-    share = capacity_bytes / int(probe["stdout"].strip())
+    # The search's own answer says what the allocator may hold at that capacity.
+    share = doc["run"]["capacity_bytes"] / v.gpu_total_bytes()
     for ctx, expect in ((largest, "fits"), (above[0], "runs out")):
         m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), "--memory-fraction", f"{share:.6f}", script, *flags,
                   "--ctx", str(ctx)], timeout=300)  # fmt: skip
@@ -635,8 +638,7 @@ def warm(v: Validation) -> dict[str, Any]:
     if rec["rc"] != 0 or not rec["result"]:
         return {"error": "the recording failed", "stderr": rec["stderr"][-800:]}
     trace = os.path.join(v.work, "warm.pickle")
-    probe = v.sh([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"])
-    total = int(probe["stdout"].strip())
+    total = v.gpu_total_bytes()
     base = v.sh([v.oomkit, "whatif", "--json", trace])
     if base["rc"] != 0:
         return {"error": "whatif failed on the recording", "stderr": base["stderr"][-800:]}

@@ -85,21 +85,21 @@ class Fixer:
             import torch.distributed.fsdp as fsdp
 
             self.real_fully_shard = fsdp.fully_shard
-            found.append((fsdp, "fully_shard", self._not_twice(fsdp.fully_shard)))
+            found.append((fsdp, "fully_shard", self._not_twice()))
             from torch.nn.parallel import DistributedDataParallel
 
             found.append((DistributedDataParallel, "__init__", _replicated))
         return found
 
-    def _not_twice(self, fully_shard: Any) -> Any:
+    def _not_twice(self) -> Any:
         """``fully_shard`` that, called by the script on a model the fix has sharded already, says
         the script shards its model itself (the fix changes nothing there)."""
         fixer = self
 
         def shard_once(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if fixer.sharded is not None:
-                raise PreflightError("the script already shards its model with FSDP")
-            return fully_shard(module, *args, **kwargs)
+                raise PreflightError(_SHARDED_ALREADY)
+            return fixer.real_fully_shard(module, *args, **kwargs)
 
         return shard_once
 
@@ -158,6 +158,9 @@ def _replicated(*_: Any, **__: Any) -> None:
     raise PreflightError(_REPLICATED)
 
 
+#: Why the sharding fix does not apply to a script that shards its model itself.
+_SHARDED_ALREADY = "the script already shards its model with FSDP"
+
 #: Why the sharding fix does not apply to a script that wraps its model in DDP.
 _REPLICATED = "the script replicates its model with DistributedDataParallel: FSDP in its place is a change to its code"
 
@@ -177,7 +180,7 @@ def _why_not_sharded(module: torch.nn.Module) -> str:
     """Why the model reached its first forward unsharded, for the note in place of the row."""
     how = _parallel(module)
     if how == "FSDP":
-        return "the script already shards its model with FSDP"
+        return _SHARDED_ALREADY
     if how == "DDP":
         return _REPLICATED
     if not repeated_blocks(module):

@@ -102,7 +102,8 @@ def _preflight(script: Path, *args: str) -> tuple[dict, int]:
         capture_output=True, text=True, timeout=300, cwd=script.parent,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout[p.stdout.index("{") :])["run"], _saved(p.stdout + p.stderr)
+    # The script's own output goes to stderr, the answer to stdout.
+    return json.loads(p.stdout)["run"], _saved(p.stderr)
 
 
 def _cpu_inductor_works() -> str | None:

@@ -349,7 +349,8 @@ fn fixes(
                 .collect(),
             expandable: measured_changes.iter().any(|c| c.expandable),
             halved: measured_changes.iter().any(|c| c.halved),
-            gpus: measured_changes.iter().find_map(|c| c.gpus),
+            // On the script's own GPUs: sharding over more is a row of its own, below.
+            gpus: None,
         };
         rows.extend(try_change(a, base, knob, &all, notes));
     }
