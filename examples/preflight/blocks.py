@@ -5,7 +5,10 @@
 run with the flag), and `scripts/gpu_validate.py` runs the flags for real
 on a GPU: `--checkpoint` (activation checkpointing of the blocks),
 `--autocast` (bf16), `--adam8` (bitsandbytes' 8-bit AdamW), `--fsdp`
-(each block and the model given to `fully_shard`, under torchrun).
+(each block and the model given to `fully_shard`, under torchrun). Two
+more make the script the kind preflight meets in the wild: `--ddp` (the
+model wrapped in `DistributedDataParallel`, under torchrun) and
+`--compile` (the model given to `torch.compile` last, as nanoGPT does).
 """
 
 import argparse
@@ -20,6 +23,8 @@ p.add_argument("--checkpoint", action="store_true")
 p.add_argument("--autocast", action="store_true")
 p.add_argument("--adam8", action="store_true")
 p.add_argument("--fsdp", action="store_true")
+p.add_argument("--ddp", action="store_true")
+p.add_argument("--compile", action="store_true")
 a = p.parse_args()
 
 
@@ -44,11 +49,13 @@ class Net(nn.Module):
 
 
 model = Net().cuda()
-if a.fsdp:
+if a.fsdp or a.ddp:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("nccl")
+if a.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -58,6 +65,10 @@ if a.adam8:
     opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
 else:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+if a.ddp:
+    model = nn.parallel.DistributedDataParallel(model)
+if a.compile:
+    model = torch.compile(model)
 for _ in range(3):
     x = torch.randn(a.batch, 128, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from oomkit._preflight_dist import spread_by
+
 if TYPE_CHECKING:
     from oomkit._preflight_cuda import Autocast
     from oomkit._preflight_record import Recorder
@@ -235,6 +237,7 @@ class Compiler:
             ended = True
             self.recorder.capturing = False
             self.autocast.cache = cache
+            refusal.remove()
             for h, saved in zip(hooks, held):
                 h.update(saved)
 
@@ -242,6 +245,8 @@ class Compiler:
         self.autocast.cache = {}
         for h in hooks:
             h.clear()
+        # Global hooks run before a module's own: FSDP's and DDP's never see the tracer's tensors.
+        refusal = nn_module.register_module_forward_pre_hook(_refuse_spread)
         try:
             with _composites_decomposed():
                 yield end
@@ -521,8 +526,21 @@ def checkpoint_stand_in() -> Any:
     return checkpoint
 
 
-class _StateKept(Exception):
+class _Uncapturable(Exception):
+    """A forward preflight does not capture, said in words for the note (no exception type)."""
+
+
+class _StateKept(_Uncapturable):
     """A forward that writes to its modules' Python attributes, which a captured graph cannot replay."""
+
+
+def _refuse_spread(module: torch.nn.Module, _args: Any) -> None:
+    """Stops a capture before a module FSDP shards or DDP replicates runs its own hooks: they
+    would initialise their state on the tracer's tensors and leave it half made for the eager
+    run that follows. Dynamo too runs those hooks outside its graphs."""
+    how = spread_by(module)
+    if how is not None:
+        raise _Uncapturable(f"{type(module).__name__} is spread over GPUs by {how}, whose hooks preflight runs eager")
 
 
 class _ModuleState:
@@ -687,4 +705,4 @@ def _recompile_limit() -> int:
 def _reason(e: BaseException) -> str:
     """An error's first line, short enough for a note."""
     line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-    return line if isinstance(e, _StateKept) else f"{type(e).__name__}: {line}"
+    return line if isinstance(e, _Uncapturable) else f"{type(e).__name__}: {line}"

@@ -158,6 +158,28 @@ def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
     return changes
 
 
+#: The classes by which a module is spread over GPUs, by the name the answers use: FSDP2's
+#: ``fully_shard`` makes a module's class a subclass of ``FSDPModule``; FSDP1 and DDP wrap it.
+SPREADERS = {"FSDPModule": "FSDP", "FullyShardedDataParallel": "FSDP", "DistributedDataParallel": "DDP"}
+
+
+def spread_by(module: torch.nn.Module) -> str | None:
+    """How ``module`` itself is spread over GPUs by the script (``FSDP`` or ``DDP``), if it is.
+    By class name, so that nothing of ``torch.distributed`` is imported to ask."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in SPREADERS:
+            return SPREADERS[cls.__name__]
+    return None
+
+
+def spread_in(module: torch.nn.Module) -> str | None:
+    """How the script spreads ``module`` or any module inside it over GPUs, if it does."""
+    for m in module.modules():
+        if (how := spread_by(m)) is not None:
+            return how
+    return None
+
+
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The units FSDP is usually applied to: the layers of the model's largest ``ModuleList``."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]

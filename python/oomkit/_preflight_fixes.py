@@ -31,6 +31,7 @@ import torch
 
 from oomkit._native import PreflightError
 from oomkit._preflight_cuda import Autocast, is_cuda
+from oomkit._preflight_dist import shard, spread_in
 
 #: The changes made inside the script, by name.
 INSIDE = ("checkpoint", "autocast", "adamw8bit", "fsdp")
@@ -112,11 +113,9 @@ class Fixer:
         def moved(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = move(module, *args, **kwargs)
             to_gpu = move.__name__ == "cuda" or any(is_cuda(a) for a in (*args, kwargs.get("device")))
-            if fixer.sharded is None and to_gpu and not _parallel(module):
+            if fixer.sharded is None and to_gpu and not spread_in(module):
                 units = repeated_blocks(module)
                 if units:
-                    from oomkit._preflight_dist import shard
-
                     _, said = shard(module, fixer.world_size, "fsdp", units=units, fully_shard=fixer.real_fully_shard)
                     fixer.notes.extend(n for n in said if n not in fixer.notes)
                     fixer.sharded = module
@@ -165,20 +164,9 @@ _SHARDED_ALREADY = "the script already shards its model with FSDP"
 _REPLICATED = "the script replicates its model with DistributedDataParallel: FSDP in its place is a change to its code"
 
 
-def _parallel(module: torch.nn.Module) -> str | None:
-    """How the script spreads ``module`` over GPUs itself, if it does: ``DDP`` or ``FSDP``."""
-    for m in module.modules():
-        name = type(m).__name__
-        if name == "DistributedDataParallel":
-            return "DDP"
-        if name.startswith("FSDP") or name == "FullyShardedDataParallel":
-            return "FSDP"
-    return None
-
-
 def _why_not_sharded(module: torch.nn.Module) -> str:
     """Why the model reached its first forward unsharded, for the note in place of the row."""
-    how = _parallel(module)
+    how = spread_in(module)
     if how == "FSDP":
         return _SHARDED_ALREADY
     if how == "DDP":

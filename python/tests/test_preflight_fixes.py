@@ -103,3 +103,30 @@ def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tm
     assert list(rows)[-2:] == ["all of the above", SHARDED]
     checkpointed = rows["activation checkpointing of the model's repeated blocks"]
     assert rows["all of the above"]["peak_allocated_bytes"] <= checkpointed["peak_allocated_bytes"]
+
+
+def test_a_compiled_model_spread_over_gpus_is_measured_eager_and_said(tmp_path: Path) -> None:
+    # Capturing would run FSDP's or DDP's hooks on the tracer's tensors: the compiled
+    # model is the sharded or replicated one, measured as its eager self, and the note says why.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    for how, flag in (("FSDP", "--fsdp"), ("DDP", "--ddp")):
+        eager = preflight(script, "--gpus", "2", "--", sys.executable, str(script), "--batch", "4", flag, capacity="1GiB")["run"]
+        compiled = preflight(script, "--gpus", "2", "--", sys.executable, str(script), "--batch", "4", flag, "--compile", capacity="1GiB")["run"]
+        assert (compiled["peak_allocated_bytes"], compiled["peak_reserved_bytes"]) == (eager["peak_allocated_bytes"], eager["peak_reserved_bytes"])
+        assert compiled["by_role"] == eager["by_role"]
+        said = [n for n in compiled["notes"] if n.startswith("torch.compile could not capture")]
+        assert len(said) == 1 and f"is spread over GPUs by {how}, whose hooks preflight runs eager" in said[0], compiled["notes"]
+
+
+def test_the_sharding_fix_on_a_compiled_model_is_what_the_compiled_script_sharded_by_hand_measures(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    doc = preflight(script, "--fixes", "--", sys.executable, str(script), "--batch", "4", "--compile", capacity="1GiB")
+    rows = {row["change"]: row for row in doc["fixes"]}
+    assert SHARDED in rows, doc.get("fix_notes")
+    hand = preflight(script, "--gpus", "8", "--", sys.executable, str(script), "--batch", "4", "--compile", "--fsdp", capacity="1GiB")["run"]
+    assert (rows[SHARDED]["peak_allocated_bytes"], rows[SHARDED]["peak_reserved_bytes"]) == (hand["peak_allocated_bytes"], hand["peak_reserved_bytes"])
+    # The rows that ran on the compiled model were compiled: checkpointing saves less than the compiled step.
+    checkpointed = rows["activation checkpointing of the model's repeated blocks"]
+    assert checkpointed["peak_allocated_bytes"] < doc["run"]["peak_allocated_bytes"]
