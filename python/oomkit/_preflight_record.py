@@ -182,6 +182,19 @@ class Recorder(TorchDispatchMode):
         # The modules whose forward is running, innermost last: an operation
         # that cannot run is named with the module that ran it.
         self._modules: list[str] = []
+        # The frame that called each of those forwards, innermost last (held,
+        # so that no other frame takes its id while it is listed; one that
+        # ended without its forward hook is taken off at the next forward, or
+        # at the next allocation or free made outside it),
+        # and by its id the stack above it, once an allocation inside asked
+        # for it: the frames above a running call do not change, and a deep
+        # model's stack (a generation's is ninety frames) is then walked
+        # only as far as the innermost forward.
+        self._calls: list[Any] = []
+        self._above: dict[int, tuple[tuple[str, int, str], ...] | None] = {}
+        # The modules whose forward checkpointing is running again in backward,
+        # innermost last, each by its call's id: named, never held.
+        self._recomputing: list[tuple[int, str]] = []
         #: Top-level forwards begun (a module's forward called outside any other's).
         self.forwards = 0
         #: The top-level forward running now (0: none).
@@ -218,26 +231,73 @@ class Recorder(TorchDispatchMode):
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         def entered(module: torch.nn.Module, _args: Any) -> None:
+            call = sys._getframe(1)
+            if torch._C._current_graph_task_id() != -1:
+                # Checkpointing's recomputation, part of the backward: not a forward, and its
+                # frames not held (it ends early by raising, past its forward hooks).
+                self._recomputing.append((id(call), type(module).__name__))
+                return
+            self._drop_ended(call)
             if not self._modules:
                 self.forwards += 1
                 self.forward_open = self.forwards
             self._modules.append(type(module).__name__)
+            self._calls.append(call)
+            self._above[id(call)] = None
 
         def left(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
-            if self._modules:
+            # This forward's call, and any inner one that ended without this hook.
+            call = sys._getframe(1)
+            if torch._C._current_graph_task_id() != -1 and self._recomputing:
+                while self._recomputing and self._recomputing.pop()[0] != id(call):
+                    pass
+                return
+            while self._calls:
+                done = self._calls.pop()
                 self._modules.pop()
+                del self._above[id(done)]
+                if done is call:
+                    break
             if not self._modules:
                 self.forward_open = 0
 
         return [(register_module_forward_pre_hook, entered), (register_module_forward_hook, left)]
 
+    def _drop_ended(self, call: Any) -> None:
+        """Takes off the list the forwards' calls that ended without their forward hook (an
+        exception; checkpointing stops its recomputation early by raising): their frames,
+        held here, would keep their tensors alive. ``call`` is the frame starting a forward."""
+        # Outside backward, no recomputation runs.
+        self._recomputing.clear()
+        if not self._calls:
+            return
+        innermost = self._calls[-1]
+        f = call.f_back
+        while f is not None and f is not innermost:
+            f = f.f_back
+        if f is not None:
+            # The innermost listed call is running, and so is every one outside it.
+            return
+        running = set()
+        f = call
+        while f is not None:
+            running.add(id(f))
+            f = f.f_back
+        # A listed frame is alive (held), so no running frame can share its id.
+        keep = len(self._calls)
+        while keep and id(self._calls[keep - 1]) not in running:
+            keep -= 1
+        self._drop_calls(keep)
+
     @property
     def module_depth(self) -> int:
         """How many modules' forwards are running now, one inside the other (1: a top-level forward)."""
-        return len(self._modules)
+        return len(self._modules) + len(self._recomputing)
 
     def innermost_module(self) -> str | None:
         """The class of the innermost module whose forward is running (or was, when an error left it), if any."""
+        if self._recomputing:
+            return self._recomputing[-1][1]
         return self._modules[-1] if self._modules else None
 
     # ---- what the step does ----
@@ -526,8 +586,15 @@ class Recorder(TorchDispatchMode):
     # ---- stacks ----
 
     def _stack(self) -> tuple[tuple[str, int, str], ...]:
+        """The frames from here out, oomkit's and PyTorch's dispatch frames left out, at most ``MAX_FRAMES``."""
+        return self._frames_from(sys._getframe(1))[:MAX_FRAMES]
+
+    def _frames_from(self, f: Any, first: bool = True) -> tuple[tuple[str, int, str], ...]:
+        """The frames from ``f`` out, walked as far as the innermost forward's call, whose
+        frames above are taken (or kept, the first time) whole. A ``first`` walk (from an
+        allocation or a free) that meets no listed call finds them all ended."""
         frames: list[tuple[str, int, str]] = []
-        f: Any = sys._getframe(1)
+        above = self._above
         while f is not None and len(frames) < MAX_FRAMES:
             co = f.f_code
             own = _OWN_BY_FILE.get(co.co_filename)
@@ -535,8 +602,32 @@ class Recorder(TorchDispatchMode):
                 own = _OWN_BY_FILE[co.co_filename] = any(o in co.co_filename for o in _OWN_FILES)
             if not own:
                 frames.append((co.co_filename, f.f_lineno, co.co_name))
+            key = id(f)
+            if key in above:
+                # A forward's call: its own line moves as it runs, the frames above it do not.
+                outer = above[key]
+                if outer is None:
+                    outer = above[key] = self._frames_from(f.f_back, first=False)
+                return (*frames, *outer)
             f = f.f_back
+        if first and f is None and self._calls and torch._C._current_graph_task_id() == -1:
+            # Every forward listed ended without its hook (an exception the script caught):
+            # their frames, held, would keep their tensors past the point they are freed.
+            self._drop_calls(0)
         return tuple(frames)
+
+    def _drop_calls(self, keep: int) -> None:
+        """Takes the forwards' calls after the first ``keep`` off the list, as ended. Their
+        frames go last, once the lists are consistent: what they held is freed then, and
+        each free walks a stack."""
+        ended = self._calls[keep:]
+        del self._calls[keep:]
+        del self._modules[keep:]
+        for call in ended:
+            del self._above[id(call)]
+        if not self._modules:
+            self.forward_open = 0
+        del ended
 
     def _stack_id(self) -> int:
         stack = self._stack()

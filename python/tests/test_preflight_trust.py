@@ -187,6 +187,46 @@ def test_the_script_path_adds_up_too(tmp_path: Path) -> None:
     assert sum(run["by_role"].values()) == run["peak_allocated_bytes"], run
 
 
+def test_a_forward_that_raised_holds_nothing_once_its_exception_is_gone(tmp_path: Path) -> None:
+    # The recorder keeps each running forward's call to walk stacks only so far: a forward
+    # that ended by raising must not keep its tensors alive past the script's except block.
+    script = tmp_path / "infer.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class Boom(torch.nn.Linear):
+                def forward(self, x):
+                    raise ValueError("refused")
+
+            model = Boom(4, 4).cuda()
+            big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            try:
+                model(big)  # the call holds its arguments while it runs
+            except ValueError:
+                pass
+            del big
+            after = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+            """
+        )
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    assert 512 << 20 <= run["peak_allocated_bytes"] < 768 << 20, run["peak_allocated_bytes"]
+
+
+def test_checkpointing_recomputes_in_backward_without_a_forward_of_its_own(tmp_path: Path) -> None:
+    # Checkpointing reruns each block's forward in backward and stops it early by raising:
+    # nothing it reads is a cache held across forwards, and what it held is freed with it.
+    script = tmp_path / "train.py"
+    script.write_text((Path(__file__).resolve().parents[2] / "examples" / "preflight" / "blocks.py").read_text())
+    plain = preflight_run(script, "--capacity", "1GiB", args=("--batch", "32"), cwd=tmp_path)
+    checkpointed = preflight_run(script, "--capacity", "1GiB", args=("--batch", "32", "--checkpoint"), cwd=tmp_path)
+    assert checkpointed["by_role"]["kv_cache"] == 0, checkpointed["by_role"]
+    assert checkpointed["by_role"]["activations"] < plain["by_role"]["activations"] / 4, (checkpointed["by_role"], plain["by_role"])
+    assert checkpointed["peak_allocated_bytes"] < plain["peak_allocated_bytes"]
+
+
 # ----- the user's own lines -------------------------------------------------
 
 
