@@ -15,12 +15,17 @@ use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// What `{batch}` in the command is replaced with.
 const BATCH: &str = "{batch}";
 
 /// The GPUs the sharding fix spreads a one-GPU script over: one node's worth.
 const SHARD_OVER_GPUS: u32 = 8;
+
+/// The most runs of the script the fixes make at once: each is a Python
+/// process of its own, holding up to a few GiB of bookkeeping for a large model.
+const MOST_RUNS_AT_ONCE: usize = 4;
 
 /// The hook the script's interpreter imports at start: it starts the
 /// preflight where `OOMKIT_PREFLIGHT` is set, then hands over to any other
@@ -329,12 +334,34 @@ fn fixes(
             gpus: None,
         });
     }
+    // More GPUs is another kind of change: its own row, after the ones on the script's GPUs
+    // (which it may not combine with: bitsandbytes' 8-bit step takes no sharded tensors).
+    let over = if a.gpus > 1 { a.gpus } else { SHARD_OVER_GPUS };
+    let sharded = Change {
+        change: format!("FSDP over {over} GPUs (fully_shard of each block)"),
+        cost: "a GPU per rank; each gathers a block's weights as it runs it, and gradients are reduce-scattered",
+        inside: vec!["fsdp"],
+        expandable: false,
+        halved: false,
+        gpus: Some(over),
+    };
+    // Each change alone, and the sharding, run side by side: none waits on another's answer.
+    let mut alone: Vec<&Change> = changes.iter().collect();
+    alone.push(&sharded);
+    let mut outcomes = side_by_side(a, base, knob, &alone);
+    // The last outcome is the sharding's (there is always one).
+    let sharded_outcome = outcomes
+        .pop()
+        .unwrap_or_else(|| Err(format!("{}: not measured", sharded.change)));
     let mut rows = Vec::new();
     let mut measured_changes = Vec::new();
-    for c in changes {
-        if let Some(row) = try_change(a, base, knob, &c, notes) {
-            rows.push(row);
-            measured_changes.push(c);
+    for (c, outcome) in changes.iter().zip(outcomes) {
+        match outcome {
+            Ok(row) => {
+                rows.push(row);
+                measured_changes.push(c);
+            }
+            Err(note) => notes.push(note),
         }
     }
     // Together only what ran alone: a change that cannot run here (no
@@ -352,31 +379,62 @@ fn fixes(
             // On the script's own GPUs: sharding over more is a row of its own, below.
             gpus: None,
         };
-        rows.extend(try_change(a, base, knob, &all, notes));
+        match measure_change(a, base, knob, &all) {
+            Ok(row) => rows.push(row),
+            Err(note) => notes.push(note),
+        }
     }
-    // More GPUs is another kind of change: its own row, after the ones on the script's GPUs
-    // (which it may not combine with: bitsandbytes' 8-bit step takes no sharded tensors).
-    let over = if a.gpus > 1 { a.gpus } else { SHARD_OVER_GPUS };
-    let sharded = Change {
-        change: format!("FSDP over {over} GPUs (fully_shard of each block)"),
-        cost: "a GPU per rank; each gathers a block's weights as it runs it, and gradients are reduce-scattered",
-        inside: vec!["fsdp"],
-        expandable: false,
-        halved: false,
-        gpus: Some(over),
-    };
-    rows.extend(try_change(a, base, knob, &sharded, notes));
+    match sharded_outcome {
+        Ok(row) => rows.push(row),
+        Err(note) => notes.push(note),
+    }
     rows
 }
 
-/// One change run on the script: its row, or a note saying why it could not be measured.
-fn try_change(
+/// Runs each change on the script, as many at once as the machine has cores
+/// (at most [`MOST_RUNS_AT_ONCE`]), and gives their outcomes in the order given.
+fn side_by_side(
+    a: &Args,
+    base: &Variant<'_>,
+    knob: Option<(&str, u64)>,
+    changes: &[&Change],
+) -> Vec<Result<FixRow, String>> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let workers = cores.clamp(1, MOST_RUNS_AT_ONCE).min(changes.len());
+    let next = AtomicUsize::new(0);
+    let mut found: Vec<(usize, Result<FixRow, String>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(c) = changes.get(i) else { break };
+                        done.push((i, measure_change(a, base, knob, c)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| {
+                // A worker only runs processes and reads their answers; a panic there is a bug to surface.
+                h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+            })
+            .collect()
+    });
+    found.sort_by_key(|(i, _)| *i);
+    found.into_iter().map(|(_, outcome)| outcome).collect()
+}
+
+/// One change run on the script: its row, or the note saying why it could not be measured.
+fn measure_change(
     a: &Args,
     base: &Variant<'_>,
     knob: Option<(&str, u64)>,
     c: &Change,
-    notes: &mut Vec<String>,
-) -> Option<FixRow> {
+) -> Result<FixRow, String> {
     let conf = if c.expandable {
         Some(match base.alloc_conf {
             Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
@@ -397,23 +455,22 @@ fn try_change(
         fixes: &c.inside,
         snapshot: None,
         gpus: c.gpus,
+        // The script's output was shown by its own run; runs side by side would interleave it.
+        quiet: true,
     };
     match run_once(a, &v) {
-        Ok(r) => Some(FixRow {
+        Ok(r) => Ok(FixRow {
             change: c.change.clone(),
             peak_allocated_bytes: r.peak_allocated_bytes,
             peak_reserved_bytes: r.peak_reserved_bytes,
             fits: r.fits,
             cost: c.cost.into(),
         }),
-        Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => {
-            notes.push(format!(
-                "{}: not measured: {}",
-                c.change,
-                m.trim_start_matches("preflight: ")
-            ));
-            None
-        }
+        Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => Err(format!(
+            "{}: not measured: {}",
+            c.change,
+            m.trim_start_matches("preflight: ")
+        )),
     }
 }
 
@@ -459,6 +516,8 @@ struct Variant<'v> {
     fixes: &'v [&'v str],
     /// The GPUs it runs as rank 0 of, where a fix spreads the model over other than `--gpus`.
     gpus: Option<u32>,
+    /// The script's own output is dropped (a fix's run), not shown.
+    quiet: bool,
 }
 
 /// Runs the command once, as `v` says, and reads its answer.
@@ -513,7 +572,16 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         .env("PYTHONPATH", path)
         .env("OOMKIT_PREFLIGHT", settings.to_string())
         // The script's own prints go to stderr: stdout is the answer alone.
-        .stdout(Stdio::from(std::io::stderr()))
+        .stdout(if v.quiet {
+            Stdio::null()
+        } else {
+            Stdio::from(std::io::stderr())
+        })
+        .stderr(if v.quiet {
+            Stdio::null()
+        } else {
+            Stdio::inherit()
+        })
         .status()
         .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
     if !result.exists() {
