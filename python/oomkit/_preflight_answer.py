@@ -161,6 +161,22 @@ def answer(
     return result
 
 
+def replayed(rec: Recorder, settings: Settings, alloc_conf: str) -> dict[str, Any]:
+    """The recorded step served through the allocator model again under ``alloc_conf``
+    (the same capacity): what a run with those settings measures, without the run."""
+    tr = rec.trace
+    streams = [0] * len(tr.kinds)
+    realized = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None)
+    capped = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, settings.capacity_bytes)
+    peak_reserved, peak_allocated = realized[2][0], realized[2][1]
+    return {
+        "alloc_conf": alloc_conf,
+        "peak_allocated_bytes": peak_allocated,
+        "peak_reserved_bytes": peak_reserved,
+        "fits": not capped[2][4],
+    }
+
+
 def unsupported(e: StepUnsupportedError) -> PreflightError:
     """The one line for an operation that needs data."""
     module = f", in {e.module}'s forward" if e.module else ""

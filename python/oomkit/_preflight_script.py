@@ -24,7 +24,7 @@ import torch
 from oomkit import _native
 from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight_answer import Settings, answer, unsupported
+from oomkit._preflight_answer import Settings, answer, replayed, unsupported
 from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
 from oomkit._preflight_fixes import INSIDE, Fixer
 from oomkit._preflight_frames import user_line
@@ -78,6 +78,9 @@ class _Session:
         #: The changes tried inside the script for "what would make it fit" (``_preflight_fixes``).
         self.fixes: list[str] = [f for f in settings.get("fixes") or [] if f in INSIDE]
         self.fixer = Fixer(self.fixes, self.autocast, self.world_size, self.notes)
+        #: Allocator settings to replay the recorded step with as well (the expandable-segments fix),
+        #: and whether always or only where the step does not fit.
+        self.replay: dict[str, Any] | None = settings.get("replay")
         #: Whether the script is launched as torchrun launches it (``--gpus``): its ranks' environment.
         #: A script sharded only by the fix runs as written for one GPU.
         self.torchrun = bool(settings.get("torchrun", self.world_size > 1))
@@ -293,10 +296,13 @@ class _Session:
         settings = Settings(None, 1, self.steps_done, self.capacity, allowed, conf, mode=mode)
         try:
             result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
+            out = result.as_dict()
+            if self.replay and (self.replay.get("always") or not result.fits):
+                out["replayed"] = replayed(self.rec, settings, str(self.replay["alloc_conf"]))
         except PreflightError as e:
             self._write({"error": str(e)})
             return
-        self._write({"result": result.as_dict()})
+        self._write({"result": out})
 
     def _write(self, doc: dict[str, Any]) -> None:
         try:

@@ -24,6 +24,9 @@ SCRIPT = (Path(__file__).resolve().parents[2] / "examples" / "preflight" / "bloc
 #: The row of the sharding fix, for a script run on one GPU.
 SHARDED = "FSDP over 8 GPUs (fully_shard of each block)"
 
+#: The row of the allocator's expandable segments.
+EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
 
 def preflight(script: Path, *args: str, capacity: str = "100MiB") -> dict:
     p = subprocess.run(
@@ -49,9 +52,11 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
         by_hand["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"] = ("--batch", "64", "--adam8")
     # Sharded by hand: the script launched on 8 GPUs, each block and the model given to fully_shard.
     by_hand[SHARDED] = ("--batch", "64", "--fsdp")
+    # The allocator's settings given by hand (the row is the first run replayed by the allocator model).
+    by_hand[EXPANDABLE] = ("--batch", "64")
+    flags = {SHARDED: ("--gpus", "8"), EXPANDABLE: ("--alloc-conf", "expandable_segments:True")}
     for change, args in by_hand.items():
-        gpus = ("--gpus", "8") if change == SHARDED else ()
-        hand = preflight(script, *gpus, "--", sys.executable, str(script), *args)["run"]
+        hand = preflight(script, *flags.get(change, ()), "--", sys.executable, str(script), *args)["run"]
         row = rows[change]
         assert row["peak_allocated_bytes"] == hand["peak_allocated_bytes"], (change, row, hand["peak_allocated_bytes"])
         assert row["peak_reserved_bytes"] == hand["peak_reserved_bytes"], (change, row, hand["peak_reserved_bytes"])
@@ -59,11 +64,12 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
     # Each lowers what the step needs, and all of them together lower it most.
     base = doc["run"]["peak_allocated_bytes"]
     for change in by_hand:
-        assert rows[change]["peak_allocated_bytes"] < base, change
+        if change != EXPANDABLE:
+            assert rows[change]["peak_allocated_bytes"] < base, change
     alone = [r["peak_allocated_bytes"] for change, r in rows.items() if change != SHARDED]
     assert rows["all of the above"]["peak_allocated_bytes"] <= min(alone)
-    expandable = rows["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
-    assert expandable["peak_allocated_bytes"] <= base * 1.01
+    # Expandable segments change what is reserved, not what is allocated.
+    assert rows[EXPANDABLE]["peak_allocated_bytes"] == base
 
 
 def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:

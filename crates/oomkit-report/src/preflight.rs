@@ -48,6 +48,24 @@ pub struct PreflightRun {
     /// The most allocated while each phase ran (`eval`: forwards without gradients in a script that trains).
     #[serde(default)]
     pub phase_peaks: BTreeMap<String, u64>,
+    /// The same recorded step replayed by the allocator model under other
+    /// settings (`oomkit preflight`'s expandable-segments fix), where asked:
+    /// read by the command, not part of the run's answer.
+    #[serde(default, skip_serializing)]
+    pub replayed: Option<Replayed>,
+}
+
+/// A recorded step replayed by the allocator model under other settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Replayed {
+    /// The settings it was replayed with, as PYTORCH_CUDA_ALLOC_CONF writes them.
+    pub alloc_conf: String,
+    /// The most memory handed out at once.
+    pub peak_allocated_bytes: u64,
+    /// The most memory the modelled allocator reserved.
+    pub peak_reserved_bytes: u64,
+    /// No allocation failed with the allocator limited to the capacity.
+    pub fits: bool,
 }
 
 /// The mode of an answer that does not say (one written before inference was measured).

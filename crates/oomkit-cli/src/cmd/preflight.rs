@@ -10,7 +10,7 @@
 use crate::args::FormatArgs;
 use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
 use crate::output::{print, say};
-use oomkit_report::{FixRow, PreflightReport, PreflightRun};
+use oomkit_report::{FixRow, PreflightReport, PreflightRun, Replayed};
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -192,11 +192,15 @@ pub(crate) fn run(a: Args) -> u8 {
         alloc_conf: alloc_conf.as_deref(),
         ..Variant::default()
     };
+    // The expandable-segments fix needs no run of its own: the first run's step
+    // is replayed by the allocator model with those settings, where fixes will be wanted.
+    let replay_conf = expandable_conf(alloc_conf.as_deref());
     let first = match run_once(
         &a,
         &Variant {
             knob,
             snapshot: a.snapshot.as_deref(),
+            replay: Some((&replay_conf, a.fixes)),
             ..base
         },
     ) {
@@ -252,7 +256,8 @@ pub(crate) fn run(a: Args) -> u8 {
         }
     }
     if a.fixes || !report.run.fits {
-        report.fixes = fixes(&a, &base, knob, &mut report.fix_notes);
+        let replayed = report.run.replayed.take();
+        report.fixes = fixes(&a, &base, knob, replayed.as_ref(), &mut report.fix_notes);
     }
     print(a.format.output(), &report);
     let fits = match &report.largest {
@@ -263,6 +268,13 @@ pub(crate) fn run(a: Args) -> u8 {
         EXIT_OK
     } else {
         EXIT_NOTHING_FITS
+    }
+}
+
+impl Change {
+    /// Whether the change is the allocator's settings alone, which a replay of the recorded step answers.
+    fn replayable(&self) -> bool {
+        self.expandable && self.inside.is_empty() && !self.halved && self.gpus.is_none()
     }
 }
 
@@ -288,6 +300,7 @@ fn fixes(
     a: &Args,
     base: &Variant<'_>,
     knob: Option<(&str, u64)>,
+    replayed: Option<&Replayed>,
     notes: &mut Vec<String>,
 ) -> Vec<FixRow> {
     let mut changes = vec![
@@ -348,7 +361,7 @@ fn fixes(
     // Each change alone, and the sharding, run side by side: none waits on another's answer.
     let mut alone: Vec<&Change> = changes.iter().collect();
     alone.push(&sharded);
-    let mut outcomes = side_by_side(a, base, knob, &alone);
+    let mut outcomes = side_by_side(a, base, knob, replayed, &alone);
     // The last outcome is the sharding's (there is always one).
     let sharded_outcome = outcomes
         .pop()
@@ -367,19 +380,7 @@ fn fixes(
     // Together only what ran alone: a change that cannot run here (no
     // bitsandbytes, autocast the script already has) would sink the rest.
     if measured_changes.len() >= 2 {
-        let all = Change {
-            change: "all of the above".into(),
-            cost: "each of the costs above",
-            inside: measured_changes
-                .iter()
-                .flat_map(|c| c.inside.clone())
-                .collect(),
-            expandable: measured_changes.iter().any(|c| c.expandable),
-            halved: measured_changes.iter().any(|c| c.halved),
-            // On the script's own GPUs: sharding over more is a row of its own, below.
-            gpus: None,
-        };
-        match measure_change(a, base, knob, &all) {
+        match measure_change(a, base, knob, &together(&measured_changes)) {
             Ok(row) => rows.push(row),
             Err(note) => notes.push(note),
         }
@@ -391,25 +392,59 @@ fn fixes(
     rows
 }
 
+/// The changes made together, on the script's own GPUs ("all of the above").
+fn together(changes: &[&Change]) -> Change {
+    Change {
+        change: "all of the above".into(),
+        cost: "each of the costs above",
+        inside: changes.iter().flat_map(|c| c.inside.clone()).collect(),
+        expandable: changes.iter().any(|c| c.expandable),
+        halved: changes.iter().any(|c| c.halved),
+        // Sharding over more GPUs is a row of its own.
+        gpus: None,
+    }
+}
+
 /// Runs each change on the script, as many at once as the machine has cores
 /// (at most [`MOST_RUNS_AT_ONCE`]), and gives their outcomes in the order given.
 fn side_by_side(
     a: &Args,
     base: &Variant<'_>,
     knob: Option<(&str, u64)>,
+    replayed: Option<&Replayed>,
     changes: &[&Change],
 ) -> Vec<Result<FixRow, String>> {
+    // What the first run replayed needs no run.
+    let replayed_row = |c: &Change| {
+        let r = replayed
+            .filter(|r| c.replayable() && r.alloc_conf == expandable_conf(base.alloc_conf))?;
+        Some(FixRow {
+            change: c.change.clone(),
+            peak_allocated_bytes: r.peak_allocated_bytes,
+            peak_reserved_bytes: r.peak_reserved_bytes,
+            fits: r.fits,
+            cost: c.cost.into(),
+        })
+    };
+    let mut found: Vec<(usize, Result<FixRow, String>)> = Vec::new();
+    let mut to_run: Vec<(usize, &Change)> = Vec::new();
+    for (i, c) in changes.iter().enumerate() {
+        match replayed_row(c) {
+            Some(row) => found.push((i, Ok(row))),
+            None => to_run.push((i, c)),
+        }
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let workers = cores.clamp(1, MOST_RUNS_AT_ONCE).min(changes.len());
+    let workers = cores.clamp(1, MOST_RUNS_AT_ONCE).min(to_run.len());
     let next = AtomicUsize::new(0);
-    let mut found: Vec<(usize, Result<FixRow, String>)> = std::thread::scope(|scope| {
+    let ran: Vec<(usize, Result<FixRow, String>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
                     let mut done = Vec::new();
                     loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(c) = changes.get(i) else { break };
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(i, c)) = to_run.get(k) else { break };
                         done.push((i, measure_change(a, base, knob, c)));
                     }
                     done
@@ -424,8 +459,17 @@ fn side_by_side(
             })
             .collect()
     });
+    found.extend(ran);
     found.sort_by_key(|(i, _)| *i);
     found.into_iter().map(|(_, outcome)| outcome).collect()
+}
+
+/// The allocator settings of the expandable-segments fix: the run's own, with expandable segments on.
+fn expandable_conf(theirs: Option<&str>) -> String {
+    match theirs {
+        Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
+        _ => "expandable_segments:True".to_string(),
+    }
 }
 
 /// One change run on the script: its row, or the note saying why it could not be measured.
@@ -435,14 +479,7 @@ fn measure_change(
     knob: Option<(&str, u64)>,
     c: &Change,
 ) -> Result<FixRow, String> {
-    let conf = if c.expandable {
-        Some(match base.alloc_conf {
-            Some(theirs) if !theirs.is_empty() => format!("{theirs},expandable_segments:True"),
-            _ => "expandable_segments:True".to_string(),
-        })
-    } else {
-        None
-    };
+    let conf = c.expandable.then(|| expandable_conf(base.alloc_conf));
     let v = Variant {
         knob,
         batch: if c.halved {
@@ -457,6 +494,7 @@ fn measure_change(
         gpus: c.gpus,
         // The script's output was shown by its own run; runs side by side would interleave it.
         quiet: true,
+        replay: None,
     };
     match run_once(a, &v) {
         Ok(r) => Ok(FixRow {
@@ -518,6 +556,9 @@ struct Variant<'v> {
     gpus: Option<u32>,
     /// The script's own output is dropped (a fix's run), not shown.
     quiet: bool,
+    /// Allocator settings to replay the recorded step with as well, and whether
+    /// always (else only where the step does not fit, when fixes follow).
+    replay: Option<(&'v str, bool)>,
 }
 
 /// Runs the command once, as `v` says, and reads its answer.
@@ -547,6 +588,7 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         "torchrun": a.gpus > 1,
         "time_limit": a.time_limit,
         "fixes": v.fixes,
+        "replay": v.replay.map(|(conf, always)| serde_json::json!({"alloc_conf": conf, "always": always})),
     });
     let words: Vec<String> = a
         .command
