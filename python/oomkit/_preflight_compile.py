@@ -321,7 +321,9 @@ class _Graphs:
         # Whether the compilation running now has captured its graphs, and the call that ends its capture.
         self.captured = False
         # The modules' Python attributes before the capture running now.
-        self.state = _ModuleState(None)
+        self.state = _ModuleState([])
+        # The modules it reads, once known.
+        self.reached: list[torch.nn.Module] | None = None
         self.ends_capture: Callable[[], None] = lambda: None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -359,7 +361,7 @@ class _Graphs:
         self.compiler.register_caches()
         compiled = self._aot(dynamic)
         self.captured = False
-        self.state = _ModuleState(self.module)
+        self.state = _ModuleState(self._modules())
         try:
             with self.compiler.capturing() as end:
                 self.ends_capture = end
@@ -376,6 +378,13 @@ class _Graphs:
         self.by_signature[key] = compiled
         self.compiler._note(COMPILED.format(backend=self.partition.backend))
         return out
+
+    def _modules(self) -> list[torch.nn.Module]:
+        """The modules whose parameters the compiled callable reads: its own, or those a
+        function reaches (found at its first call, as Dynamo guards on them then)."""
+        if self.reached is None:
+            self.reached = [self.module] if self.module is not None else modules_reached(self.call)
+        return self.reached
 
     def _what(self) -> str:
         """The compiled module's class, or the function's name, for a note."""
@@ -432,16 +441,7 @@ class _Graphs:
 
         module = self.module
         if module is None:
-            fn = self.call
-            return aot_function(
-                fn,
-                fw_compiler=ready,
-                bw_compiler=ready,
-                partition_fn=partition_fn,
-                decompositions=decompositions,
-                keep_inference_input_mutations=True,
-                dynamic=dynamic,
-            )
+            return self._aot_function(ready, partition_fn, decompositions, dynamic)
 
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
@@ -468,12 +468,44 @@ class _Graphs:
 
         return run
 
+    def _aot_function(self, ready: Any, partition_fn: Any, decompositions: Any, dynamic: bool) -> Callable[..., Any]:
+        """A compiled function's AOTAutograd compilation. The parameters and buffers of the
+        modules it reaches are its graph's inputs, as Dynamo lifts them: AOTAutograd's tracer
+        takes only tensors it is given."""
+        from torch._functorch.aot_autograd import aot_function
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        fn = self.call
+        modules = self._modules()
+
+        def tensors_now() -> dict[str, torch.Tensor]:
+            # As they are now (a fix may have replaced some), each module's under its index.
+            return {f"{i}.{name}": t for i, m in enumerate(modules) for name, t in (*m.named_parameters(), *m.named_buffers())}
+
+        def functional(named: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                for i, m in enumerate(modules):
+                    own = {name.partition(".")[2]: t for name, t in named.items() if name.partition(".")[0] == str(i)}
+                    stack.enter_context(_reparametrize_module(m, own, tie_weights=True))
+                return fn(*args, **kwargs)
+
+        inner = aot_function(
+            functional,
+            fw_compiler=ready,
+            bw_compiler=ready,
+            partition_fn=partition_fn,
+            decompositions=decompositions,
+            num_params_buffers=len(tensors_now()),
+            keep_inference_input_mutations=True,
+            dynamic=dynamic,
+        )
+        return lambda *args, **kwargs: inner(tensors_now(), *args, **kwargs)
+
     def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, sizes: bool) -> tuple[Any, ...]:
         """What a compiled graph is specialised on: its inputs' shapes (or only their number of
         dimensions), types and whether they need gradients, and the modes."""
         parts: list[Any] = [torch.is_grad_enabled(), self.compiler.autocast.dtype()]
-        if self.module is not None:
-            parts.append(self.module.training)
+        parts.extend(m.training for m in self._modules())
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape) if sizes else leaf.dim(), leaf.dtype, leaf.requires_grad, leaf.device.type))
@@ -482,6 +514,27 @@ class _Graphs:
             else:
                 parts.append(type(leaf).__name__)
         return tuple(parts)
+
+
+def modules_reached(fn: Any) -> list[torch.nn.Module]:
+    """The modules a compiled function reads directly: its ``self``, its closure's cells and
+    the globals its code names, less those inside another one found (their parameters are
+    that one's). A module reached only through another function is not found: the capture
+    then fails on its parameters, and the function runs eager, noted."""
+    found: dict[int, torch.nn.Module] = {}
+    code = getattr(fn, "__code__", None)
+    candidates = [getattr(fn, "__self__", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):
+            candidates.append(cell.cell_contents)
+    if code is not None:
+        names = getattr(fn, "__globals__", {})
+        candidates += [names.get(name) for name in code.co_names]
+    for c in candidates:
+        if isinstance(c, torch.nn.Module):
+            found.setdefault(id(c), c)
+    inside = {id(sub) for m in found.values() for sub in m.modules() if sub is not m}
+    return [m for key, m in found.items() if key not in inside]
 
 
 def checkpoint_stand_in() -> Any:
@@ -547,14 +600,13 @@ class _ModuleState:
     """The Python attributes of a module and its submodules (not their parameters, buffers or
     submodules), lists and dicts one level deep: what a forward traced once may have changed."""
 
-    def __init__(self, module: torch.nn.Module | None) -> None:
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.saved: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
-        if module is None:
-            return
-        for name, m in module.named_modules():
-            attrs = {k: v for k, v in vars(m).items() if k not in _REGISTRIES}
-            inner = {k: _contents(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
-            self.saved.append((name or type(m).__name__, m, attrs, inner))
+        for module in modules:
+            for name, m in module.named_modules():
+                attrs = {k: v for k, v in vars(m).items() if k not in _REGISTRIES}
+                inner = {k: _contents(v) for k, v in attrs.items() if isinstance(v, (list, dict))}
+                self.saved.append((name or type(m).__name__, m, attrs, inner))
 
     def changed(self) -> list[str]:
         """The attributes added, rebound, or whose list or dict changed, since the snapshot."""
