@@ -439,9 +439,22 @@ class _Graphs:
             self.ends_capture()
             return _ran(gm, self.compiler.recorder)
 
+        def aot(fn: Callable[..., Any], params_and_buffers: int) -> Any:
+            # The first so many of its inputs are the parameters and buffers, as AOTAutograd is told.
+            return aot_function(
+                fn,
+                fw_compiler=ready,
+                bw_compiler=ready,
+                partition_fn=partition_fn,
+                decompositions=decompositions,
+                num_params_buffers=params_and_buffers,
+                keep_inference_input_mutations=True,
+                dynamic=dynamic,
+            )
+
         module = self.module
         if module is None:
-            return self._aot_function(ready, partition_fn, decompositions, dynamic)
+            return self._aot_function(aot)
 
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
@@ -450,16 +463,7 @@ class _Graphs:
             with self._own_call():
                 return torch.func.functional_call(module, {**named_params, **named_buffers}, args, kwargs)
 
-        inner = aot_function(
-            functional,
-            fw_compiler=ready,
-            bw_compiler=ready,
-            partition_fn=partition_fn,
-            decompositions=decompositions,
-            num_params_buffers=len(params) + len(buffers),
-            keep_inference_input_mutations=True,
-            dynamic=dynamic,
-        )
+        inner = aot(functional, len(params) + len(buffers))
 
         def run(*args: Any, **kwargs: Any) -> Any:
             # The module's tensors as they are now (a fix may have replaced some), passed as the graph's inputs.
@@ -468,11 +472,10 @@ class _Graphs:
 
         return run
 
-    def _aot_function(self, ready: Any, partition_fn: Any, decompositions: Any, dynamic: bool) -> Callable[..., Any]:
-        """A compiled function's AOTAutograd compilation. The parameters and buffers of the
-        modules it reaches are its graph's inputs, as Dynamo lifts them: AOTAutograd's tracer
-        takes only tensors it is given."""
-        from torch._functorch.aot_autograd import aot_function
+    def _aot_function(self, aot: Callable[[Callable[..., Any], int], Any]) -> Callable[..., Any]:
+        """A compiled function's AOTAutograd compilation (made by ``aot``). The parameters and
+        buffers of the modules it reaches are its graph's inputs, as Dynamo lifts them:
+        AOTAutograd's tracer takes only tensors it is given."""
         from torch.nn.utils.stateless import _reparametrize_module
 
         fn = self.call
@@ -489,16 +492,7 @@ class _Graphs:
                     stack.enter_context(_reparametrize_module(m, own, tie_weights=True))
                 return fn(*args, **kwargs)
 
-        inner = aot_function(
-            functional,
-            fw_compiler=ready,
-            bw_compiler=ready,
-            partition_fn=partition_fn,
-            decompositions=decompositions,
-            num_params_buffers=len(tensors_now()),
-            keep_inference_input_mutations=True,
-            dynamic=dynamic,
-        )
+        inner = aot(functional, len(tensors_now()))
         return lambda *args, **kwargs: inner(tensors_now(), *args, **kwargs)
 
     def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, sizes: bool) -> tuple[Any, ...]:
