@@ -64,8 +64,14 @@ class Fixer:
     """The changes made at the model's forwards (checkpointing its blocks, autocast around each)
     and where the script moves it to the GPU (sharding it)."""
 
-    def __init__(self, fixes: list[str], autocast: Autocast, world_size: int = 1, notes: list[str] | None = None) -> None:
+    def __init__(
+        self, fixes: list[str], autocast: Autocast, world_size: int = 1, notes: list[str] | None = None, *, skip_what_cannot: bool = False
+    ) -> None:
         self.fixes = fixes
+        #: A change that cannot be made here is skipped, and said in ``skipped``, rather than
+        #: ending the run: the command's "all of the above", run beside the changes alone.
+        self.skip_what_cannot = skip_what_cannot
+        self.skipped: list[str] = []
         self.autocast = autocast
         self.world_size = world_size
         self.notes = notes if notes is not None else []
@@ -79,7 +85,13 @@ class Fixer:
     def stand_ins(self) -> list[tuple[Any, str, Any]]:
         """What the changes replace, as (owner, name, value) for the fake GPU's ledger: the
         optimizers made 8-bit, and a module's move to the GPU that shards it."""
-        found = optimizer_stand_ins(self.fixes)
+        try:
+            found = optimizer_stand_ins(self.fixes)
+        except PreflightError:
+            if not self.skip_what_cannot:
+                raise
+            found = []
+            self.skipped.append("adamw8bit")
         if "fsdp" in self.fixes:
             for name in ("to", "cuda"):
                 found.append((torch.nn.Module, name, self._sharding_after(getattr(torch.nn.Module, name))))
@@ -138,11 +150,13 @@ class Fixer:
                 self.autocast.enter(True, torch.bfloat16)
                 self._in_autocast = True
                 self._autocast_applied = True
-            elif not self._autocast_applied:
+            elif not self._autocast_applied and "autocast" not in self.skipped:
                 # The script's own autocast is in force at its first forward: the
                 # change would change nothing. (Later, a checkpointed block's
                 # forward run again in backward is under the autocast it ran in.)
-                raise PreflightError("the script already runs its model's forward under autocast")
+                if not self.skip_what_cannot:
+                    raise PreflightError("the script already runs its model's forward under autocast")
+                self.skipped.append("autocast")
 
     def top_forward_ends(self) -> None:
         """That forward has returned."""

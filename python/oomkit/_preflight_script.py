@@ -77,7 +77,7 @@ class _Session:
         self._seen_modules: set[int] = set()
         #: The changes tried inside the script for "what would make it fit" (``_preflight_fixes``).
         self.fixes: list[str] = [f for f in settings.get("fixes") or [] if f in INSIDE]
-        self.fixer = Fixer(self.fixes, self.autocast, self.world_size, self.notes)
+        self.fixer = Fixer(self.fixes, self.autocast, self.world_size, self.notes, skip_what_cannot=bool(settings.get("fixes_skip")))
         #: Allocator settings to replay the recorded step with as well (the expandable-segments fix),
         #: and whether always or only where the step does not fit.
         self.replay: dict[str, Any] | None = settings.get("replay")
@@ -299,6 +299,8 @@ class _Session:
             out = result.as_dict()
             if self.replay and (self.replay.get("always") or not result.fits):
                 out["replayed"] = replayed(self.rec, settings, str(self.replay["alloc_conf"]))
+            if self.fixer.skip_what_cannot:
+                out["fixes_skipped"] = self.fixer.skipped
         except PreflightError as e:
             self._write({"error": str(e)})
             return

@@ -27,6 +27,12 @@ SHARDED = "FSDP over 8 GPUs (fully_shard of each block)"
 #: The row of the allocator's expandable segments.
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
+#: The row of bitsandbytes' 8-bit AdamW.
+ADAM8 = "8-bit AdamW (bitsandbytes) for torch.optim.AdamW"
+
+#: The row of every change at once, on the script's own GPUs.
+ALL = "all of the above"
+
 
 def preflight(script: Path, *args: str, capacity: str = "100MiB") -> dict:
     p = subprocess.run(
@@ -49,12 +55,15 @@ def test_each_fix_is_what_the_script_changed_by_hand_measures(tmp_path: Path) ->
         "micro-batch 32 x accumulation 2": ("--batch", "32"),
     }
     if importlib.util.find_spec("bitsandbytes") is not None:
-        by_hand["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"] = ("--batch", "64", "--adam8")
+        by_hand[ADAM8] = ("--batch", "64", "--adam8")
     # Sharded by hand: the script launched on 8 GPUs, each block and the model given to fully_shard.
     by_hand[SHARDED] = ("--batch", "64", "--fsdp")
     # The allocator's settings given by hand (the row is the first run replayed by the allocator model).
     by_hand[EXPANDABLE] = ("--batch", "64")
+    # All of them at once (a run beside the changes alone, which would skip what cannot be made).
+    by_hand[ALL] = ("--batch", "32", "--checkpoint", "--autocast", *(("--adam8",) if ADAM8 in by_hand else ()))
     flags = {SHARDED: ("--gpus", "8"), EXPANDABLE: ("--alloc-conf", "expandable_segments:True")}
+    flags[ALL] = flags[EXPANDABLE]
     for change, args in by_hand.items():
         hand = preflight(script, *flags.get(change, ()), "--", sys.executable, str(script), *args)["run"]
         row = rows[change]
@@ -109,6 +118,12 @@ def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tm
     assert list(rows)[-2:] == ["all of the above", SHARDED]
     checkpointed = rows["activation checkpointing of the model's repeated blocks"]
     assert rows["all of the above"]["peak_allocated_bytes"] <= checkpointed["peak_allocated_bytes"]
+    # It is the script changed by hand with the changes that ran alone (autocast is the script's own).
+    adam8 = ("--adam8",) if ADAM8 in rows else ()
+    hand = preflight(
+        script, "--alloc-conf", "expandable_segments:True", "--", sys.executable, str(script), "--batch", "32", "--autocast", "--checkpoint", *adam8
+    )["run"]
+    assert (rows[ALL]["peak_allocated_bytes"], rows[ALL]["peak_reserved_bytes"]) == (hand["peak_allocated_bytes"], hand["peak_reserved_bytes"])
 
 
 def test_a_compiled_model_spread_over_gpus_is_measured_eager_and_said(tmp_path: Path) -> None:

@@ -53,6 +53,11 @@ pub struct PreflightRun {
     /// read by the command, not part of the run's answer.
     #[serde(default, skip_serializing)]
     pub replayed: Option<Replayed>,
+    /// The changes a run of several skipped because they cannot be made here
+    /// (`oomkit preflight`'s "all of the above", run beside the changes alone):
+    /// read by the command, not part of the run's answer.
+    #[serde(default, skip_serializing)]
+    pub fixes_skipped: Vec<String>,
 }
 
 /// A recorded step replayed by the allocator model under other settings.
@@ -86,6 +91,9 @@ pub struct FixRow {
     pub fits: bool,
     /// What it costs, in words.
     pub cost: String,
+    /// The changes its run skipped as not possible here (a run of several), for the command.
+    #[serde(skip)]
+    pub skipped: Vec<String>,
 }
 
 /// A line of the user's code and what it held at the peak.

@@ -358,14 +358,19 @@ fn fixes(
         halved: false,
         gpus: Some(over),
     };
-    // Each change alone, and the sharding, run side by side: none waits on another's answer.
-    let mut alone: Vec<&Change> = changes.iter().collect();
-    alone.push(&sharded);
-    let mut outcomes = side_by_side(a, base, knob, replayed, &alone);
-    // The last outcome is the sharding's (there is always one).
-    let sharded_outcome = outcomes
-        .pop()
-        .unwrap_or_else(|| Err(format!("{}: not measured", sharded.change)));
+    // Each change alone, the sharding, and all of them together run side by side.
+    // The run of all of them skips what cannot be made here (autocast the script
+    // already has, no bitsandbytes), as the changes alone find it; where those find
+    // otherwise, it is run again with the changes that ran alone.
+    let everything = together(&changes.iter().collect::<Vec<_>>());
+    let mut jobs: Vec<&Change> = changes.iter().collect();
+    jobs.push(&sharded);
+    jobs.push(&everything);
+    let mut outcomes = side_by_side(a, base, knob, replayed, &jobs);
+    let not_run = |c: &Change| Err(format!("{}: not measured", c.change));
+    // The last two outcomes are all of them together's and the sharding's.
+    let everything_outcome = outcomes.pop().unwrap_or_else(|| not_run(&everything));
+    let sharded_outcome = outcomes.pop().unwrap_or_else(|| not_run(&sharded));
     let mut rows = Vec::new();
     let mut measured_changes = Vec::new();
     for (c, outcome) in changes.iter().zip(outcomes) {
@@ -377,10 +382,14 @@ fn fixes(
             Err(note) => notes.push(note),
         }
     }
-    // Together only what ran alone: a change that cannot run here (no
-    // bitsandbytes, autocast the script already has) would sink the rest.
+    // Together only what ran alone: a change that cannot run here would sink the rest.
     if measured_changes.len() >= 2 {
-        match measure_change(a, base, knob, &together(&measured_changes)) {
+        let wanted = together(&measured_changes);
+        let outcome = match everything_outcome {
+            Ok(row) if made(&everything, &row.skipped) == made(&wanted, &[]) => Ok(row),
+            _ => measure_change(a, base, knob, &wanted),
+        };
+        match outcome {
             Ok(row) => rows.push(row),
             Err(note) => notes.push(note),
         }
@@ -390,6 +399,18 @@ fn fixes(
         Err(note) => notes.push(note),
     }
     rows
+}
+
+/// What a run of `c` changed, less the changes inside the script it `skipped`.
+fn made(c: &Change, skipped: &[String]) -> (Vec<&'static str>, bool, bool) {
+    let mut inside: Vec<&'static str> = c
+        .inside
+        .iter()
+        .copied()
+        .filter(|name| !skipped.iter().any(|s| s == name))
+        .collect();
+    inside.sort_unstable();
+    (inside, c.expandable, c.halved)
 }
 
 /// The changes made together, on the script's own GPUs ("all of the above").
@@ -424,6 +445,7 @@ fn side_by_side(
             peak_reserved_bytes: r.peak_reserved_bytes,
             fits: r.fits,
             cost: c.cost.into(),
+            skipped: Vec::new(),
         })
     };
     let mut found: Vec<(usize, Result<FixRow, String>)> = Vec::new();
@@ -495,6 +517,8 @@ fn measure_change(
         // The script's output was shown by its own run; runs side by side would interleave it.
         quiet: true,
         replay: None,
+        // Several changes at once skip what cannot be made, and say so.
+        skip_what_cannot: c.inside.len() > 1,
     };
     match run_once(a, &v) {
         Ok(r) => Ok(FixRow {
@@ -503,6 +527,7 @@ fn measure_change(
             peak_reserved_bytes: r.peak_reserved_bytes,
             fits: r.fits,
             cost: c.cost.into(),
+            skipped: r.fixes_skipped,
         }),
         Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => Err(format!(
             "{}: not measured: {}",
@@ -559,6 +584,8 @@ struct Variant<'v> {
     /// Allocator settings to replay the recorded step with as well, and whether
     /// always (else only where the step does not fit, when fixes follow).
     replay: Option<(&'v str, bool)>,
+    /// Changes inside the script that cannot be made are skipped and said, not the run's end.
+    skip_what_cannot: bool,
 }
 
 /// Runs the command once, as `v` says, and reads its answer.
@@ -589,6 +616,7 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         "time_limit": a.time_limit,
         "fixes": v.fixes,
         "replay": v.replay.map(|(conf, always)| serde_json::json!({"alloc_conf": conf, "always": always})),
+        "fixes_skip": v.skip_what_cannot,
     });
     let words: Vec<String> = a
         .command
