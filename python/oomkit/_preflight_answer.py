@@ -116,9 +116,7 @@ def answer(
     """Serves what ``rec`` recorded through the allocator model and answers; writes the snapshot if asked."""
     tr = rec.trace
     roles = known.roles(tr)
-    streams = [0] * len(tr.kinds)
-    realized = _native.realize_ops(tr.kinds, tr.args, streams, settings.alloc_conf, None)
-    capped = _native.realize_ops(tr.kinds, tr.args, streams, settings.alloc_conf, settings.capacity_bytes)
+    realized, capped = _served(tr, settings.alloc_conf, settings.capacity_bytes)
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     fits = not capped[2][4]
     by_role, by_line = _at_peak(tr, roles, realized[3][0])
@@ -164,10 +162,7 @@ def answer(
 def replayed(rec: Recorder, settings: Settings, alloc_conf: str) -> dict[str, Any]:
     """The recorded step served through the allocator model again under ``alloc_conf``
     (the same capacity): what a run with those settings measures, without the run."""
-    tr = rec.trace
-    streams = [0] * len(tr.kinds)
-    realized = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None)
-    capped = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, settings.capacity_bytes)
+    realized, capped = _served(rec.trace, alloc_conf, settings.capacity_bytes)
     peak_reserved, peak_allocated = realized[2][0], realized[2][1]
     return {
         "alloc_conf": alloc_conf,
@@ -175,6 +170,15 @@ def replayed(rec: Recorder, settings: Settings, alloc_conf: str) -> dict[str, An
         "peak_reserved_bytes": peak_reserved,
         "fits": not capped[2][4],
     }
+
+
+def _served(tr: Trace, alloc_conf: str | None, capacity_bytes: int) -> tuple[Any, Any]:
+    """The recorded step served through the allocator model without a limit (its peaks) and
+    limited to the capacity (whether it fits)."""
+    streams = [0] * len(tr.kinds)
+    realized = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None)
+    capped = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, capacity_bytes)
+    return realized, capped
 
 
 def unsupported(e: StepUnsupportedError) -> PreflightError:

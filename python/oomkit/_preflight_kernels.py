@@ -66,7 +66,8 @@ class NativeMetaKernels:
         library, self.library = self.library, None
         if library is None:
             return
-        # Registrations the script made into the library while entered stay in it.
+        # PyTorch registers into this library only when torch._meta_registrations is
+        # imported, so the kernels taken at install are all it held.
         library.m.reset()
         # Named as PyTorch's own registrations are, by the file that makes them.
         restored = _new_library(getattr(sys.modules.get("torch._meta_registrations"), "__file__", __file__))

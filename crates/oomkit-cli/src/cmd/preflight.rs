@@ -387,7 +387,7 @@ fn fixes(
         let wanted = together(&measured_changes);
         let outcome = match everything_outcome {
             Ok(row) if made(&everything, &row.skipped) == made(&wanted, &[]) => Ok(row),
-            _ => measure_change(a, base, knob, &wanted),
+            _ => measure_change(a, base, knob, None, &wanted),
         };
         match outcome {
             Ok(row) => rows.push(row),
@@ -435,39 +435,18 @@ fn side_by_side(
     replayed: Option<&Replayed>,
     changes: &[&Change],
 ) -> Vec<Result<FixRow, String>> {
-    // What the first run replayed needs no run.
-    let replayed_row = |c: &Change| {
-        let r = replayed
-            .filter(|r| c.replayable() && r.alloc_conf == expandable_conf(base.alloc_conf))?;
-        Some(FixRow {
-            change: c.change.clone(),
-            peak_allocated_bytes: r.peak_allocated_bytes,
-            peak_reserved_bytes: r.peak_reserved_bytes,
-            fits: r.fits,
-            cost: c.cost.into(),
-            skipped: Vec::new(),
-        })
-    };
-    let mut found: Vec<(usize, Result<FixRow, String>)> = Vec::new();
-    let mut to_run: Vec<(usize, &Change)> = Vec::new();
-    for (i, c) in changes.iter().enumerate() {
-        match replayed_row(c) {
-            Some(row) => found.push((i, Ok(row))),
-            None => to_run.push((i, c)),
-        }
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let workers = cores.clamp(1, MOST_RUNS_AT_ONCE).min(to_run.len());
+    let workers = cores.clamp(1, MOST_RUNS_AT_ONCE).min(changes.len());
     let next = AtomicUsize::new(0);
-    let ran: Vec<(usize, Result<FixRow, String>)> = std::thread::scope(|scope| {
+    let mut found: Vec<(usize, Result<FixRow, String>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
                     let mut done = Vec::new();
                     loop {
-                        let k = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(i, c)) = to_run.get(k) else { break };
-                        done.push((i, measure_change(a, base, knob, c)));
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(c) = changes.get(i) else { break };
+                        done.push((i, measure_change(a, base, knob, replayed, c)));
                     }
                     done
                 })
@@ -481,7 +460,6 @@ fn side_by_side(
             })
             .collect()
     });
-    found.extend(ran);
     found.sort_by_key(|(i, _)| *i);
     found.into_iter().map(|(_, outcome)| outcome).collect()
 }
@@ -494,14 +472,33 @@ fn expandable_conf(theirs: Option<&str>) -> String {
     }
 }
 
-/// One change run on the script: its row, or the note saying why it could not be measured.
+/// One change measured on the script: its row, or the note saying why it could not be
+/// measured. A change of the allocator's settings alone that the first run replayed
+/// (`replayed`) needs no run.
 fn measure_change(
     a: &Args,
     base: &Variant<'_>,
     knob: Option<(&str, u64)>,
+    replayed: Option<&Replayed>,
     c: &Change,
 ) -> Result<FixRow, String> {
+    let row = |peak_allocated_bytes, peak_reserved_bytes, fits, skipped| FixRow {
+        change: c.change.clone(),
+        peak_allocated_bytes,
+        peak_reserved_bytes,
+        fits,
+        cost: c.cost.into(),
+        skipped,
+    };
     let conf = c.expandable.then(|| expandable_conf(base.alloc_conf));
+    if let Some(r) = replayed.filter(|r| c.replayable() && Some(&r.alloc_conf) == conf.as_ref()) {
+        return Ok(row(
+            r.peak_allocated_bytes,
+            r.peak_reserved_bytes,
+            r.fits,
+            Vec::new(),
+        ));
+    }
     let v = Variant {
         knob,
         batch: if c.halved {
@@ -521,14 +518,12 @@ fn measure_change(
         skip_what_cannot: c.inside.len() > 1,
     };
     match run_once(a, &v) {
-        Ok(r) => Ok(FixRow {
-            change: c.change.clone(),
-            peak_allocated_bytes: r.peak_allocated_bytes,
-            peak_reserved_bytes: r.peak_reserved_bytes,
-            fits: r.fits,
-            cost: c.cost.into(),
-            skipped: r.fixes_skipped,
-        }),
+        Ok(r) => Ok(row(
+            r.peak_allocated_bytes,
+            r.peak_reserved_bytes,
+            r.fits,
+            r.fixes_skipped,
+        )),
         Err(Failure::Spawn(m) | Failure::NoAnswer(m)) => Err(format!(
             "{}: not measured: {}",
             c.change,
