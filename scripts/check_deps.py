@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fails on a dependency nobody uses, an import circle, or a long function with no word on why it stays whole.
+"""Fails on a dependency nobody uses, an import circle, an import back up the Python side's layers, or a long function with no word on why it stays whole.
 
 Run by scripts/test.sh; each rule is one that docs/architecture.md states:
 
@@ -14,6 +14,8 @@ Run by scripts/test.sh; each rule is one that docs/architecture.md states:
   included: a circle in the types is one in the design). Test code (a
   `#[cfg(test)]` module, tests.rs) is left out, and so is the crate's root
   (lib.rs re-exports every module: it is the crate's face, not a module).
+- **The Python side's layers** (PYTHON_LAYERS): a module of the package
+  that imports one of a layer above its own, or that no layer names.
 - **Long functions.** A function over LONG_FUNCTION lines (Rust in crates/,
   Python in python/oomkit) needs a comment right above it (or, in Python,
   in its docstring) that says why it stays whole: "Long on purpose: ..."
@@ -216,7 +218,8 @@ def python_graph(package: str) -> dict[str, set[str]]:
                 if node.level:
                     parts = here.split(".")
                     base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                # `from pkg import mod` reaches the module alone; `from pkg import name`, the package.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             else:
                 continue
             for target in targets:
@@ -272,6 +275,61 @@ def import_circles() -> list[str]:
     for group in circles(python_graph(PACKAGE)):
         problems.append(f"python/oomkit: an import circle between {', '.join(group)}: move what they share to the module that owns it")
     return problems
+
+
+# ----- the Python side's layers --------------------------------------------
+
+#: The Python package's layers, bottom first, as docs/architecture.md draws
+#: them: a module may import modules of its own layer and of those below it,
+#: never of one above. An entry names a module, or with ``.*`` a package and
+#: everything in it; every module of the package is in exactly one layer (the
+#: package's own ``__init__``, the public face, imports what it re-exports and
+#: is left out).
+PYTHON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("the base (the binding's stubs, OOM recognition, the plan `oomkit run` hands down)", ("oomkit._oom", "oomkit._elastic", "oomkit._plan")),
+    ("the tracker", ("oomkit.tracker.*",)),
+    ("keeping a run going from inside it", ("oomkit.auto_batch",)),
+    ("preflight's vocabulary (settings, result, notes; no torch)", ("oomkit.preflight.settings", "oomkit.preflight.result", "oomkit.preflight.notes")),
+    ("preflight's recorder", ("oomkit.preflight.record.*",)),
+    ("preflight's frameworks", ("oomkit.preflight.frameworks.*",)),
+    ("preflight's world (the fake GPU and its stand-ins)", ("oomkit.preflight.world.*",)),
+    ("preflight's driver and fixes", ("oomkit.preflight.driver", "oomkit.preflight.fixes")),
+    ("preflight's answer", ("oomkit.preflight.answer", "oomkit.preflight.snapshot")),
+    ("preflight's ways in", ("oomkit.preflight", "oomkit.preflight.api", "oomkit.preflight.script", "oomkit.preflight.config")),
+    ("the console script", ("oomkit._cli",)),
+    ("the framework integrations (imported only when used, by nothing of the core)", ("oomkit.integrations.*",)),
+]
+
+
+def python_layer(module: str) -> int | None:
+    """The index in PYTHON_LAYERS of the layer ``module`` is in, or None."""
+    for i, (_name, entries) in enumerate(PYTHON_LAYERS):
+        for entry in entries:
+            if module == entry.removesuffix(".*") or (entry.endswith(".*") and module.startswith(entry[:-1])):
+                return i
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that runs back up the layers, and every module no layer names."""
+    problems = []
+    for module in sorted(graph):
+        here = python_layer(module)
+        if here is None:
+            problems.append(f"python/oomkit: {module} is in no layer: add it to PYTHON_LAYERS in scripts/check_deps.py, where it belongs")
+            continue
+        for target in sorted(graph[module]):
+            there = python_layer(target)
+            if there is not None and there > here:
+                problems.append(
+                    f"python/oomkit: {module} ({PYTHON_LAYERS[here][0]}) imports {target} ({PYTHON_LAYERS[there][0]}), "
+                    "a layer above it: move what it needs down, or the import up"
+                )
+    return problems
+
+
+def python_layers() -> list[str]:
+    return layer_violations(python_graph(PACKAGE))
 
 
 # ----- long functions ------------------------------------------------------
@@ -366,7 +424,7 @@ def long_functions() -> list[str]:
 
 
 def main() -> int:
-    problems = unused_dependencies() + import_circles() + long_functions()
+    problems = unused_dependencies() + import_circles() + python_layers() + long_functions()
     for p in problems:
         print(p, file=sys.stderr)
     return 1 if problems else 0

@@ -91,7 +91,7 @@ def predict(case: Case, micro: int, capacity: str, search: bool) -> dict[str, An
     t = time.monotonic()
     p = oomkit.preflight(case.build, case.batch, micro_batch=micro, loss=case.loss, optimizer=case.optimizer, autocast=case.autocast,
                          steps=STEPS, capacity=capacity, max_micro_batch=case.search_max if search else None)
-    out = {"peak_allocated_bytes": p.peak_allocated_bytes, "peak_reserved_bytes": p.peak_reserved_bytes, "fits": p.fits,
+    out: dict[str, Any] = {"peak_allocated_bytes": p.peak_allocated_bytes, "peak_reserved_bytes": p.peak_reserved_bytes, "fits": p.fits,
            "seconds": round(time.monotonic() - t, 2)}
     if search:
         out["largest_micro_batch"] = p.largest_micro_batch

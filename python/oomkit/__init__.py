@@ -17,6 +17,9 @@ from oomkit._native import OomkitError, PreflightError, RunLogError, __version__
 from oomkit._oom import is_oom, requested_bytes
 from oomkit._plan import Plan
 from oomkit.auto_batch import BatchSizeError, UsageError, auto_batch, current_plan, oom_guard
+
+# The function; its package (oomkit/preflight/) stays importable as `oomkit.preflight.<module>`.
+from oomkit.preflight import preflight
 from oomkit.tracker import Tracker, record_history
 
 __all__ = [
@@ -45,13 +48,3 @@ def analyze(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     result: dict[str, Any] = json.loads(_native.analyze_run_json(os.fspath(path)))
     return result
-
-
-def preflight(model: Any, batch: Any, **settings: Any) -> Any:
-    """Runs the training step on tensors without memory and says whether it fits (see ``oomkit._preflight.preflight``).
-
-    Imports torch when called, not when oomkit is imported.
-    """
-    from oomkit._preflight import preflight as run
-
-    return run(model, batch, **settings)

@@ -142,7 +142,7 @@ def _rank() -> int:
 def _note_trackers(plan: _plan.Plan) -> None:
     """Tells every open tracker the plan of the try that starts now; never raises."""
     try:
-        from oomkit import tracker
+        from oomkit.tracker import tracker
 
         tracker.note_plan(plan)
     except Exception:  # noqa: BLE001 - logging the plan never stops training
@@ -152,7 +152,7 @@ def _note_trackers(plan: _plan.Plan) -> None:
 def _note_oom(exc: BaseException) -> None:
     """Has an open tracker record an OOM that a guard caught; never raises."""
     try:
-        from oomkit import tracker
+        from oomkit.tracker import tracker
 
         tracker.note_oom(exc)
     except Exception:  # noqa: BLE001 - recording never stops training

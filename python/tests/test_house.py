@@ -1,4 +1,4 @@
-"""The rules docs/architecture.md states, checked: the fake GPU is undone, no import circles, no long function without a why, every module named.
+"""The rules docs/architecture.md states, checked: the fake GPU is undone, no import circles, no import back up the Python side's layers, no long function without a why, every module named.
 
 `scripts/check_deps.py` enforces the circles and the long functions in the
 test command; here it is shown to catch each on a small crate and package
@@ -142,18 +142,20 @@ def test_after_a_preflight_torch_is_as_it_was(gpus: int, compiled: bool) -> None
 
 
 def test_the_ledger_names_every_stand_in() -> None:
-    from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
-    from oomkit._preflight_memory import MemoryQueries
-    from oomkit._preflight_record import Recorder
-    from oomkit._preflight_world import FakeGpu, Hook, StandIn
+    from oomkit.preflight.notes import Notes
+    from oomkit.preflight.record.recorder import Recorder
+    from oomkit.preflight.settings import Settings
+    from oomkit.preflight.world.cuda import Autocast, CudaFunctions, cublas_workspace
+    from oomkit.preflight.world.fake_gpu import FakeGpu, Hook, StandIn
+    from oomkit.preflight.world.memory import MemoryQueries
 
     rec = Recorder(cublas_workspace("H100"))
-    notes: list[str] = []
+    notes = Notes()
+    settings = Settings(capacity="H100")
     world = FakeGpu(
-        capacity="H100",
-        capacity_bytes=80 << 30,
+        settings=settings,
         recorder=rec,
-        memory=MemoryQueries(rec, lambda: None, 80 << 30, notes),
+        memory=MemoryQueries(rec, lambda: None, settings.capacity_bytes, notes),
         autocast=Autocast(),
         functions=CudaFunctions(Autocast()),
         notes=notes,
@@ -215,6 +217,27 @@ def test_an_import_circle_in_the_package_is_found_type_checking_imports_too(tmp_
     assert check.circles(check.python_graph(str(pkg))) == []
 
 
+def test_an_import_back_up_the_python_layers_is_found() -> None:
+    check = _check_deps()
+    # The driver records and the answer tells: the driver reaching up for the answer is refused.
+    graph = {
+        "oomkit.preflight.driver": {"oomkit.preflight.record.recorder", "oomkit.preflight.answer"},
+        "oomkit.preflight.answer": {"oomkit.preflight.driver"},
+        "oomkit.preflight.record.recorder": set(),
+        "oomkit.tracker.tracker": {"oomkit.integrations.transformers"},
+        "oomkit.integrations.transformers": {"oomkit.tracker.tracker"},
+        "oomkit.preflight.elsewhere": set(),
+    }
+    found = check.layer_violations(graph)
+    assert any("oomkit.preflight.driver (preflight's driver and fixes) imports oomkit.preflight.answer" in p for p in found), found
+    assert any("oomkit.tracker.tracker (the tracker) imports oomkit.integrations.transformers" in p for p in found), found
+    assert any("oomkit.preflight.elsewhere is in no layer" in p for p in found), found
+    # The answer reaching down for the driver, and an integration for the tracker, are the layers' order.
+    assert len(found) == 3, found
+    # And `from pkg import module` is an import of the module, not of the package's face.
+    assert "oomkit.tracker" not in check.python_graph(check.PACKAGE)["oomkit.tracker.tracker"]
+
+
 def test_a_long_function_needs_a_word_on_why(tmp_path: Path) -> None:
     check = _check_deps()
     body = "\n".join(f"    let x{i} = {i};" for i in range(check.LONG_FUNCTION + 5))
@@ -232,6 +255,7 @@ def test_a_long_function_needs_a_word_on_why(tmp_path: Path) -> None:
 def test_the_repository_keeps_the_rules() -> None:
     check = _check_deps()
     assert check.import_circles() == []
+    assert check.python_layers() == []
     assert check.long_functions() == []
 
 
@@ -242,7 +266,7 @@ def test_the_architecture_names_every_module() -> None:
     # Each crate's row of the table names each of its modules (`name.rs`, `dir/`), and the package's rows each file.
     rows = {}
     for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
-        row = re.match(r"\| `(crates/[a-z-]+|python/oomkit(?:/integrations)?)` \|(.*)", line)
+        row = re.match(r"\| `(crates/[a-z-]+|python/oomkit(?:/[a-z_/]+)?)` \|(.*)", line)
         if row:
             rows[row.group(1)] = set(re.findall(r"([A-Za-z0-9_]+)(?:\.rs|\.py|/)", row.group(2)))
     missing = []
@@ -254,10 +278,14 @@ def test_the_architecture_names_every_module() -> None:
             stem = path.stem if path.stem != "mod" else path.parent.name
             if stem not in ("lib", "main", "tests") and path.parent.name != "bin" and stem not in named:
                 missing.append(str(path.relative_to(ROOT)))
-    for folder in ("python/oomkit", "python/oomkit/integrations"):
-        named = rows.get(folder, set())
-        for path in sorted((ROOT / folder).glob("*.py")):
-            if path.stem != "__init__" and path.stem not in named:
+    # Every folder of the package has its row, naming each of its modules.
+    for init in sorted((ROOT / "python" / "oomkit").rglob("__init__.py")):
+        folder = str(init.parent.relative_to(ROOT))
+        if folder not in rows:
+            missing.append(f"{folder}/ (no row)")
+            continue
+        for path in sorted(init.parent.glob("*.py")):
+            if path.stem != "__init__" and path.stem not in rows[folder]:
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"docs/architecture.md does not name: {missing}"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import oomkit
 import pytest
 import torch
-from oomkit._preflight import Preflight
+from oomkit.preflight import Preflight
 from preflight_cli import preflight_run
 from torch import nn
 

@@ -2,7 +2,7 @@
 
 Every operation of a preflight sizes its result with a meta kernel, and
 PyTorch registers Python ones over the C++ ones for hundreds of operators
-(about a hundred times slower). `oomkit._preflight_kernels` makes the C++
+(about a hundred times slower). `oomkit.preflight.world.kernels` makes the C++
 ones current for the run and puts PyTorch's back after; these tests check
 both ways and that the two agree on what a result looks like.
 """
@@ -10,7 +10,7 @@ both ways and that the two agree on what a result looks like.
 from __future__ import annotations
 
 import torch
-from oomkit._preflight_kernels import native_meta_kernels_current
+from oomkit.preflight.world.kernels import native_meta_kernels_current
 
 
 def _meta_kernel(op: str) -> str:
@@ -29,7 +29,7 @@ def test_the_cpp_kernels_are_current_inside_and_pythons_again_after() -> None:
         assert "RegisterMeta" in inside, inside
         # An operator with no C++ meta kernel keeps its Python one.
         python_only = [name for name, _ in handle.kernels if "RegisterMeta" not in _meta_kernel(name)]
-        assert python_only and all("_preflight_kernels.py" in _meta_kernel(n) for n in python_only[:20])
+        assert python_only and all("preflight/world/kernels.py" in _meta_kernel(n) for n in python_only[:20])
     assert "_meta_registrations.py" in _meta_kernel("aten::add.Tensor")
     for name, _ in handle.kernels[:50]:
         assert "_meta_registrations.py" in _meta_kernel(name), name

@@ -24,8 +24,8 @@ from pathlib import Path
 import oomkit
 import pytest
 import torch
-from oomkit._preflight_frames import LIBRARY, RUNTIME, TORCH, USER, classify, user_line
-from oomkit._preflight_values import SHADOW_MAX_ELEMENTS
+from oomkit.preflight.record.frames import LIBRARY, RUNTIME, TORCH, USER, classify, user_line
+from oomkit.preflight.record.values import SHADOW_MAX_ELEMENTS
 from preflight_cli import OOMKIT, preflight_run
 
 # test.sh installs transformers on Python 3.10 and newer only.

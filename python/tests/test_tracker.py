@@ -18,7 +18,7 @@ import oomkit
 import pytest
 import torch
 from models import MLP, TinyTransformer
-from oomkit import _oom_capture
+from oomkit.tracker import oom_capture
 
 MIB = 1 << 20
 # The console script installed beside this interpreter.
@@ -479,8 +479,8 @@ def test_an_oom_seen_by_the_allocator_observer_is_recorded_once(tmp_path):
     tracker.begin_step(5)
     tracker.begin_stage("backward")
     # What torch's CUDA allocator calls, with (device, alloc, device_limit, device_free).
-    _oom_capture.on_allocator_oom(tracker._core, 1, 1 << 30, 0, 0)  # another device: not ours
-    _oom_capture.on_allocator_oom(tracker._core, 0, 3 << 30, 70 << 30, 1 << 29)
+    oom_capture.on_allocator_oom(tracker._core, 1, 1 << 30, 0, 0)  # another device: not ours
+    oom_capture.on_allocator_oom(tracker._core, 0, 3 << 30, 70 << 30, 1 << 29)
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
     assert tracker.record_oom(exc) is True
     tracker.close()
@@ -496,7 +496,7 @@ def test_an_oom_under_the_process_s_own_cap_is_told_as_such(tmp_path):
     tracker = oomkit.Tracker(model, log_dir=tmp_path)
     tracker._meter.index, tracker._meter.capacity = 0, 140 * gib
     tracker.begin_step(0)
-    _oom_capture.on_allocator_oom(tracker._core, 0, 12 * gib, 35 * gib, 114 * gib)
+    oom_capture.on_allocator_oom(tracker._core, 0, 12 * gib, 35 * gib, 114 * gib)
     tracker.close()
     [oom] = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert (oom["memory"]["allowed_bytes"], oom["memory"]["free_bytes"]) == (35 * gib, 114 * gib)
@@ -505,7 +505,7 @@ def test_an_oom_under_the_process_s_own_cap_is_told_as_such(tmp_path):
     tracker = oomkit.Tracker(model, log_dir=tmp_path / "uncapped")
     tracker._meter.index, tracker._meter.capacity = 0, 140 * gib
     tracker.begin_step(0)
-    _oom_capture.on_allocator_oom(tracker._core, 0, 12 * gib, 140 * gib, 1 * gib)
+    oom_capture.on_allocator_oom(tracker._core, 0, 12 * gib, 140 * gib, 1 * gib)
     tracker.close()
     assert oomkit.analyze(tracker.log_path)["ooms"][0]["cause"] == "capacity"
     # From PyTorch's message alone (the exception, no observer), as the H200 printed it.
@@ -534,13 +534,13 @@ def test_an_allocation_failing_while_an_oom_is_written_is_not_written_again(tmp_
     inner = tracker.find_duplicates
 
     def failing_inside(when: str = "manual") -> dict:
-        _oom_capture.on_allocator_oom(tracker._core, 0, 1 << 20, 70 << 30, 0)
+        oom_capture.on_allocator_oom(tracker._core, 0, 1 << 20, 70 << 30, 0)
         return inner(when)
 
     tracker.find_duplicates = failing_inside
-    _oom_capture.on_allocator_oom(tracker._core, 0, 3 << 30, 70 << 30, 1 << 29)
+    oom_capture.on_allocator_oom(tracker._core, 0, 3 << 30, 70 << 30, 1 << 29)
     tracker.find_duplicates = inner
-    _oom_capture.on_allocator_oom(tracker._core, 0, 5 << 30, 70 << 30, 1 << 29)  # a later OOM is written
+    oom_capture.on_allocator_oom(tracker._core, 0, 5 << 30, 70 << 30, 1 << 29)  # a later OOM is written
     tracker.close()
     ooms = [json.loads(line) for line in Path(tracker.log_path).read_text().splitlines() if '"type":"oom"' in line]
     assert [o["requested_bytes"] for o in ooms] == [3 << 30, 5 << 30]

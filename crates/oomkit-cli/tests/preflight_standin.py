@@ -1,6 +1,6 @@
 """A stand-in for a Python training script under `oomkit preflight`, for the CLI's tests.
 
-It answers as `oomkit._preflight_script` does, with the answer a real run of
+It answers as `oomkit.preflight.script` does, with the answer a real run of
 examples/preflight/train.py --batch-size 8 gave (2026-11-25, torch 2.15,
 CPU only), scaled by the micro-batch given (argv[1]), so that the command's
 rendering, search and exit codes are tested without PyTorch.

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// One preflight run, as `oomkit._preflight.Preflight.as_dict()` writes it.
+/// One preflight run, as `oomkit.preflight.Preflight.as_dict()` writes it.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct PreflightRun {
     /// The micro-batch substituted for `{batch}`, or null where the script sets its own.

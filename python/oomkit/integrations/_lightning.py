@@ -10,7 +10,7 @@ import contextlib
 from typing import Any, Callable, Optional
 
 from oomkit import _plan
-from oomkit.tracker import Tracker, _integration_writes_plan
+from oomkit.tracker.tracker import Tracker, _integration_writes_plan
 
 FRAMEWORK = "lightning"
 

@@ -38,7 +38,7 @@ import transformers
 from transformers import TrainerCallback
 
 from oomkit import _plan
-from oomkit.tracker import Tracker, _integration_writes_plan
+from oomkit.tracker.tracker import Tracker, _integration_writes_plan
 
 __all__ = ["OomkitCallback", "train"]
 

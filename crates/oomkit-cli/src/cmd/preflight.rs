@@ -3,7 +3,7 @@
 //! steps, and answered with the peak, what held it, whether it fits, and
 //! (with `{batch}` in the command) the largest micro-batch that does.
 //!
-//! The work is done in the script's own Python by `oomkit._preflight_script`,
+//! The work is done in the script's own Python by `oomkit.preflight.script`,
 //! started from a `sitecustomize` module this command puts first on the
 //! script's `PYTHONPATH`; the answer comes back as a JSON file.
 
@@ -36,7 +36,7 @@ import sys as _sys
 
 if _os.environ.get("OOMKIT_PREFLIGHT"):
     try:
-        from oomkit._preflight_script import install as _install
+        from oomkit.preflight.script import install as _install
     except ImportError as _e:
         _sys.stderr.write(f"oomkit preflight: this Python ({_sys.executable}) cannot import oomkit's preflight ({_e}); install oomkit where the script runs\n")
         _os._exit(2)
@@ -570,7 +570,7 @@ struct Variant<'v> {
     alloc_conf: Option<&'v str>,
     /// The settings are oomkit's (a fix tried), not the script's to override.
     alloc_conf_fixed: bool,
-    /// Changes made inside the script (`_preflight_fixes`: checkpoint, autocast, adamw8bit, fsdp).
+    /// Changes made inside the script (`oomkit.preflight.fixes`: checkpoint, autocast, adamw8bit, fsdp).
     fixes: &'v [&'v str],
     /// The GPUs it runs as rank 0 of, where a fix spreads the model over other than `--gpus`.
     gpus: Option<u32>,
@@ -687,21 +687,21 @@ fn python() -> std::ffi::OsString {
 }
 
 /// Traces the training step of a Hugging Face config with preflight
-/// (`python -m oomkit._preflight_config`), given the estimate's settings.
+/// (`python -m oomkit.preflight.config`), given the estimate's settings.
 pub(crate) fn trace_config(mut settings: Value) -> Result<PreflightRun, String> {
     let dir = Scratch::new().map_err(|e| format!("cannot make a scratch folder: {e}"))?;
     let result = dir.0.join("result.json");
     settings["result"] = Value::String(result.display().to_string());
     let py = python();
     let out = Command::new(&py)
-        .args(["-m", "oomkit._preflight_config"])
+        .args(["-m", "oomkit.preflight.config"])
         .env("OOMKIT_PREFLIGHT_CONFIG", settings.to_string())
         .stdout(Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| format!("cannot run {}: {e}", py.to_string_lossy()))?;
     if !result.exists() {
         return Err(format!(
-            "{} -m oomkit._preflight_config exited with {} and no answer (is oomkit installed for it? set OOMKIT_PYTHON)",
+            "{} -m oomkit.preflight.config exited with {} and no answer (is oomkit installed for it? set OOMKIT_PYTHON)",
             py.to_string_lossy(),
             out.code().map_or("a signal".to_string(), |c| format!("code {c}"))
         ));

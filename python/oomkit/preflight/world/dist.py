@@ -10,7 +10,7 @@ the GPUs. Its all-gathered parameters, gradient buffers and sharded
 states are real tensors of rank 0's sizes, recorded like any other.
 
 What FSDP needs from a GPU that ``meta`` tensors lack is stood in for:
-CUDA streams and events (``_preflight_cuda.device_answers``: FSDP overlaps
+CUDA streams and events (``cuda.device_answers``: FSDP overlaps
 communication on side streams; here every operation runs on the one
 stream, so the allocator's per-stream pools are not modelled), the device
 handle of a ``meta`` tensor, and FSDP's check that no parameter is on
@@ -27,16 +27,13 @@ from typing import Any
 import torch
 
 from oomkit._native import PreflightError
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.settings import STRATEGIES
 
 #: Sharding strategies by name: whether parameters are freed again after
 #: forward (FSDP's FULL_SHARD, ZeRO-3) or kept gathered until backward
 #: (SHARD_GRAD_OP, ZeRO-2).
 RESHARD_AFTER_FORWARD = {"fsdp": True, "zero3": True, "zero2": False}
-
-#: Every way of spreading a model over GPUs preflight runs: FSDP's, DDP
-#: (every GPU keeps the whole model; ZeRO stage 0), and DDP with PyTorch's
-#: ZeroRedundancyOptimizer (each GPU keeps a share of the optimizer's state; ZeRO-1).
-STRATEGIES = (*RESHARD_AFTER_FORWARD, "ddp", "zero1")
 
 #: What every answer for several GPUs says of what is not modelled.
 ONE_STREAM = "communication streams are not modelled (one stream)"
@@ -82,7 +79,7 @@ def rank_zero_note(world_size: int) -> str:
     return f"rank 0 of {world_size} GPUs: the script's process group is PyTorch's fake one; {ONE_STREAM}"
 
 
-def parallel_stand_ins(notes: list[str]) -> list[tuple[Any, dict[str, Any]]]:
+def parallel_stand_ins(notes: Notes) -> list[tuple[Any, dict[str, Any]]]:
     """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, as (owner, attributes) to set."""
     return fsdp_on_meta() + ddp_on_one_rank(notes)
 
@@ -94,7 +91,7 @@ def _reduced_in_place(_state: Any, bucket: Any) -> Any:
     return done
 
 
-def ddp_on_one_rank(notes: list[str]) -> list[tuple[Any, dict[str, Any]]]:
+def ddp_on_one_rank(notes: Notes) -> list[tuple[Any, dict[str, Any]]]:
     """What lets ``DistributedDataParallel`` run as rank 0 of the fake group, as (owner, attributes) to set.
 
     Its check that every rank has the same parameters gathers nothing from
@@ -121,8 +118,7 @@ def ddp_on_one_rank(notes: list[str]) -> list[tuple[Any, dict[str, Any]]]:
     def new_register(self: Any, state: Any, hook: Any) -> None:
         if getattr(self, "_oomkit_reduced", False):
             note = f"DDP's communication hook {getattr(hook, '__name__', 'of the script')} was not run (its buffers are not counted)"
-            if note not in notes:
-                notes.append(note)
+            notes.add(note)
             return
         register(self, state, hook)
 
@@ -202,7 +198,7 @@ def shard(
     the layers of the model's largest ``ModuleList``) and to the model
     (with ``fully_shard``, else PyTorch's);
     ``ddp`` wraps it in ``DistributedDataParallel``. Runs in the fake GPU
-    (``_preflight_world.FakeGpu``) as rank 0 of ``world_size``.
+    (``fake_gpu.FakeGpu``) as rank 0 of ``world_size``.
     """
     if strategy not in STRATEGIES:
         raise PreflightError(f"sharding {strategy!r}: give one of {', '.join(STRATEGIES)}")

@@ -23,7 +23,8 @@ USER, LIBRARY, TORCH, RUNTIME = "user", "library", "torch", "runtime"
 _INSTALLED = ("site-packages", "dist-packages")
 
 #: oomkit's own files (the preflight's driver, the tracker): machinery, never the user's line.
-_OWN = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
+#: The package's folder, read off the package (always imported before this module), not off this file's place in it.
+_OWN = os.path.dirname(os.path.abspath(sys.modules["oomkit"].__file__ or "")).replace("\\", "/") + "/"
 
 #: Marks of code PyTorch's compilers generate (an FX graph's ``forward``, inductor's
 #: output code in the temporary folder): PyTorch's, not the user's, as the snapshot reader has them.

@@ -10,39 +10,66 @@ reserved memory, what held it by role and by line, whether it fits a
 capacity, the largest micro-batch that does, and a snapshot file that
 ``oomkit analyze``, ``report`` and ``whatif`` open like a recorded one.
 Nothing is allocated on a GPU, and the model's weights are never allocated.
+
+The way in is this module: :func:`preflight` (``oomkit.preflight``),
+:class:`Preflight` (what it returns) and ``PreflightError``. The rest of the package, bottom first
+(docs/architecture.md draws it; ``scripts/check_deps.py`` holds each
+module to its layer):
+
+- ``settings``, ``result``, ``notes``: what a preflight runs with, what it
+  answers, and what it says it assumed; no torch.
+- ``record/``: the recorder of every allocation below autograd
+  (``recorder``), the values of small tensors (``values``), which line is
+  the user's (``frames``), the roles known from the objects (``roles``),
+  and what a finished run hands the answer (``recording``).
+- ``frameworks/``: what other libraries need under preflight (a Hugging
+  Face model from its config, bitsandbytes' optimizers): a new
+  framework's loader goes here.
+- ``world/``: the fake GPU and every stand-in for CUDA, one ledger
+  (``fake_gpu``), with what CUDA does differently (``cuda``), its memory
+  queries (``memory``), the meta kernels (``kernels``), ``torch.compile``
+  (``compile``) and several GPUs (``dist``): a new stand-in goes here.
+- ``driver`` (``oomkit.preflight()``'s steps) and ``fixes`` (the changes
+  tried inside a script): they run in the world and record.
+- ``answer`` (and ``snapshot``): a recording served through the allocator
+  model.
+- ``api``, ``script``, ``config``: the three ways a preflight starts
+  (this function, ``oomkit preflight -- python train.py``, ``oomkit
+  estimate --trace``).
+
+Importing this package imports no torch: the rest is imported when a
+preflight runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from oomkit import _native
 from oomkit._native import PreflightError
-from oomkit._preflight_answer import Preflight
-from oomkit._preflight_dist import STRATEGIES
-from oomkit._preflight_driver import DEFAULT_STEPS, _Run
-from oomkit._preflight_record import DEFAULT_TIME_LIMIT
+from oomkit.preflight.result import Preflight
+from oomkit.preflight.settings import DEFAULT_CAPACITY, DEFAULT_STEPS, DEFAULT_TIME_LIMIT, Optimizer, Settings
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Preflight", "PreflightError", "preflight"]
 
 
 def preflight(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
-    batch: Any | Callable[[int], Any],
+    batch: Any,
     *,
     micro_batch: int | None = None,
     loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-    step: Callable[[torch.nn.Module, Any, torch.optim.Optimizer | None], Any] | None = None,
-    optimizer: str | Callable[[Any], torch.optim.Optimizer] | None = "adamw",
+    step: Callable[[torch.nn.Module, Any, Any], Any] | None = None,
+    optimizer: Optimizer = "adamw",
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     grad_accum: int = 1,
     steps: int = DEFAULT_STEPS,
-    capacity: str = "H100",
+    capacity: str = DEFAULT_CAPACITY,
     alloc_conf: str | None = None,
     snapshot: str | os.PathLike[str] | None = None,
     max_micro_batch: int | None = None,
@@ -72,45 +99,29 @@ def preflight(
     ``ZeroRedundancyOptimizer``). A run still going after ``time_limit``
     seconds (a loop waiting on a value the step does not have; ``None``: no
     limit) stops with a ``PreflightError`` that says what ran and where.
+    Bad settings raise ``PreflightError`` before anything runs. Imports
+    torch when called, not when oomkit is imported.
     """
-    if grad_accum < 1 or steps < 1 or gpus < 1:
-        raise PreflightError(f"grad_accum, steps and gpus must be at least 1 (got {grad_accum}, {steps} and {gpus})")
-    if gpus > 1 and sharding not in STRATEGIES:
-        raise PreflightError(f"sharding {sharding!r}: give one of {', '.join(STRATEGIES)}")
-    if max_micro_batch is not None and not callable(batch):
-        raise PreflightError("max_micro_batch needs batch to be a function of the micro-batch size")
-    if callable(batch) and micro_batch is None:
-        raise PreflightError("batch is a function: give micro_batch, the size to call it with")
-    capacity_bytes, _label = _native.parse_capacity(capacity)
-    if alloc_conf is not None:
-        # Checked before running anything, so a typo costs no step.
-        _native.realize_ops([], [], [], alloc_conf, None)
-    run = _Run(model, batch, loss, step, optimizer, dtype, autocast, grad_accum, steps, capacity, capacity_bytes, alloc_conf)
-    run.set_to_none = set_to_none
-    run.gpus, run.sharding = gpus, sharding
-    run.time_limit = time_limit
-    result = run.once(micro_batch, snapshot)
-    if max_micro_batch is not None:
-        assert micro_batch is not None
-        _search(run, result, micro_batch, max_micro_batch)
-    return result
+    settings = Settings(
+        model=model,
+        batch=batch,
+        micro_batch=micro_batch,
+        loss=loss,
+        step=step,
+        optimizer=optimizer,
+        dtype=dtype,
+        autocast=autocast,
+        grad_accum=grad_accum,
+        steps=steps,
+        set_to_none=set_to_none,
+        max_micro_batch=max_micro_batch,
+        capacity=capacity,
+        alloc_conf=alloc_conf,
+        gpus=gpus,
+        sharding=sharding,
+        time_limit=time_limit,
+        snapshot=snapshot,
+    )
+    from oomkit.preflight.api import measure
 
-
-def _search(run: _Run, first: Preflight, micro_batch: int, max_micro_batch: int) -> None:
-    """The largest micro-batch up to ``max_micro_batch`` that fits, by the project's one
-    search (``oomkit_supervise::search``, through the binding), the first run reused."""
-    effective = micro_batch * first.grad_accum
-    if first.grad_accum > 1:
-        # A micro-batch above the effective batch would change it, which accumulation exists to avoid.
-        max_micro_batch = min(max_micro_batch, effective)
-
-    def measure(b: int) -> tuple[bool, int]:
-        r = first if b == micro_batch else run.once(b, None)
-        # Within the capacity where it fits (what the limited allocator reserved), else what it needs.
-        return r.fits, (r.capacity_bytes - r.margin_bytes) if r.fits else r.peak_reserved_bytes
-
-    best, tried = _native.largest_that_fits(micro_batch, max_micro_batch, first.capacity_bytes, measure)
-    first.tried = tried
-    if best is not None:
-        first.largest_micro_batch = best
-        first.largest_grad_accum = max(1, -(-effective // best))
+    return measure(settings)

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from oomkit._preflight_dist import spread_by
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.world.dist import spread_by
 
 if TYPE_CHECKING:
-    from oomkit._preflight_cuda import Autocast
-    from oomkit._preflight_record import Recorder
+    from oomkit.preflight.record.recorder import Recorder
+    from oomkit.preflight.world.cuda import Autocast
 
 #: The note a compiled step leaves: what is modelled, and what is not.
 COMPILED = (
@@ -137,7 +138,7 @@ def check_mode(mode: str | None) -> None:
 class Compiler:
     """``torch.compile``'s stand-in: compiled modules and functions whose graphs are partitioned as the backend would."""
 
-    def __init__(self, notes: list[str], recorder: Recorder, autocast: Autocast) -> None:
+    def __init__(self, notes: Notes, recorder: Recorder, autocast: Autocast) -> None:
         self.notes = notes
         self.recorder = recorder
         self.autocast = autocast
@@ -182,8 +183,7 @@ class Compiler:
             self.registered.append(cls)
 
     def _note(self, note: str) -> None:
-        if note not in self.notes:
-            self.notes.append(note)
+        self.notes.add(note)
 
     def stand_in(self) -> Callable[..., Any]:
         """The function that replaces ``torch.compile`` (its arguments, its errors)."""

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Optional
 
 from oomkit import _native, _plan
-from oomkit._measure import _torch
+from oomkit.tracker.measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit._tracker_core import TrackerCore
+    from oomkit.tracker.core import TrackerCore
 
 
 def start_history(tracker: TrackerCore, max_entries: int) -> None:

@@ -43,8 +43,8 @@ import torch.utils._device as _default_device
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map
 
-from oomkit._preflight_memory import MemoryQueries, rng_answers
-from oomkit._preflight_record import FAKE_DEVICE
+from oomkit.preflight.record.recorder import FAKE_DEVICE
+from oomkit.preflight.world.memory import MemoryQueries, rng_answers
 
 #: cuBLAS's workspace per handle, allocated through the caching allocator
 #: at the first matrix multiply on a stream (``getChosenWorkspaceSize`` in

@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 #: and weights are far too large to compute twice.
 SHADOW_MAX_ELEMENTS = 4096
 
-#: The device tensors without data live on (as ``_preflight_record.FAKE_DEVICE``).
+#: The device tensors without data live on (as ``recorder.FAKE_DEVICE``).
 _META = "meta"
 
 #: Comparisons with a value the step does not have, and what they give:

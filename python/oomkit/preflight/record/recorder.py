@@ -25,8 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from oomkit._preflight_frames import user_line
-from oomkit._preflight_values import Values
+from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.values import Values
+from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
 FAKE_DEVICE = "meta"
@@ -39,7 +40,7 @@ MAX_FRAMES = 96
 _OWN_FILES = (
     os.path.join("torch", "utils", "_python_dispatch.py"),
     os.path.join("torch", "overrides.py"),
-    os.path.join("oomkit", "_preflight_"),
+    os.path.join("oomkit", "preflight", ""),
 )
 
 #: Whether each file seen in a stack is one of ``_OWN_FILES``: a stack is
@@ -68,12 +69,6 @@ _CUBLAS_OPS = frozenset(
 
 #: What PyTorch says when an operator has no implementation for tensors without data.
 _NO_FAKE_KERNEL = ("no fake impl", "'Meta' backend", "meta kernel")
-
-
-#: How long a preflight may run, in seconds, before it is stopped: a step
-#: on meta tensors takes seconds, and a loop that has not ended by then is
-#: taken not to end (one that waits on a value taken as zero).
-DEFAULT_TIME_LIMIT = 300.0
 
 
 class PreflightStopped(BaseException):
@@ -141,7 +136,7 @@ class Trace:
 
 
 def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
-    """Where the step is: the user's line of the stack (``_preflight_frames.user_line``)."""
+    """Where the step is: the user's line of the stack (``frames.user_line``)."""
     return user_line(stack)
 
 

@@ -1,7 +1,7 @@
 """What the tracker offers its parts: its bookkeeping, and the few things they may ask of it.
 
-The tracker's hooks (``_hooks.py``), what the model holds
-(``_holdings.py``) and the writing of OOMs (``_oom_capture.py``) are parts
+The tracker's hooks (``hooks.py``), what the model holds
+(``holdings.py``) and the writing of OOMs (``oom_capture.py``) are parts
 of one tracker, kept in their own modules. They see it through
 :class:`TrackerCore`, which the tracker hands them (``Tracker._core``),
 never through its private fields, and they import this module, never the
@@ -74,7 +74,7 @@ class TrackerCore(Protocol):
 
     @property
     def meter(self) -> Any:
-        """How the tracker reads memory (``_measure._Meter``)."""
+        """How the tracker reads memory (``measure._Meter``)."""
 
     @property
     def log(self) -> Any:

@@ -1,150 +1,72 @@
-"""A preflight's answer: what was recorded, served through the allocator model.
+"""A preflight's answer: what a run recorded, served through the allocator model.
 
 The recorded allocations and frees go through oomkit's model of the CUDA
 caching allocator (``_native.realize_ops``) once without a limit (the
 peaks) and once at the capacity (whether it fits); the roles and the
 lines are read at the allocated peak, in the allocator's blocks; the
-snapshot, where asked for, is written in PyTorch's format; and an
-operation that cannot run without data is said in one line.
+notes of the run are collected with the answer's own; the snapshot,
+where asked for, is written in PyTorch's format; and an operation that
+cannot run without data is said in one line.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from oomkit import _native
 from oomkit._native import PreflightError
-from oomkit._preflight_frames import user_line
-from oomkit._preflight_record import Recorder, StepUnsupportedError, Trace
-from oomkit._preflight_roles import Known
-from oomkit._preflight_snapshot import write_snapshot
-
-#: The roles an answer tells memory by, in the order a report lists them (docs/roles.md;
-#: ``kv_cache``: held across forwards and read by a later one, as a generation's cache is).
-ROLES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries", "inputs", "other")
+from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.recorder import StepUnsupportedError, Trace
+from oomkit.preflight.record.recording import TRAINING, Recording
+from oomkit.preflight.record.roles import Known
+from oomkit.preflight.result import ROLES, Preflight
+from oomkit.preflight.settings import Settings
+from oomkit.preflight.snapshot import write_snapshot
 
 #: Lines listed in the answer, largest first.
 TOP_LINES = 10
 
 
-@dataclass
-class Preflight:
-    """What a preflight measured for one micro-batch, and the search's answer."""
-
-    #: The micro-batch each step ran with.
-    micro_batch: int | None
-    #: Micro-batches accumulated per optimizer step.
-    grad_accum: int
-    #: Optimizer steps run.
-    steps: int
-    #: The most memory handed out at once, in the allocator's rounded blocks.
-    peak_allocated_bytes: int
-    #: The most memory the allocator reserved from the device.
-    peak_reserved_bytes: int
-    #: Reserved but not handed out when reserved peaked (fragmentation and cache).
-    free_in_segments_at_peak_bytes: int
-    #: What the allocator may hold: the capacity given, less the CUDA context for a GPU's name.
-    capacity_bytes: int
-    #: The capacity as given (``80GiB``, ``H100``).
-    capacity: str
-    #: No allocation failed when the allocator was limited to the capacity.
-    fits: bool
-    #: The capacity less the peak reserved (negative when it does not fit).
-    margin_bytes: int
-    #: Bytes live at the allocated peak, by role (``parameters``, ``gradients``,
-    #: ``optimizer_state``, ``activations``, ``kv_cache``, ``temporaries``, ``inputs``, ``other``).
-    by_role: dict[str, int]
-    #: The user's lines holding the most at the allocated peak: ``{"line", "bytes", "role"}``.
-    by_line: list[dict[str, Any]]
-    #: Allocations recorded and trace entries written.
-    allocations: int
-    #: What the preflight assumed or could not do, in words.
-    notes: list[str] = field(default_factory=list)
-    #: The snapshot written, if one was asked for.
-    snapshot: str | None = None
-    #: Micro-batches tried by the search and whether each fitted.
-    tried: list[tuple[int, bool]] = field(default_factory=list)
-    #: The largest micro-batch that fits, when a search ran (None: not even the smallest).
-    largest_micro_batch: int | None = None
-    #: The accumulation that keeps the effective batch at the largest micro-batch.
-    largest_grad_accum: int | None = None
-    #: ``training`` (optimizer steps, or backward passes) or ``inference`` (forwards alone, the whole run measured).
-    mode: str = "training"
-    #: Top-level forwards of the model run (a module's forward called outside any other's).
-    forwards: int = 0
-    #: The most allocated while each phase ran (``setup``, ``inputs``, ``forward``,
-    #: ``backward``, ``optimizer``, and ``eval``: forwards without gradients in a
-    #: script that trains), in the allocator's blocks.
-    phase_peaks: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The answer as plain data (what ``json.dumps`` writes)."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-    def __str__(self) -> str:
-        # The same report `oomkit preflight` prints, from the one renderer.
-        return _native.preflight_text(json.dumps(self.as_dict()))
-
-
-@dataclass
-class Settings:
-    """What a preflight ran with, as its answer and snapshot header state it."""
-
-    micro_batch: int | None
-    grad_accum: int
-    steps: int
-    capacity: str
-    capacity_bytes: int
-    alloc_conf: str | None
-    #: ``training`` or ``inference`` (forwards alone).
-    mode: str = "training"
-
-
-def answer(
-    rec: Recorder,
-    known: Known,
-    settings: Settings,
-    snapshot: str | os.PathLike[str] | None,
-    header: dict[str, Any],
-    extra_notes: list[str] | None = None,
-) -> Preflight:
-    """Serves what ``rec`` recorded through the allocator model and answers; writes the snapshot if asked."""
+def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> Preflight:
+    """Serves what ``recording`` holds through the allocator model and answers, with the
+    run's notes after the answer's own; writes ``settings.snapshot`` if asked, stating
+    the settings and ``header`` (what else the run was: its precision, or its command)."""
+    rec, known = recording.recorder, recording.known
     tr = rec.trace
     roles = known.roles(tr)
-    realized, capped = _served(tr, settings.alloc_conf, settings.capacity_bytes)
+    realized, capped = _served(tr, recording.alloc_conf, recording.capacity_bytes)
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     fits = not capped[2][4]
     by_role, by_line = _at_peak(tr, roles, realized[3][0])
-    notes = _notes(tr, known, settings.mode) + (extra_notes or [])
+    notes = _notes(tr, known, recording.mode) + recording.notes
     result = Preflight(
         micro_batch=settings.micro_batch,
         grad_accum=settings.grad_accum,
-        steps=settings.steps,
+        steps=recording.steps,
         peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         free_in_segments_at_peak_bytes=free_at_peak,
-        capacity_bytes=settings.capacity_bytes,
+        capacity_bytes=recording.capacity_bytes,
         capacity=settings.capacity,
         fits=fits,
-        margin_bytes=settings.capacity_bytes - (capped[2][0] if fits else peak_reserved),
+        margin_bytes=recording.capacity_bytes - (capped[2][0] if fits else peak_reserved),
         by_role=by_role,
         by_line=by_line,
         allocations=sum(1 for k in tr.kinds if k == 0),
         notes=notes,
-        mode=settings.mode,
+        mode=recording.mode,
         forwards=rec.forwards,
         phase_peaks=_phase_peaks(tr, realized[3][0]),
     )
+    snapshot = settings.snapshot
     if snapshot is not None:
         full = {
             "micro_batch": settings.micro_batch,
             "grad_accum": settings.grad_accum,
-            "steps": settings.steps,
+            "steps": recording.steps,
             "capacity": settings.capacity,
             **header,
             "torch": str(torch.__version__),
@@ -152,17 +74,17 @@ def answer(
             "notes": notes,
         }
         try:
-            write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, settings.alloc_conf, full, tr.library)
+            write_snapshot(snapshot, realized, tr.stacks, tr.stack_of, roles, recording.alloc_conf, full, tr.library)
         except OSError as e:
             raise PreflightError(f"{os.fspath(snapshot)}: {e.strerror or e}") from None
         result.snapshot = os.fspath(snapshot)
     return result
 
 
-def replayed(rec: Recorder, settings: Settings, alloc_conf: str) -> dict[str, Any]:
+def replayed(recording: Recording, alloc_conf: str) -> dict[str, Any]:
     """The recorded step served through the allocator model again under ``alloc_conf``
     (the same capacity): what a run with those settings measures, without the run."""
-    realized, capped = _served(rec.trace, alloc_conf, settings.capacity_bytes)
+    realized, capped = _served(recording.recorder.trace, alloc_conf, recording.capacity_bytes)
     peak_reserved, peak_allocated = realized[2][0], realized[2][1]
     return {
         "alloc_conf": alloc_conf,
@@ -243,6 +165,6 @@ def _notes(tr: Trace, known: Known, mode: str) -> list[str]:
             f"{len(tr.assumed)} value(s) read from tensors without data were taken as 0 "
             f"(first at {where[0]}); a step whose memory depends on data may differ"
         )
-    if not known.grads and mode == "training":
+    if not known.grads and mode == TRAINING:
         notes.append("no parameter received a gradient: nothing was trained")
     return notes

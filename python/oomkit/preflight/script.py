@@ -17,22 +17,26 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from oomkit import _native
-from oomkit._measure import PREFLIGHT_DIR_ENV
 from oomkit._native import PreflightError
-from oomkit._preflight_answer import Settings, answer, replayed, unsupported
-from oomkit._preflight_cuda import Autocast, CudaFunctions, cublas_workspace
-from oomkit._preflight_fixes import INSIDE, Fixer
-from oomkit._preflight_frames import user_line
-from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import DEFAULT_TIME_LIMIT, PreflightStopped, Recorder, StepUnsupportedError
-from oomkit._preflight_roles import Known
-from oomkit._preflight_world import FakeGpu, Hook, StandIn
-from oomkit.tracker import PREFLIGHT_LOGS
+from oomkit.preflight.answer import answer, replayed, unsupported
+from oomkit.preflight.fixes import INSIDE, Fixer
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.recorder import PreflightStopped, Recorder, StepUnsupportedError
+from oomkit.preflight.record.recording import INFERENCE, TRAINING, Recording
+from oomkit.preflight.record.roles import Known
+from oomkit.preflight.settings import DEFAULT_CAPACITY, DEFAULT_STEPS, DEFAULT_TIME_LIMIT, Settings
+from oomkit.preflight.world.cuda import Autocast, CudaFunctions, cublas_workspace
+from oomkit.preflight.world.fake_gpu import FakeGpu, Hook, StandIn
+from oomkit.preflight.world.memory import MemoryQueries
+from oomkit.tracker.measure import PREFLIGHT_DIR_ENV
+from oomkit.tracker.tracker import PREFLIGHT_LOGS
 
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
 ENV = "OOMKIT_PREFLIGHT"
@@ -41,30 +45,68 @@ ENV = "OOMKIT_PREFLIGHT"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What ``oomkit preflight`` hands the script (``OOMKIT_PREFLIGHT``, JSON): the preflight's
+    settings, and what this runner needs beyond them (where the answer goes, the changes to
+    try inside the script, the replay), read once at interpreter start."""
+
+    settings: Settings
+    #: The file the answer is written to; its folder is this run's own.
+    result: str
+    #: Whether ``--alloc-conf`` was given: without it, the script's own ``PYTORCH_CUDA_ALLOC_CONF``
+    #: (set before the allocator starts: its first forward here) is what its allocator runs with.
+    alloc_conf_given: bool = False
+    #: The changes tried inside the script for "what would make it fit" (``fixes.INSIDE``).
+    fixes: tuple[str, ...] = ()
+    #: Skip, and say, a change that cannot be made here, rather than end the run ("all of the above").
+    fixes_skip: bool = False
+    #: Allocator settings to replay the recorded step with as well (the expandable-segments fix),
+    #: and whether always or only where the step does not fit: ``{"alloc_conf", "always"}``.
+    replay: dict[str, Any] | None = None
+    #: Whether the script is launched as torchrun launches it (``--gpus``): its ranks' environment.
+    #: A script sharded only by the fix runs as written for one GPU.
+    torchrun: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Launch:
+        """The launch ``oomkit preflight`` described; ``KeyError`` or ``PreflightError`` where it is bad."""
+        limit = doc.get("time_limit", DEFAULT_TIME_LIMIT)
+        gpus = int(doc.get("world_size") or 1)
+        settings = Settings(
+            steps=int(doc.get("steps", DEFAULT_STEPS)),
+            capacity=doc.get("capacity") or DEFAULT_CAPACITY,
+            snapshot=doc.get("snapshot"),
+            alloc_conf=doc.get("alloc_conf"),
+            gpus=gpus,
+            time_limit=None if limit is None else float(limit),
+        )
+        return cls(
+            settings=settings,
+            result=doc["result"],
+            alloc_conf_given=bool(doc.get("alloc_conf_given")),
+            fixes=tuple(f for f in doc.get("fixes") or [] if f in INSIDE),
+            fixes_skip=bool(doc.get("fixes_skip")),
+            replay=doc.get("replay"),
+            torchrun=bool(doc.get("torchrun", gpus > 1)),
+        )
+
+
 class _Session:
     """One script's preflight: the modes, the hooks and the answer at the end."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.result_path: str = settings["result"]
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        s = self.settings = launch.settings
         #: This run's own folder (the answer's), removed by ``oomkit preflight`` after the run.
-        self.run_dir = os.path.dirname(os.path.abspath(self.result_path))
-        self.steps: int = int(settings.get("steps", 2))
-        self.capacity: str = settings.get("capacity") or "H100"
-        self.snapshot: str | None = settings.get("snapshot")
-        self.alloc_conf: str | None = settings.get("alloc_conf")
-        # Without --alloc-conf, the script's own PYTORCH_CUDA_ALLOC_CONF (set before
-        # the allocator starts: its first forward here) is what its allocator runs with.
-        self.alloc_conf_given = bool(settings.get("alloc_conf_given"))
-        self.launch_alloc_conf = self.alloc_conf
+        self.run_dir = os.path.dirname(os.path.abspath(launch.result))
+        #: The allocator settings in force: --alloc-conf, else what the script set before its first forward.
+        self.alloc_conf = s.alloc_conf
         self._alloc_conf_fixed = False
-        self.capacity_bytes, _ = _native.parse_capacity(self.capacity)
-        #: The script runs as rank 0 of this many GPUs.
-        self.world_size: int = int(settings.get("world_size") or 1)
-        limit = settings.get("time_limit", DEFAULT_TIME_LIMIT)
-        self.rec = Recorder(cublas_workspace(self.capacity), None if limit is None else float(limit))
-        self.notes: list[str] = []
+        self.rec = Recorder(cublas_workspace(s.capacity), s.time_limit)
+        self.notes = Notes()
         #: torch.cuda's memory queries, answered from what is recorded.
-        self.memory = MemoryQueries(self.rec, self.allocator_settings, self.capacity_bytes, self.notes)
+        self.memory = MemoryQueries(self.rec, self.allocator_settings, s.capacity_bytes, self.notes)
         self.known = Known()
         self.autocast = Autocast()
         self.functions = CudaFunctions(self.autocast, on_upload=self._upload, read_back=self.rec.read_back)
@@ -75,15 +117,7 @@ class _Session:
         self.has_optimizer = False
         self.finished = False
         self._seen_modules: set[int] = set()
-        #: The changes tried inside the script for "what would make it fit" (``_preflight_fixes``).
-        self.fixes: list[str] = [f for f in settings.get("fixes") or [] if f in INSIDE]
-        self.fixer = Fixer(self.fixes, self.autocast, self.world_size, self.notes, skip_what_cannot=bool(settings.get("fixes_skip")))
-        #: Allocator settings to replay the recorded step with as well (the expandable-segments fix),
-        #: and whether always or only where the step does not fit.
-        self.replay: dict[str, Any] | None = settings.get("replay")
-        #: Whether the script is launched as torchrun launches it (``--gpus``): its ranks' environment.
-        #: A script sharded only by the fix runs as written for one GPU.
-        self.torchrun = bool(settings.get("torchrun", self.world_size > 1))
+        self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -98,17 +132,15 @@ class _Session:
         self.functions.on_backward = self._after_backward
         # The fake GPU for the life of the process: the script runs in it to its end.
         self.world = FakeGpu(
-            capacity=self.capacity,
-            capacity_bytes=self.capacity_bytes,
+            settings=self.settings,
             recorder=self.rec,
             memory=self.memory,
             autocast=self.autocast,
             functions=self.functions,
             notes=self.notes,
-            world_size=self.world_size,
             # The fix that shards the model needs the process group before the model moves.
-            start_process_group="fsdp" in self.fixes,
-            torchrun_environment=self.torchrun,
+            start_process_group="fsdp" in self.launch.fixes,
+            torchrun_environment=self.launch.torchrun,
             hooks=[
                 Hook("the optimizer's step begins its phase", register_optimizer_step_pre_hook, self._before_step),
                 Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),
@@ -177,7 +209,7 @@ class _Session:
 
     def allocator_settings(self) -> str | None:
         """The allocator's settings: --alloc-conf, else PYTORCH_CUDA_ALLOC_CONF as the script left it before its first forward."""
-        if not self.alloc_conf_given and not self._alloc_conf_fixed:
+        if not self.launch.alloc_conf_given and not self._alloc_conf_fixed:
             theirs = os.environ.get(ALLOC_CONF_ENV) or None
             if theirs != self.alloc_conf:
                 # Checked as PyTorch checks them when the allocator starts: a bad setting stops the script.
@@ -195,7 +227,7 @@ class _Session:
             self.rec.phase = "optimizer"
 
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
-        if not self.has_optimizer and self.backwards_done >= self.steps:
+        if not self.has_optimizer and self.backwards_done >= self.settings.steps:
             # The forward after the last step's backward: that step's update is done.
             self._stop()
         if not self._alloc_conf_fixed:
@@ -236,7 +268,7 @@ class _Session:
         self.known.add_state_of(self.rec, opt)
         self.steps_done += 1
         self.rec.phase = "inputs"
-        if self.steps_done >= self.steps:
+        if self.steps_done >= self.settings.steps:
             self._stop()
 
     def _stop(self) -> None:
@@ -257,13 +289,14 @@ class _Session:
             return
         self.finished = True
         self.rec.finish()
-        notes = list(self.notes)
+        notes = self.notes.said()
+        asked = self.settings.steps
         if not self.has_optimizer and self.backwards_done:
             # A loop that updates the weights itself: its steps are its backward passes.
-            self.steps_done = min(self.backwards_done, self.steps)
+            self.steps_done = min(self.backwards_done, asked)
             notes.append(f"the script uses no torch.optim optimizer: each of the {self.steps_done} step(s) measured is a backward pass and what ran after it until the next forward")  # noqa: E501
-        mode = "training"
-        if self.steps_done < self.steps:
+        mode = TRAINING
+        if self.steps_done < asked:
             if self.steps_done == 0 and self._exited is not None:
                 self._write({"error": _exited_early(*self._exited)})
                 return
@@ -272,13 +305,13 @@ class _Session:
                 return
             if self.steps_done == 0:
                 # No optimizer step and no backward: inference or evaluation, measured as it ran, to its end.
-                mode = "inference"
+                mode = INFERENCE
                 notes.append(
                     f"no optimizer step and no backward: the script's whole run is measured, {self.rec.forwards} forward(s) "
                     "of its model (inference or evaluation; a generation runs to its length bound)"
                 )
             else:
-                notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {self.steps} asked for")
+                notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
@@ -291,14 +324,15 @@ class _Session:
                 f"{self.memory.fraction:.0%} of the capacity: that is what it is measured against"
             )
         conf = self.allocator_settings()
-        if not self.alloc_conf_given and conf != self.launch_alloc_conf:
+        if not self.launch.alloc_conf_given and conf != self.settings.alloc_conf:
             notes.append(f"the script sets PYTORCH_CUDA_ALLOC_CONF={conf or ''}: the allocator is modelled with it")
-        settings = Settings(None, 1, self.steps_done, self.capacity, allowed, conf, mode=mode)
+        recording = Recording(self.rec, self.known, notes, steps=self.steps_done, capacity_bytes=allowed, alloc_conf=conf, mode=mode)
         try:
-            result = answer(self.rec, self.known, settings, self.snapshot, {"command": sys.argv}, notes)
+            result = answer(recording, self.settings, {"command": sys.argv})
             out = result.as_dict()
-            if self.replay and (self.replay.get("always") or not result.fits):
-                out["replayed"] = replayed(self.rec, settings, str(self.replay["alloc_conf"]))
+            replay = self.launch.replay
+            if replay and (replay.get("always") or not result.fits):
+                out["replayed"] = replayed(recording, str(replay["alloc_conf"]))
             if self.fixer.skip_what_cannot:
                 out["fixes_skipped"] = self.fixer.skipped
         except PreflightError as e:
@@ -308,10 +342,10 @@ class _Session:
 
     def _write(self, doc: dict[str, Any]) -> None:
         try:
-            with open(self.result_path, "w", encoding="utf-8") as f:
+            with open(self.launch.result, "w", encoding="utf-8") as f:
                 json.dump(doc, f)
         except OSError as e:
-            sys.stderr.write(f"oomkit preflight: cannot write {self.result_path}: {e}\n")
+            sys.stderr.write(f"oomkit preflight: cannot write {self.launch.result}: {e}\n")
 
 
 def _at(tb: Any) -> str:
@@ -348,9 +382,8 @@ def install() -> None:
     if not raw:
         return
     try:
-        settings = json.loads(raw)
-        session = _Session(settings)
-    except (ValueError, KeyError, PreflightError) as e:
+        session = _Session(Launch.from_json(json.loads(raw)))
+    except (ValueError, KeyError, TypeError, PreflightError) as e:
         sys.stderr.write(f"oomkit preflight: bad settings in {ENV}: {e}\n")
         os._exit(2)
     session.start()

@@ -2,7 +2,7 @@
 
 Preflight holds the model, the optimizer and the batch, so it knows which
 storages are parameters, gradients, optimizer state and inputs instead of
-inferring them ([roles.md](../../docs/roles.md)); what FSDP and DDP
+inferring them (docs/roles.md); what FSDP and DDP
 allocate themselves is told by the function that allocated it; of the
 rest, what forward made and still held when forward ended is
 activations, and everything else temporaries.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from oomkit._preflight_record import FAKE_DEVICE, Recorder, Trace, plain_tensors
+from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder, Trace, plain_tensors
 
 
 class Known:

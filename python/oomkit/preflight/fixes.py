@@ -24,49 +24,25 @@ other settings or another ``{batch}``.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
 
 from oomkit._native import PreflightError
-from oomkit._preflight_cuda import Autocast, is_cuda
-from oomkit._preflight_dist import shard, spread_in
+from oomkit.preflight.frameworks.bitsandbytes import eight_bit_in_place_of_torch
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.world.cuda import Autocast, is_cuda
+from oomkit.preflight.world.dist import shard, spread_in
 
 #: The changes made inside the script, by name.
 INSIDE = ("checkpoint", "autocast", "adamw8bit", "fsdp")
-
-
-def optimizer_stand_ins(fixes: list[str]) -> list[tuple[Any, str, Any]]:
-    """The optimizers replaced for ``adamw8bit``, as (owner, name, value) for the fake GPU's ledger."""
-    if "adamw8bit" not in fixes:
-        return []
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise PreflightError("8-bit AdamW is bitsandbytes': install bitsandbytes where preflight runs") from None
-    return [(torch.optim, "AdamW", _eight_bit(bnb.optim.AdamW8bit)), (torch.optim, "Adam", _eight_bit(bnb.optim.Adam8bit))]
-
-
-def _eight_bit(cls: Any) -> Any:
-    """``cls`` taking the arguments ``torch.optim``'s class takes (those it has no use for, as ``fused``, dropped)."""
-    accepted = set(inspect.signature(cls).parameters)
-
-    class InPlace(cls):
-        def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(params, *args, **{k: v for k, v in kwargs.items() if k in accepted})
-
-    InPlace.__name__ = InPlace.__qualname__ = cls.__name__
-    return InPlace
 
 
 class Fixer:
     """The changes made at the model's forwards (checkpointing its blocks, autocast around each)
     and where the script moves it to the GPU (sharding it)."""
 
-    def __init__(
-        self, fixes: list[str], autocast: Autocast, world_size: int = 1, notes: list[str] | None = None, *, skip_what_cannot: bool = False
-    ) -> None:
+    def __init__(self, fixes: list[str], autocast: Autocast, notes: Notes, world_size: int = 1, *, skip_what_cannot: bool = False) -> None:
         self.fixes = fixes
         #: A change that cannot be made here is skipped, and said in ``skipped``, rather than
         #: ending the run: the command's "all of the above", run beside the changes alone.
@@ -74,7 +50,7 @@ class Fixer:
         self.skipped: list[str] = []
         self.autocast = autocast
         self.world_size = world_size
-        self.notes = notes if notes is not None else []
+        self.notes = notes
         self._wrapped: set[int] = set()
         self._in_autocast = False
         self._autocast_applied = False
@@ -86,7 +62,7 @@ class Fixer:
         """What the changes replace, as (owner, name, value) for the fake GPU's ledger: the
         optimizers made 8-bit, and a module's move to the GPU that shards it."""
         try:
-            found = optimizer_stand_ins(self.fixes)
+            found = eight_bit_in_place_of_torch() if "adamw8bit" in self.fixes else []
         except PreflightError:
             if not self.skip_what_cannot:
                 raise
@@ -129,7 +105,7 @@ class Fixer:
                 units = repeated_blocks(module)
                 if units:
                     _, said = shard(module, fixer.world_size, "fsdp", units=units, fully_shard=fixer.real_fully_shard)
-                    fixer.notes.extend(n for n in said if n not in fixer.notes)
+                    fixer.notes.extend(said)
                     fixer.sharded = module
             return out
 

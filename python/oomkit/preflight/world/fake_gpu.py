@@ -29,8 +29,11 @@ from typing import Any, Union
 
 import torch
 
-from oomkit._preflight_compile import Compiler, checkpoint_stand_in
-from oomkit._preflight_cuda import (
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
+from oomkit.preflight.settings import Settings
+from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
+from oomkit.preflight.world.cuda import (
     Autocast,
     CudaFunctions,
     accelerator_answers,
@@ -39,10 +42,9 @@ from oomkit._preflight_cuda import (
     foreach_stand_ins,
     no_graph_capture,
 )
-from oomkit._preflight_dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
-from oomkit._preflight_kernels import native_meta_kernels
-from oomkit._preflight_memory import MemoryQueries
-from oomkit._preflight_record import FAKE_DEVICE, Recorder
+from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
+from oomkit.preflight.world.kernels import native_meta_kernels
+from oomkit.preflight.world.memory import MemoryQueries
 
 #: The note data loader workers run in the process leave.
 WORKERS_IN_PROCESS = "data loader workers were run in the main process"
@@ -116,7 +118,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 class FakeGpu:
-    """The world a preflight runs in: one GPU of ``capacity``, or rank 0 of ``world_size``.
+    """The world a preflight runs in: one GPU of the settings' capacity, or rank 0 of their ``gpus``.
 
     ``hooks`` are the driver's own global hooks (the optimizer's step hooks
     that mark phases), registered and removed with the rest, and
@@ -131,25 +133,23 @@ class FakeGpu:
     def __init__(
         self,
         *,
-        capacity: str,
-        capacity_bytes: int,
+        settings: Settings,
         recorder: Recorder,
         memory: MemoryQueries,
         autocast: Autocast,
         functions: CudaFunctions,
-        notes: list[str],
-        world_size: int = 1,
+        notes: Notes,
         start_process_group: bool = False,
         torchrun_environment: bool = True,
         hooks: list[Hook] | None = None,
         stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[], None] | None = None,
     ) -> None:
-        self.capacity, self.capacity_bytes = capacity, capacity_bytes
+        self.capacity, self.capacity_bytes = settings.capacity, settings.capacity_bytes
         self.recorder, self.memory = recorder, memory
         self.autocast, self.functions = autocast, functions
         self.notes = notes
-        self.world_size = world_size
+        self.world_size = settings.gpus
         self.start_process_group = start_process_group
         self.torchrun_environment = torchrun_environment
         self.extra_hooks = hooks or []
@@ -240,7 +240,7 @@ class FakeGpu:
                 else:
                     stack.callback(entry.register(entry.fn).remove)
             if self.world_size > 1:
-                self.notes.append(rank_zero_note(self.world_size))
+                self.notes.add(rank_zero_note(self.world_size))
                 if self.torchrun_environment:
                     stack.enter_context(environment(rank_zero_environment(self.world_size)))
             if self.start_process_group:
@@ -289,7 +289,7 @@ def _fused_on_meta() -> list[tuple[Any, str, Any]]:
     return found
 
 
-def _one_process_loader(notes: list[str]) -> Any:
+def _one_process_loader(notes: Notes) -> Any:
     """``DataLoader.__init__`` with its workers in the main process: they would carry
     meta tensors between processes; the batch is the same."""
     init = torch.utils.data.DataLoader.__init__
@@ -299,8 +299,7 @@ def _one_process_loader(notes: list[str]) -> Any:
             kwargs["num_workers"] = 0
             kwargs.pop("prefetch_factor", None)
             kwargs["persistent_workers"] = False
-            if WORKERS_IN_PROCESS not in notes:
-                notes.append(WORKERS_IN_PROCESS)
+            notes.add(WORKERS_IN_PROCESS)
         init(self, *args, **kwargs)
 
     return new_init

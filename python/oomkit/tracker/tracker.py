@@ -4,9 +4,9 @@ The tracker keeps numbers only, never a reference to a tensor, and every
 hook body is guarded: a failure inside the tracker is logged and reported
 once, never raised into the training loop. Records go to the Rust run-log
 writer, which flushes at every stage boundary. Its parts live beside it:
-how memory is read (``_measure.py``), the hooks that find the stages
-(``_hooks.py``), what the model holds (``_holdings.py``) and the writing of
-OOMs (``_oom_capture.py``).
+how memory is read (``measure.py``), the hooks that find the stages
+(``hooks.py``), what the model holds (``holdings.py``) and the writing of
+OOMs (``oom_capture.py``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from oomkit import _holdings, _hooks, _native, _oom_capture, _plan
-from oomkit._holdings import unwrap_optimizer
-from oomkit._measure import _Meter, _Open, _torch, preflight_dir
+from oomkit import _native, _plan
 from oomkit._oom import find_oom, requested_bytes
-from oomkit._oom_capture import _forget_tracker, _watch_allocator_ooms, record_history
-from oomkit._tracker_core import Books
+from oomkit.tracker import holdings, oom_capture
+from oomkit.tracker import hooks as _hooks  # `hooks` is a parameter name below
+from oomkit.tracker.core import Books
+from oomkit.tracker.holdings import unwrap_optimizer
+from oomkit.tracker.measure import _Meter, _Open, _torch, preflight_dir
+from oomkit.tracker.oom_capture import _forget_tracker, _watch_allocator_ooms, record_history
 
 LOG_VERSION = 1
 
@@ -77,9 +79,9 @@ class Tracker:
         reset_peaks: bool = False,
     ) -> None:
         torch = _torch()
-        # The running state the tracker's parts read and update too (_tracker_core).
+        # The running state the tracker's parts read and update too (core.py).
         self._books = Books(model_ref=weakref.ref(model), ema_ref=weakref.ref(ema) if ema is not None else None)
-        #: What the tracker's parts see of it (``_tracker_core.TrackerCore``).
+        #: What the tracker's parts see of it (``core.TrackerCore``).
         self._core = _Core(self)
         self.grad_every = max(1, int(grad_every))
         self.stage_hooks = bool(stage_hooks)
@@ -115,7 +117,7 @@ class Tracker:
         self.log_path = self._new_log_path(log_dir)
         self._log = _native.RunLog(self.log_path)
         if record_history:
-            _oom_capture.start_history(self._core, max_entries)
+            oom_capture.start_history(self._core, max_entries)
         if self._meter.cuda:
             _watch_allocator_ooms(self._core)
         # Before the start record, so that a resumed optimizer's state is counted in it.
@@ -123,7 +125,7 @@ class Tracker:
         components: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                components = _holdings.components(self._core)
+                components = holdings.components(self._core)
         except Exception as exc:  # noqa: BLE001 - an exotic model or optimizer: log it, count nothing
             self._error("components", exc)
         self._write(
@@ -260,7 +262,7 @@ class Tracker:
             return
         try:
             if name == "optimizer" and _hooks.due(self._core):
-                _holdings.grad_health(self._core)
+                holdings.grad_health(self._core)
             now, reserved = self._sample()
             if self._books.stage is not None:
                 self._close(self._books.stage, now, reserved)
@@ -347,7 +349,7 @@ class Tracker:
                 self._books.observed_oom = False
                 _plan.report_oom(message, self._current_step, self.current_phase)
                 return True
-            _oom_capture.write_oom(self._core, message, requested_bytes(text))
+            oom_capture.write_oom(self._core, message, requested_bytes(text))
         except Exception as e:  # noqa: BLE001
             self._error("oom capture", e)
         return True
@@ -371,7 +373,7 @@ class Tracker:
         try:
             torch = _torch()
             with torch.no_grad():
-                result = _holdings.duplicates(self._core, when)
+                result = holdings.duplicates(self._core, when)
             self._write(result)
         except Exception as exc:  # noqa: BLE001
             self._error("find_duplicates", exc)
@@ -494,7 +496,7 @@ class Tracker:
     def _write_components(self) -> None:
         try:
             with _torch().no_grad():
-                rec = _holdings.components(self._core)
+                rec = holdings.components(self._core)
             rec["type"] = "components"
             rec["step"] = self._current_step
             self._write(rec)
@@ -556,7 +558,7 @@ class Tracker:
 
 
 class _Core:
-    """The tracker as its parts see it (``_tracker_core.TrackerCore``): its books, its
+    """The tracker as its parts see it (``core.TrackerCore``): its books, its
     settings, and what they may ask of it, each answered by the tracker itself."""
 
     def __init__(self, tracker: Tracker) -> None:

@@ -11,12 +11,12 @@ import functools
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
-from oomkit import _holdings
-from oomkit._holdings import _is_tensor
-from oomkit._measure import _torch
+from oomkit.tracker import holdings
+from oomkit.tracker.holdings import _is_tensor
+from oomkit.tracker.measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit._tracker_core import TrackerCore
+    from oomkit.tracker.core import TrackerCore
 
 
 # How many tensors of a model's output get a hook that marks the start of backward.
@@ -142,7 +142,7 @@ def on_backward_end(tracker: TrackerCore) -> None:
     if tracker.books.stage is not None and tracker.books.stage.name == "backward":
         tracker.end_stage()
         if tracker.books.opt_ref is None and due(tracker):
-            _holdings.grad_health(tracker)
+            holdings.grad_health(tracker)
 
 def on_opt_pre(tracker: TrackerCore, opt: Any, args: Any, kwargs: Any) -> None:
     if hooks_mark(tracker):

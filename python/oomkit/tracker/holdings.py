@@ -9,10 +9,10 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any, Optional
 
-from oomkit._measure import _torch
+from oomkit.tracker.measure import _torch
 
 if TYPE_CHECKING:
-    from oomkit._tracker_core import TrackerCore
+    from oomkit.tracker.core import TrackerCore
 
 
 def _storage_key(t: Any) -> tuple[str, int]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from oomkit import _native
+from oomkit.preflight.notes import Notes
 
 #: What the notes say when the script records or dumps its own memory history.
 OWN_HISTORY = (
@@ -33,7 +34,7 @@ RNG_STATE_BYTES = 16
 class MemoryQueries:
     """The allocator's counters at each point of the script, from what the recorder recorded so far."""
 
-    def __init__(self, rec: Any, alloc_conf: Callable[[], str | None], capacity_bytes: int, notes: list[str]) -> None:
+    def __init__(self, rec: Any, alloc_conf: Callable[[], str | None], capacity_bytes: int, notes: Notes) -> None:
         self.rec = rec
         #: The allocator's settings in force (asked each time: a script may set them before its first allocation).
         self.alloc_conf = alloc_conf
@@ -188,8 +189,7 @@ class MemoryQueries:
 
     def own_history(self, *_: Any, **__: Any) -> None:
         """``_record_memory_history`` and ``_dump_snapshot``: nothing to record without a GPU; a note says so."""
-        if OWN_HISTORY not in self.notes:
-            self.notes.append(OWN_HISTORY)
+        self.notes.add(OWN_HISTORY)
 
     def own_snapshot(self, *args: Any, **kwargs: Any) -> Any:
         """``torch.cuda.memory._snapshot()``: PyTorch's (empty, without a GPU), with the note that it is not the step's."""

@@ -1,0 +1,78 @@
+"""What a preflight measured: :class:`Preflight`, the answer ``oomkit.preflight()`` returns.
+
+Its fields are what ``oomkit preflight --json`` prints under ``result``
+(docs/commands.md), and its text is the command's, from the one renderer
+(``oomkit-report``'s ``preflight.rs``, through the binding). Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomkit import _native
+
+#: The roles an answer tells memory by, in the order a report lists them (docs/roles.md;
+#: ``kv_cache``: held across forwards and read by a later one, as a generation's cache is).
+ROLES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries", "inputs", "other")
+
+
+@dataclass
+class Preflight:
+    """What a preflight measured for one micro-batch, and the search's answer."""
+
+    #: The micro-batch each step ran with.
+    micro_batch: int | None
+    #: Micro-batches accumulated per optimizer step.
+    grad_accum: int
+    #: Optimizer steps run.
+    steps: int
+    #: The most memory handed out at once, in the allocator's rounded blocks.
+    peak_allocated_bytes: int
+    #: The most memory the allocator reserved from the device.
+    peak_reserved_bytes: int
+    #: Reserved but not handed out when reserved peaked (fragmentation and cache).
+    free_in_segments_at_peak_bytes: int
+    #: What the allocator may hold: the capacity given, less the CUDA context for a GPU's name.
+    capacity_bytes: int
+    #: The capacity as given (``80GiB``, ``H100``).
+    capacity: str
+    #: No allocation failed when the allocator was limited to the capacity.
+    fits: bool
+    #: The capacity less the peak reserved (negative when it does not fit).
+    margin_bytes: int
+    #: Bytes live at the allocated peak, by role (``parameters``, ``gradients``,
+    #: ``optimizer_state``, ``activations``, ``kv_cache``, ``temporaries``, ``inputs``, ``other``).
+    by_role: dict[str, int]
+    #: The user's lines holding the most at the allocated peak: ``{"line", "bytes", "role"}``.
+    by_line: list[dict[str, Any]]
+    #: Allocations recorded and trace entries written.
+    allocations: int
+    #: What the preflight assumed or could not do, in words.
+    notes: list[str] = field(default_factory=list)
+    #: The snapshot written, if one was asked for.
+    snapshot: str | None = None
+    #: Micro-batches tried by the search and whether each fitted.
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+    #: The largest micro-batch that fits, when a search ran (None: not even the smallest).
+    largest_micro_batch: int | None = None
+    #: The accumulation that keeps the effective batch at the largest micro-batch.
+    largest_grad_accum: int | None = None
+    #: ``training`` (optimizer steps, or backward passes) or ``inference`` (forwards alone, the whole run measured).
+    mode: str = "training"
+    #: Top-level forwards of the model run (a module's forward called outside any other's).
+    forwards: int = 0
+    #: The most allocated while each phase ran (``setup``, ``inputs``, ``forward``,
+    #: ``backward``, ``optimizer``, and ``eval``: forwards without gradients in a
+    #: script that trains), in the allocator's blocks.
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The answer as plain data (what ``json.dumps`` writes)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def __str__(self) -> str:
+        # The same report `oomkit preflight` prints, from the one renderer.
+        return _native.preflight_text(json.dumps(self.as_dict()))

@@ -1,0 +1,12 @@
+"""The world a preflight runs in: the fake GPU, and every stand-in for what CUDA does.
+
+``fake_gpu`` holds the one ledger of stand-ins, installed on entry and
+undone on exit; the stand-ins themselves are grouped by what they stand in
+for: ``cuda`` (devices, autocast, attention kernels, foreach kernels,
+streams), ``memory`` (``torch.cuda``'s memory queries, answered from the
+allocator model), ``kernels`` (PyTorch's C++ meta kernels made current),
+``compile`` (``torch.compile``'s graphs partitioned as its backend
+would) and ``dist`` (several GPUs: the fake process group, FSDP and DDP).
+A new stand-in for CUDA goes in the module of what it stands in for, and
+one entry in ``FakeGpu.ledger``.
+"""
