@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every oomkit test, on a fresh machine too.
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
-# and pip installs maturin, pytest (with pytest-xdist), mypy (its stubtest checks the stub), ruff, PyTorch (CPU use), transformers, accelerate,
+# and pip installs maturin, pytest (with pytest-xdist), mypy (its stubtest checks the stub), ruff, expecttest
+# (which PyTorch's autocast test lists import), PyTorch (CPU use), transformers, accelerate,
 # lightning, bitsandbytes and litgpt (without its pins) into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
@@ -47,7 +48,7 @@ fi
 # The Python package, built with maturin and installed as a user would.
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
 export PATH="$PWD/.venv/bin:$PATH"
-python -c "import maturin, pytest, xdist, mypy, ruff" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest pytest-xdist mypy ruff
+python -c "import maturin, pytest, xdist, mypy, ruff, expecttest" 2>/dev/null || python -m pip install -q "maturin>=1.5,<2" pytest pytest-xdist mypy ruff expecttest
 python -c "import torch" 2>/dev/null || python -m pip install -q torch
 # The integration tests train tiny models with the real frameworks (built
 # from configs; nothing is downloaded). transformers needs Python 3.10+;

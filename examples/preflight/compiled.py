@@ -3,8 +3,9 @@
 `torch.compile(model)` under `oomkit preflight` is modelled as the default
 backend builds the step: what the compiled step saves for backward is what
 AOTAutograd's partitioner decides, and chains of pointwise operations take
-no memory of their own (inductor fuses them), so a compiled step needs less
-than the same step run eagerly.
+no memory of their own (inductor fuses them), so a compiled step can hold
+less than the same step run eagerly (at this GPT's peak, the start of
+backward, it holds the same: the loss's tensors over the vocabulary).
 """
 
 import argparse

@@ -16,6 +16,7 @@ __all__ = [
     "back_off",
     "batch_plan",
     "cli_main",
+    "gpu_capability",
     "host_capacity",
     "largest_that_fits",
     "oom_cause",
@@ -87,6 +88,7 @@ def realize_ops(
     tuple[list[int], list[int], list[int]],
 ]: ...
 def parse_capacity(text: str) -> tuple[int, str]: ...
+def gpu_capability(text: str) -> tuple[int, int] | None: ...
 def preflight_text(doc: str) -> str: ...
 def largest_that_fits(
     start: int, max: int, capacity: int, measure: Callable[[int], tuple[bool, int]]

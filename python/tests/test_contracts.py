@@ -103,6 +103,10 @@ def test_every_documented_name_imports() -> None:
     from oomkit.preflight import Preflight, PreflightError, preflight
 
     assert oomkit.preflight is preflight and callable(oomkit.preflight)
+    # ... and a module of the package imports under a name of its own, through the function.
+    import oomkit.preflight.world.cuda as cuda
+
+    assert cuda.__name__ == "oomkit.preflight.world.cuda"
     assert PreflightError is oomkit.PreflightError and Preflight.__name__ == "Preflight"
 
 

@@ -37,6 +37,7 @@ def _check_deps() -> Any:
 def _owners() -> list[Any]:
     """Everything the fake GPU's ledger may touch, and more: each is compared whole."""
     import importlib
+    import threading
 
     import torch.amp.autocast_mode as autocast_mode
     import torch.distributed as dist
@@ -48,6 +49,8 @@ def _owners() -> list[Any]:
 
     owners = [
         torch,
+        torch.serialization,
+        threading.Thread,
         torch.cuda,
         torch.cuda.memory,
         torch._C,

@@ -64,4 +64,4 @@ pub use rules::{
     K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER,
     K_SMALL_SIZE, ROUNDUP_INTERVALS,
 };
-pub use scenario::{parse_capacity, Scenario, CONTEXT_BYTES, GPUS};
+pub use scenario::{gpu_named, parse_capacity, Gpu, Scenario, CONTEXT_BYTES, GPUS};

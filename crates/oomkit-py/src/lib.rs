@@ -414,6 +414,14 @@ fn parse_capacity(text: &str) -> PyResult<(u64, String)> {
     oomkit_allocator::parse_capacity(text).map_err(|e| PreflightError::new_err(e.to_string()))
 }
 
+/// The CUDA compute capability (major, minor) of the GPU a capacity names
+/// (`H100`: (9, 0)), or None for a size: which cuBLAS workspace and
+/// attention kernels preflight gives the step.
+#[pyfunction]
+fn gpu_capability(text: &str) -> Option<(u8, u8)> {
+    oomkit_allocator::gpu_named(text).map(|g| g.capability)
+}
+
 /// The largest micro-batch from `start` up to `max` that fits `capacity`:
 /// the project's one search (`oomkit_supervise::search::largest_that_fits`),
 /// calling `measure(b)` for each micro-batch tried, which returns whether it
@@ -484,6 +492,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(back_off, m)?)?;
     m.add_function(wrap_pyfunction!(realize_ops, m)?)?;
     m.add_function(wrap_pyfunction!(parse_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_capability, m)?)?;
     m.add_function(wrap_pyfunction!(preflight_text, m)?)?;
     m.add_function(wrap_pyfunction!(largest_that_fits, m)?)?;
     Ok(())

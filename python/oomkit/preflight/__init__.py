@@ -26,7 +26,7 @@ module to its layer):
   Face model from its config, bitsandbytes' optimizers): a new
   framework's loader goes here.
 - ``world/``: the fake GPU and every stand-in for CUDA, one ledger
-  (``fake_gpu``), with what CUDA does differently (``cuda``), its memory
+  (``fake_gpu``), with what CUDA does differently (``cuda``, ``autocast``), its memory
   queries (``memory``), the meta kernels (``kernels``), ``torch.compile``
   (``compile``) and several GPUs (``dist``): a new stand-in goes here.
 - ``driver`` (``oomkit.preflight()``'s steps) and ``fixes`` (the changes
@@ -125,3 +125,11 @@ def preflight(
     from oomkit.preflight.api import measure
 
     return measure(settings)
+
+
+# `oomkit.preflight` is this function (oomkit/__init__.py binds it there), and
+# Python finds `import oomkit.preflight.world.cuda as cuda` through whatever
+# stands at that name: where the function has no such attribute, the import
+# looks for the module named after the function's `__name__` and the rest.
+# Named as this package, it leads there.
+preflight.__name__ = __name__

@@ -27,7 +27,8 @@ from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.record.recording import Recording
 from oomkit.preflight.record.roles import Known
 from oomkit.preflight.settings import Settings
-from oomkit.preflight.world.cuda import Autocast, CudaFunctions, cublas_workspace
+from oomkit.preflight.world.autocast import Autocast
+from oomkit.preflight.world.cuda import CudaFunctions, cublas_workspace
 from oomkit.preflight.world.dist import shard, zero_redundancy
 from oomkit.preflight.world.fake_gpu import FakeGpu, Hook
 from oomkit.preflight.world.memory import MemoryQueries

@@ -31,7 +31,8 @@ import torch
 from oomkit._native import PreflightError
 from oomkit.preflight.frameworks.bitsandbytes import eight_bit_in_place_of_torch
 from oomkit.preflight.notes import Notes
-from oomkit.preflight.world.cuda import Autocast, is_cuda
+from oomkit.preflight.world.autocast import Autocast
+from oomkit.preflight.world.cuda import is_cuda
 from oomkit.preflight.world.dist import shard, spread_in
 
 #: The changes made inside the script, by name.

@@ -32,7 +32,8 @@ from oomkit.preflight.record.recorder import PreflightStopped, Recorder, StepUns
 from oomkit.preflight.record.recording import INFERENCE, TRAINING, Recording
 from oomkit.preflight.record.roles import Known
 from oomkit.preflight.settings import DEFAULT_CAPACITY, DEFAULT_STEPS, DEFAULT_TIME_LIMIT, Settings
-from oomkit.preflight.world.cuda import Autocast, CudaFunctions, cublas_workspace
+from oomkit.preflight.world.autocast import Autocast
+from oomkit.preflight.world.cuda import CudaFunctions, cublas_workspace
 from oomkit.preflight.world.fake_gpu import FakeGpu, Hook, StandIn
 from oomkit.preflight.world.memory import MemoryQueries
 from oomkit.tracker.measure import PREFLIGHT_DIR_ENV
@@ -174,15 +175,18 @@ class _Session:
                 self.finished = True
                 return
             elif not self.finished:
-                done = f"after {self.steps_done} optimizer step(s)"
                 # The module whose forward was running, where one was: an
                 # extension that refuses tensors without data (a Triton
                 # kernel's launcher) fails there, and that names the part.
                 module = self.rec.innermost_module()
                 where = f" in {module}'s forward" if module else ""
                 said = _first_line(value)
-                error = f"{kind.__name__}: {said}" if said else kind.__name__
-                self._write({"error": f"the script failed under preflight {done}{where}: {error}{_at(tb)}"})
+                error = f"{kind.__name__}: {said}{_at(tb)}" if said else f"{kind.__name__}{_at(tb)}"
+                if self._measured_a_step():
+                    # What the whole steps before it measured stands; the failure is said beside it.
+                    self.finish(failed=f"the script failed under preflight after {self._steps_measured()} step(s){where}: {error}")
+                else:
+                    self._write({"error": f"the script failed under preflight after {self.steps_done} optimizer step(s){where}: {error}"})
             self.finished = True
             previous(kind, value, tb)
 
@@ -284,12 +288,24 @@ class _Session:
         if not self.finished:
             self.finish()
 
-    def finish(self) -> None:
+    def _measured_a_step(self) -> bool:
+        """Whether a whole training step ran: an optimizer's step, or a backward pass and the
+        next forward in a loop without an optimizer."""
+        return self.steps_done >= 1 or (not self.has_optimizer and self.backwards_done >= 1)
+
+    def _steps_measured(self) -> int:
+        return self.steps_done if self.has_optimizer else min(self.backwards_done, self.settings.steps)
+
+    def finish(self, failed: str | None = None) -> None:
+        """Writes the answer: what ran, served through the allocator model; ``failed`` is the
+        line of an error that ended the script after a whole step, said beside the figures."""
         if self.finished:
             return
         self.finished = True
         self.rec.finish()
         notes = self.notes.said()
+        if failed is not None:
+            notes.append(f"{failed}; the figures are those of what ran before it")
         asked = self.settings.steps
         if not self.has_optimizer and self.backwards_done:
             # A loop that updates the weights itself: its steps are its backward passes.

@@ -60,8 +60,9 @@ except Exception as _e:
 /// Flags of `oomkit preflight`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// What the allocator may hold (80GiB), or a GPU (H100, H100-NVL,
-    /// A100-40GB, RTX-4090, T4: its total less 1.25 GiB of CUDA context).
+    /// What the allocator may hold (80GiB), or a GPU (H100, H200, B200, A100,
+    /// A100-40GB, L4, L40S, A10G, V100, T4, RTX-4090, ... docs/whatif.md has
+    /// them all: its total less 1.25 GiB of CUDA context).
     #[arg(long, value_name = "SIZE | GPU", default_value = "H100")]
     capacity: String,
     /// Optimizer steps to run before answering (the first creates the optimizer's state).
@@ -158,6 +159,11 @@ enum Failure {
 
 /// `oomkit preflight`.
 pub(crate) fn run(a: Args) -> u8 {
+    // A capacity refused here is one line, before any script runs.
+    if let Err(e) = oomkit_allocator::parse_capacity(&a.capacity) {
+        say(&format!("preflight: {e}"));
+        return EXIT_INPUT;
+    }
     let has_batch = a.command.iter().any(|w| w.contains(BATCH));
     if a.max_micro_batch.is_some() && !has_batch {
         say("preflight: --max-micro-batch needs {batch} in the command where the micro-batch goes (python train.py --batch-size {batch})");

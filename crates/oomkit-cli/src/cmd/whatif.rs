@@ -20,8 +20,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "SETTINGS")]
     alloc_conf: Vec<String>,
     /// Another capacity: what the allocator may hold (80GiB), or a GPU
-    /// (H100, H100-NVL, A100-40GB, RTX-4090, T4: its total less 1.25 GiB of
-    /// CUDA context); repeat for more.
+    /// (H100, H200, B200, A100, A100-40GB, L4, L40S, A10G, V100, T4, RTX-4090,
+    /// ... docs/whatif.md has them all: its total less 1.25 GiB of CUDA
+    /// context); repeat for more.
     #[arg(long, value_name = "SIZE | GPU")]
     capacity: Vec<String>,
     /// A smaller micro-batch: activations, temporaries and inputs scaled by

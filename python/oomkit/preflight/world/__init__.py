@@ -2,8 +2,10 @@
 
 ``fake_gpu`` holds the one ledger of stand-ins, installed on entry and
 undone on exit; the stand-ins themselves are grouped by what they stand in
-for: ``cuda`` (devices, autocast, attention kernels, foreach kernels,
-streams), ``memory`` (``torch.cuda``'s memory queries, answered from the
+for: ``cuda`` (devices, attention kernels, foreach kernels, streams),
+``autocast`` (CUDA autocast's regions, and what it casts, asked of
+PyTorch), ``checkpoints`` (``torch.load`` onto the GPU, its data unread),
+``memory`` (``torch.cuda``'s memory queries, answered from the
 allocator model), ``kernels`` (PyTorch's C++ meta kernels made current),
 ``compile`` (``torch.compile``'s graphs partitioned as its backend
 would) and ``dist`` (several GPUs: the fake process group, FSDP and DDP).

@@ -41,7 +41,7 @@ from oomkit.preflight.world.dist import spread_by
 
 if TYPE_CHECKING:
     from oomkit.preflight.record.recorder import Recorder
-    from oomkit.preflight.world.cuda import Autocast
+    from oomkit.preflight.world.autocast import Autocast
 
 #: The note a compiled step leaves: what is modelled, and what is not.
 COMPILED = (

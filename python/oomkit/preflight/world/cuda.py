@@ -5,11 +5,10 @@ autograd records and saves for backward, as on the GPU:
 
 - ``cuda`` devices become ``meta`` (``.cuda()``, ``.to("cuda")``,
   ``device="cuda"``), so a step written for a GPU runs as written;
-- ``torch.autocast("cuda", ...)`` is done here, after the lists of
-  ``aten/src/ATen/autocast_mode.cpp`` (CUDA's lower-precision, float32 and
-  promote lists, and the cache of casts of weights held until the
-  outermost autocast region exits), since PyTorch applies autocast only to
-  tensors of a device that has it, which ``meta`` does not;
+- ``torch.autocast("cuda", ...)`` is done here, each call cast as
+  PyTorch's own CUDA autocast says it would (``autocast``), since PyTorch
+  applies autocast only to tensors of a device that has it, which
+  ``meta`` does not;
 - ``scaled_dot_product_attention`` takes the kernel CUDA would choose
   (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash
   attention for 16-bit inputs without a mask, else memory-efficient
@@ -38,12 +37,12 @@ from types import FunctionType
 from typing import Any, cast
 
 import torch
-import torch.amp.autocast_mode as _autocast_mode
 import torch.utils._device as _default_device
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
 
+from oomkit import _native
 from oomkit.preflight.record.recorder import FAKE_DEVICE
+from oomkit.preflight.world.autocast import UNTOUCHED, Autocast
 from oomkit.preflight.world.memory import MemoryQueries, rng_answers
 
 #: cuBLAS's workspace per handle, allocated through the caching allocator
@@ -53,43 +52,6 @@ from oomkit.preflight.world.memory import MemoryQueries, rng_answers
 #: Hopper (compute capability 9) on, 4096 KiB x 2 + 16 KiB x 8 before.
 CUBLAS_WORKSPACE_HOPPER = 32 << 20
 CUBLAS_WORKSPACE_OLDER = 4096 * 1024 * 2 + 16 * 1024 * 8
-
-#: GPUs by name before Hopper; any other (a size, an H100) is taken as Hopper or later.
-PRE_HOPPER = ("A100", "A10", "A40", "L4", "L40", "V100", "T4", "RTX")
-
-#: Functions CUDA autocast runs in the lower precision (by name, as
-#: ``torch.nn.functional``, ``torch`` and ``Tensor`` call them).
-LOWER_PRECISION = frozenset(
-    {
-        "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm",
-        "baddbmm", "addbmm", "addmv", "addr", "mv", "einsum", "chain_matmul",
-        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-        "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
-        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    }
-)  # fmt: skip
-
-#: Functions CUDA autocast runs in float32.
-FLOAT32 = frozenset(
-    {
-        "layer_norm", "group_norm", "batch_norm", "softmax", "log_softmax",
-        "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
-        "huber_loss", "kl_div", "binary_cross_entropy_with_logits",
-        "cosine_similarity", "cosine_embedding_loss", "margin_ranking_loss",
-        "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-        "poisson_nll_loss", "hinge_embedding_loss", "exp", "log", "log2",
-        "log10", "log1p", "expm1", "pow", "rsqrt", "reciprocal", "softplus",
-        "cumsum", "cumprod", "prod", "sum", "norm", "logsumexp", "dist",
-        "pdist", "cdist", "renorm", "erfinv", "acos", "asin", "cosh", "sinh",
-        "tan",
-    }
-)  # fmt: skip
-
-#: Functions that run in the widest floating type among their inputs.
-PROMOTE = frozenset({"cat", "stack", "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "tensordot", "index_put", "scatter_add"})
-
-#: The device types whose autocast is emulated.
-EMULATED = ("cuda", FAKE_DEVICE)
 
 #: Composites written in Python whose inner calls the mode must see (by name).
 OPENED = frozenset({"multi_head_attention_forward"})
@@ -184,9 +146,15 @@ class _DeviceContext:
         return None
 
 
+def capability(capacity: str | None) -> tuple[int, int]:
+    """The compute capability of the GPU a capacity names (oomkit's table of GPUs), Hopper's for a size."""
+    found = _native.gpu_capability(capacity) if capacity else None
+    return found if found is not None else HOPPER
+
+
 def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries) -> dict[str, Any]:
     """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's (through ``memory``)."""
-    major, minor = AMPERE if cublas_workspace(capacity) != cublas_workspace("H100") else HOPPER
+    major, minor = capability(capacity)
 
     def properties(*_: Any, **__: Any) -> Any:
         return types.SimpleNamespace(
@@ -208,7 +176,8 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
         "empty_cache": rec.empty_cache,
         "device": _DeviceContext,
         "device_of": _DeviceContext,
-        "is_bf16_supported": lambda *a, **k: True,
+        # bfloat16 from Ampere on (a V100 or a T4 has none), as a script choosing its precision asks.
+        "is_bf16_supported": lambda *a, **k: major >= AMPERE[0],
         # torch.compile's tracer asks, as the optimizers do: no CUDA graph is being captured.
         "is_current_stream_capturing": lambda: False,
         "get_device_name": lambda *a, **k: f"oomkit preflight ({capacity})",
@@ -265,9 +234,8 @@ def no_graph_capture() -> dict[str, Any]:
 
 
 def cublas_workspace(capacity: str | None) -> int:
-    """The cuBLAS workspace for the GPU a capacity names."""
-    name = (capacity or "").upper()
-    return CUBLAS_WORKSPACE_OLDER if name.startswith(PRE_HOPPER) else CUBLAS_WORKSPACE_HOPPER
+    """The cuBLAS workspace for the GPU a capacity names: Hopper's and later's, or the older one's."""
+    return CUBLAS_WORKSPACE_HOPPER if capability(capacity) >= HOPPER else CUBLAS_WORKSPACE_OLDER
 
 
 def is_cuda(device: Any) -> bool:
@@ -321,50 +289,6 @@ def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
 
-class Autocast:
-    """The autocast regions entered with ``device_type="cuda"``, emulated."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[bool, torch.dtype]] = []
-        #: Casts of weights, held until the outermost region exits (CUDA's cast cache).
-        self.cache: dict[int, torch.Tensor] = {}
-
-    def dtype(self) -> torch.dtype | None:
-        """The lower precision in force, or None outside autocast."""
-        if self.stack and self.stack[-1][0]:
-            return self.stack[-1][1]
-        return None
-
-    def enter(self, enabled: bool, dtype: torch.dtype) -> None:
-        """Enters a region."""
-        self.stack.append((enabled, dtype))
-
-    def exit(self) -> None:
-        """Leaves a region; the cast cache goes with the outermost."""
-        if self.stack:
-            self.stack.pop()
-        if not self.stack:
-            self.cache.clear()
-
-    def cast(self, t: Any, dtype: torch.dtype, *, cache: bool) -> Any:
-        """``cached_cast``: floating tensors of the device (not float64) to ``dtype``."""
-        if not (
-            isinstance(t, torch.Tensor)
-            and t.device.type == FAKE_DEVICE
-            and t.is_floating_point()
-            and t.dtype not in (dtype, torch.float64)
-        ):
-            return t
-        # Only leaves that require grad (weights) are cached, as in autocast_mode.cpp.
-        if cache and t.is_leaf and t.requires_grad:
-            hit = self.cache.get(id(t))
-            if hit is None:
-                hit = t.to(dtype)
-                self.cache[id(t)] = hit
-            return hit
-        return t.to(dtype)
-
-
 class CudaFunctions(TorchFunctionMode):
     """Maps ``cuda`` to ``meta``, and does autocast and attention as CUDA does."""
 
@@ -407,6 +331,11 @@ class CudaFunctions(TorchFunctionMode):
             else:
                 host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
             return host if name in ("cpu", "to") else getattr(host, name)()
+        if name == "__format__" and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE and args[0].dim() == 0:
+            # f"{loss:.4f}", f"{grad_norm:.2f}": on a GPU a 0-d tensor formats as its value
+            # (``Tensor.__format__`` reads it with ``item()``), known where the step made it, else 0, noted.
+            host = self.read_back(args[0], "format(tensor)") if self.read_back is not None else torch.zeros(())
+            return format(host.item(), args[1] if len(args) > 1 else "")
         if name == "_parse_to":
             # ``Tensor.to`` overrides written in Python (bitsandbytes' 4-bit
             # parameters quantize when moved to the GPU) must see the device
@@ -437,16 +366,11 @@ class CudaFunctions(TorchFunctionMode):
             kwargs["device"] = FAKE_DEVICE
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
-        dtype = self.autocast.dtype()
-        if dtype is not None:
-            if name in LOWER_PRECISION:
-                args, kwargs = tree_map(lambda t: self.autocast.cast(t, dtype, cache=True), (args, kwargs))
-            elif name in FLOAT32:
-                args, kwargs = tree_map(lambda t: self.autocast.cast(t, torch.float32, cache=False), (args, kwargs))
-            elif name in PROMOTE:
-                widest = _widest((args, kwargs))
-                if widest is not None:
-                    args, kwargs = tree_map(lambda t: self.autocast.cast(t, widest, cache=False), (args, kwargs))
+        policy = UNTOUCHED
+        if self.autocast.dtype() is not None:
+            # As CUDA's autocast would, above autograd: what it casts, PyTorch says (``autocast``).
+            policy = self.autocast.policy(func, args, kwargs)
+            args, kwargs = self.autocast.apply(policy, args, kwargs)
         if name == "scaled_dot_product_attention":
             routed = _cuda_attention(*args, **kwargs)
             if routed is not None:
@@ -463,7 +387,8 @@ class CudaFunctions(TorchFunctionMode):
             if self.on_backward is not None:
                 self.on_backward()
             return done
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        return self.autocast.outputs(policy, out)
 
 
 def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cache: dict[Any, FunctionType]) -> Any:
@@ -489,13 +414,6 @@ def _opened(func: FunctionType, cache: dict[Any, FunctionType]) -> FunctionType:
         found.__kwdefaults__ = func.__kwdefaults__
         cache[func] = found
     return found
-
-
-def _widest(tree: Any) -> torch.dtype | None:
-    found = [t.dtype for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not found:
-        return None
-    return max(found, key=lambda d: torch.finfo(d).bits)
 
 
 def _cuda_attention(
@@ -565,78 +483,3 @@ def foreach_stand_ins() -> list[tuple[Any, str, Any]]:
         if getattr(module, "_get_foreach_kernels_supported_devices", None) is original:
             found.append((module, "_get_foreach_kernels_supported_devices", with_meta))
     return found
-
-
-def autocast_stand_ins(autocast: Autocast, functions: CudaFunctions | None = None) -> list[tuple[Any, str, Any]]:
-    """What makes ``torch.autocast("cuda", ...)`` enter the emulated regions:
-    (owner, name, value) for the fake GPU's ledger.
-
-    ``functions`` is pushed again for a region entered where function modes
-    are not active (activation checkpointing's recompute inside backward:
-    autograd's engine carries dispatch modes into backward, not function
-    modes), so that the recompute casts as the forward did.
-    """
-    cls = _autocast_mode.autocast
-    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
-
-    def new_init(
-        self: Any,
-        device_type: str,
-        dtype: torch.dtype | None = None,
-        enabled: bool = True,
-        cache_enabled: bool | None = None,
-    ) -> None:
-        # "meta": activation checkpointing re-enters autocast for the device its tensors are on.
-        if device_type in EMULATED:
-            self.device = "cuda"
-            self.fast_dtype = dtype or torch.float16
-            self._enabled = enabled
-            self._cache_enabled = cache_enabled
-            self._oomkit_emulated = True
-            return
-        init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-
-    def new_enter(self: Any) -> Any:
-        if getattr(self, "_oomkit_emulated", False):
-            autocast.enter(self._enabled, self.fast_dtype)
-            self._oomkit_pushed = False
-            if functions is not None and functions not in _get_current_function_mode_stack():
-                functions.__enter__()
-                self._oomkit_pushed = True
-            return self
-        return enter(self)
-
-    def new_exit(self: Any, *exc: Any) -> Any:
-        if getattr(self, "_oomkit_emulated", False):
-            if functions is not None and getattr(self, "_oomkit_pushed", False):
-                functions.__exit__(None, None, None)
-            autocast.exit()
-            return False
-        return exit_(self, *exc)
-
-    # torch.utils.checkpoint records the autocast state of the device its
-    # tensors are on when forward runs and restores it for the recompute in
-    # backward; for "meta" (and "cuda") that state is the emulated one.
-    available, is_enabled, get_dtype = torch.amp.is_autocast_available, torch.is_autocast_enabled, torch.get_autocast_dtype
-
-    def new_available(device_type: str) -> bool:
-        return device_type in EMULATED or available(device_type)
-
-    def new_is_enabled(*args: Any) -> bool:
-        if args and args[0] in EMULATED:
-            return autocast.dtype() is not None
-        return bool(is_enabled(*args))
-
-    def new_get_dtype(device_type: str) -> torch.dtype:
-        if device_type in EMULATED:
-            return autocast.dtype() or torch.float16
-        return get_dtype(device_type)
-
-    return [
-        (cls, "__init__", new_init),
-        (cls, "__enter__", new_enter),
-        (cls, "__exit__", new_exit),
-        (torch.amp, "is_autocast_available", new_available),
-        (torch, "is_autocast_enabled", new_is_enabled),
-        (torch, "get_autocast_dtype", new_get_dtype),
-    ]

@@ -79,9 +79,56 @@ def rank_zero_note(world_size: int) -> str:
     return f"rank 0 of {world_size} GPUs: the script's process group is PyTorch's fake one; {ONE_STREAM}"
 
 
-def parallel_stand_ins(notes: Notes) -> list[tuple[Any, dict[str, Any]]]:
-    """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, as (owner, attributes) to set."""
-    return fsdp_on_meta() + ddp_on_one_rank(notes)
+def parallel_stand_ins(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:
+    """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, and
+    ``nn.DataParallel`` as its first GPU, as (owner, attributes) to set."""
+    return fsdp_on_meta() + ddp_on_one_rank(notes) + data_parallel_on_first_gpu(notes, world_size)
+
+
+def data_parallel_on_first_gpu(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:
+    """What lets ``nn.DataParallel`` run as its first GPU, the one that holds the most.
+
+    DataParallel keeps the model on its first GPU, splits each batch along
+    ``dim`` over its GPUs, runs a replica on each, and gathers the outputs on
+    the first. Its forward refuses parameters that are not on that GPU (here
+    they are on ``meta``), and its scatter and gather are CUDA copies; in
+    their place the first GPU's share of the batch runs through the model
+    and the outputs of all shares are gathered as that share's, repeated
+    (the same sizes), so that GPU 0 holds what it would: the model, its
+    gradients and optimizer state, the activations of its share and the
+    whole gathered output. With one GPU that is the model run on the whole
+    batch, as DataParallel runs it. Its GPUs are those it is given
+    (``device_ids``), else all the machine's: ``world_size`` (``--gpus``).
+    """
+    from torch.nn.parallel import DataParallel
+
+    init = DataParallel.__init__
+
+    def new_init(self: Any, module: Any, device_ids: Any = None, *args: Any, **kwargs: Any) -> None:
+        init(self, module, device_ids, *args, **kwargs)
+        self._oomkit_gpus = len(device_ids) if device_ids else world_size
+
+    def forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        gpus = getattr(self, "_oomkit_gpus", 1)
+        if gpus <= 1:
+            return self.module(*inputs, **kwargs)
+        notes.add(
+            f"nn.DataParallel over {gpus} GPUs: the first is measured, which runs 1/{gpus} of each batch and gathers "
+            "the outputs of all; the replicas on the others are not counted here"
+        )
+        dim = getattr(self, "dim", 0)
+
+        def share(x: Any) -> Any:
+            return x.chunk(gpus, dim)[0] if isinstance(x, torch.Tensor) and x.dim() > dim else x
+
+        out = self.module(*torch.utils._pytree.tree_map(share, inputs), **torch.utils._pytree.tree_map(share, kwargs))
+
+        def gathered(x: Any) -> Any:
+            return torch.cat([x] * gpus, dim) if isinstance(x, torch.Tensor) and x.dim() > dim else x
+
+        return torch.utils._pytree.tree_map(gathered, out)
+
+    return [(DataParallel, {"__init__": new_init, "forward": forward})]
 
 
 def _reduced_in_place(_state: Any, bucket: Any) -> Any:

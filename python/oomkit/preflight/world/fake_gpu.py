@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,16 +33,10 @@ import torch
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
+from oomkit.preflight.world.autocast import Autocast, autocast_stand_ins
+from oomkit.preflight.world.checkpoints import load_stand_in
 from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
-from oomkit.preflight.world.cuda import (
-    Autocast,
-    CudaFunctions,
-    accelerator_answers,
-    autocast_stand_ins,
-    device_answers,
-    foreach_stand_ins,
-    no_graph_capture,
-)
+from oomkit.preflight.world.cuda import CudaFunctions, accelerator_answers, device_answers, foreach_stand_ins, no_graph_capture
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
@@ -172,6 +167,9 @@ class FakeGpu:
         # Every operation runs a meta kernel: the C++ ones are about a hundred times faster than the Python ones.
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory))
+        fake_load = load_stand_in()
+        for home in (torch, torch.serialization):
+            attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
         attrs(
             "torch.cuda.memory's queries answered from the allocator model",
             torch.cuda.memory,
@@ -197,6 +195,7 @@ class FakeGpu:
         tagged = {"checkpoint": checkpoint_stand_in()}
         attrs("checkpointed regions tagged for the partitioner, as torch.compile tags them", torch.utils.checkpoint, tagged)
         attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
+        attrs("threads the script starts run on the fake GPU too", threading.Thread, {"_bootstrap_inner": _in_world(self.functions, rec)})
         if self.on_optimizer_made is not None:
             attrs("told whenever an optimizer is made", torch.optim.Optimizer, {"__init__": _told_when_made(self.on_optimizer_made)})
         for owner, name, value in rec.stand_ins():
@@ -225,7 +224,7 @@ class FakeGpu:
         entries.append(
             StandIn("the script's init_process_group gets the fake process group", dist, "init_process_group", init_process_group)
         )
-        for owner, values in parallel_stand_ins(self.notes):
+        for owner, values in parallel_stand_ins(self.notes, self.world_size):
             entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
         return entries
 
@@ -303,6 +302,26 @@ def _one_process_loader(notes: Notes) -> Any:
         init(self, *args, **kwargs)
 
     return new_init
+
+
+def _in_world(functions: CudaFunctions, recorder: Recorder) -> Any:
+    """``Thread._bootstrap_inner`` that runs a thread with the fake GPU's modes on its own
+    stacks (modes are per thread): a checkpoint loaded on a thread pool (transformers 5's
+    ``from_pretrained``), a data loader's pinning thread, land on the fake GPU and are recorded."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap(self: threading.Thread) -> None:
+        torch._C._push_on_torch_function_stack(functions)
+        _push_mode(recorder)
+        try:
+            inner(self)
+        finally:
+            _pop_mode()
+            torch._C._pop_torch_function_stack()
+
+    return bootstrap
 
 
 def _told_when_made(told: Callable[[], None]) -> Any:

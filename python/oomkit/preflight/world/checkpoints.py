@@ -1,0 +1,88 @@
+"""A checkpoint loaded onto the GPU under preflight: its tensors on the fake GPU, their data never read.
+
+A sampling, resuming or generating script loads its weights with
+``torch.load(path, map_location=device)``; on a GPU that puts each saved
+tensor in device memory, and without one it stops ("Found no NVIDIA
+driver"). Under preflight, every storage bound for a GPU (by
+``map_location``, or saved from one where no ``map_location`` is given)
+is made on ``meta`` with the size the file gives: the recorder counts it
+as the GPU would, and no byte of it is copied. A checkpoint in PyTorch's
+zip format is opened with ``mmap=True`` unless the script says otherwise,
+so that what is bound for the GPU is never read from the disk either;
+what the script loads onto the CPU is loaded as it asks.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from oomkit.preflight.record.recorder import FAKE_DEVICE
+
+
+def load_stand_in() -> Callable[..., Any]:
+    """``torch.load`` for the fake GPU's ledger: what would go to a GPU goes to the fake GPU."""
+    load = torch.load
+
+    def fake_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if "mmap" not in kwargs and isinstance(f, (str, os.PathLike)) and _zip_checkpoint(f):
+            # The file's pages mapped and left unread: the storages bound for the GPU become meta ones.
+            kwargs["mmap"] = True
+        return load(f, _onto_fake_gpu(map_location), *args, **kwargs)
+
+    return fake_load
+
+
+def _onto_fake_gpu(map_location: Any) -> Any:
+    """``map_location`` with every GPU it names, or leaves to the file, made the fake GPU."""
+    if map_location is None:
+        return _restore(lambda _storage, location: location)
+    if isinstance(map_location, dict):
+        named = dict(map_location)
+        return _restore(lambda _storage, location: named.get(location, location))
+    if callable(map_location):
+        return _restore(map_location, own=True)
+    return FAKE_DEVICE if _is_gpu(map_location) else map_location
+
+
+def _restore(where: Callable[[Any, str], Any], own: bool = False) -> Callable[[Any, str], Any]:
+    """A ``map_location`` function: a storage whose place (``where`` says it, from the saved
+    one) is a GPU is made on meta at its size; any other is restored as PyTorch restores it.
+    ``own``: ``where`` is the script's own function, which may move the storage itself."""
+    from torch.serialization import default_restore_location
+
+    def restore(storage: Any, location: str) -> Any:
+        try:
+            placed = where(storage, location)
+        except (RuntimeError, AssertionError):
+            # The script's own function moved it to a GPU there is none of ("Found no NVIDIA driver").
+            placed = FAKE_DEVICE
+        if own and isinstance(placed, (torch.UntypedStorage, torch.TypedStorage)):
+            return placed
+        target = location if placed is None else placed
+        if _is_gpu(target) or target == FAKE_DEVICE:
+            return torch.UntypedStorage(storage.nbytes(), device=FAKE_DEVICE)
+        return default_restore_location(storage, str(target))
+
+    return restore
+
+
+def _is_gpu(place: Any) -> bool:
+    """Whether a place a checkpoint names (``"cuda:0"``, a device, an index) is a GPU."""
+    if isinstance(place, torch.device):
+        return place.type == "cuda"
+    if isinstance(place, int) and not isinstance(place, bool):
+        return True
+    return isinstance(place, str) and place.split(":")[0] == "cuda"
+
+
+def _zip_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is a checkpoint in PyTorch's zip format (the only one ``mmap`` opens)."""
+    try:
+        return zipfile.is_zipfile(os.fspath(path))
+    except OSError:
+        return False

@@ -1,0 +1,195 @@
+"""What the scripts people run do, under `oomkit preflight`: each pattern in a script of this project's own.
+
+Widely used public scripts load a checkpoint onto the GPU, format a 0-d
+tensor as a number in their logs, load weights on worker threads, wrap
+the model in ``nn.DataParallel``, or fail in their logging after a step
+has run. Each is written here as a small script in its own words, run
+unchanged under preflight, and its answer checked against what can be
+worked out by hand (weights, gradients, optimizer states).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from preflight_cli import OOMKIT, preflight_run
+
+MIB = 1 << 20
+#: nn.Linear(1024, 1024)'s weight and bias in float32, as the allocator rounds them (to 512 bytes).
+LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_a_checkpoint_loaded_onto_the_gpu_lands_on_the_fake_gpu_unread(tmp_path: Path) -> None:
+    layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    torch.save(layers.state_dict(), tmp_path / "ckpt.pt")
+    for map_location in ('"cuda"', "torch.device('cuda:0')", "{'cpu': 'cuda:0'}", "lambda storage, loc: storage.cuda(0)"):
+        script = _script(
+            tmp_path,
+            f"""
+            import torch
+            model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+            state = torch.load("ckpt.pt", map_location={map_location})   # kept: held beside the model
+            assert all(t.is_cuda or t.device.type == "meta" for t in state.values())
+            model.load_state_dict(state)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(torch.randn(8, 1024, device="cuda")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            """,
+        )
+        run = preflight_run(script, cwd=tmp_path)
+        # The checkpoint's four layers are held on the GPU beside the model's own, from its line.
+        loaded = sum(line["bytes"] for line in run["by_line"] if line["line"].startswith("train.py:4 "))
+        assert loaded == 4 * LINEAR_1024, (map_location, run["by_line"])
+        assert run["by_role"]["parameters"] == 4 * LINEAR_1024
+
+
+def test_a_formatted_0d_tensor_is_a_number_and_a_failure_after_a_step_still_answers(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for step in range(3):
+            loss = model(torch.randn(32, 1024, device="cuda")).square().mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            print(f"step {step}: loss {loss:.4f} grad norm {norm:.2f}")
+            if step == 1:
+                raise KeyError("a logger's missing key")
+        """,
+    )
+    p = subprocess.run([OOMKIT, "preflight", "--json", "--steps", "3", "--", sys.executable, str(script)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)["run"]
+    assert "step 0: loss 0.0000 grad norm 0.00" in p.stderr
+    # Two whole steps ran before the error: their figures stand, and the error is said with its line.
+    assert run["steps"] == 2 and run["by_role"]["optimizer_state"] == 2 * LINEAR_1024
+    failed = [n for n in run["notes"] if n.startswith("the script failed under preflight after 2 step(s)")]
+    assert failed and "KeyError" in failed[0] and "train.py:13" in failed[0], run["notes"]
+    assert any("taken as 0" in n for n in run["notes"]), run["notes"]
+
+
+def test_a_script_that_fails_before_its_first_step_gets_no_figures(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Linear(64, 64).cuda()
+        loss = model(torch.randn(2, 64, device="cuda")).sum()
+        raise KeyError("before any step")
+        """,
+    )
+    p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 2 and "after 0 optimizer step(s)" in p.stderr and "KeyError" in p.stderr, p.stderr
+
+
+def test_tensors_made_on_the_scripts_threads_are_on_the_fake_gpu(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+        import torch
+        held = {}
+        def load(i):
+            held[i] = torch.empty(1024, 1024, device="cuda")   # 4 MiB, on a worker thread
+        t = threading.Thread(target=load, args=(0,))
+        t.start()
+        t.join()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(load, range(1, 5)))
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    made = sum(line["bytes"] for line in run["by_line"] if line["line"] == "train.py:7 (load)")
+    assert made == 5 * 4 * MIB, run["by_line"]
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_data_parallel_runs_as_its_first_gpu(tmp_path: Path, gpus: int) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.DataParallel(torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            out = model(torch.randn(256, 1024).cuda(non_blocking=True))
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    flags = ("--gpus", str(gpus)) if gpus > 1 else ()
+    run = preflight_run(script, *flags, cwd=tmp_path)
+    weights = 2 * (1024 * 4096 * 4) + 4096 * 4 + 1024 * 4
+    # GPU 0 holds the whole model, its gradients and its momentum, whatever its share of the batch.
+    assert run["by_role"]["parameters"] == pytest.approx(weights, rel=0.01)
+    assert run["by_role"]["optimizer_state"] == pytest.approx(weights, rel=0.01)
+    said = [n for n in run["notes"] if n.startswith("nn.DataParallel over")]
+    assert bool(said) == (gpus > 1), run["notes"]
+
+
+def test_the_gpus_people_rent_by_the_names_they_use(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        print("capability", torch.cuda.get_device_capability(), "bf16", torch.cuda.is_bf16_supported())
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    seen = {}
+    for name in ("A100", "a100 40gb", "H200", "B200", "L4", "NVIDIA A10G", "V100", "4090"):
+        p = subprocess.run([OOMKIT, "preflight", "--json", "--capacity", name, "--", sys.executable, str(script)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+        assert p.returncode == 0, (name, p.stderr)
+        seen[name] = (json.loads(p.stdout)["run"], p.stderr)
+    gib = 1 << 30
+    # A GPU's name is its total less 1.25 GiB of CUDA context (docs/whatif.md's table).
+    assert seen["A100"][0]["capacity_bytes"] == int(79.14 * gib) - 1280 * MIB
+    assert seen["a100 40gb"][0]["capacity_bytes"] == int(39.50 * gib) - 1280 * MIB
+    assert seen["H200"][0]["capacity_bytes"] == int(139.80 * gib) - 1280 * MIB
+    # The generation decides bfloat16 and the cuBLAS workspace: a V100 has neither bfloat16 nor Hopper's 32 MiB.
+    assert "capability (7, 0) bf16 False" in seen["V100"][1] and "capability (10, 0) bf16 True" in seen["B200"][1]
+    assert seen["V100"][0]["by_role"]["other"] < seen["H200"][0]["by_role"]["other"]
+
+
+@pytest.mark.parametrize(("name", "said"), [("B300", "not a size (80GiB) or a GPU oomkit knows"), ("MI300X", "ROCm")])
+def test_a_capacity_refused_is_one_line_and_nothing_runs(tmp_path: Path, name: str, said: str) -> None:
+    script = _script(tmp_path, "open('ran', 'w').write('the script ran')\n")
+    p = subprocess.run([OOMKIT, "preflight", "--capacity", name, "--", sys.executable, str(script)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert p.returncode == 2 and said in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "ran").exists()
