@@ -170,7 +170,7 @@ def test_the_gpus_people_rent_by_the_names_they_use(tmp_path: Path) -> None:
         """,
     )
     seen = {}
-    for name in ("A100", "a100 40gb", "H200", "B200", "L4", "NVIDIA A10G", "V100", "4090"):
+    for name in ("A100", "a100 40gb", "H200", "B200", "L4", "NVIDIA A10G", "V100", "rtx 4090"):
         p = subprocess.run([OOMKIT, "preflight", "--json", "--capacity", name, "--", sys.executable, str(script)],
                            capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
         assert p.returncode == 0, (name, p.stderr)

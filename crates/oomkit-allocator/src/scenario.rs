@@ -111,9 +111,9 @@ pub const GPUS: [Gpu; 18] = [
     gpu(&["V100-32GB", "V100-SXM2-32GB", "V100-PCIE-32GB"], 3175, (7, 0)),
     gpu(&["V100", "V100-16GB", "V100-SXM2-16GB", "V100-PCIE-16GB"], 1578, (7, 0)),
     gpu(&["T4"], 1475, (7, 5)),
-    gpu(&["RTX-3090", "3090"], 2369, (8, 6)),
-    gpu(&["RTX-4090", "4090"], 2364, (8, 9)),
-    gpu(&["RTX-5090", "5090"], 3184, (12, 0)),
+    gpu(&["RTX-3090", "GEFORCE-RTX-3090"], 2369, (8, 6)),
+    gpu(&["RTX-4090", "GEFORCE-RTX-4090"], 2364, (8, 9)),
+    gpu(&["RTX-5090", "GEFORCE-RTX-5090"], 3184, (12, 0)),
 ];
 
 /// GPUs oomkit knows by name whose memory it does not model: AMD's, whose
@@ -197,6 +197,12 @@ mod tests {
         assert_eq!(gpu_named("B200").unwrap().capability, (10, 0));
         assert_eq!(gpu_named("a10g").unwrap().capability, (8, 6));
         assert_eq!(gpu_named("V100-32GB").unwrap().total, gib_hundredths(3175));
+        // A bare number is a size in bytes, never a GPU's name.
+        assert_eq!(parse_capacity("4090").unwrap().0, 4090);
+        assert_eq!(
+            gpu_named("NVIDIA GeForce RTX 4090").unwrap().name(),
+            "RTX-4090"
+        );
         // Every name is found, each belongs to one GPU, and every total is below what it is sold as.
         let mut seen = std::collections::HashSet::new();
         for g in GPUS {

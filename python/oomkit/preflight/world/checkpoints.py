@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from oomkit.preflight.record.recorder import FAKE_DEVICE
+from oomkit.preflight.world.cuda import is_cuda
 
 
 def load_stand_in() -> Callable[..., Any]:
@@ -46,7 +47,7 @@ def _onto_fake_gpu(map_location: Any) -> Any:
         return _restore(lambda _storage, location: named.get(location, location))
     if callable(map_location):
         return _restore(map_location, own=True)
-    return FAKE_DEVICE if _is_gpu(map_location) else map_location
+    return FAKE_DEVICE if is_cuda(map_location) else map_location
 
 
 def _restore(where: Callable[[Any, str], Any], own: bool = False) -> Callable[[Any, str], Any]:
@@ -64,20 +65,11 @@ def _restore(where: Callable[[Any, str], Any], own: bool = False) -> Callable[[A
         if own and isinstance(placed, (torch.UntypedStorage, torch.TypedStorage)):
             return placed
         target = location if placed is None else placed
-        if _is_gpu(target) or target == FAKE_DEVICE:
+        if is_cuda(target) or target == FAKE_DEVICE:
             return torch.UntypedStorage(storage.nbytes(), device=FAKE_DEVICE)
         return default_restore_location(storage, str(target))
 
     return restore
-
-
-def _is_gpu(place: Any) -> bool:
-    """Whether a place a checkpoint names (``"cuda:0"``, a device, an index) is a GPU."""
-    if isinstance(place, torch.device):
-        return place.type == "cuda"
-    if isinstance(place, int) and not isinstance(place, bool):
-        return True
-    return isinstance(place, str) and place.split(":")[0] == "cuda"
 
 
 def _zip_checkpoint(path: Any) -> bool:
