@@ -11,6 +11,7 @@ worked out by hand (weights, gradients, optimizer states).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -193,3 +194,29 @@ def test_a_capacity_refused_is_one_line_and_nothing_runs(tmp_path: Path, name: s
     assert p.returncode == 2 and said in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_change_that_cannot_be_made_says_what_to_install(tmp_path: Path) -> None:
+    # bitsandbytes is missing where the script runs: the 8-bit AdamW row is a note naming it, in one line.
+    missing = tmp_path / "missing" / "bitsandbytes"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError('No module named bitsandbytes')\n")
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "missing"))
+    p = subprocess.run([OOMKIT, "preflight", "--json", "--fixes", "--", sys.executable, str(script)],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    notes = json.loads(p.stdout)["fix_notes"]
+    said = [n for n in notes if n.startswith("8-bit AdamW")]
+    assert said and "install bitsandbytes where preflight runs" in said[0] and "exited with" not in said[0], notes

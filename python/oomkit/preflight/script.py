@@ -402,4 +402,10 @@ def install() -> None:
     except (ValueError, KeyError, TypeError, PreflightError) as e:
         sys.stderr.write(f"oomkit preflight: bad settings in {ENV}: {e}\n")
         os._exit(2)
-    session.start()
+    try:
+        session.start()
+    except PreflightError as e:
+        # A change that cannot be made here (8-bit AdamW without bitsandbytes): the one
+        # line is the answer, before the script runs a line without the fake GPU.
+        session._write({"error": str(e)})
+        os._exit(2)
