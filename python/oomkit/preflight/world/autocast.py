@@ -7,8 +7,8 @@ stand-ins for ``torch.autocast``, :func:`autocast_stand_ins`), and for a
 call made inside one asks PyTorch's own CUDA autocast what it would do
 (:class:`CastPolicies`): the same call is run once on fake CUDA tensors of
 the same shapes and dtypes (``FakeTensorMode``: no GPU, no memory) with
-CUDA autocast on, and the casts its kernel makes of the call's tensors are
-seen. Those casts are then made on the ``meta`` tensors above autograd, as
+CUDA autocast on and off, and the casts of the call's tensors seen only
+with it on are autocast's. Those casts are then made on the ``meta`` tensors above autograd, as
 CUDA's autocast makes them above autograd, so that autograd records and
 saves what it would on a GPU (a linear layer keeps the 16-bit copies of
 its input and weight; a batch norm, which autocast leaves alone, keeps
