@@ -181,10 +181,10 @@ class _Session:
                 module = self.rec.innermost_module()
                 where = f" in {module}'s forward" if module else ""
                 said = _first_line(value)
-                error = f"{kind.__name__}: {said}{_at(tb)}" if said else f"{kind.__name__}{_at(tb)}"
+                error = (f"{kind.__name__}: {said}" if said else kind.__name__) + _at(tb)
                 if self._measured_a_step():
                     # What the whole steps before it measured stands; the failure is said beside it.
-                    self.finish(failed=f"the script failed under preflight after {self._steps_measured()} step(s){where}: {error}")
+                    self.finish(failed=f"{where}: {error}")
                 else:
                     self._write({"error": f"the script failed under preflight after {self.steps_done} optimizer step(s){where}: {error}"})
             self.finished = True
@@ -289,27 +289,26 @@ class _Session:
             self.finish()
 
     def _measured_a_step(self) -> bool:
-        """Whether a whole training step ran: an optimizer's step, or a backward pass and the
-        next forward in a loop without an optimizer."""
+        """Whether a whole training step ran: an optimizer's step, or, in a loop without an
+        optimizer, a backward pass (its step is what runs after it)."""
         return self.steps_done >= 1 or (not self.has_optimizer and self.backwards_done >= 1)
 
-    def _steps_measured(self) -> int:
-        return self.steps_done if self.has_optimizer else min(self.backwards_done, self.settings.steps)
-
     def finish(self, failed: str | None = None) -> None:
-        """Writes the answer: what ran, served through the allocator model; ``failed`` is the
-        line of an error that ended the script after a whole step, said beside the figures."""
+        """Writes the answer: what ran, served through the allocator model; ``failed`` is where
+        and what the error was that ended the script after a whole step, said beside the figures."""
         if self.finished:
             return
         self.finished = True
         self.rec.finish()
         notes = self.notes.said()
-        if failed is not None:
-            notes.append(f"{failed}; the figures are those of what ran before it")
         asked = self.settings.steps
-        if not self.has_optimizer and self.backwards_done:
+        loop_without_optimizer = not self.has_optimizer and self.backwards_done
+        if loop_without_optimizer:
             # A loop that updates the weights itself: its steps are its backward passes.
             self.steps_done = min(self.backwards_done, asked)
+        if failed is not None:
+            notes.append(f"the script failed under preflight after {self.steps_done} step(s){failed}; the figures are those of what ran before it")  # noqa: E501
+        if loop_without_optimizer:
             notes.append(f"the script uses no torch.optim optimizer: each of the {self.steps_done} step(s) measured is a backward pass and what ran after it until the next forward")  # noqa: E501
         mode = TRAINING
         if self.steps_done < asked:

@@ -167,7 +167,7 @@ class CastPolicies:
         leaves, spec = tree_flatten((args, kwargs))
         # The calls run inside the fake mode, so that what a composite makes inside is fake too.
         with _asking() as fake, fake:
-            if any(_mirror(x, fake) is _UNMIRRORED for x in leaves):
+            if not all(_mirrorable(x) for x in leaves):
                 return UNTOUCHED
             try:
                 on, cast_on = _seen(func, spec, leaves, fake, dtype)
@@ -214,7 +214,7 @@ def _seen(func: Any, spec: Any, leaves: list[Any], fake: Any, dtype: torch.dtype
 
 
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Sees, below autocast, each cast of one of the call's own tensors: the first of each is autocast's."""
+    """Sees, below autocast, the first cast of each of the call's own tensors (whose are autocast's, ``_ask`` tells)."""
 
     def __init__(self, index: dict[int, int]) -> None:
         super().__init__()
@@ -236,10 +236,6 @@ _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA) | to
 #: The dispatch keys a thread includes when nothing traces it (read when this module is imported).
 _PLAIN_INCLUDE = torch._C._dispatch_tls_local_include_set()
 
-#: A value no fake tensor can stand for (a tensor subclass, a size without a hint).
-_UNMIRRORED = object()
-
-
 def _as(x: Any, dtype: torch.dtype | None) -> Any:
     """``x`` in ``dtype``, where it is a tensor of another."""
     return x.to(dtype) if isinstance(x, torch.Tensor) and dtype is not None and x.dtype != dtype else x
@@ -260,25 +256,30 @@ def _kind(x: Any) -> Any:
     return type(x)
 
 
-def _hint(n: Any) -> int | None:
-    """A size as a number: itself, or a symbolic size's hint (a compile capture's)."""
-    if isinstance(n, int):
-        return n
-    hint = getattr(getattr(n, "node", None), "hint", None)
-    return hint if isinstance(hint, int) else None
+def _numbers(sizes: Any) -> list[int] | None:
+    """Sizes as numbers: themselves, or a symbolic size's hint (a compile capture's); None where one has none."""
+    found = []
+    for n in sizes:
+        hint = n if isinstance(n, int) else getattr(getattr(n, "node", None), "hint", None)
+        if not isinstance(hint, int):
+            return None
+        found.append(hint)
+    return found
+
+
+def _mirrorable(x: Any) -> bool:
+    """Whether a fake tensor can stand for ``x``: any value but a tensor whose sizes have no numbers."""
+    return not isinstance(x, torch.Tensor) or (_numbers(x.shape) is not None and _numbers(x.stride()) is not None)
 
 
 def _mirror(x: Any, fake: Any) -> Any:
-    """A fake tensor for a tensor of the call (a ``meta`` one on the fake CUDA device), or the value itself."""
+    """A fake tensor for a tensor of the call (a ``meta`` one on the fake CUDA device), or the value itself;
+    ``x`` is ``_mirrorable``."""
     if not isinstance(x, torch.Tensor):
         return x
-    shape, stride = [_hint(n) for n in x.shape], [_hint(n) for n in x.stride()]
-    sizes, steps = [n for n in shape if n is not None], [n for n in stride if n is not None]
-    if len(sizes) != len(shape) or len(steps) != len(stride):
-        return _UNMIRRORED
     device = "cuda" if x.device.type == FAKE_DEVICE else x.device
     with fake:
-        return torch.empty_strided(sizes, steps, dtype=x.dtype, device=device)
+        return torch.empty_strided(_numbers(x.shape) or [], _numbers(x.stride()) or [], dtype=x.dtype, device=device)
 
 
 def _call(func: Any, spec: Any, leaves: list[Any], **extra: Any) -> Any:

@@ -326,16 +326,12 @@ class CudaFunctions(TorchFunctionMode):
             # Values read back to the host (a loss logged, a metric, a
             # generation's tokens): those the step made known, else zeros,
             # as the scalars read with item() are.
-            if self.read_back is not None:
-                host = self.read_back(args[0], f"Tensor.{name}()")
-            else:
-                host = torch.zeros(args[0].shape, dtype=args[0].dtype, device="cpu")
+            host = self._host(args[0], f"Tensor.{name}()")
             return host if name in ("cpu", "to") else getattr(host, name)()
         if name == "__format__" and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE and args[0].dim() == 0:
             # f"{loss:.4f}", f"{grad_norm:.2f}": on a GPU a 0-d tensor formats as its value
             # (``Tensor.__format__`` reads it with ``item()``), known where the step made it, else 0, noted.
-            host = self.read_back(args[0], "format(tensor)") if self.read_back is not None else torch.zeros(())
-            return format(host.item(), args[1] if len(args) > 1 else "")
+            return format(self._host(args[0], "format(tensor)").item(), args[1] if len(args) > 1 else "")
         if name == "_parse_to":
             # ``Tensor.to`` overrides written in Python (bitsandbytes' 4-bit
             # parameters quantize when moved to the GPU) must see the device
@@ -389,6 +385,12 @@ class CudaFunctions(TorchFunctionMode):
             return done
         out = func(*args, **kwargs)
         return self.autocast.outputs(policy, out)
+
+    def _host(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t``'s values on the host, as the script reads them (``what``): ``read_back``'s, else zeros."""
+        if self.read_back is not None:
+            return self.read_back(t, what)
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
 
 
 def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cache: dict[Any, FunctionType]) -> Any:

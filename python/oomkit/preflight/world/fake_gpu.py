@@ -140,11 +140,10 @@ class FakeGpu:
         stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[], None] | None = None,
     ) -> None:
-        self.capacity, self.capacity_bytes = settings.capacity, settings.capacity_bytes
+        self.settings = settings
         self.recorder, self.memory = recorder, memory
         self.autocast, self.functions = autocast, functions
         self.notes = notes
-        self.world_size = settings.gpus
         self.start_process_group = start_process_group
         self.torchrun_environment = torchrun_environment
         self.extra_hooks = hooks or []
@@ -166,7 +165,8 @@ class FakeGpu:
 
         # Every operation runs a meta kernel: the C++ ones are about a hundred times faster than the Python ones.
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
-        attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(self.capacity, self.capacity_bytes, rec, memory))
+        s = self.settings
+        attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
         fake_load = load_stand_in()
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
@@ -215,7 +215,7 @@ class FakeGpu:
         if not dist.is_available():
             return entries
         init = self._init_process_group = dist.init_process_group
-        world_size = self.world_size
+        world_size = self.settings.gpus
 
         def init_process_group(*_: Any, **__: Any) -> None:
             # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
@@ -224,7 +224,7 @@ class FakeGpu:
         entries.append(
             StandIn("the script's init_process_group gets the fake process group", dist, "init_process_group", init_process_group)
         )
-        for owner, values in parallel_stand_ins(self.notes, self.world_size):
+        for owner, values in parallel_stand_ins(self.notes, self.settings.gpus):
             entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
         return entries
 
@@ -238,14 +238,15 @@ class FakeGpu:
                     stack.enter_context(replaced(entry.owner, {entry.name: entry.value}))
                 else:
                     stack.callback(entry.register(entry.fn).remove)
-            if self.world_size > 1:
-                self.notes.add(rank_zero_note(self.world_size))
+            world_size = self.settings.gpus
+            if world_size > 1:
+                self.notes.add(rank_zero_note(world_size))
                 if self.torchrun_environment:
-                    stack.enter_context(environment(rank_zero_environment(self.world_size)))
+                    stack.enter_context(environment(rank_zero_environment(world_size)))
             if self.start_process_group:
                 import torch.distributed as dist
 
-                if fake_process_group(self.world_size, self._init_process_group):
+                if fake_process_group(world_size, self._init_process_group):
                     stack.callback(dist.destroy_process_group)
             # The function mode above autograd, the recorder below it.
             stack.enter_context(self.functions)
