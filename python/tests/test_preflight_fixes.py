@@ -27,6 +27,9 @@ SHARDED = "FSDP over 8 GPUs (fully_shard of each block)"
 #: The row of the allocator's expandable segments.
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
+#: The row of activation checkpointing.
+CHECKPOINT = "activation checkpointing of the model's repeated blocks"
+
 #: The row of bitsandbytes' 8-bit AdamW.
 ADAM8 = "8-bit AdamW (bitsandbytes) for torch.optim.AdamW"
 
@@ -90,36 +93,39 @@ def test_fixes_are_asked_for_when_it_fits(tmp_path: Path) -> None:
     assert asked["run"]["fits"] and len(asked["fixes"]) >= 4
 
 
-def test_sharding_is_a_note_where_the_script_spreads_its_model_itself(tmp_path: Path) -> None:
+def test_sharding_is_a_row_saying_so_where_the_script_spreads_its_model_itself(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     doc = preflight(script, "--gpus", "8", "--fixes", "--", sys.executable, str(script), "--batch", "4", "--fsdp", capacity="1GiB")
-    assert SHARDED not in {row["change"] for row in doc["fixes"]}
-    said = [n for n in doc["fix_notes"] if n.startswith(SHARDED)]
-    assert said == [f"{SHARDED}: not measured: the script already shards its model with FSDP (at train.py:{_line(script, 'fully_shard(layer)')} (<module>))"], doc["fix_notes"]
+    rows = {row["change"]: row for row in doc["fixes"]}
+    # Not run: the row is the script as written, and says why.
+    assert rows[SHARDED]["already"] == "the script already shards its model with FSDP", rows[SHARDED]
+    assert rows[SHARDED]["peak_allocated_bytes"] == doc["run"]["peak_allocated_bytes"]
+    assert all(row["already"] is None for change, row in rows.items() if change != SHARDED), rows
 
 
 def _line(script: Path, text: str) -> int:
     return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if text in line)
 
 
-def test_a_change_the_script_already_has_is_a_note_and_the_rest_still_combine(tmp_path: Path) -> None:
+def test_a_change_the_script_already_has_is_a_row_saying_so_and_the_rest_still_combine(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}", "--autocast")
+    doc = preflight(script, "--micro-batch", "64", "--", sys.executable, str(script), "--batch", "{batch}", "--autocast", "--checkpoint")
     rows = {row["change"]: row for row in doc["fixes"]}
-    # Autocast around a forward already under autocast would change nothing: no row claims a figure for it.
-    assert "bf16 autocast around the model's forward" not in rows, rows
-    assert any(
-        n.startswith("bf16 autocast around the model's forward: not measured: the script already runs its model's forward under autocast (at train.py:")
-        for n in doc["fix_notes"]
-    ), doc["fix_notes"]
-    # "All of the above" is the changes that ran on the script's GPU, together, and it ran; sharding follows.
+    # Autocast and checkpointing the script already has would change nothing: their rows say
+    # so, with the script's own figures, and no run claims a change for them.
+    autocast, checkpoint = rows["bf16 autocast around the model's forward"], rows[CHECKPOINT]
+    assert autocast["already"] == "the script already runs its model's forward under bfloat16 autocast", autocast
+    assert checkpoint["already"] == "the script already checkpoints activations: forwards run again in its backward", checkpoint
+    for row in (autocast, checkpoint):
+        assert (row["peak_allocated_bytes"], row["peak_reserved_bytes"], row["fits"]) == (
+            doc["run"]["peak_allocated_bytes"], doc["run"]["peak_reserved_bytes"], doc["run"]["fits"])  # fmt: skip
+    assert not [n for n in doc.get("fix_notes", []) if "autocast" in n or "checkpoint" in n], doc["fix_notes"]
+    # "All of the above" is the changes that ran, together, and it ran; sharding follows.
     assert list(rows)[-2:] == ["all of the above", SHARDED]
-    checkpointed = rows["activation checkpointing of the model's repeated blocks"]
-    assert rows["all of the above"]["peak_allocated_bytes"] <= checkpointed["peak_allocated_bytes"]
-    # It is the script changed by hand with the changes that ran alone (autocast is the script's own).
-    adam8 = ("--adam8",) if ADAM8 in rows else ()
+    # It is the script changed by hand with the changes that ran (autocast and checkpointing are its own).
+    adam8 = ("--adam8",) if ADAM8 in rows and rows[ADAM8]["already"] is None else ()
     hand = preflight(
         script, "--alloc-conf", "expandable_segments:True", "--", sys.executable, str(script), "--batch", "32", "--autocast", "--checkpoint", *adam8
     )["run"]
@@ -151,3 +157,42 @@ def test_the_sharding_fix_on_a_compiled_model_is_what_the_compiled_script_sharde
     # The rows that ran on the compiled model were compiled: checkpointing saves less than the compiled step.
     checkpointed = rows["activation checkpointing of the model's repeated blocks"]
     assert checkpointed["peak_allocated_bytes"] < doc["run"]["peak_allocated_bytes"]
+
+
+ACCUMULATING = """
+    import sys
+    import torch
+
+    batch = int(sys.argv[1])
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for micro in range(4):  # the script's own accumulation: 4 micro-batches a step
+            (model(torch.randn(batch, 512, device="cuda")).square().mean() / 4).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_accumulation_is_counted_on_the_scripts_own_and_what_it_cannot_change_says_so(tmp_path: Path) -> None:
+    import os
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ACCUMULATING))
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--fixes", "--capacity", "1GiB", "--micro-batch", "64", "--", sys.executable, str(script), "{batch}"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    assert doc["run"]["grad_accum"] == 4, doc["run"]
+    rows = {row["change"]: row for row in doc["fixes"]}
+    # Half the micro-batch keeps the effective batch with twice the script's accumulation.
+    halved = rows["micro-batch 32 x accumulation 8 (twice the script's 4)"]
+    assert halved["already"] is None and halved["peak_allocated_bytes"] < doc["run"]["peak_allocated_bytes"]
+    # SGD has no AdamW to make 8-bit, and the allocator already expands segments: rows saying so.
+    assert rows[ADAM8]["already"] == "the script makes no torch.optim.AdamW or Adam to replace (SGD)", rows[ADAM8]
+    assert rows[EXPANDABLE]["already"] == "the allocator's settings in force already expand segments (expandable_segments:True)"
+    assert rows[EXPANDABLE]["peak_reserved_bytes"] == doc["run"]["peak_reserved_bytes"]

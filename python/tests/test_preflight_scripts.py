@@ -100,6 +100,9 @@ def test_a_script_that_fails_before_its_first_step_gets_no_figures(tmp_path: Pat
     )
     p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode == 2 and "after 0 optimizer step(s)" in p.stderr and "KeyError" in p.stderr, p.stderr
+    # A script that is not there is named as such, not as one that ran without a forward.
+    p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, "trian.py"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == "oomkit: preflight: trian.py: no such script; Python could not open it", p.stderr
 
 
 def test_tensors_made_on_the_scripts_threads_are_on_the_fake_gpu(tmp_path: Path) -> None:
@@ -220,3 +223,130 @@ def test_a_change_that_cannot_be_made_says_what_to_install(tmp_path: Path) -> No
     notes = json.loads(p.stdout)["fix_notes"]
     said = [n for n in notes if n.startswith("8-bit AdamW")]
     assert said and "install bitsandbytes where preflight runs" in said[0] and "exited with" not in said[0], notes
+
+
+def _allocator_bytes(tensors: list[torch.Tensor]) -> int:
+    """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
+    return sum(-(-t.nbytes // 512) * 512 for t in tensors)
+
+
+RECURRENT_TRAINING = """
+    import torch
+    from torch import nn
+
+    class Halve(nn.Module):  # a data transform: a module without weights, run on the host per sample
+        def forward(self, x):
+            return x * 0.5
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 256)
+            self.rnn = nn.LSTM(256, 512, batch_first=True)
+            self.head = nn.Linear(512, 1000)
+            self.table = None
+
+        def forward(self, ids, hidden):
+            if self.table is None:  # a positional table built by the first forward, kept after it
+                self.table = torch.ones(4096, 256, device=ids.device)
+            out, hidden = self.rnn(self.emb(ids) + self.table[: ids.shape[1]], hidden)
+            return self.head(out), hidden
+
+    class HandAdam(torch.optim.Optimizer):  # its moments made in __init__, kept as attributes
+        def __init__(self, params):
+            super().__init__(params, dict(lr=1e-3))
+            self.ps = [p for g in self.param_groups for p in g["params"]]
+            self.moments = {"m": [torch.zeros_like(p) for p in self.ps], "v": [torch.zeros_like(p) for p in self.ps]}
+
+        @torch.no_grad()
+        def step(self):
+            for p, m, v in zip(self.ps, self.moments["m"], self.moments["v"]):
+                m.lerp_(p.grad, 0.1)
+                v.mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+                p.sub_(1e-3 * m / (v.sqrt() + 1e-8))
+
+    model = LM().cuda()
+    opt = HandAdam(model.parameters())
+    halve, hidden = Halve(), None
+    for _ in range(3):
+        samples = [halve(torch.randn(64)) for _ in range(32)]
+        ids = torch.randint(0, 1000, (32, 64)).cuda()
+        logits, hidden = model(ids, hidden)
+        hidden = tuple(h.detach() for h in hidden)  # the state carried to the next batch
+        nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_training_roles_of_recurrent_state_kept_tables_and_state_made_in_init(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, RECURRENT_TRAINING), cwd=tmp_path)
+    # The host transforms run 32 times a step, the model once: two steps are two forwards.
+    assert run["steps"] == 2 and run["forwards"] == 2, run
+    # A training step holds no cache: the recurrent state carried between batches is the step's own.
+    assert run["by_role"]["kv_cache"] == 0, run["by_role"]
+    emb, rnn, head = torch.nn.Embedding(1000, 256), torch.nn.LSTM(256, 512), torch.nn.Linear(512, 1000)
+    weights = _allocator_bytes([*emb.parameters(), *rnn.parameters(), *head.parameters()])
+    # The moments made in __init__ are the optimizer's state: two per weight (a block may hold
+    # a remainder too small to split off, which the allocator hands out with it).
+    assert 2 * weights <= run["by_role"]["optimizer_state"] <= 1.02 * 2 * weights, (weights, run["by_role"])
+    # The table the first forward built and the model keeps is the model's, as a buffer is.
+    assert run["by_role"]["parameters"] == weights + 4096 * 256 * 4, (weights, run["by_role"])
+
+
+KEPT_STATE_GENERATION = """
+    import torch
+    from torch import nn
+
+    LAYERS, DIM, VOCAB, BATCH, MAX = 2, 256, 1000, 4, 512
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(DIM, 3 * DIM)
+            self.register_buffer("keys", None, persistent=False)
+            self.register_buffer("values", None, persistent=False)
+
+        def make_cache(self):  # the cache kept in the model's own buffers, written in place
+            self.keys = torch.zeros(BATCH, MAX, DIM, device="cuda")
+            self.values = torch.zeros(BATCH, MAX, DIM, device="cuda")
+
+        def forward(self, x, at):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            self.keys.index_copy_(1, at, k)
+            self.values.index_copy_(1, at, v)
+            return x + torch.softmax(q @ self.keys.transpose(1, 2), -1) @ self.values
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.table = None
+
+        def forward(self, ids, at):
+            if self.table is None:  # built by the first forward, read by every later one, never written
+                self.table = torch.ones(MAX, DIM, device=ids.device)
+            x = self.emb(ids) + self.table[at]
+            for block in self.blocks:
+                x = block(x, at)
+            return x[:, -1] @ self.emb.weight.T
+
+    model = LM().cuda().eval()
+    for block in model.blocks:
+        block.make_cache()
+    ids = torch.randint(0, VOCAB, (BATCH, 1), device="cuda")
+    with torch.no_grad():
+        for i in range(32):
+            ids = model(ids, torch.tensor([i], device="cuda")).argmax(-1, keepdim=True)
+"""
+
+
+def test_a_generation_cache_is_what_each_forward_writes_and_a_kept_table_is_not(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, KEPT_STATE_GENERATION), "--capacity", "24GiB", cwd=tmp_path)
+    assert run["mode"] == "inference" and run["forwards"] == 32, run
+    # Layers x (keys, values) x batch x length x width, fp32: exactly the buffers each forward writes.
+    assert run["by_role"]["kv_cache"] == 2 * 2 * 4 * 512 * 256 * 4, run["by_role"]
+    emb, qkv = torch.nn.Embedding(1000, 256), torch.nn.Linear(256, 768)
+    weights = _allocator_bytes([*emb.parameters(), *qkv.parameters(), *qkv.parameters()])
+    assert run["by_role"]["parameters"] == weights + 512 * 256 * 4, (weights, run["by_role"])

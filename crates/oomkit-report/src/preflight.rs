@@ -58,6 +58,11 @@ pub struct PreflightRun {
     /// read by the command, not part of the run's answer.
     #[serde(default, skip_serializing)]
     pub fixes_skipped: Vec<String>,
+    /// The changes the script already makes, run as written, each with why it would change
+    /// nothing (by the name of the change inside the script): read by the command, which
+    /// makes them rows saying so, not part of the run's answer.
+    #[serde(default, skip_serializing)]
+    pub in_script: BTreeMap<String, String>,
 }
 
 /// A recorded step replayed by the allocator model under other settings.
@@ -94,6 +99,10 @@ pub struct FixRow {
     /// The changes its run skipped as not possible here (a run of several), for the command.
     #[serde(skip)]
     pub skipped: Vec<String>,
+    /// Why the change would change nothing, where the script already makes it: its peaks
+    /// are then the script's as written, not a run of the change (null where measured).
+    #[serde(default)]
+    pub already: Option<String>,
 }
 
 /// A line of the user's code and what it held at the peak.

@@ -31,6 +31,7 @@ import torch
 from oomkit._native import PreflightError
 from oomkit.preflight.frameworks.bitsandbytes import eight_bit_in_place_of_torch
 from oomkit.preflight.notes import Notes
+from oomkit.preflight.record.roles import inner_optimizers
 from oomkit.preflight.world.autocast import Autocast
 from oomkit.preflight.world.cuda import is_cuda
 from oomkit.preflight.world.dist import shard, spread_in
@@ -140,6 +141,77 @@ class Fixer:
         if self._in_autocast:
             self.autocast.exit()
             self._in_autocast = False
+
+
+class InScript:
+    """What the script already does of the changes preflight would try, seen as it runs as
+    written: each such change is a row saying so, not a run that changes nothing."""
+
+    def __init__(self) -> None:
+        #: Why each change would change nothing, by the change's name (``INSIDE``).
+        self.found: dict[str, str] = {}
+        self._looked = False
+        self._optimizers: list[str] = []
+
+    def first_forward(self, module: torch.nn.Module, autocast: Autocast) -> None:
+        """At the model's first top-level forward: its precision, and whether it is sharded."""
+        if self._looked:
+            return
+        self._looked = True
+        dtype = autocast.dtype()
+        if dtype is not None:
+            self.found["autocast"] = f"the script already runs its model's forward under {str(dtype).removeprefix('torch.')} autocast"
+        else:
+            trained = {p.dtype for p in module.parameters() if p.requires_grad and p.is_floating_point()}
+            if trained and trained <= _HALF:
+                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in trained))
+                self.found["autocast"] = f"the model's trained weights are already {names}: its matmuls run in it"
+        if spread_in(module) == "FSDP":
+            self.found["fsdp"] = _SHARDED_ALREADY
+
+    def optimizer_steps(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer's step: which optimizers the script trains with (a wrapper's, as
+        Accelerate's, is the one it wraps, whose step runs too)."""
+        name = type(opt).__name__
+        if not inner_optimizers(opt) and name not in self._optimizers:
+            self._optimizers.append(name)
+
+    def said(self, recomputed: bool, alloc_conf: str | None) -> dict[str, str]:
+        """Why each change would change nothing here, by name; ``recomputed``: a forward ran
+        again inside backward, so the script checkpoints activations itself; ``alloc_conf``:
+        the allocator's settings in force."""
+        found = dict(self.found)
+        if recomputed:
+            found["checkpoint"] = "the script already checkpoints activations: forwards run again in its backward"
+        if _expands(alloc_conf):
+            found[EXPANDABLE] = f"the allocator's settings in force already expand segments ({alloc_conf})"
+        if self._optimizers:
+            eight_bit = [n for n in self._optimizers if "8bit" in n.lower()]
+            if eight_bit:
+                found["adamw8bit"] = f"the script's optimizer is already 8-bit ({', '.join(eight_bit)})"
+            elif not set(self._optimizers) & _ADAM:
+                found["adamw8bit"] = f"the script makes no torch.optim.AdamW or Adam to replace ({', '.join(self._optimizers)})"
+        return found
+
+
+#: The allocator's setting a change turns on without a change inside the script, by its name in ``InScript``.
+EXPANDABLE = "expandable_segments"
+
+
+def _expands(alloc_conf: str | None) -> bool:
+    """Whether allocator settings (``PYTORCH_CUDA_ALLOC_CONF``'s form) turn expandable segments on."""
+    for pair in (alloc_conf or "").split(","):
+        key, _, value = pair.partition(":")
+        if key.strip() == EXPANDABLE and value.strip().lower() == "true":
+            return True
+    return False
+
+
+#: The 16-bit floating types a model's weights may already train in, for which bf16 autocast changes nothing.
+_HALF = frozenset({torch.bfloat16, torch.float16})
+
+#: The optimizers the 8-bit change replaces, by class name.
+_ADAM = frozenset({"AdamW", "Adam"})
 
 
 def _replicated(*_: Any, **__: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from oomkit import _native
 
 #: The roles an answer tells memory by, in the order a report lists them (docs/roles.md;
-#: ``kv_cache``: held across forwards and read by a later one, as a generation's cache is).
+#: ``kv_cache``: held across the forwards of one generation and read by a later one: its cache).
 ROLES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries", "inputs", "other")
 
 

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit.preflight.answer import answer, replayed, unsupported
-from oomkit.preflight.fixes import INSIDE, Fixer
+from oomkit.preflight.fixes import INSIDE, Fixer, InScript
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.recorder import PreflightStopped, Recorder, StepUnsupportedError
@@ -119,6 +119,8 @@ class _Session:
         self.finished = False
         self._seen_modules: set[int] = set()
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
+        #: What the script already does of those changes, seen where it runs as written.
+        self.in_script = InScript()
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -231,6 +233,9 @@ class _Session:
             self.rec.phase = "optimizer"
 
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        if self.rec.on_host:
+            # A data transform run on the host: no forward of the model.
+            return
         if not self.has_optimizer and self.backwards_done >= self.settings.steps:
             # The forward after the last step's backward: that step's update is done.
             self._stop()
@@ -248,6 +253,7 @@ class _Session:
             # A forward without gradients in a script that trains: its evaluation, a phase of its own.
             self.rec.phase = "eval"
         if self.rec.module_depth == 1:
+            self.in_script.first_forward(module, self.autocast)
             self.fixer.top_forward_begins(module)
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
@@ -262,6 +268,7 @@ class _Session:
             self.fixer.top_forward_ends()
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.in_script.optimizer_steps(opt)
         self.rec.begin()
         self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -293,6 +300,12 @@ class _Session:
         optimizer, a backward pass (its step is what runs after it)."""
         return self.steps_done >= 1 or (not self.has_optimizer and self.backwards_done >= 1)
 
+    def _accumulation(self) -> int:
+        """The script's own accumulation: the backward passes it ran per optimizer step."""
+        if not self.has_optimizer or self.steps_done < 1:
+            return 1
+        return max(1, self.backwards_done // self.steps_done)
+
     def finish(self, failed: str | None = None) -> None:
         """Writes the answer: what ran, served through the allocator model; ``failed`` is where
         and what the error was that ended the script after a whole step, said beside the figures."""
@@ -314,6 +327,11 @@ class _Session:
         if self.steps_done < asked:
             if self.steps_done == 0 and self._exited is not None:
                 self._write({"error": _exited_early(*self._exited)})
+                return
+            script = sys.argv[0] if sys.argv else ""
+            if self.steps_done == 0 and self.rec.forwards == 0 and script not in ("", "-c", "-m") and not os.path.exists(script):
+                # Python itself could not open it (and said so above): nothing of it ran.
+                self._write({"error": f"{script}: no such script; Python could not open it"})
                 return
             if self.steps_done == 0 and self.rec.forwards == 0:
                 self._write({"error": "the script ended before its model's first forward: preflight measures what a model runs on the GPU (a forward, a training step)"})  # noqa: E501
@@ -343,13 +361,16 @@ class _Session:
             notes.append(f"the script sets PYTORCH_CUDA_ALLOC_CONF={conf or ''}: the allocator is modelled with it")
         recording = Recording(self.rec, self.known, notes, steps=self.steps_done, capacity_bytes=allowed, alloc_conf=conf, mode=mode)
         try:
-            result = answer(recording, self.settings, {"command": sys.argv})
+            result = answer(recording, replace(self.settings, grad_accum=self._accumulation()), {"command": sys.argv})
             out = result.as_dict()
             replay = self.launch.replay
             if replay and (replay.get("always") or not result.fits):
                 out["replayed"] = replayed(recording, str(replay["alloc_conf"]))
             if self.fixer.skip_what_cannot:
                 out["fixes_skipped"] = self.fixer.skipped
+            if not self.launch.fixes:
+                # Run as written: the changes it already makes are rows saying so, not runs.
+                out["in_script"] = self.in_script.said(self.rec.recomputed, conf)
         except PreflightError as e:
             self._write({"error": str(e)})
             return

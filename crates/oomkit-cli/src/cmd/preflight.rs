@@ -13,6 +13,7 @@ use crate::output::{print, say};
 use oomkit_report::{FixRow, PreflightReport, PreflightRun, Replayed};
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -263,7 +264,21 @@ pub(crate) fn run(a: Args) -> u8 {
     }
     if a.fixes || !report.run.fits {
         let replayed = report.run.replayed.take();
-        report.fixes = fixes(&a, &base, knob, replayed.as_ref(), &mut report.fix_notes);
+        let script = AsWritten {
+            accumulation: report.run.grad_accum.unwrap_or(1),
+            already: std::mem::take(&mut report.run.in_script),
+            peak_allocated_bytes: report.run.peak_allocated_bytes,
+            peak_reserved_bytes: report.run.peak_reserved_bytes,
+            fits: report.run.fits,
+        };
+        report.fixes = fixes(
+            &a,
+            &base,
+            knob,
+            &script,
+            replayed.as_ref(),
+            &mut report.fix_notes,
+        );
     }
     print(a.format.output(), &report);
     let fits = match &report.largest {
@@ -300,12 +315,56 @@ struct Change {
     gpus: Option<u32>,
 }
 
+/// The script as written, as its run found it: what the changes are weighed against.
+struct AsWritten {
+    /// Its own accumulation: backward passes per optimizer step.
+    accumulation: u64,
+    /// The changes it already makes, by name, each with why it would change nothing.
+    already: BTreeMap<String, String>,
+    /// Its peaks, and whether it fits.
+    peak_allocated_bytes: u64,
+    peak_reserved_bytes: u64,
+    fits: bool,
+}
+
+impl AsWritten {
+    /// Why `c` would change nothing in this script, if it would.
+    fn already_makes(&self, c: &Change) -> Option<String> {
+        if c.expandable && c.inside.is_empty() {
+            // The allocator settings in force (given, or set by the script), as its run found.
+            return self.already.get(EXPANDABLE_IN_SCRIPT).cloned();
+        }
+        match c.inside.as_slice() {
+            [name] => self.already.get(*name).cloned(),
+            _ => None,
+        }
+    }
+
+    /// The row of a change the script already makes: its own figures, and why.
+    fn row(&self, c: &Change, why: String) -> FixRow {
+        FixRow {
+            change: c.change.clone(),
+            peak_allocated_bytes: self.peak_allocated_bytes,
+            peak_reserved_bytes: self.peak_reserved_bytes,
+            fits: self.fits,
+            cost: c.cost.into(),
+            skipped: Vec::new(),
+            already: Some(why),
+        }
+    }
+}
+
+/// The name the script's run gives allocator settings in force that already expand segments.
+const EXPANDABLE_IN_SCRIPT: &str = "expandable_segments";
+
 /// The changes preflight can make without editing the script, each run on
-/// it, then all of them together: the fixes of the answer, measured.
+/// it, then all of them together: the fixes of the answer, measured. A change
+/// the script already makes is a row saying so, with the script's own figures.
 fn fixes(
     a: &Args,
     base: &Variant<'_>,
     knob: Option<(&str, u64)>,
+    script: &AsWritten,
     replayed: Option<&Replayed>,
     notes: &mut Vec<String>,
 ) -> Vec<FixRow> {
@@ -345,7 +404,18 @@ fn fixes(
     ];
     if let Some(b) = base.batch.filter(|&b| b > 1) {
         changes.push(Change {
-            change: format!("micro-batch {} x accumulation 2", b / 2),
+            // Twice the script's own accumulation keeps its effective batch; the peak is the
+            // half micro-batch's, however many of them accumulate.
+            change: if script.accumulation > 1 {
+                format!(
+                    "micro-batch {} x accumulation {} (twice the script's {})",
+                    b / 2,
+                    2 * script.accumulation,
+                    script.accumulation
+                )
+            } else {
+                format!("micro-batch {} x accumulation 2", b / 2)
+            },
             cost: "twice the forward and backward passes per optimizer step",
             inside: Vec::new(),
             expandable: false,
@@ -368,19 +438,31 @@ fn fixes(
     // The run of all of them skips what cannot be made here (autocast the script
     // already has, no bitsandbytes), as the changes alone find it; where those find
     // otherwise, it is run again with the changes that ran alone.
-    let everything = together(&changes.iter().collect::<Vec<_>>());
-    let mut jobs: Vec<&Change> = changes.iter().collect();
-    jobs.push(&sharded);
+    // A change the script already makes is not run: its row says so.
+    let already: Vec<Option<String>> = changes.iter().map(|c| script.already_makes(c)).collect();
+    let to_run: Vec<&Change> = changes
+        .iter()
+        .zip(&already)
+        .filter(|(_, why)| why.is_none())
+        .map(|(c, _)| c)
+        .collect();
+    let sharded_already = script.already_makes(&sharded);
+    let everything = together(&to_run);
+    let mut jobs: Vec<&Change> = to_run.clone();
+    if sharded_already.is_none() {
+        jobs.push(&sharded);
+    }
     jobs.push(&everything);
-    let mut outcomes = side_by_side(a, base, knob, replayed, &jobs);
+    let mut outcomes = side_by_side(a, base, knob, replayed, &jobs).into_iter();
     let not_run = |c: &Change| Err(format!("{}: not measured", c.change));
-    // The last two outcomes are all of them together's and the sharding's.
-    let everything_outcome = outcomes.pop().unwrap_or_else(|| not_run(&everything));
-    let sharded_outcome = outcomes.pop().unwrap_or_else(|| not_run(&sharded));
     let mut rows = Vec::new();
     let mut measured_changes = Vec::new();
-    for (c, outcome) in changes.iter().zip(outcomes) {
-        match outcome {
+    for (c, why) in changes.iter().zip(already) {
+        if let Some(why) = why {
+            rows.push(script.row(c, why));
+            continue;
+        }
+        match outcomes.next().unwrap_or_else(|| not_run(c)) {
             Ok(row) => {
                 rows.push(row);
                 measured_changes.push(c);
@@ -388,6 +470,12 @@ fn fixes(
             Err(note) => notes.push(note),
         }
     }
+    // After the changes alone, the sharding's outcome and all of them together's.
+    let sharded_outcome = match sharded_already {
+        Some(why) => Ok(script.row(&sharded, why)),
+        None => outcomes.next().unwrap_or_else(|| not_run(&sharded)),
+    };
+    let everything_outcome = outcomes.next().unwrap_or_else(|| not_run(&everything));
     // Together only what ran alone: a change that cannot run here would sink the rest.
     if measured_changes.len() >= 2 {
         let wanted = together(&measured_changes);
@@ -495,6 +583,7 @@ fn measure_change(
         fits,
         cost: c.cost.into(),
         skipped,
+        already: None,
     };
     let conf = c.expandable.then(|| expandable_conf(base.alloc_conf));
     if let Some(r) = replayed.filter(|r| c.replayable() && Some(&r.alloc_conf) == conf.as_ref()) {

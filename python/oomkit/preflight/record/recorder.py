@@ -129,8 +129,11 @@ class Trace:
     library: set[int] = field(default_factory=set)
     #: Values read from tensors that have none, taken as zero: (operation, where).
     assumed: list[tuple[str, str]] = field(default_factory=list)
-    #: Allocations held across forwards and read by a later one (a generation's key-value cache).
+    #: Allocations held across forwards of one generation and read by a later one (its key-value cache).
     kv_cache: set[int] = field(default_factory=set)
+    #: Allocations a module keeps as its own state, made in set-up or in a forward before the
+    #: last (a table built on the first forward, a buffer registered late): by role, weights.
+    module_state: set[int] = field(default_factory=set)
     #: The top-level forward each operation ran in (0: outside any), by operation index.
     forward_of: list[int] = field(default_factory=list)
 
@@ -190,10 +193,31 @@ class Recorder(TorchDispatchMode):
         # The modules whose forward checkpointing is running again in backward,
         # innermost last, each by its call's id: named, never held.
         self._recomputing: list[tuple[int, str]] = []
-        #: Top-level forwards begun (a module's forward called outside any other's).
+        #: Whether a module's forward ran inside a backward (activations checkpointed and recomputed).
+        self.recomputed = False
+        #: Top-level forwards begun (a module's forward called outside any other's that
+        #: touches the GPU: a data transform run on the host is no forward of the model).
         self.forwards = 0
         #: The top-level forward running now (0: none).
         self.forward_open = 0
+        #: Whether the module call running now, outermost, works on the host alone (a data transform).
+        self.on_host = False
+        # The generation each forward belongs to: forwards without gradients and with no
+        # backward between them are one generation, and only there is what one forward
+        # keeps for the next a cache; a training step's forwards are each their own.
+        self._generation_of: dict[int, int] = {}
+        self._generation = 0
+        self._last_forward_grad = True
+        self._backward_seen = False
+        #: Whether any backward has run: a run without one reads a loop with gradients on as a generation too.
+        self.any_backward = False
+        # By allocation index, the last forward that wrote it in place: a cache a generation
+        # keeps in one buffer (a static cache) is written by each forward.
+        self._written_in: dict[int, int] = {}
+        # Caches marked between forwards with gradients on, before any backward: no cache if one comes.
+        self._until_backward: set[int] = set()
+        # The top-level modules whose forwards ran, to find the state they keep at the end.
+        self._top_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # The forward each allocation was made in (0: outside any), and for
         # those made outside, the first forward that read them: a tensor
         # read by a later forward than its own is held across forwards.
@@ -231,11 +255,13 @@ class Recorder(TorchDispatchMode):
                 # Checkpointing's recomputation, part of the backward: not a forward, and its
                 # frames not held (it ends early by raising, past its forward hooks).
                 self._recomputing.append((id(call), type(module).__name__))
+                self.recomputed = True
                 return
             self._drop_ended(call)
             if not self._modules:
-                self.forwards += 1
-                self.forward_open = self.forwards
+                self.on_host = not _touches_gpu(module, _args)
+                if not self.on_host:
+                    self._forward_begins(module)
             self._modules.append(type(module).__name__)
             self._calls.append(call)
             self._above[id(call)] = None
@@ -255,8 +281,21 @@ class Recorder(TorchDispatchMode):
                     break
             if not self._modules:
                 self.forward_open = 0
+                self.on_host = False
 
         return [(register_module_forward_pre_hook, entered), (register_module_forward_hook, left)]
+
+    def _forward_begins(self, module: torch.nn.Module) -> None:
+        """A top-level forward of a model on the GPU begins: counted, and given its generation."""
+        self.forwards += 1
+        self.forward_open = self.forwards
+        self._top_modules.add(module)
+        grad = torch.is_grad_enabled()
+        if grad or self._last_forward_grad or self._backward_seen:
+            self._generation += 1
+        self._generation_of[self.forwards] = self._generation
+        self._last_forward_grad = grad
+        self._backward_seen = False
 
     def _drop_ended(self, call: Any) -> None:
         """Takes off the list the forwards' calls that ended without their forward hook (an
@@ -351,7 +390,7 @@ class Recorder(TorchDispatchMode):
                 raise error from None
             raise
         if self.forward_open and not self._deferred:
-            self._note_reads(args, kwargs)
+            self._note_reads(func, args, kwargs)
         if not self.fusing:
             for t in _tensors_in(out):
                 if _is_fake(t):
@@ -390,11 +429,17 @@ class Recorder(TorchDispatchMode):
             self._made_in[int(index)] = made
             self._copied_from[int(index)] = int(origin)
 
-    def _note_reads(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Marks the allocations a forward reads that an earlier forward made, or that an
-        earlier forward read too: held across forwards (a key-value cache, written by one
-        step of a generation and read by the next)."""
+    def _note_reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Marks the allocations a forward reads that an earlier forward of its generation
+        made, or that an earlier one read too: held across forwards (a key-value cache,
+        written by one step of a generation and read by the next), and those it writes in place."""
         now = self.forward_open
+        if func.overloadpacket.__name__.endswith("_") and args and _is_fake(args[0]):
+            # An in-place operation writes its first argument (a static cache's index_copy_).
+            written = self._index.get(args[0].untyped_storage())
+            if written is not None:
+                self._written_in[int(written)] = now
+        generation = self._generation_of.get(now)
         for t in _tensors_in(args, kwargs):
             if not _is_fake(t) or is_traceable_wrapper_subclass(t):
                 continue
@@ -403,10 +448,18 @@ class Recorder(TorchDispatchMode):
                 continue
             made = self._made_in.get(int(index), 0)
             if made:
-                if made < now:
-                    self._held_across(int(index))
-            elif self._first_reader.setdefault(int(index), now) != now:
+                earlier = made if made < now else None
+            else:
+                first = self._first_reader.setdefault(int(index), now)
+                earlier = first if first != now else None
+            if earlier is None:
+                continue
+            if self._generation_of.get(earlier) == generation:
                 self._held_across(int(index))
+            elif not self.any_backward:
+                # Forwards with gradients on and no backward yet: a generation loop that
+                # forgot no_grad, unless a backward comes later and makes it training.
+                self._held_across(int(index), until_backward=True)
 
     def _last_caches(self) -> None:
         """Marks as cache what the line that made a cache made in a forward that none read
@@ -416,13 +469,39 @@ class Recorder(TorchDispatchMode):
         if not lines:
             return
         for i, made in self._made_in.items():
-            if made and i not in tr.kv_cache and tr.stack_of[i] in lines:
+            if made and i not in tr.kv_cache and i not in tr.module_state and tr.stack_of[i] in lines:
                 tr.kv_cache.add(i)
 
-    def _held_across(self, index: int) -> None:
-        """Marks an allocation held across forwards, with those it was copied from."""
+    def _module_state(self) -> None:
+        """Finds the tensors the models keep as their own state (buffers, and tables kept as
+        attributes) made before their last forward: weights by role, and no cache unless a
+        later forward wrote them (a cache a model keeps in its own buffers, as gpt-fast does)."""
+        tr = self.trace
+        for top in list(self._top_modules):
+            for module in top.modules():
+                for t in _tensors_in(*vars(module).values()):
+                    index = self.index_of(t)
+                    if index is None:
+                        continue
+                    # The forward it was made in, or for one made outside forwards the first
+                    # that read it: kept as state only if a later forward ran with it there
+                    # (an input a forward stores on its module is replaced by the next).
+                    made = self._made_in.get(index, 0)
+                    since = made or self._first_reader.get(index, self.forwards)
+                    if since >= self.forwards:
+                        continue
+                    if index in tr.kv_cache and self._written_in.get(index, 0) > made:
+                        continue
+                    tr.module_state.add(index)
+                    tr.kv_cache.discard(index)
+
+    def _held_across(self, index: int, until_backward: bool = False) -> None:
+        """Marks an allocation held across forwards, with those it was copied from; ``until_backward``:
+        only as long as no backward runs."""
         while index not in self.trace.kv_cache:
             self.trace.kv_cache.add(index)
+            if until_backward:
+                self._until_backward.add(index)
             source = self._copied_from.get(index)
             if source is None:
                 return
@@ -575,6 +654,8 @@ class Recorder(TorchDispatchMode):
     def current_phase(self) -> str:
         """The phase now: backward while autograd's engine runs, else the one set."""
         if torch._C._current_graph_task_id() != -1:
+            # A backward ends the generation its forward began.
+            self._backward_seen = self.any_backward = True
             return "backward"
         return self.phase
 
@@ -622,6 +703,7 @@ class Recorder(TorchDispatchMode):
             del self._above[id(call)]
         if not self._modules:
             self.forward_open = 0
+            self.on_host = False
         del ended
 
     def _stack_id(self) -> int:
@@ -635,6 +717,9 @@ class Recorder(TorchDispatchMode):
 
     def finish(self) -> None:
         """Frees the workspace and stops watching; storages alive now stay allocated."""
+        if self.any_backward:
+            self.trace.kv_cache -= self._until_backward
+        self._module_state()
         self._last_caches()
         for ref in self._refs.values():
             # Dropping the references without their callbacks keeps what is
@@ -669,6 +754,17 @@ def _tensors_in(*values: Any) -> Iterator[torch.Tensor]:
                     yield from _tensors_in(v)
         elif isinstance(value, dict):
             yield from _tensors_in(*value.values())
+
+
+def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:
+    """Whether a module's call works on the GPU: its first weight is there, or an argument
+    is. A transform a data loader runs on the host does neither."""
+    first: torch.Tensor | None = next(module.parameters(), None)
+    if first is None:
+        first = next(module.buffers(), None)
+    if first is not None and _is_fake(first):
+        return True
+    return any(_is_fake(t) for t in _tensors_in(*args))
 
 
 def _is_fake(t: Any) -> bool:

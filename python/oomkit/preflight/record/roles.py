@@ -57,8 +57,13 @@ class Known:
                 p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
 
     def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
-        for holder in (opt, *_inner_optimizers(opt)):
+        for holder in (opt, *inner_optimizers(opt)):
             self._add(rec, self.state, [list(s.values()) for s in holder.state.values()])
+            # State an optimizer makes in its own __init__ and keeps as attributes (a hand-written
+            # AdamW's ``self.m = [torch.zeros_like(p) ...]``), the parameters it names aside.
+            params = {id(p) for g in holder.param_groups for p in g["params"]}
+            kept = [v for k, v in vars(holder).items() if k not in _OPTIMIZER_OWN]
+            self._add(rec, self.state, [t for t in _tensors_kept(kept) if id(t) not in params])
         # An optimizer may give parameters new tensors inside its step.
         self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
 
@@ -80,7 +85,11 @@ class Known:
                 continue
             if i in tr.library:
                 role = "other"
-            elif i in self.params:
+            elif i in tr.kv_cache:
+                # Held across the forwards of one generation and read by a later one: its
+                # cache, even where a model keeps it in buffers of its own (gpt-fast's).
+                role = "kv_cache"
+            elif i in self.params or i in tr.module_state:
                 role = "parameters"
             elif i in self.state:
                 role = "optimizer_state"
@@ -88,9 +97,6 @@ class Known:
                 role = "gradients"
             elif i in self.inputs:
                 role = "inputs"
-            elif i in tr.kv_cache:
-                # Held across forwards and read by a later one: a generation's cache.
-                role = "kv_cache"
             elif (spread := _parallel_role(tr.stacks[tr.stack_of[i]])) is not None:
                 role = spread
             elif tr.phases[i] == "forward":
@@ -140,7 +146,7 @@ def _parallel_role(stack: tuple[tuple[str, int, str], ...]) -> str | None:
 WRAPPED_OPTIMIZER = ("optim", "optimizer", "_optimizer")
 
 
-def _inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+def inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
     """The optimizers ``opt`` wraps, innermost last; their state is the state."""
     found: list[torch.optim.Optimizer] = []
     current = opt
@@ -150,6 +156,26 @@ def _inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
             break
         found.append(inner)
         current = inner
+    return found
+
+
+#: What every torch.optim.Optimizer keeps that is not state of its own making: read elsewhere, or no tensors.
+_OPTIMIZER_OWN = frozenset({"state", "param_groups", "defaults", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"})
+
+#: How deep into an optimizer's own lists and dicts its kept tensors are looked for.
+_KEPT_DEPTH = 3
+
+
+def _tensors_kept(values: list[Any], depth: int = _KEPT_DEPTH) -> list[torch.Tensor]:
+    """The tensors in ``values`` and in the lists, tuples and dicts inside them, ``depth`` deep."""
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif depth > 1 and isinstance(v, (list, tuple)):
+            found += _tensors_kept(list(v), depth - 1)
+        elif depth > 1 and isinstance(v, dict):
+            found += _tensors_kept(list(v.values()), depth - 1)
     return found
 
 
