@@ -350,3 +350,65 @@ def test_a_generation_cache_is_what_each_forward_writes_and_a_kept_table_is_not(
     emb, qkv = torch.nn.Embedding(1000, 256), torch.nn.Linear(256, 768)
     weights = _allocator_bytes([*emb.parameters(), *qkv.parameters(), *qkv.parameters()])
     assert run["by_role"]["parameters"] == weights + 512 * 256 * 4, (weights, run["by_role"])
+
+
+PINNED = """
+    import torch
+
+    ds = torch.utils.data.TensorDataset(torch.randn(256, 1024), torch.randint(0, 10, (256,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, pin_memory=True)  # each batch pinned
+    staging = torch.empty(4096, 1024, pin_memory=True)  # a pinned buffer of the script's own
+    model = torch.nn.Linear(1024, 10).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        assert x.is_pinned() and staging.is_pinned()
+        x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_pinned_host_memory_needs_no_gpu_and_is_counted(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, PINNED), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    # The staging buffer, and one batch at a time (the loader's last is freed as the next is made).
+    batch = 32 * 1024 * 4 + 32 * 8
+    assert run["host_pinned_peak_bytes"] == 4096 * 1024 * 4 + batch, run
+    assert run["host_peak_bytes"] == run["host_pinned_peak_bytes"]
+
+
+OFFLOADED = """
+    import resource
+    import sys
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(16)]).cuda()
+    # Every weight copied to pinned host memory, as a trainer that offloads keeps it: 4 GiB.
+    kept = [p.detach().to("cpu", non_blocking=True).pin_memory() for p in model.parameters()]
+    assert all(k.is_pinned() for k in kept)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):  # what backward needs, kept on the host
+            loss = model(torch.randn(512, 8192, device="cuda")).square().mean()
+        loss.backward()
+        print("RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_offloaded_weights_and_activations_take_no_host_memory_and_are_counted(tmp_path: Path) -> None:
+    script = _script(tmp_path, OFFLOADED)
+    p = subprocess.run([OOMKIT, "preflight", "--json", "--", sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(p.stdout)["run"]
+    weights = 16 * (8192 * 8192 + 8192) * 4
+    # The copies are counted, pinned; each step's saved inputs go to the host beside them.
+    assert run["host_pinned_peak_bytes"] == run["host_peak_bytes"] > weights + 16 * 512 * 8192 * 4, run
+    # ...but hold no data: the process stayed far below the 4 GiB it offloaded.
+    rss = max(int(line.split()[1]) for line in p.stdout.splitlines() + p.stderr.splitlines() if line.startswith("RSS "))
+    assert rss < weights / 2, rss
+    # On the GPU: the weights and gradients; the activations went to the host.
+    assert run["by_role"]["activations"] == 0, run["by_role"]

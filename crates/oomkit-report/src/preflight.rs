@@ -48,6 +48,13 @@ pub struct PreflightRun {
     /// The most allocated while each phase ran (`eval`: forwards without gradients in a script that trains).
     #[serde(default)]
     pub phase_peaks: BTreeMap<String, u64>,
+    /// The most host memory the script held for the GPU at once (pinned buffers, copies of
+    /// GPU tensors), outside the GPU's figures.
+    #[serde(default)]
+    pub host_peak_bytes: u64,
+    /// Of it, the most that was pinned at once.
+    #[serde(default)]
+    pub host_pinned_peak_bytes: u64,
     /// The same recorded step replayed by the allocator model under other
     /// settings (`oomkit preflight`'s expandable-segments fix), where asked:
     /// read by the command, not part of the run's answer.

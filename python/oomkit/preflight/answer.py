@@ -60,6 +60,8 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         mode=recording.mode,
         forwards=rec.forwards,
         phase_peaks=_phase_peaks(tr, realized[3][0]),
+        host_peak_bytes=rec.host.peak_bytes,
+        host_pinned_peak_bytes=rec.host.pinned_peak_bytes,
     )
     snapshot = settings.snapshot
     if snapshot is not None:

@@ -68,7 +68,7 @@ def _run(s: Settings, rec: Recorder, known: Known, notes: Notes) -> None:
     """The steps, in the fake GPU: the model built and spread, the optimizer made, then
     each step's micro-batches (forward and loss, backward) and the optimizer's step."""
     state = Autocast()
-    functions = CudaFunctions(state, read_back=rec.read_back)
+    functions = CudaFunctions(state, read_back=rec.read_back, host=rec.host)
     memory = MemoryQueries(rec, lambda: s.alloc_conf, s.capacity_bytes, notes)
     world = FakeGpu(
         settings=s,

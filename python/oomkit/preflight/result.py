@@ -68,6 +68,11 @@ class Preflight:
     #: ``backward``, ``optimizer``, and ``eval``: forwards without gradients in a
     #: script that trains), in the allocator's blocks.
     phase_peaks: dict[str, int] = field(default_factory=dict)
+    #: The most host memory the script held for the GPU at once: pinned buffers and copies
+    #: of GPU tensors (offloads), outside the GPU's figures.
+    host_peak_bytes: int = 0
+    #: Of it, the most that was pinned (page-locked) at once.
+    host_pinned_peak_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as plain data (what ``json.dumps`` writes)."""

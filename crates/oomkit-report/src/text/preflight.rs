@@ -64,6 +64,14 @@ pub fn preflight(r: &PreflightReport) -> String {
         human_bytes(run.free_in_segments_at_peak_bytes),
         run.allocations,
     );
+    if run.host_peak_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "  host memory held for the GPU: {} at most, {} of it pinned (copies of GPU tensors and pinned buffers, outside the GPU's figures)",
+            human_bytes(run.host_peak_bytes),
+            human_bytes(run.host_pinned_peak_bytes),
+        );
+    }
     if let Some(&eval) = run.phase_peaks.get("eval") {
         let _ = writeln!(
             out,

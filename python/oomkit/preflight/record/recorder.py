@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.values import Values
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
@@ -151,6 +152,8 @@ class Recorder(TorchDispatchMode):
         self.trace = Trace()
         #: The values of small tensors, where the step makes them known.
         self.values = Values()
+        #: The host memory the script holds for the GPU (pinned, and copies from it).
+        self.host = HostMemory()
         #: Operations run so far, and when the run must stop (None: never).
         self.ops = 0
         self.time_limit = time_limit
@@ -348,6 +351,15 @@ class Recorder(TorchDispatchMode):
         self._check_time()
         if self.capturing:
             return func(*args, **kwargs)
+        if kwargs.get("pin_memory"):
+            # Pinned host memory asked below Python's functions (activations saved to the
+            # host by autograd's hooks): plain host memory here, counted as pinned.
+            out = func(*args, **dict(kwargs, pin_memory=False))
+            self.host.hold(out, pinned=True)
+            return out
+        if func in _PINNING:
+            self.host.hold(args[0], pinned=True)
+            return args[0] if func is torch.ops.aten._pin_memory.default else True
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
         if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
@@ -519,7 +531,7 @@ class Recorder(TorchDispatchMode):
                 self.assume(what)
             return known.values.clone()
         self.assume(what)
-        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+        return host_zeros(t.shape, t.dtype)
 
     def _check_time(self) -> None:
         """Stops a run past its time limit, saying what it ran and where."""
@@ -754,6 +766,11 @@ def _tensors_in(*values: Any) -> Iterator[torch.Tensor]:
                     yield from _tensors_in(v)
         elif isinstance(value, dict):
             yield from _tensors_in(*value.values())
+
+
+#: Pinning a host tensor, and asking whether it is: page-locked memory needs a GPU, and
+#: what is pinned is counted as such (``HostMemory``).
+_PINNING = frozenset({torch.ops.aten._pin_memory.default})
 
 
 def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:

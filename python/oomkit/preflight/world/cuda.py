@@ -41,6 +41,7 @@ import torch.utils._device as _default_device
 from torch.overrides import TorchFunctionMode
 
 from oomkit import _native
+from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.recorder import FAKE_DEVICE
 from oomkit.preflight.world.autocast import UNTOUCHED, Autocast
 from oomkit.preflight.world.memory import MemoryQueries, rng_answers
@@ -297,8 +298,11 @@ class CudaFunctions(TorchFunctionMode):
         autocast: Autocast,
         on_upload: Callable[[torch.Tensor], None] | None = None,
         read_back: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         super().__init__()
+        #: Counts the host memory the script holds for the GPU: pinned, and copies from it.
+        self.host = host or HostMemory()
         self.autocast = autocast
         #: Told of every copy from the host to the device: the batch, as the loop uploads it.
         self.on_upload = on_upload
@@ -327,7 +331,11 @@ class CudaFunctions(TorchFunctionMode):
             # generation's tokens): those the step made known, else zeros,
             # as the scalars read with item() are.
             host = self._host(args[0], f"Tensor.{name}()")
-            return host if name in ("cpu", "to") else getattr(host, name)()
+            if name in ("cpu", "to"):
+                # A copy kept on the host (an offload): host memory, without data until read.
+                self.host.hold(host, pinned=False)
+                return host
+            return getattr(host, name)()
         if name == "__format__" and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE and args[0].dim() == 0:
             # f"{loss:.4f}", f"{grad_norm:.2f}": on a GPU a 0-d tensor formats as its value
             # (``Tensor.__format__`` reads it with ``item()``), known where the step made it, else 0, noted.
@@ -338,8 +346,18 @@ class CudaFunctions(TorchFunctionMode):
             # asked for; the tensor operations they then call are mapped.
             return func(*args, **kwargs)
         if name == "pin_memory":
-            # Page-locked host memory needs a GPU; the copy it speeds up is the same.
+            # Page-locked host memory needs a GPU; the copy it speeds up is the same. It is
+            # counted as the pinned copy it would be (the tensor itself stands for it).
+            self.host.hold(args[0], pinned=True)
             return args[0]
+        if name == "is_pinned" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            return self.host.pinned(args[0])
+        if kwargs.get("pin_memory"):
+            # A factory's pinned buffer (a data loader's, activations offloaded): plain host memory here, counted as pinned.
+            kwargs["pin_memory"] = False
+            out = func(*args, **kwargs)
+            self.host.hold(out, pinned=True)
+            return out
         if name == "cuda" or (name == "to" and any(is_cuda(a) for a in (*args[1:], kwargs.get("device")))):
             source = args[0]
             if name == "cuda":
@@ -390,7 +408,7 @@ class CudaFunctions(TorchFunctionMode):
         """``t``'s values on the host, as the script reads them (``what``): ``read_back``'s, else zeros."""
         if self.read_back is not None:
             return self.read_back(t, what)
-        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+        return host_zeros(t.shape, t.dtype)
 
 
 def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cache: dict[Any, FunctionType]) -> Any:
