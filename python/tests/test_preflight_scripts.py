@@ -412,3 +412,28 @@ def test_offloaded_weights_and_activations_take_no_host_memory_and_are_counted(t
     assert rss < weights / 2, rss
     # On the GPU: the weights and gradients; the activations went to the host.
     assert run["by_role"]["activations"] == 0, run["by_role"]
+
+
+SAMPLED_ON_THE_HOST = """
+    import torch
+    from torch import nn
+
+    V = 1000
+    emb, rnn, head = nn.Embedding(V, 128).cuda(), nn.LSTM(128, 256).cuda(), nn.Linear(256, V).cuda()
+    word, hidden, words = torch.zeros(1, 1, dtype=torch.long, device="cuda"), None, []
+    with torch.no_grad():
+        for _ in range(20):
+            out, hidden = rnn(emb(word), hidden)
+            weights = head(out).squeeze().div(0.8).exp().cpu()  # the word weights, read back
+            index = torch.multinomial(weights, 1)[0]  # sampled on the host
+            word.fill_(index)
+            words.append(int(index))
+    assert len(words) == 20
+"""
+
+
+def test_sampling_on_the_host_from_values_read_back_runs(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, SAMPLED_ON_THE_HOST), cwd=tmp_path)
+    # Each of the 20 words runs the three modules: zeros read back sample as uniform weights would.
+    assert run["mode"] == "inference" and run["forwards"] == 60, run
+    assert any("taken as 0" in n for n in run["notes"]), run["notes"]

@@ -10,6 +10,10 @@ use std::fmt::Write;
 /// Lines of the user's code listed.
 const LINES_SHOWN: usize = 5;
 
+/// Host memory held for the GPU is a line of its own from this much (or any pinned): a
+/// loss or a few logits read back are not worth one.
+const HOST_SHOWN_BYTES: u64 = 1 << 20;
+
 /// A preflight for the terminal.
 pub fn preflight(r: &PreflightReport) -> String {
     let run = &r.run;
@@ -64,7 +68,7 @@ pub fn preflight(r: &PreflightReport) -> String {
         human_bytes(run.free_in_segments_at_peak_bytes),
         run.allocations,
     );
-    if run.host_peak_bytes > 0 {
+    if run.host_peak_bytes >= HOST_SHOWN_BYTES || run.host_pinned_peak_bytes > 0 {
         let _ = writeln!(
             out,
             "  host memory held for the GPU: {} at most, {} of it pinned (copies of GPU tensors and pinned buffers, outside the GPU's figures)",

@@ -47,6 +47,17 @@ class HostMemory:
         self.pinned_peak_bytes = 0
         # Each storage counted once: [its bytes, whether pinned].
         self._held: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # The storages of values read back from tensors without data, taken as zero.
+        self._zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def taken_as_zero(self, t: torch.Tensor) -> torch.Tensor:
+        """Marks ``t`` as values read back that no step made known (zeros standing in); returns it."""
+        self._zeros[t.untyped_storage()] = True
+        return t
+
+    def is_taken_as_zero(self, t: Any) -> bool:
+        """Whether ``t`` holds values read back that no step made known."""
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage() in self._zeros
 
     def hold(self, t: Any, pinned: bool) -> None:
         """Counts the storage of ``t`` (a host tensor) as held until it is freed; pinned, if

@@ -531,7 +531,7 @@ class Recorder(TorchDispatchMode):
                 self.assume(what)
             return known.values.clone()
         self.assume(what)
-        return host_zeros(t.shape, t.dtype)
+        return self.host.taken_as_zero(host_zeros(t.shape, t.dtype))
 
     def _check_time(self) -> None:
         """Stops a run past its time limit, saying what it ran and where."""

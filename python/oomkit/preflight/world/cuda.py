@@ -350,6 +350,10 @@ class CudaFunctions(TorchFunctionMode):
             # counted as the pinned copy it would be (the tensor itself stands for it).
             self.host.hold(args[0], pinned=True)
             return args[0]
+        if name == "multinomial" and self.host.is_taken_as_zero(args[0]):
+            # Sampling from weights read back without data (a generator's word weights):
+            # zeros are no distribution, so they are sampled as a uniform one, as weights are.
+            args = (torch.ones_like(args[0]), *args[1:])
         if name == "is_pinned" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             return self.host.pinned(args[0])
         if kwargs.get("pin_memory"):
