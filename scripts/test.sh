@@ -63,6 +63,9 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # (psutil, huggingface-hub) would change what the other tests run with,
   # and what the model code imports is installed above: no dependencies.
   python -c "import litgpt" 2>/dev/null || python -m pip install -q --no-deps "litgpt==0.5.13"
+  # The corpus of entry points that packages ship (python/tests/corpus.md): TRL's
+  # trainers, through its own command, with the PEFT and datasets it runs on.
+  python -c "import trl, peft, datasets" 2>/dev/null || python -m pip install -q "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

@@ -121,6 +121,17 @@ def test_what_autocast_refuses_raises_its_own_error() -> None:
             _under_autocast(fn, args, {}, torch.float16)
 
 
+def test_mixed_inputs_that_run_only_under_autocast_are_cast_as_autocast_casts_them() -> None:
+    # Attention with 16-bit queries and float32 values runs only under autocast, which casts the
+    # values down; its math kernel then computes 16-bit inputs in float32 itself, a cast of its own.
+    q = torch.empty(2, 4, 16, 16, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 4, 16, 16, device="meta")
+    mask = torch.ones(2, 1, 16, 16, device="meta", dtype=torch.bool)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = _under_autocast(sdpa, (q, q, v), {"attn_mask": mask, "scale": 0.25}, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
 def test_casts_are_made_above_autograd_and_weights_cast_once_per_region() -> None:
     # A linear layer under autocast keeps the 16-bit copies of its input and
     # weight for backward, as on a GPU; the weight's copy is cached for the region.

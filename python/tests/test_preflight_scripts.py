@@ -437,3 +437,15 @@ def test_sampling_on_the_host_from_values_read_back_runs(tmp_path: Path) -> None
     # Each of the 20 words runs the three modules: zeros read back sample as uniform weights would.
     assert run["mode"] == "inference" and run["forwards"] == 60, run
     assert any("taken as 0" in n for n in run["notes"]), run["notes"]
+
+
+def test_a_python_without_oomkit_is_one_line(tmp_path: Path) -> None:
+    # The interpreter this virtual environment was made from has no oomkit of its own.
+    base = getattr(sys, "_base_executable", sys.executable)
+    if subprocess.run([base, "-c", "import oomkit.preflight"], capture_output=True).returncode == 0:
+        pytest.skip(f"{base} can import oomkit: no Python without it here")
+    script = _script(tmp_path, "import torch\n")
+    p = subprocess.run([OOMKIT, "preflight", "--", base, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot import oomkit's preflight" in lines[0] and "install oomkit where the script runs" in lines[0], p.stderr

@@ -42,6 +42,10 @@ from oomkit.tracker.tracker import PREFLIGHT_LOGS
 #: The environment variable carrying the settings (JSON) from ``oomkit preflight``.
 ENV = "OOMKIT_PREFLIGHT"
 
+#: Set for the processes a preflighted script starts: a launcher (``accelerate launch``,
+#: ``trl sft``) runs the training script as its child, which is measured in its place.
+CHILD_ENV = "OOMKIT_PREFLIGHT_CHILD"
+
 #: PyTorch's allocator settings, which a script may set for itself.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -96,8 +100,12 @@ class Launch:
 class _Session:
     """One script's preflight: the modes, the hooks and the answer at the end."""
 
-    def __init__(self, launch: Launch) -> None:
+    def __init__(self, launch: Launch, child: bool = False) -> None:
         self.launch = launch
+        #: A process the command's script started (a launcher's training script): it answers
+        #: only where it measured something or failed, so that one that ran no model leaves
+        #: the answer to the process that did.
+        self.child = child
         s = self.settings = launch.settings
         #: This run's own folder (the answer's), removed by ``oomkit preflight`` after the run.
         self.run_dir = os.path.dirname(os.path.abspath(launch.result))
@@ -292,8 +300,13 @@ class _Session:
     # ---- the end ----
 
     def _at_exit(self) -> None:
-        if not self.finished:
+        if not self.finished and (self._measured_anything() or not self.child):
+            # A process the script started that ran no model says nothing: its parent answers.
             self.finish()
+
+    def _measured_anything(self) -> bool:
+        """Whether this process ran any forward of a model on the GPU."""
+        return self.rec.forwards > 0 or self.steps_done > 0 or self.backwards_done > 0
 
     def _measured_a_step(self) -> bool:
         """Whether a whole training step ran: an optimizer's step, or, in a loop without an
@@ -377,6 +390,10 @@ class _Session:
         self._write({"result": out})
 
     def _write(self, doc: dict[str, Any]) -> None:
+        if not self._measured_anything() and os.path.exists(self.launch.result):
+            # A process this one started (the training script a launcher runs) answered: its
+            # answer stands over this process's, which ran no model.
+            return
         try:
             with open(self.launch.result, "w", encoding="utf-8") as f:
                 json.dump(doc, f)
@@ -412,13 +429,32 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else ""
 
 
+def _a_script_of_its_own() -> bool:
+    """Whether a process the script started runs a script that may train: not ``python -c``,
+    and not one of PyTorch's own (torch.compile's workers), which are its tools, not a run."""
+    first = sys.argv[0] if sys.argv else ""
+    if first in ("", "-c"):
+        return False
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    homes = list(spec.submodule_search_locations or []) if spec is not None else []
+    where = os.path.abspath(first)
+    return not any(where.startswith(os.path.abspath(h) + os.sep) for h in homes)
+
+
 def install() -> None:
-    """Starts a preflight of this process if ``oomkit preflight`` asked for one."""
-    raw = os.environ.pop(ENV, None)
+    """Starts a preflight of this process if ``oomkit preflight`` asked for one: the command's
+    own process, and the Python scripts it starts (a launcher's training script)."""
+    raw = os.environ.get(ENV)
     if not raw:
         return
+    child = bool(os.environ.get(CHILD_ENV))
+    if child and not _a_script_of_its_own():
+        return
+    os.environ[CHILD_ENV] = "1"
     try:
-        session = _Session(Launch.from_json(json.loads(raw)))
+        session = _Session(Launch.from_json(json.loads(raw)), child=child)
     except (ValueError, KeyError, TypeError, PreflightError) as e:
         sys.stderr.write(f"oomkit preflight: bad settings in {ENV}: {e}\n")
         os._exit(2)

@@ -39,7 +39,15 @@ if _os.environ.get("OOMKIT_PREFLIGHT"):
     try:
         from oomkit.preflight.script import install as _install
     except ImportError as _e:
-        _sys.stderr.write(f"oomkit preflight: this Python ({_sys.executable}) cannot import oomkit's preflight ({_e}); install oomkit where the script runs\n")
+        # The answer is this one line, which the command prints as it prints any.
+        _said = f"this Python ({_sys.executable}) cannot import oomkit's preflight ({_e}); install oomkit where the script runs"
+        try:
+            import json as _json
+
+            with open(_json.loads(_os.environ["OOMKIT_PREFLIGHT"])["result"], "w") as _f:
+                _json.dump({"error": _said}, _f)
+        except Exception:
+            _sys.stderr.write(f"oomkit preflight: {_said}\n")
         _os._exit(2)
     _install()
 

@@ -180,8 +180,15 @@ class CastPolicies:
                 raise refused from None
             try:
                 off, cast_off = _seen(func, spec, leaves, fake, None)
-            except Exception:  # noqa: BLE001 - runs only with autocast (a promote op's mixed dtypes): every cast is autocast's
-                off, cast_off = None, {}
+            except Exception:  # noqa: BLE001 - runs only with autocast (mixed dtypes)
+                # Run without autocast on the inputs autocast lowered, so that the casts the
+                # kernel makes itself (math attention computing 16-bit inputs in float32) are
+                # told from autocast's; where it still refuses (a promote op), every cast is autocast's.
+                lowered = {i: d for i, d in cast_on.items() if d == dtype}
+                try:
+                    off, cast_off = _seen(func, spec, leaves, fake, None, given=lowered)
+                except Exception:  # noqa: BLE001
+                    off, cast_off = None, {}
             casts = tuple(cast_on.get(i) if cast_on.get(i) != cast_off.get(i) else None for i in range(len(leaves)))
             if not any(casts) and on == off:
                 return UNTOUCHED
@@ -203,10 +210,13 @@ class CastPolicies:
 Seen = tuple[tuple[Optional[torch.dtype], ...], dict[int, torch.dtype]]
 
 
-def _seen(func: Any, spec: Any, leaves: list[Any], fake: Any, dtype: torch.dtype | None) -> Seen:
+def _seen(
+    func: Any, spec: Any, leaves: list[Any], fake: Any, dtype: torch.dtype | None, given: dict[int, torch.dtype] | None = None
+) -> Seen:
     """The call run on fresh fake mirrors of ``leaves``, with CUDA autocast at ``dtype`` (None: off):
-    its outputs' dtypes, and the first cast of each of its tensors (by their place among the leaves)."""
-    mirrors = [_mirror(x, fake) for x in leaves]
+    its outputs' dtypes, and the first cast of each of its tensors (by their place among the leaves);
+    ``given`` makes some of them other dtypes (by place)."""
+    mirrors = [_mirror(x, fake, (given or {}).get(i)) for i, x in enumerate(leaves)]
     seen = _Casts({id(m): i for i, m in enumerate(mirrors) if isinstance(m, torch.Tensor)})
     with _cuda_autocast(dtype) if dtype is not None else contextlib.nullcontext(), seen:
         out = _tensor_dtypes(_call(func, spec, mirrors))
@@ -272,14 +282,14 @@ def _mirrorable(x: Any) -> bool:
     return not isinstance(x, torch.Tensor) or (_numbers(x.shape) is not None and _numbers(x.stride()) is not None)
 
 
-def _mirror(x: Any, fake: Any) -> Any:
-    """A fake tensor for a tensor of the call (a ``meta`` one on the fake CUDA device), or the value itself;
-    ``x`` is ``_mirrorable``."""
+def _mirror(x: Any, fake: Any, dtype: torch.dtype | None = None) -> Any:
+    """A fake tensor for a tensor of the call (a ``meta`` one on the fake CUDA device), in ``dtype``
+    where given, or the value itself; ``x`` is ``_mirrorable``."""
     if not isinstance(x, torch.Tensor):
         return x
     device = "cuda" if x.device.type == FAKE_DEVICE else x.device
     with fake:
-        return torch.empty_strided(_numbers(x.shape) or [], _numbers(x.stride()) or [], dtype=x.dtype, device=device)
+        return torch.empty_strided(_numbers(x.shape) or [], _numbers(x.stride()) or [], dtype=dtype or x.dtype, device=device)
 
 
 def _call(func: Any, spec: Any, leaves: list[Any], **extra: Any) -> Any:

@@ -1,0 +1,146 @@
+"""The entry points that registry packages ship, run unchanged under `oomkit preflight`.
+
+Each is the package's own command (``trl sft``, ``trl dpo``), run as its
+documentation says, on a small model made here from a config (random
+weights saved locally), a tokenizer made here, and small data sets written
+here: nothing is downloaded. Each answer is checked against what can be
+worked out by hand from the model: its weights, the optimizer's two
+moments (and a fused AdamW's step counter) per trained weight, a LoRA
+adapter's weights, DPO's reference copy.
+The corpus, with versions, is listed in ``corpus.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from preflight_cli import OOMKIT
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+
+#: TRL's console script, installed beside this Python as pip installs it.
+TRL = Path(sys.executable).parent / "trl"
+
+needs_trl = pytest.mark.skipif(
+    not TRL.exists() or subprocess.run([sys.executable, "-c", "import trl, peft, datasets"], capture_output=True).returncode != 0,
+    reason=f"TRL, PEFT and datasets are not installed beside {sys.executable} (scripts/test.sh installs them)",
+)
+
+#: The model: a Llama of 4 layers, grouped keys (8 query heads, 4 key-value heads).
+LAYERS, WIDTH, FFN, HEADS, KV_HEADS = 4, 256, 512, 8, 4
+WORDS = 500
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny causal LM saved as a hub model would be, its tokenizer, and two data sets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("corpus")
+    words = [f"w{i}" for i in range(WORDS)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out / "model")
+    fast.save_pretrained(out / "model")
+    (out / "text").mkdir()
+    (out / "prefs").mkdir()
+    with open(out / "text" / "train.jsonl", "w") as f:
+        for i in range(64):
+            f.write(json.dumps({"text": " ".join(words[(i * 7 + j) % WORDS] for j in range(120))}) + "\n")
+    with open(out / "prefs" / "train.jsonl", "w") as f:
+        for i in range(64):
+            prompt = " ".join(words[(i + j) % WORDS] for j in range(40))
+            chosen = " ".join(words[(i * 3 + j) % WORDS] for j in range(30))
+            rejected = " ".join(words[(i * 5 + j) % WORDS] for j in range(30))
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return out
+
+
+def _blocks(tensors: list[torch.Tensor]) -> int:
+    """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
+    return sum(-(-t.nbytes // 512) * 512 for t in tensors)
+
+
+def _model(assets: Path) -> Any:
+    """The saved model built again from its config, on ``meta`` (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets / "model"))
+
+
+def _weights(assets: Path) -> int:
+    """The model's weights and buffers (the rotary table's) in float32, as the allocator holds them."""
+    model = _model(assets)
+    return _blocks([*model.parameters(), *model.buffers()])
+
+
+def _adamw_state(tensors: list[torch.Tensor]) -> int:
+    """The Trainer's fused AdamW's state for these weights: two moments each, and a step
+    counter each, which the fused kernel keeps on the GPU (a 512-byte block)."""
+    return 2 * _blocks(tensors) + 512 * len(tensors)
+
+
+def _trained(assets: Path) -> int:
+    """The state of a full fine-tune's optimizer: every weight trains."""
+    return _adamw_state(list(_model(assets).parameters()))
+
+
+def _trl(assets: Path, *args: str) -> dict[str, Any]:
+    """``trl ARGS`` under ``oomkit preflight --json``, offline, from the assets' folder: its answer."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    common = ("--output_dir", "out", "--max_steps", "5", "--report_to", "none", "--save_strategy", "no", "--max_length", "128")
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--capacity", "24GiB", "--", str(TRL), *args, *common],
+        capture_output=True, text=True, timeout=600, cwd=assets, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout)
+
+
+@needs_trl
+def test_trl_sft_full_fine_tuning(assets: Path) -> None:
+    # TRL's launcher runs its SFT script as a child process (accelerate's launcher): that child is measured.
+    run = _trl(assets, "sft", "--model_name_or_path", "model", "--dataset_name", "text", "--per_device_train_batch_size", "4")["run"]
+    assert run["steps"] == 2 and run["mode"] == "training", run
+    assert run["by_role"]["parameters"] == _weights(assets), run["by_role"]
+    assert run["by_role"]["optimizer_state"] == _trained(assets), run["by_role"]
+
+
+@needs_trl
+def test_trl_sft_with_lora(assets: Path) -> None:
+    run = _trl(
+        assets, "sft", "--model_name_or_path", "model", "--dataset_name", "text", "--per_device_train_batch_size", "4",
+        "--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj",
+    )["run"]  # fmt: skip
+    # Adapters A (r x in) and B (out x r) on each query and value projection, float32.
+    head_dim = WIDTH // HEADS
+    adapters = [torch.empty(8, WIDTH), torch.empty(WIDTH, 8), torch.empty(8, WIDTH), torch.empty(KV_HEADS * head_dim, 8)] * LAYERS
+    assert run["by_role"]["parameters"] == _weights(assets) + _blocks(adapters), run["by_role"]
+    # Only the adapters train: the optimizer's state is theirs.
+    assert run["by_role"]["optimizer_state"] == _adamw_state(adapters), run["by_role"]
+
+
+@needs_trl
+def test_trl_dpo(assets: Path) -> None:
+    run = _trl(assets, "dpo", "--model_name_or_path", "model", "--dataset_name", "prefs", "--per_device_train_batch_size", "2")["run"]
+    assert run["steps"] == 2, run
+    # The policy and its frozen reference copy, and the policy's moments.
+    assert run["by_role"]["parameters"] == 2 * _weights(assets), run["by_role"]
+    assert run["by_role"]["optimizer_state"] == _trained(assets), run["by_role"]
