@@ -196,3 +196,40 @@ def test_accumulation_is_counted_on_the_scripts_own_and_what_it_cannot_change_sa
     assert rows[ADAM8]["already"] == "the script makes no torch.optim.AdamW or Adam to replace (SGD)", rows[ADAM8]
     assert rows[EXPANDABLE]["already"] == "the allocator's settings in force already expand segments (expandable_segments:True)"
     assert rows[EXPANDABLE]["peak_reserved_bytes"] == doc["run"]["peak_reserved_bytes"]
+
+
+NEVER_ENDS_WHEN_CHANGED = """
+    import json
+    import os
+    import torch
+
+    changed = json.loads(os.environ["OOMKIT_PREFLIGHT"])["fixes"]  # what preflight tries in this run
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(2):
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        count = torch.zeros(8, device="cuda")
+        while changed:  # under a change, a loop that never ends
+            count = count + 1
+"""
+
+
+def test_the_time_limit_bounds_the_whole_command(tmp_path: Path) -> None:
+    import textwrap
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(NEVER_ENDS_WHEN_CHANGED))
+    limit = 20
+    began = time.monotonic()
+    doc = preflight(script, "--fixes", "--time-limit", str(limit), "--", sys.executable, str(script), capacity="1GiB")
+    took = time.monotonic() - began
+    # The script as written answered; the changes ran in what was left of the limit, and were stopped.
+    assert doc["run"]["steps"] == 2, doc["run"]
+    assert took < limit + 10, took
+    stopped = [n for n in doc["fix_notes"] if "stopped the script after" in n or "time limit" in n]
+    assert len(stopped) >= 3, doc["fix_notes"]
+    # The allocator's settings need no run: the first run's step is replayed.
+    assert [row["change"] for row in doc["fixes"]] == [EXPANDABLE], doc["fixes"]

@@ -24,6 +24,9 @@ const BATCH: &str = "{batch}";
 /// The GPUs the sharding fix spreads a one-GPU script over: one node's worth.
 const SHARD_OVER_GPUS: u32 = 8;
 
+/// A run is not started with less of the command's time limit left than this.
+const LEAST_RUN_SECONDS: f64 = 1.0;
+
 /// The most runs of the script the fixes make at once: each is a Python
 /// process of its own, holding up to a few GiB of bookkeeping for a large model.
 const MOST_RUNS_AT_ONCE: usize = 4;
@@ -107,6 +110,10 @@ pub(crate) struct Args {
     /// loop that waits on a value the step does not have would never end.
     #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = positive_seconds)]
     time_limit: f64,
+    /// When the command started: `--time-limit` bounds the whole command, each run
+    /// given what is left of it.
+    #[arg(skip)]
+    started: Option<std::time::Instant>,
     #[command(flatten)]
     format: FormatArgs,
     /// The training command, after `--`: python train.py ARGS.
@@ -167,7 +174,8 @@ enum Failure {
 }
 
 /// `oomkit preflight`.
-pub(crate) fn run(a: Args) -> u8 {
+pub(crate) fn run(mut a: Args) -> u8 {
+    a.started = Some(std::time::Instant::now());
     // A capacity refused here is one line, before any script runs.
     if let Err(e) = oomkit_allocator::parse_capacity(&a.capacity) {
         say(&format!("preflight: {e}"));
@@ -689,6 +697,17 @@ struct Variant<'v> {
 /// Runs the command once, as `v` says, and reads its answer.
 fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
     let (batch, knob, snapshot, alloc_conf) = (v.batch, v.knob, v.snapshot, v.alloc_conf);
+    // What is left of the command's time limit is this run's.
+    let spent = a.started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let left = a.time_limit - spent;
+    if left < LEAST_RUN_SECONDS {
+        return Err(Failure::NoAnswer(format!(
+            "preflight: the command's time limit ({} s, --time-limit) was spent before this run",
+            a.time_limit
+        )));
+    }
+    // Tenths of a second, so that the limit a stopped run reports reads plainly.
+    let left = (left * 10.0).floor() / 10.0;
     let dir = Scratch::new().map_err(|e| {
         Failure::NoAnswer(format!(
             "preflight: cannot make a scratch folder in {}: {e}",
@@ -711,7 +730,7 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         "world_size": v.gpus.unwrap_or(a.gpus),
         // Launched as torchrun launches it only where the command says so (`--gpus`).
         "torchrun": a.gpus > 1,
-        "time_limit": a.time_limit,
+        "time_limit": left,
         "fixes": v.fixes,
         "replay": v.replay.map(|(conf, always)| serde_json::json!({"alloc_conf": conf, "always": always})),
         "fixes_skip": v.skip_what_cannot,
