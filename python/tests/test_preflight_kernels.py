@@ -67,3 +67,42 @@ def test_the_cpp_and_python_kernels_give_the_same_results() -> None:
     with native_meta_kernels_current():
         cpp = _results()
     assert cpp == python
+
+
+def _described(out: object) -> list[tuple[object, ...] | None]:
+    """Each output's shape, dtype, strides and device (None for one not asked for)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [None if t is None else (tuple(t.shape), t.dtype, t.stride(), t.device.type) for t in outs]
+
+
+def test_batch_norms_sizes_only_kernels_give_what_pytorchs_decomposition_gives() -> None:
+    # Batch norm has no C++ meta kernel; its Python one decomposes into a dozen reference
+    # operations. The kernel that makes only the outputs must give the same outputs.
+    forward, backward = torch.ops.aten.native_batch_norm.default, torch.ops.aten.native_batch_norm_backward.default
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for channels_last in (False, True):
+            for training in (True, False):
+                for affine in (True, False):
+                    cases.append((dtype, channels_last, training, affine))
+    for dtype, channels_last, training, affine in cases:
+        x = torch.empty(4, 16, 8, 8, device="meta", dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        weight = torch.empty(16, device="meta") if affine else None
+        bias = torch.empty(16, device="meta") if affine else None
+        mean, var = torch.empty(16, device="meta"), torch.empty(16, device="meta")
+        args = (x, weight, bias, mean, var, training, 0.1, 1e-5)
+        python = forward(*args)
+        with native_meta_kernels_current():
+            sized = forward(*args)
+        assert _described(sized) == _described(python), (dtype, channels_last, training, affine)
+        for mask in ([True, True, True], [True, False, False], [False, True, True]):
+            back = (x, x, weight, mean, var, python[1], python[2], training, 1e-5, mask)
+            python_grads = backward(*back)
+            with native_meta_kernels_current():
+                sized_grads = backward(*back)
+            # The gradients asked for are the decomposition's; one not asked for is not made, as
+            # CUDA's kernel makes none (the decomposition computes every one).
+            asked = [d if m else None for d, m in zip(_described(python_grads), mask)]
+            assert _described(sized_grads) == asked, (dtype, channels_last, training, affine, mask)

@@ -706,8 +706,9 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
             a.time_limit
         )));
     }
-    // Tenths of a second, so that the limit a stopped run reports reads plainly.
-    let left = (left * 10.0).floor() / 10.0;
+    // To a tenth of a second, so that the limit a stopped run reports reads plainly (the
+    // first run, started at once, reports the limit given).
+    let left = (left * 10.0).round() / 10.0;
     let dir = Scratch::new().map_err(|e| {
         Failure::NoAnswer(format!(
             "preflight: cannot make a scratch folder in {}: {e}",

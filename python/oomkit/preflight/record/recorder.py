@@ -528,7 +528,9 @@ class Recorder(TorchDispatchMode):
         known = self.values.get(t)
         if known is not None and known.values.shape == t.shape:
             if known.assumed:
+                # Values resting on data the step does not have: taken as zero where read.
                 self.assume(what)
+                return self.host.taken_as_zero(known.values.clone())
             return known.values.clone()
         self.assume(what)
         return self.host.taken_as_zero(host_zeros(t.shape, t.dtype))

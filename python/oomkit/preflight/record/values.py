@@ -22,6 +22,7 @@ memory is planned for.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,16 +51,28 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
 class Shadow:
     """A small meta tensor's values on the CPU, and how far they are known."""
 
-    __slots__ = ("assumed", "opaque", "values")
+    __slots__ = ("_values", "_zeros_of", "assumed", "opaque")
 
-    def __init__(self, values: torch.Tensor, assumed: bool, opaque: bool) -> None:
-        self.values = values
+    def __init__(self, values: torch.Tensor | None, assumed: bool, opaque: bool, zeros_of: torch.Tensor | None = None) -> None:
+        # The values, or (for values taken as zero) the tensor whose shape and dtype the zeros
+        # take, made when first read: most of a step's small results are never read.
+        self._values = values
+        self._zeros_of = (tuple(zeros_of.shape), zeros_of.dtype) if zeros_of is not None else None
         #: They rest on a value taken as zero: reading them is noted.
         self.assumed = assumed
         #: They stand for data the step does not have (zeros in its place,
         #: and what arithmetic and indexing make of them), rather than values
         #: computed from such data by a comparison.
         self.opaque = opaque
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The values on the CPU."""
+        if self._values is None and self._zeros_of is not None:
+            shape, dtype = self._zeros_of
+            self._values = torch.zeros(shape, dtype=dtype)
+        assert self._values is not None
+        return self._values
 
 
 def _is_meta(t: Any) -> bool:
@@ -68,6 +81,18 @@ def _is_meta(t: Any) -> bool:
 
 def _small(t: torch.Tensor) -> bool:
     return t.numel() <= SHADOW_MAX_ELEMENTS
+
+
+def _tensors_among(*values: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments: tensors, and those in lists, tuples and
+    dicts (an ATen operator nests no deeper than two)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors_among(*value)
+        elif isinstance(value, dict):
+            yield from _tensors_among(*value.values())
 
 
 class Values:
@@ -95,12 +120,12 @@ class Values:
             outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
             if not outs:
                 return
-        computed = self._on_cpu(func, args, kwargs)
+        computed = None if self._some_input_unknown(args, kwargs) else self._on_cpu(func, args, kwargs)
         if computed is None:
             # Some input has no values here (a large tensor, data the step
             # does not have): the result is taken as zero, and marked so.
             for t in outs:
-                self._set(t, Shadow(torch.zeros(t.shape, dtype=t.dtype), True, True))
+                self._set(t, Shadow(None, True, True, zeros_of=t))
             return
         values, assumed, opaque = computed
         name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
@@ -117,6 +142,15 @@ class Values:
         for m, c in zip(meta_leaves, cpu_leaves):
             if _is_meta(m) and _small(m) and isinstance(c, torch.Tensor) and c.shape == m.shape:
                 self._set(m, Shadow(c, assumed, opaque))
+
+    def _some_input_unknown(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether an input on meta has no values here, told without pytree's walk (which costs
+        more than the rest of recording an operation): a batch norm's small statistics of a
+        large input, most small results of a step, are known at once to be unknown."""
+        for t in _tensors_among(args, *kwargs.values()):
+            if t.device.type == _META and (t.numel() > SHADOW_MAX_ELEMENTS or self.get(t) is None):
+                return True
+        return False
 
     def run_on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
         """An operation whose result's shape depends on values (``nonzero``), run on the

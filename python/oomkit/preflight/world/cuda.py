@@ -372,7 +372,7 @@ class CudaFunctions(TorchFunctionMode):
             if self.on_upload is not None and uploaded:
                 self.on_upload(moved)
             return moved
-        if kwargs.get("device") is None and _cuda_by_default() and func in _default_device._device_constructors():
+        if kwargs.get("device") is None and func in _default_device._device_constructors() and _cuda_by_default():
             # torch.set_default_device("cuda") (or `with torch.device("cuda")`)
             # puts its mode below this one, where it would add a real CUDA device.
             kwargs["device"] = FAKE_DEVICE

@@ -58,7 +58,7 @@ class NativeMetaKernels:
         library.m = self.kept
         for name, fn in kernels:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, META):
-                self.kept.impl(name, META, fn, False)
+                self.kept.impl(name, META, SIZES_ONLY.get(name, fn), False)
         return self
 
     def remove(self) -> None:
@@ -75,6 +75,59 @@ class NativeMetaKernels:
             restored.impl(name, META, fn, False)
         library.m = restored
         self.kept = None
+
+
+def _batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_batch_norm``'s outputs as CUDA's kernel makes them: the output like the input,
+    and the mean and inverse deviation per channel in the accumulation type; the running
+    statistics are updated in place, taking nothing."""
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    channels = input.shape[1]
+    return (
+        torch.empty_like(input),
+        input.new_empty((channels,), dtype=acc),
+        input.new_empty((channels,), dtype=acc),
+    )
+
+
+def _batch_norm_backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    save_mean: torch.Tensor | None,
+    save_invstd: torch.Tensor | None,
+    train: bool,
+    eps: float,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``native_batch_norm_backward``'s gradients, those asked for: the input's, like it, and
+    the weight's and bias's, one per channel."""
+    dtype = weight.dtype if weight is not None else input.dtype
+    return (
+        torch.empty_like(input) if output_mask[0] else None,
+        input.new_empty((input.shape[1],), dtype=dtype) if output_mask[1] else None,
+        input.new_empty((input.shape[1],), dtype=dtype) if output_mask[2] else None,
+    )
+
+
+#: Operators without a C++ meta kernel whose Python one is a whole decomposition (batch
+#: norm's computes the statistics through a dozen reference operations), each given a
+#: kernel that makes only the outputs' sizes, as CUDA's kernel allocates them.
+SIZES_ONLY: dict[str, Any] = {
+    "aten::native_batch_norm": _batch_norm,
+    "aten::native_batch_norm_backward": _batch_norm_backward,
+}
 
 
 def native_meta_kernels() -> NativeMetaKernels:
