@@ -129,6 +129,10 @@ class _Session:
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
         #: What the script already does of those changes, seen where it runs as written.
         self.in_script = InScript()
+        # The script Python was asked to run, where it is not there (told before the script
+        # runs: one that changes its directory would make a relative path look missing).
+        first = sys.argv[0] if sys.argv else ""
+        self._missing = first if first not in ("", "-c", "-m") and not os.path.exists(first) else None
         #: How the script asked to exit (``sys.exit``), where it did before its first step:
         #: the code and the exception being handled then (runpy's failure to import a ``-m`` module).
         self._exited: tuple[Any, BaseException | None] | None = None
@@ -341,10 +345,9 @@ class _Session:
             if self.steps_done == 0 and self._exited is not None:
                 self._write({"error": _exited_early(*self._exited)})
                 return
-            script = sys.argv[0] if sys.argv else ""
-            if self.steps_done == 0 and self.rec.forwards == 0 and script not in ("", "-c", "-m") and not os.path.exists(script):
+            if self.steps_done == 0 and self.rec.forwards == 0 and self._missing is not None:
                 # Python itself could not open it (and said so above): nothing of it ran.
-                self._write({"error": f"{script}: no such script; Python could not open it"})
+                self._write({"error": f"{self._missing}: no such script; Python could not open it"})
                 return
             if self.steps_done == 0 and self.rec.forwards == 0:
                 self._write({"error": "the script ended before its model's first forward: preflight measures what a model runs on the GPU (a forward, a training step)"})  # noqa: E501
