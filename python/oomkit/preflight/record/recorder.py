@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.host import HostMemory, host_zeros
-from oomkit.preflight.record.values import Values
+from oomkit.preflight.record.values import Values, tensors_in
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
@@ -357,9 +357,11 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **dict(kwargs, pin_memory=False))
             self.host.hold(out, pinned=True)
             return out
-        if func in _PINNING:
+        if func is torch.ops.aten._pin_memory.default:
+            # Pinning below Python's functions: page-locked memory needs a GPU; the tensor
+            # stands for its pinned copy, counted as such (``HostMemory``).
             self.host.hold(args[0], pinned=True)
-            return args[0] if func is torch.ops.aten._pin_memory.default else True
+            return args[0]
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
         if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
@@ -404,7 +406,7 @@ class Recorder(TorchDispatchMode):
         if self.forward_open and not self._deferred:
             self._note_reads(func, args, kwargs)
         if not self.fusing:
-            for t in _tensors_in(out):
+            for t in tensors_in(out):
                 if _is_fake(t):
                     self.track(t)
         if (
@@ -452,7 +454,7 @@ class Recorder(TorchDispatchMode):
             if written is not None:
                 self._written_in[int(written)] = now
         generation = self._generation_of.get(now)
-        for t in _tensors_in(args, kwargs):
+        for t in tensors_in(args, kwargs):
             if not _is_fake(t) or is_traceable_wrapper_subclass(t):
                 continue
             index = self._index.get(t.untyped_storage())
@@ -491,7 +493,7 @@ class Recorder(TorchDispatchMode):
         tr = self.trace
         for top in list(self._top_modules):
             for module in top.modules():
-                for t in _tensors_in(*vars(module).values()):
+                for t in tensors_kept(list(vars(module).values())):
                     index = self.index_of(t)
                     if index is None:
                         continue
@@ -753,26 +755,23 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
 
 
-def _tensors_in(*values: Any) -> Iterator[torch.Tensor]:
-    """The tensors among an operator's arguments or results: tensors, lists and tuples of them,
-    and the values of a dict (an ATen operator nests no deeper), without pytree's general walk,
-    which costs more than the rest of recording an operation."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                if isinstance(v, torch.Tensor):
-                    yield v
-                elif isinstance(v, (list, tuple, dict)):
-                    yield from _tensors_in(v)
-        elif isinstance(value, dict):
-            yield from _tensors_in(*value.values())
+#: How deep into a user's objects (a module's attributes, an optimizer's, a forward's
+#: arguments) tensors are looked for: what a script nests, bounded, so that no structure
+#: of its own (one holding itself) can make the walk endless.
+KEPT_DEPTH = 3
 
 
-#: Pinning a host tensor, and asking whether it is: page-locked memory needs a GPU, and
-#: what is pinned is counted as such (``HostMemory``).
-_PINNING = frozenset({torch.ops.aten._pin_memory.default})
+def tensors_kept(values: list[Any], depth: int = KEPT_DEPTH) -> list[torch.Tensor]:
+    """The tensors in ``values`` and in the lists, tuples and dicts inside them, ``depth`` deep."""
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif depth > 1 and isinstance(v, (list, tuple)):
+            found += tensors_kept(list(v), depth - 1)
+        elif depth > 1 and isinstance(v, dict):
+            found += tensors_kept(list(v.values()), depth - 1)
+    return found
 
 
 def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:
@@ -783,7 +782,7 @@ def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:
         first = next(module.buffers(), None)
     if first is not None and _is_fake(first):
         return True
-    return any(_is_fake(t) for t in _tensors_in(*args))
+    return any(_is_fake(t) for t in tensors_kept(list(args)))
 
 
 def _is_fake(t: Any) -> bool:

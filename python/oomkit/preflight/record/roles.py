@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder, Trace, plain_tensors
+from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder, Trace, plain_tensors, tensors_kept
 
 
 class Known:
@@ -63,7 +63,7 @@ class Known:
             # AdamW's ``self.m = [torch.zeros_like(p) ...]``), the parameters it names aside.
             params = {id(p) for g in holder.param_groups for p in g["params"]}
             kept = [v for k, v in vars(holder).items() if k not in _OPTIMIZER_OWN]
-            self._add(rec, self.state, [t for t in _tensors_kept(kept) if id(t) not in params])
+            self._add(rec, self.state, [t for t in tensors_kept(kept) if id(t) not in params])
         # An optimizer may give parameters new tensors inside its step.
         self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
 
@@ -161,23 +161,6 @@ def inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
 
 #: What every torch.optim.Optimizer keeps that is not state of its own making: read elsewhere, or no tensors.
 _OPTIMIZER_OWN = frozenset({"state", "param_groups", "defaults", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"})
-
-#: How deep into an optimizer's own lists and dicts its kept tensors are looked for.
-_KEPT_DEPTH = 3
-
-
-def _tensors_kept(values: list[Any], depth: int = _KEPT_DEPTH) -> list[torch.Tensor]:
-    """The tensors in ``values`` and in the lists, tuples and dicts inside them, ``depth`` deep."""
-    found: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif depth > 1 and isinstance(v, (list, tuple)):
-            found += _tensors_kept(list(v), depth - 1)
-        elif depth > 1 and isinstance(v, dict):
-            found += _tensors_kept(list(v.values()), depth - 1)
-    return found
-
 
 def _attached(p: torch.Tensor) -> list[torch.Tensor]:
     """Tensors a quantized parameter carries beside its data (bitsandbytes' ``quant_state``: scales, code book)."""

@@ -83,16 +83,21 @@ def _small(t: torch.Tensor) -> bool:
     return t.numel() <= SHADOW_MAX_ELEMENTS
 
 
-def _tensors_among(*values: Any) -> Iterator[torch.Tensor]:
-    """The tensors among an operator's arguments: tensors, and those in lists, tuples and
-    dicts (an ATen operator nests no deeper than two)."""
+def tensors_in(*values: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results: tensors, lists and tuples of them,
+    and the values of a dict (an ATen operator nests no deeper), without pytree's general walk,
+    which costs more than the rest of recording an operation."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
-            yield from _tensors_among(*value)
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
+                elif isinstance(v, (list, tuple, dict)):
+                    yield from tensors_in(v)
         elif isinstance(value, dict):
-            yield from _tensors_among(*value.values())
+            yield from tensors_in(*value.values())
 
 
 class Values:
@@ -147,10 +152,7 @@ class Values:
         """Whether an input on meta has no values here, told without pytree's walk (which costs
         more than the rest of recording an operation): a batch norm's small statistics of a
         large input, most small results of a step, are known at once to be unknown."""
-        for t in _tensors_among(args, *kwargs.values()):
-            if t.device.type == _META and (t.numel() > SHADOW_MAX_ELEMENTS or self.get(t) is None):
-                return True
-        return False
+        return any(t.device.type == _META and (t.numel() > SHADOW_MAX_ELEMENTS or self.get(t) is None) for t in tensors_in(args, kwargs))
 
     def run_on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
         """An operation whose result's shape depends on values (``nonzero``), run on the

@@ -357,7 +357,10 @@ class CudaFunctions(TorchFunctionMode):
         if name == "is_pinned" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             return self.host.pinned(args[0])
         if kwargs.get("pin_memory"):
-            # A factory's pinned buffer (a data loader's, activations offloaded): plain host memory here, counted as pinned.
+            # A factory's pinned buffer (a data loader's, a script's own): plain host memory here,
+            # counted as pinned. Answered here and not only by the recorder, which answers one
+            # asked below Python's functions: ``torch.tensor(..., pin_memory=True)`` pins where
+            # no dispatch mode sees it.
             kwargs["pin_memory"] = False
             out = func(*args, **kwargs)
             self.host.hold(out, pinned=True)
