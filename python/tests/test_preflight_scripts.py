@@ -352,6 +352,44 @@ def test_a_generation_cache_is_what_each_forward_writes_and_a_kept_table_is_not(
     assert run["by_role"]["parameters"] == weights + 512 * 256 * 4, (weights, run["by_role"])
 
 
+NO_CACHE_SAMPLING = """
+    import torch
+    from torch import nn
+
+    DIM, VOCAB = 256, 1000
+
+    class Block(nn.Module):  # attends over the whole sequence again at each token: no cache
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    model = nn.Sequential(nn.Embedding(VOCAB, DIM), Block(), Block(), nn.Linear(DIM, VOCAB)).cuda().eval()
+    prompt = torch.randint(0, VOCAB, (1, 4), device="cuda")
+    # One autocast region around every sample: its cast of each weight is made once and kept.
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for sample in range(2):  # each sample starts again from the same prompt
+            seq = prompt
+            for _ in range(8):
+                seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+"""
+
+
+def test_sampling_without_a_cache_holds_none_under_one_autocast_region(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, NO_CACHE_SAMPLING), "--capacity", "24GiB", cwd=tmp_path)
+    assert run["mode"] == "inference" and run["forwards"] == 16, run
+    # Neither the prompt every sample reads nor autocast's kept casts of the weights are a cache.
+    assert run["by_role"]["kv_cache"] == 0, run["by_role"]
+    up, down, head = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256), torch.nn.Linear(256, 1000)
+    linears = [*up.parameters(), *down.parameters(), *up.parameters(), *down.parameters(), *head.parameters()]
+    weights = _allocator_bytes([*torch.nn.Embedding(1000, 256).parameters(), *linears])
+    # The 16-bit casts are copies of the linear layers' weights, kept for the region: weights too.
+    casts = _allocator_bytes([p.to(torch.bfloat16) for p in linears])
+    assert run["by_role"]["parameters"] == weights + casts, (weights, casts, run["by_role"])
+
+
 PINNED = """
     import torch
 

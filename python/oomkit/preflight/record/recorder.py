@@ -229,6 +229,9 @@ class Recorder(TorchDispatchMode):
         # A rearranged whole copy made between forwards, by its index, to the
         # allocation it copies: when the copy proves a cache, so was that.
         self._copied_from: dict[int, int] = {}
+        # Autocast's cached 16-bit casts of weights, by allocation index: a region around a
+        # whole generation keeps them for every forward in it, as copies of the weights.
+        self._weight_casts: set[int] = set()
         #: Whether torch.compile's tracer is capturing a graph: its fake tensors pass unrecorded.
         self.capturing = False
         #: Whether the operation running is one a fusing compiler computes inside another's kernel: its result takes no memory.
@@ -466,14 +469,28 @@ class Recorder(TorchDispatchMode):
             else:
                 first = self._first_reader.setdefault(int(index), now)
                 earlier = first if first != now else None
+                if not self._written_in.get(int(index), 0):
+                    # Made outside the forwards and never written by one: an input they
+                    # read again (a prompt each sample starts from), not what they keep.
+                    earlier = None
             if earlier is None:
                 continue
-            if self._generation_of.get(earlier) == generation:
+            if int(index) in self._weight_casts:
+                # Read again by a later forward because autocast's region keeps it, not
+                # because a forward kept it for the next: a copy of a weight.
+                self.trace.module_state.add(int(index))
+            elif self._generation_of.get(earlier) == generation:
                 self._held_across(int(index))
             elif not self.any_backward:
                 # Forwards with gradients on and no backward yet: a generation loop that
                 # forgot no_grad, unless a backward comes later and makes it training.
                 self._held_across(int(index), until_backward=True)
+
+    def weight_cast(self, t: torch.Tensor) -> None:
+        """Notes ``t`` as autocast's cached cast of a weight (kept for the region, not by a forward)."""
+        index = self.index_of(t)
+        if index is not None:
+            self._weight_casts.add(index)
 
     def _last_caches(self) -> None:
         """Marks as cache what the line that made a cache made in a forward that none read

@@ -20,7 +20,7 @@ PyTorch's own error, as on a GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -72,6 +72,8 @@ class Autocast:
         self.cache: dict[int, torch.Tensor] = {}
         #: What CUDA autocast does to each kind of call, asked of PyTorch.
         self.policies = CastPolicies()
+        #: Told of each weight's cast as it enters the cache (the recorder's ``weight_cast``).
+        self.on_cached: Optional[Callable[[torch.Tensor], None]] = None
 
     def dtype(self) -> torch.dtype | None:
         """The lower precision in force, or None outside autocast."""
@@ -129,6 +131,8 @@ class Autocast:
             if hit is None:
                 hit = t.to(dtype)
                 self.cache[id(t)] = hit
+                if self.on_cached is not None:
+                    self.on_cached(hit)
             return hit
         return t.to(dtype)
 

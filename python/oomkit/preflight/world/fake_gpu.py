@@ -143,6 +143,8 @@ class FakeGpu:
         self.settings = settings
         self.recorder, self.memory = recorder, memory
         self.autocast, self.functions = autocast, functions
+        # Autocast's cached weight casts are told to the recorder: copies of weights, not a cache.
+        autocast.on_cached = recorder.weight_cast
         self.notes = notes
         self.start_process_group = start_process_group
         self.torchrun_environment = torchrun_environment
