@@ -106,3 +106,100 @@ def test_batch_norms_sizes_only_kernels_give_what_pytorchs_decomposition_gives()
             # CUDA's kernel makes none (the decomposition computes every one).
             asked = [d if m else None for d, m in zip(_described(python_grads), mask)]
             assert _described(sized_grads) == asked, (dtype, channels_last, training, affine, mask)
+
+
+def _samples() -> list[tuple[str, tuple[object, ...], dict[str, object]]]:
+    """Calls of each operator given a sizes-only kernel: dtypes, layouts (contiguous, transposed,
+    channels-last, expanded) and broadcasts, each as (operator, args, kwargs) on meta."""
+    m = "meta"
+    calls: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        base = torch.empty(4, 6, 8, device=m, dtype=dtype)
+        layouts = [base, base.transpose(0, 2), base[:, :1].expand(4, 6, 8), torch.empty(2, 3, 4, 5, device=m, dtype=dtype).to(memory_format=torch.channels_last)]
+        for x in layouts:
+            floating = x.is_floating_point()
+            for scalar in (2, 2.5, True):
+                for op in ("add.Scalar", "sub.Scalar", "mul.Scalar", "div.Scalar"):
+                    if op == "sub.Scalar" and (dtype == torch.bool or scalar is True):
+                        continue  # ATen refuses to subtract booleans, on every device
+                    calls.append((op, (x, scalar), {}))
+            calls.append(("div.Scalar_mode", (x, 3), {"rounding_mode": "floor"}))
+            if dtype != torch.bool:
+                calls.append(("relu", (x,), {}))
+            calls += [("isnan", (x,), {}), ("fill.Scalar", (x, 1), {})]
+            for like in ("empty_like", "zeros_like", "ones_like"):
+                calls += [(like, (x,), {}), (like, (x,), {"dtype": torch.float16}), (like, (x,), {"memory_format": torch.contiguous_format})]
+            mask = torch.empty(x.shape[-1], device=m, dtype=torch.bool)
+            calls += [("masked_fill.Scalar", (x, mask, 0), {}), ("masked_fill.Tensor", (x, mask, torch.empty((), device=m, dtype=dtype)), {})]
+            # A mask wider than the input: the result takes the broadcast shape.
+            calls.append(("masked_fill.Scalar", (x[..., :1], mask, 0), {}))
+            if floating:
+                calls += [("mean", (x,), {}), ("mean", (x,), {"dtype": torch.float32})]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for shape, normalized in (((4, 16, 32), [32]), ((4, 16, 32), [16, 32]), ((8, 32), [32])):
+            x = torch.empty(shape, device=m, dtype=dtype)
+            for affine in (True, False):
+                w = torch.empty(normalized, device=m, dtype=dtype) if affine else None
+                b = torch.empty(normalized, device=m, dtype=dtype) if affine else None
+                calls.append(("native_layer_norm", (x, normalized, w, b, 1e-5), {}))
+                if x.dim() == 3 and len(normalized) == 1:  # a transposed input, normalized over its last dim
+                    calls.append(("native_layer_norm", (x.transpose(0, 1), normalized, w, b, 1e-5), {}))
+    return calls
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def test_the_sizes_only_kernels_give_what_pytorchs_python_kernels_give() -> None:
+    # Each operator swapped for a kernel that only sizes its result must give the sizes, dtypes
+    # and strides PyTorch's own Python meta kernel gives, on every layout and dtype tried.
+    samples = _samples()
+    python = [_described(_op(name)(*args, **kwargs)) for name, args, kwargs in samples]
+    with native_meta_kernels_current() as handle:
+        assert handle.kernels, "PyTorch registered no Python meta kernels here"
+        swapped = {name for name, _, _ in samples if "preflight/world/kernels.py" in _meta_kernel(f"aten::{name}")}
+        sized = [_described(_op(name)(*args, **kwargs)) for name, args, kwargs in samples]
+    assert swapped == {name for name, _, _ in samples}
+    for (name, args, kwargs), want, got in zip(samples, python, sized):
+        assert got == want, (name, [getattr(a, "shape", a) for a in args], kwargs)
+
+
+def test_layer_norms_backward_makes_what_it_is_asked_for() -> None:
+    backward = torch.ops.aten.native_layer_norm_backward.default
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.empty(4, 16, 32, device="meta", dtype=dtype)
+        w, b = torch.empty(32, device="meta", dtype=dtype), torch.empty(32, device="meta", dtype=dtype)
+        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [32], w, b, 1e-5)
+        for mask in ([True, True, True], [True, False, False], [False, True, True]):
+            args = (x, x, [32], mean, rstd, w, b, mask)
+            python = backward(*args)
+            with native_meta_kernels_current():
+                sized = backward(*args)
+            asked = [d if wanted else None for d, wanted in zip(_described(python), mask)]
+            assert _described(sized) == asked, (dtype, mask)
+
+
+def _on_cpu(a: object) -> object:
+    """A meta argument as a CPU tensor of the same layout (an expanded one expanded again)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if 0 in a.stride():
+        base = [1 if stride == 0 else size for size, stride in zip(a.shape, a.stride())]
+        return torch.zeros(base, dtype=a.dtype).expand(a.shape)
+    return torch.zeros_like(a, device="cpu")
+
+
+def test_the_sizes_only_kernels_are_cpus_results_in_shape_dtype_and_strides() -> None:
+    # Where CPU and CUDA share the implementation (everything here but layer norm, whose
+    # statistics CPU keeps in the input's dtype), the real CPU result is the layout check.
+    samples = [(name, args, kwargs) for name, args, kwargs in _samples() if name != "native_layer_norm"]
+    on_cpu = []
+    for name, args, kwargs in samples:
+        cpu_args = [_on_cpu(a) for a in args]
+        on_cpu.append([d[:3] for d in _described(_op(name)(*cpu_args, **kwargs)) if d is not None])
+    with native_meta_kernels_current():
+        sized = [[d[:3] for d in _described(_op(name)(*args, **kwargs)) if d is not None] for name, args, kwargs in samples]
+    for (name, args, kwargs), cpu, meta in zip(samples, on_cpu, sized):
+        assert meta == cpu, (name, [getattr(a, "shape", a) for a in args], kwargs)

@@ -43,7 +43,9 @@ class Known:
         self.add_params(rec, params + list(model.buffers()) + [t for p in params for t in _attached(p)])
 
     def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
-        self._add(rec, self.params, [t.detach() for t in tensors])
+        # Their storages are read as they are: a detach of each would be an operation run and
+        # recorded, on every forward of a module first seen and every optimizer step.
+        self._add(rec, self.params, tensors)
 
     def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
         self._add(rec, self.grads, grads)

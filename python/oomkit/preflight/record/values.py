@@ -48,6 +48,14 @@ _NO_MATCH = {"eq": False, "isin": False, "ne": True}
 _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
 
 
+#: Operators that return their input's values under another tensor, of the same shape.
+_SAME_VALUES = frozenset({"detach", "alias", "lift_fresh"})
+
+#: Factories of new memory whose values are zeros, or undefined and read as zeros: their
+#: shadow needs no operation run on the CPU (most are never read).
+_FRESH_ZEROS = _UNINITIALIZED | {"zeros", "zeros_like", "new_zeros"}
+
+
 class Shadow:
     """A small meta tensor's values on the CPU, and how far they are known."""
 
@@ -125,6 +133,18 @@ class Values:
             outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
             if not outs:
                 return
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        if name in _SAME_VALUES and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            # The same values under another tensor (autograd detaches every tensor it saves):
+            # one shadow for both, as one storage on the CPU would be.
+            known = self.get(args[0])
+            if known is not None and out.shape == args[0].shape:
+                self._set(out, known)
+                return
+        if name in _FRESH_ZEROS and isinstance(out, torch.Tensor):
+            # New memory whose values are zeros (or undefined, read as zeros): made when read.
+            self._set(out, Shadow(None, False, False, zeros_of=out))
+            return
         computed = None if self._some_input_unknown(args, kwargs) else self._on_cpu(func, args, kwargs)
         if computed is None:
             # Some input has no values here (a large tensor, data the step
@@ -133,7 +153,6 @@ class Values:
                 self._set(t, Shadow(None, True, True, zeros_of=t))
             return
         values, assumed, opaque = computed
-        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
         if name in _NO_MATCH and isinstance(values, torch.Tensor):
             if opaque:
                 match = _NO_MATCH[name] != bool(kwargs.get("invert", False))

@@ -58,6 +58,7 @@ class NativeMetaKernels:
         library.m = self.kept
         for name, fn in kernels:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, META):
+                _PYTHON_KERNELS[name] = fn
                 self.kept.impl(name, META, SIZES_ONLY.get(name, fn), False)
         return self
 
@@ -121,12 +122,147 @@ def _batch_norm_backward(
     )
 
 
+def _layer_norm(
+    input: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_layer_norm``'s outputs as CUDA's ``layer_norm_cuda`` makes them: the output
+    contiguous like the input, the mean and inverse deviation one per normalized row in the
+    accumulation type, shaped to broadcast against the input."""
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    axis = input.dim() - len(normalized_shape)
+    stat = [*input.shape[:axis], *([1] * len(normalized_shape))]
+    return (
+        torch.empty(input.shape, dtype=input.dtype, device=input.device),
+        torch.empty(stat, dtype=acc, device=input.device),
+        torch.empty(stat, dtype=acc, device=input.device),
+    )
+
+
+def _layer_norm_backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    normalized_shape: list[int],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``native_layer_norm_backward``'s gradients, those asked for, each contiguous like what it is the gradient of."""
+
+    def like(t: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device) if wanted and t is not None else None
+
+    return like(input, output_mask[0]), like(weight, output_mask[1]), like(bias, output_mask[2])
+
+
+def _relu(input: torch.Tensor) -> torch.Tensor:
+    """``relu``, which ATen computes as ``clamp_min(input, 0)``: that operator's C++ meta kernel."""
+    return torch.ops.aten.clamp_min.default(input, 0)
+
+
+def _with_scalar(tensor_overload: Any) -> Any:
+    """An operator's ``.Scalar`` overload as ATen runs it: its ``.Tensor`` overload, the scalar
+    a wrapped number (which takes part in type promotion as a Python number does)."""
+
+    def kernel(input: torch.Tensor, other: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor_overload(input, other, *args, **kwargs)
+
+    return kernel
+
+
+def _isnan(input: torch.Tensor) -> torch.Tensor:
+    """``isnan``, which ATen computes as ``input != input``."""
+    return torch.ops.aten.ne.Tensor(input, input)
+
+
+def _masked_fill(input: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
+    """``masked_fill``, which ATen computes on a contiguous clone of the input expanded against the mask."""
+    shape = torch.broadcast_shapes(mask.shape, input.shape)
+    return torch.empty(shape, dtype=input.dtype, device=input.device)
+
+
+def _like(
+    input: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+    memory_format: torch.memory_format | None = None,
+) -> torch.Tensor | None:
+    """``empty_like``'s allocation where it is plain (a strided tensor on this device, laid out
+    densely): the input's strides kept, as ``preserve_format`` keeps them; else None."""
+    if layout not in (None, torch.strided) or input.layout != torch.strided or pin_memory:
+        return None
+    if device is not None and torch.device(device) != input.device:
+        return None
+    dtype = dtype or input.dtype
+    if memory_format is not None and memory_format != torch.preserve_format:
+        return torch.empty(input.shape, dtype=dtype, device=input.device, memory_format=memory_format)
+    if input.is_contiguous() or (input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last)):
+        return torch.empty_strided(input.shape, input.stride(), dtype=dtype, device=input.device)
+    return None
+
+
+def _factory_like(python_kernel: str) -> Any:
+    """``empty_like``, ``zeros_like`` and ``ones_like``: only their allocation (the values are
+    the shadows' business); PyTorch's own kernel where the allocation is not plain."""
+
+    def kernel(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs = {k: v for k, v in kwargs.items() if k != "fill_value"}
+        made = _like(input, *args, **kwargs)
+        return made if made is not None else _python_kernel(python_kernel)(input, *args, **kwargs)
+
+    return kernel
+
+
+def _fill(input: torch.Tensor, value: Any) -> torch.Tensor:
+    """Out-of-place ``fill``: a new tensor like the input (``empty_like`` and ``fill_``)."""
+    made = _like(input)
+    return made if made is not None else _python_kernel("aten::fill.Scalar")(input, value)
+
+
+def _mean(input: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``mean`` of a whole floating tensor: a 0-d result of its dtype, as ``sum`` makes it."""
+    if not (dtype or input.dtype).is_floating_point and not (dtype or input.dtype).is_complex:
+        return _python_kernel("aten::mean")(input, dtype=dtype)
+    return torch.ops.aten.sum.default(input, dtype=dtype)
+
+
+#: PyTorch's Python meta kernels, by operator, for those a sizes-only kernel hands back to
+#: where the case is not a plain one (filled in as the kernels are swapped).
+_PYTHON_KERNELS: dict[str, Any] = {}
+
+
+def _python_kernel(name: str) -> Any:
+    """PyTorch's own Python meta kernel of ``name``."""
+    return _PYTHON_KERNELS[name]
+
+
 #: Operators without a C++ meta kernel whose Python one is a whole decomposition (batch
-#: norm's computes the statistics through a dozen reference operations), each given a
-#: kernel that makes only the outputs' sizes, as CUDA's kernel allocates them.
+#: norm's computes the statistics through a dozen reference operations; ``relu`` and
+#: ``mul`` by a scalar take a hundred microseconds through the reference implementations),
+#: each given a kernel that makes only the outputs' sizes, as CUDA's kernel allocates them,
+#: most through the C++ meta kernel of the operator ATen itself computes them with.
 SIZES_ONLY: dict[str, Any] = {
     "aten::native_batch_norm": _batch_norm,
     "aten::native_batch_norm_backward": _batch_norm_backward,
+    "aten::native_layer_norm": _layer_norm,
+    "aten::native_layer_norm_backward": _layer_norm_backward,
+    "aten::relu": _relu,
+    "aten::add.Scalar": _with_scalar(torch.ops.aten.add.Tensor),
+    "aten::sub.Scalar": _with_scalar(torch.ops.aten.sub.Tensor),
+    "aten::mul.Scalar": _with_scalar(torch.ops.aten.mul.Tensor),
+    "aten::div.Scalar": _with_scalar(torch.ops.aten.div.Tensor),
+    "aten::div.Scalar_mode": _with_scalar(torch.ops.aten.div.Tensor_mode),
+    "aten::isnan": _isnan,
+    "aten::masked_fill.Scalar": _masked_fill,
+    "aten::masked_fill.Tensor": _masked_fill,
+    "aten::empty_like": _factory_like("aten::empty_like"),
+    "aten::zeros_like": _factory_like("aten::zeros_like"),
+    "aten::ones_like": _factory_like("aten::ones_like"),
+    "aten::fill.Scalar": _fill,
+    "aten::mean": _mean,
 }
 
 
