@@ -56,6 +56,8 @@ python -c "import torch" 2>/dev/null || python -m pip install -q torch
 if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   python -c "import transformers, accelerate, lightning" 2>/dev/null \
     || python -m pip install -q transformers accelerate lightning
+  # Lightning's demos (the corpus runs its transformer demo) need requests, its examples' extra.
+  python -c "import requests" 2>/dev/null || python -m pip install -q requests
   # preflight runs bitsandbytes' 8-bit optimizer and 4-bit layers through
   # the fake kernels it registers; its wheel works without a GPU.
   python -c "import bitsandbytes" 2>/dev/null || python -m pip install -q bitsandbytes

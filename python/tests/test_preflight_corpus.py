@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _blocks(tensors: list[torch.Tensor]) -> int:
+def _blocks(tensors: Sequence[torch.Tensor]) -> int:
     """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
     return sum(-(-t.nbytes // 512) * 512 for t in tensors)
 
@@ -144,3 +145,101 @@ def test_trl_dpo(assets: Path) -> None:
     # The policy and its frozen reference copy, and the policy's moments.
     assert run["by_role"]["parameters"] == 2 * _weights(assets), run["by_role"]
     assert run["by_role"]["optimizer_state"] == _trained(assets), run["by_role"]
+
+
+LIGHTNING_DEMO = """
+import lightning as L
+from torch.utils.data import DataLoader
+from lightning.pytorch.demos import WikiText2
+from lightning.pytorch.demos.transformer import LightningTransformer
+
+dataset = WikiText2()  # ./data/wikitext-2.txt is there: nothing is downloaded
+model = LightningTransformer(vocab_size=dataset.vocab_size)
+trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(model, DataLoader(dataset, batch_size=16))
+"""
+
+
+def test_lightnings_transformer_demo_through_its_trainer(tmp_path: Path) -> None:
+    # Lightning's shipped demo (its LightningModule, model and data set) trained by its Trainer,
+    # whose automatic optimization runs forward and backward in a closure the optimizer's step calls.
+    pytest.importorskip("lightning", reason="lightning is not installed for this Python")
+    from lightning.pytorch.demos.transformer import LightningTransformer, PositionalEncoding
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "wikitext-2.txt").write_text("".join(f"w{i % 97} w{i % 89} w{i % 83} w{i % 7}\n" for i in range(600)))
+    (tmp_path / "train.py").write_text(LIGHTNING_DEMO)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--capacity", "24GiB", "--", sys.executable, "train.py"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2 and run["forwards"] == 2 and run["mode"] == "training", run
+    vocab = len({w for line in (tmp_path / "data" / "wikitext-2.txt").read_text().splitlines() for w in line.split()}) + 1  # and <eos>
+    with torch.device("meta"):
+        weights = list(LightningTransformer(vocab_size=vocab).parameters())
+        table = PositionalEncoding(200)._init_pos_encoding(device=torch.device("meta"))  # built by the first forward and kept
+    # So is the model's causal mask over the data set's 35-token blocks (``src_mask``).
+    mask = torch.empty(35, 35)
+    assert run["by_role"]["parameters"] == _blocks(weights) + _blocks([table, mask]), run["by_role"]
+    assert run["by_role"]["gradients"] == _blocks(weights), run["by_role"]
+    # Plain SGD keeps no state.
+    assert run["by_role"]["optimizer_state"] == 0, run["by_role"]
+    # The closure's forward is the step's forward: what it saves for backward is activations.
+    assert run["by_role"]["activations"] > 10 * run["by_role"]["temporaries"], run["by_role"]
+
+
+#: A classifier trained as accelerate's example scripts train (in this project's words): the
+#: Accelerator's bf16 mixed precision and gradient accumulation, ``prepare``, ``accumulate``,
+#: ``backward``, and an evaluation gathered for its metric.
+ACCELERATE_SCRIPT = """
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+accelerator = Accelerator(gradient_accumulation_steps=2)  # bf16 comes from `accelerate launch`
+model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+train = DataLoader(TensorDataset(torch.randn(256, 512), torch.randint(0, 10, (256,))), batch_size=32, shuffle=True)
+evaluate = DataLoader(TensorDataset(torch.randn(64, 512), torch.randint(0, 10, (64,))), batch_size=32)
+model, opt, train, evaluate = accelerator.prepare(model, opt, train, evaluate)
+for epoch in range(2):
+    model.train()
+    for x, y in train:
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    model.eval()
+    correct = 0
+    for x, y in evaluate:
+        with torch.no_grad():
+            guesses, labels = accelerator.gather_for_metrics((model(x).argmax(-1), y))
+        correct += (guesses == labels).sum().item()
+    accelerator.print(f"epoch {epoch}: accuracy {correct / 64:.3f}")
+"""
+
+
+def test_an_accelerate_script_through_accelerate_launch(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate", reason="accelerate is not installed for this Python")
+    (tmp_path / "train.py").write_text(ACCELERATE_SCRIPT)
+    # `accelerate launch`, as its console script runs it (the module is the command's entry point).
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--fixes", "--capacity", "24GiB", "--",
+         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "bf16", "train.py"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ, ACCELERATE_USE_CPU="false"),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    doc = json.loads(p.stdout)
+    run = doc["run"]
+    # Two backward passes per optimizer step: the Accelerator's accumulation, measured.
+    assert run["steps"] == 2 and run["grad_accum"] == 2 and run["mode"] == "training", run
+    weights = list(torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 10)).parameters())
+    assert run["by_role"]["parameters"] == _blocks(weights), run["by_role"]
+    # AdamW on CUDA takes its foreach kernels: two moments per weight, the step counters on the host.
+    assert run["by_role"]["optimizer_state"] == 2 * _blocks(weights), run["by_role"]
+    rows = {row["change"]: row for row in doc["fixes"]}
+    # `--mixed_precision bf16` is autocast around the forward: a row saying so, not a change.
+    autocast = rows["bf16 autocast around the model's forward"]
+    assert autocast["already"] == "the script already runs its model's forward under bfloat16 autocast", autocast

@@ -151,23 +151,40 @@ class InScript:
         #: Why each change would change nothing, by the change's name (``INSIDE``).
         self.found: dict[str, str] = {}
         self._looked = False
+        # Whether the first top-level forward is running: autocast entered inside it (by the
+        # model's own forward, or Accelerate's wrapper of it) is seen at its first inner module.
+        self._in_first = False
         self._optimizers: list[str] = []
 
     def first_forward(self, module: torch.nn.Module, autocast: Autocast) -> None:
         """At the model's first top-level forward: its precision, and whether it is sharded."""
         if self._looked:
             return
-        self._looked = True
-        dtype = autocast.dtype()
-        if dtype is not None:
-            self.found["autocast"] = f"the script already runs its model's forward under {str(dtype).removeprefix('torch.')} autocast"
-        else:
+        self._looked = self._in_first = True
+        if not self._under_autocast(autocast):
             trained = {p.dtype for p in module.parameters() if p.requires_grad and p.is_floating_point()}
             if trained and trained <= _HALF:
                 names = " and ".join(sorted(str(d).removeprefix("torch.") for d in trained))
                 self.found["autocast"] = f"the model's trained weights are already {names}: its matmuls run in it"
         if spread_in(module) == "FSDP":
             self.found["fsdp"] = _SHARDED_ALREADY
+
+    def inner_forward(self, autocast: Autocast) -> None:
+        """A module's forward inside a top-level one: inside the first, autocast the model's
+        forward entered itself (``accelerate launch --mixed_precision bf16`` wraps it so)."""
+        if self._in_first and "autocast" not in self.found:
+            self._under_autocast(autocast)
+
+    def top_forward_ends(self) -> None:
+        """A top-level forward ended."""
+        self._in_first = False
+
+    def _under_autocast(self, autocast: Autocast) -> bool:
+        """Whether autocast is in force now, noted as found if so."""
+        dtype = autocast.dtype()
+        if dtype is not None:
+            self.found["autocast"] = f"the script already runs its model's forward under {str(dtype).removeprefix('torch.')} autocast"
+        return dtype is not None
 
     def optimizer_steps(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer's step: which optimizers the script trains with (a wrapper's, as

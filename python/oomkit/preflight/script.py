@@ -124,6 +124,9 @@ class _Session:
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).
         self.backwards_done = 0
         self.has_optimizer = False
+        #: Whether an optimizer's step is running: the forward and backward of a closure it calls
+        #: (Lightning's automatic optimization, LBFGS) are the step's forward and backward.
+        self.in_step = False
         self.finished = False
         self._seen_modules: set[int] = set()
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
@@ -240,8 +243,9 @@ class _Session:
 
     def _after_backward(self) -> None:
         self.backwards_done += 1
-        if not self.has_optimizer:
-            # What follows a backward pass without an optimizer is the script's own update.
+        if not self.has_optimizer or self.in_step:
+            # What follows a backward pass without an optimizer is the script's own update, and
+            # what follows a closure's backward inside an optimizer's step is that step's update.
             self.rec.phase = "optimizer"
 
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
@@ -257,16 +261,18 @@ class _Session:
             self._alloc_conf_fixed = True
         # The first forward begins the step: what the script built and still holds is on the GPU now.
         self.rec.begin()
-        # A forward inside the optimizer's step (a closure, as LBFGS calls) stays in its phase;
-        # a loop without one labels its own update "optimizer" until the next forward.
-        if self.rec.phase != "optimizer" or not self.has_optimizer:
-            self.rec.phase = "forward"
+        # A forward is the forward phase, in a loop without an optimizer (which labels its own
+        # update "optimizer" until then) and inside an optimizer's step too: the closure it
+        # calls (Lightning's automatic optimization, LBFGS) runs the step's forward and backward.
+        self.rec.phase = "forward"
         if self.has_optimizer and not torch.is_grad_enabled() and self.rec.phase == "forward":
             # A forward without gradients in a script that trains: its evaluation, a phase of its own.
             self.rec.phase = "eval"
         if self.rec.module_depth == 1:
             self.in_script.first_forward(module, self.autocast)
             self.fixer.top_forward_begins(module)
+        else:
+            self.in_script.inner_forward(self.autocast)
         if id(module) not in self._seen_modules:
             self._seen_modules.add(id(module))
             # A compiled module runs its submodules inside its graph, their own forwards unseen.
@@ -278,8 +284,10 @@ class _Session:
     def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if not self.rec.forward_open:
             self.fixer.top_forward_ends()
+            self.in_script.top_forward_ends()
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.in_step = True
         self.in_script.optimizer_steps(opt)
         self.rec.begin()
         self.rec.phase = "optimizer"
@@ -288,6 +296,7 @@ class _Session:
         self.known.add_grad_tensors(self.rec, [p.grad for p in params if p.grad is not None])
 
     def _after_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        self.in_step = False
         self.known.add_state_of(self.rec, opt)
         self.steps_done += 1
         self.rec.phase = "inputs"
