@@ -258,3 +258,24 @@ def test_an_evaluation_inside_training_has_its_own_peak(tmp_path: Path) -> None:
     assert large["phase_peaks"]["eval"] - small["phase_peaks"]["eval"] >= 100 << 20
     training = ("forward", "backward", "optimizer")
     assert [large["phase_peaks"][p] for p in training] == [small["phase_peaks"][p] for p in training]
+
+
+@needs_transformers
+def test_the_generation_example_holds_its_weights_as_parameters_and_the_prompts_cache(tmp_path: Path) -> None:
+    # docs/preflight.md's generation: a bf16 Llama whose peak is at the prompt's forward. Its
+    # weights, made before any forward and read by every one, are parameters, not a cache.
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "preflight" / "generate.py"
+    run = preflight_run(example, "--capacity", "24GiB", args=("--max-new-tokens", "8"), cwd=tmp_path)
+    assert run["mode"] == "inference" and run["forwards"] == 8, run
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=4000, max_position_embeddings=4096)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    # bf16 weights, and the rotary table, a float32 buffer the cast leaves as it is.
+    held = [*(p.to(torch.bfloat16) for p in model.parameters()), *model.buffers()]
+    assert run["by_role"]["parameters"] == sum(-(-t.nbytes // 512) * 512 for t in held), run["by_role"]
+    # At the prompt's forward: layers x (keys, values) x batch x key-value heads x 128 tokens x head size, bf16.
+    assert run["by_role"]["kv_cache"] == 4 * 2 * 4 * 4 * 128 * 64 * 2, run["by_role"]
