@@ -209,7 +209,6 @@ def _factory_like(python_kernel: str) -> Any:
     the shadows' business); PyTorch's own kernel where the allocation is not plain."""
 
     def kernel(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kwargs = {k: v for k, v in kwargs.items() if k != "fill_value"}
         made = _like(input, *args, **kwargs)
         return made if made is not None else _python_kernel(python_kernel)(input, *args, **kwargs)
 
