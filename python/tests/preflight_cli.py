@@ -6,11 +6,20 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 #: The installed console script, beside this Python.
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
+
+#: The caching allocator's rounding of a request (``kMinBlockSize``).
+BLOCK = 512
+
+
+def allocator_bytes(tensors: Iterable[Any]) -> int:
+    """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
+    return sum(-(-t.nbytes // BLOCK) * BLOCK for t in tensors)
 
 
 def preflight_run(script: Path, *flags: str, args: tuple[str, ...] = (), cwd: Path | None = None) -> dict[str, Any]:

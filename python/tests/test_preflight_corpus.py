@@ -16,13 +16,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from preflight_cli import OOMKIT
+from preflight_cli import OOMKIT, allocator_bytes
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed for this Python")
 
@@ -73,11 +72,6 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _blocks(tensors: Sequence[torch.Tensor]) -> int:
-    """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
-    return sum(-(-t.nbytes // 512) * 512 for t in tensors)
-
-
 def _model(assets: Path) -> Any:
     """The saved model built again from its config, on ``meta`` (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,13 +83,13 @@ def _model(assets: Path) -> Any:
 def _weights(assets: Path) -> int:
     """The model's weights and buffers (the rotary table's) in float32, as the allocator holds them."""
     model = _model(assets)
-    return _blocks([*model.parameters(), *model.buffers()])
+    return allocator_bytes([*model.parameters(), *model.buffers()])
 
 
 def _adamw_state(tensors: list[torch.Tensor]) -> int:
     """The Trainer's fused AdamW's state for these weights: two moments each, and a step
     counter each, which the fused kernel keeps on the GPU (a 512-byte block)."""
-    return 2 * _blocks(tensors) + 512 * len(tensors)
+    return 2 * allocator_bytes(tensors) + 512 * len(tensors)
 
 
 def _trained(assets: Path) -> int:
@@ -133,7 +127,7 @@ def test_trl_sft_with_lora(assets: Path) -> None:
     # Adapters A (r x in) and B (out x r) on each query and value projection, float32.
     head_dim = WIDTH // HEADS
     adapters = [torch.empty(8, WIDTH), torch.empty(WIDTH, 8), torch.empty(8, WIDTH), torch.empty(KV_HEADS * head_dim, 8)] * LAYERS
-    assert run["by_role"]["parameters"] == _weights(assets) + _blocks(adapters), run["by_role"]
+    assert run["by_role"]["parameters"] == _weights(assets) + allocator_bytes(adapters), run["by_role"]
     # Only the adapters train: the optimizer's state is theirs.
     assert run["by_role"]["optimizer_state"] == _adamw_state(adapters), run["by_role"]
 
@@ -182,8 +176,8 @@ def test_lightnings_transformer_demo_through_its_trainer(tmp_path: Path) -> None
         table = PositionalEncoding(200)._init_pos_encoding(device=torch.device("meta"))  # built by the first forward and kept
     # So is the model's causal mask over the data set's 35-token blocks (``src_mask``).
     mask = torch.empty(35, 35)
-    assert run["by_role"]["parameters"] == _blocks(weights) + _blocks([table, mask]), run["by_role"]
-    assert run["by_role"]["gradients"] == _blocks(weights), run["by_role"]
+    assert run["by_role"]["parameters"] == allocator_bytes(weights) + allocator_bytes([table, mask]), run["by_role"]
+    assert run["by_role"]["gradients"] == allocator_bytes(weights), run["by_role"]
     # Plain SGD keeps no state.
     assert run["by_role"]["optimizer_state"] == 0, run["by_role"]
     # The closure's forward is the step's forward: what it saves for backward is activations.
@@ -236,9 +230,9 @@ def test_an_accelerate_script_through_accelerate_launch(tmp_path: Path) -> None:
     # Two backward passes per optimizer step: the Accelerator's accumulation, measured.
     assert run["steps"] == 2 and run["grad_accum"] == 2 and run["mode"] == "training", run
     weights = list(torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 10)).parameters())
-    assert run["by_role"]["parameters"] == _blocks(weights), run["by_role"]
+    assert run["by_role"]["parameters"] == allocator_bytes(weights), run["by_role"]
     # AdamW on CUDA takes its foreach kernels: two moments per weight, the step counters on the host.
-    assert run["by_role"]["optimizer_state"] == 2 * _blocks(weights), run["by_role"]
+    assert run["by_role"]["optimizer_state"] == 2 * allocator_bytes(weights), run["by_role"]
     rows = {row["change"]: row for row in doc["fixes"]}
     # `--mixed_precision bf16` is autocast around the forward: a row saying so, not a change.
     autocast = rows["bf16 autocast around the model's forward"]

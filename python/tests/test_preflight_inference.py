@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from preflight_cli import preflight_run
+from preflight_cli import allocator_bytes, preflight_run
 
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed (Python 3.10+ only)"
@@ -276,6 +276,6 @@ def test_the_generation_example_holds_its_weights_as_parameters_and_the_prompts_
         model = LlamaForCausalLM(config)
     # bf16 weights, and the rotary table, a float32 buffer the cast leaves as it is.
     held = [*(p.to(torch.bfloat16) for p in model.parameters()), *model.buffers()]
-    assert run["by_role"]["parameters"] == sum(-(-t.nbytes // 512) * 512 for t in held), run["by_role"]
+    assert run["by_role"]["parameters"] == allocator_bytes(held), run["by_role"]
     # At the prompt's forward: layers x (keys, values) x batch x key-value heads x 128 tokens x head size, bf16.
     assert run["by_role"]["kv_cache"] == 4 * 2 * 4 * 4 * 128 * 64 * 2, run["by_role"]

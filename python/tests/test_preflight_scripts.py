@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from preflight_cli import OOMKIT, preflight_run
+from preflight_cli import OOMKIT, allocator_bytes, preflight_run
 
 MIB = 1 << 20
 #: nn.Linear(1024, 1024)'s weight and bias in float32, as the allocator rounds them (to 512 bytes).
@@ -225,11 +225,6 @@ def test_a_change_that_cannot_be_made_says_what_to_install(tmp_path: Path) -> No
     assert said and "install bitsandbytes where preflight runs" in said[0] and "exited with" not in said[0], notes
 
 
-def _allocator_bytes(tensors: list[torch.Tensor]) -> int:
-    """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""
-    return sum(-(-t.nbytes // 512) * 512 for t in tensors)
-
-
 RECURRENT_TRAINING = """
     import torch
     from torch import nn
@@ -286,7 +281,7 @@ def test_training_roles_of_recurrent_state_kept_tables_and_state_made_in_init(tm
     # A training step holds no cache: the recurrent state carried between batches is the step's own.
     assert run["by_role"]["kv_cache"] == 0, run["by_role"]
     emb, rnn, head = torch.nn.Embedding(1000, 256), torch.nn.LSTM(256, 512), torch.nn.Linear(512, 1000)
-    weights = _allocator_bytes([*emb.parameters(), *rnn.parameters(), *head.parameters()])
+    weights = allocator_bytes([*emb.parameters(), *rnn.parameters(), *head.parameters()])
     # The moments made in __init__ are the optimizer's state: two per weight (a block may hold
     # a remainder too small to split off, which the allocator hands out with it).
     assert 2 * weights <= run["by_role"]["optimizer_state"] <= 1.02 * 2 * weights, (weights, run["by_role"])
@@ -348,7 +343,7 @@ def test_a_generation_cache_is_what_each_forward_writes_and_a_kept_table_is_not(
     # Layers x (keys, values) x batch x length x width, fp32: exactly the buffers each forward writes.
     assert run["by_role"]["kv_cache"] == 2 * 2 * 4 * 512 * 256 * 4, run["by_role"]
     emb, qkv = torch.nn.Embedding(1000, 256), torch.nn.Linear(256, 768)
-    weights = _allocator_bytes([*emb.parameters(), *qkv.parameters(), *qkv.parameters()])
+    weights = allocator_bytes([*emb.parameters(), *qkv.parameters(), *qkv.parameters()])
     assert run["by_role"]["parameters"] == weights + 512 * 256 * 4, (weights, run["by_role"])
 
 
@@ -384,9 +379,9 @@ def test_sampling_without_a_cache_holds_none_under_one_autocast_region(tmp_path:
     assert run["by_role"]["kv_cache"] == 0, run["by_role"]
     up, down, head = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256), torch.nn.Linear(256, 1000)
     linears = [*up.parameters(), *down.parameters(), *up.parameters(), *down.parameters(), *head.parameters()]
-    weights = _allocator_bytes([*torch.nn.Embedding(1000, 256).parameters(), *linears])
+    weights = allocator_bytes([*torch.nn.Embedding(1000, 256).parameters(), *linears])
     # The 16-bit casts are copies of the linear layers' weights, kept for the region: weights too.
-    casts = _allocator_bytes([p.to(torch.bfloat16) for p in linears])
+    casts = allocator_bytes([p.to(torch.bfloat16) for p in linears])
     assert run["by_role"]["parameters"] == weights + casts, (weights, casts, run["by_role"])
 
 

@@ -43,17 +43,15 @@ _META = "meta"
 #: which zero, a common token id, would not be.
 _NO_MATCH = {"eq": False, "isin": False, "ne": True}
 
-#: Factories whose values are undefined: their shadow is zeros, which no
-#: correct script reads before writing.
-_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
-
-
 #: Operators that return their input's values under another tensor, of the same shape.
 _SAME_VALUES = frozenset({"detach", "alias", "lift_fresh"})
 
-#: Factories of new memory whose values are zeros, or undefined and read as zeros: their
-#: shadow needs no operation run on the CPU (most are never read).
-_FRESH_ZEROS = _UNINITIALIZED | {"zeros", "zeros_like", "new_zeros"}
+#: Factories of new memory whose values are zeros, or undefined (``empty``: zeros, which no
+#: correct script reads before writing): their shadow is zeros, made when first read, with
+#: no operation run on the CPU (most are never read).
+_FRESH_ZEROS = frozenset(
+    {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "zeros", "zeros_like", "new_zeros"}
+)
 
 
 class Shadow:
@@ -218,13 +216,9 @@ class Values:
         cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
         if missing:
             return None
-        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
         try:
-            if name in _UNINITIALIZED:
-                values = func(*cpu_args, **cpu_kwargs)
-                values = tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, values)
-            else:
-                values = func(*cpu_args, **cpu_kwargs)
+            # (Factories of new memory never come here: ``after`` gives them lazy zeros.)
+            values = func(*cpu_args, **cpu_kwargs)
         except Exception:  # noqa: BLE001 - any failure here only means the values stay unknown
             # An operation the CPU lacks (a float8 kernel), or one that refuses
             # the zeros standing in for data: its result is simply not known.

@@ -58,7 +58,6 @@ class NativeMetaKernels:
         library.m = self.kept
         for name, fn in kernels:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, META):
-                _PYTHON_KERNELS[name] = fn
                 self.kept.impl(name, META, SIZES_ONLY.get(name, fn), False)
         return self
 
@@ -161,16 +160,6 @@ def _relu(input: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.clamp_min.default(input, 0)
 
 
-def _with_scalar(tensor_overload: Any) -> Any:
-    """An operator's ``.Scalar`` overload as ATen runs it: its ``.Tensor`` overload, the scalar
-    a wrapped number (which takes part in type promotion as a Python number does)."""
-
-    def kernel(input: torch.Tensor, other: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return tensor_overload(input, other, *args, **kwargs)
-
-    return kernel
-
-
 def _isnan(input: torch.Tensor) -> torch.Tensor:
     """``isnan``, which ATen computes as ``input != input``."""
     return torch.ops.aten.ne.Tensor(input, input)
@@ -228,14 +217,12 @@ def _mean(input: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Ten
     return torch.ops.aten.sum.default(input, dtype=dtype)
 
 
-#: PyTorch's Python meta kernels, by operator, for those a sizes-only kernel hands back to
-#: where the case is not a plain one (filled in as the kernels are swapped).
-_PYTHON_KERNELS: dict[str, Any] = {}
-
-
 def _python_kernel(name: str) -> Any:
-    """PyTorch's own Python meta kernel of ``name``."""
-    return _PYTHON_KERNELS[name]
+    """PyTorch's own Python meta kernel of ``name`` (``"aten::fill.Scalar"``), which PyTorch
+    keeps on the operator as well as in the library swapped out: where a sizes-only kernel
+    hands a case that is not plain back to it."""
+    packet, _, overload = name.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default").py_kernels[torch._C.DispatchKey.Meta]
 
 
 #: Operators without a C++ meta kernel whose Python one is a whole decomposition (batch
@@ -249,11 +236,13 @@ SIZES_ONLY: dict[str, Any] = {
     "aten::native_layer_norm": _layer_norm,
     "aten::native_layer_norm_backward": _layer_norm_backward,
     "aten::relu": _relu,
-    "aten::add.Scalar": _with_scalar(torch.ops.aten.add.Tensor),
-    "aten::sub.Scalar": _with_scalar(torch.ops.aten.sub.Tensor),
-    "aten::mul.Scalar": _with_scalar(torch.ops.aten.mul.Tensor),
-    "aten::div.Scalar": _with_scalar(torch.ops.aten.div.Tensor),
-    "aten::div.Scalar_mode": _with_scalar(torch.ops.aten.div.Tensor_mode),
+    # A ``.Scalar`` overload as ATen runs it: the ``.Tensor`` overload, given the scalar, which
+    # the dispatcher wraps as a number (promoting types as a Python number does).
+    "aten::add.Scalar": torch.ops.aten.add.Tensor,
+    "aten::sub.Scalar": torch.ops.aten.sub.Tensor,
+    "aten::mul.Scalar": torch.ops.aten.mul.Tensor,
+    "aten::div.Scalar": torch.ops.aten.div.Tensor,
+    "aten::div.Scalar_mode": torch.ops.aten.div.Tensor_mode,
     "aten::isnan": _isnan,
     "aten::masked_fill.Scalar": _masked_fill,
     "aten::masked_fill.Tensor": _masked_fill,
