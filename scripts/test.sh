@@ -65,6 +65,10 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # (psutil, huggingface-hub) would change what the other tests run with,
   # and what the model code imports is installed above: no dependencies.
   python -c "import litgpt" 2>/dev/null || python -m pip install -q --no-deps "litgpt==0.5.13"
+  # The corpus runs LitGPT's own commands (`python -m litgpt finetune_full`), whose
+  # command line is jsonargparse's, reading the functions' signatures and docstrings.
+  python -c "import jsonargparse, docstring_parser, typeshed_client" 2>/dev/null \
+    || python -m pip install -q "jsonargparse==4.53.0" "docstring_parser==0.18.0" "typeshed_client==2.15.0"
   # The corpus of entry points that packages ship (python/tests/corpus.md): TRL's
   # trainers, through its own command, with the PEFT and datasets it runs on.
   python -c "import trl, peft, datasets" 2>/dev/null || python -m pip install -q "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0"

@@ -70,6 +70,13 @@ def _owners() -> list[Any]:
     ]
     accelerator = getattr(torch, "accelerator", None)
     owners += [x for x in (accelerator, getattr(accelerator, "memory", None)) if x is not None]
+    owners.append(torch.autograd.graph.saved_tensors_hooks)
+    try:
+        from triton.runtime import autotuner, jit
+    except Exception:  # noqa: BLE001 - without Triton there are no launches to stand in for
+        pass
+    else:
+        owners += [jit.JITFunction, autotuner.Autotuner, autotuner.Heuristics]
     return owners
 
 

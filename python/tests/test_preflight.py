@@ -659,13 +659,14 @@ def test_an_operator_without_a_fake_kernel_is_named_with_its_module() -> None:
 
 def test_a_script_failing_inside_a_module_is_named_with_it(tmp_path) -> None:
     # An extension that refuses tensors without data, as a Triton kernel's launcher
-    # does ("Pointer argument cannot be accessed from Triton (cpu tensor?)").
+    # does ("Pointer argument cannot be accessed from Triton (cpu tensor?)"): the
+    # tensor says it is on cuda, but its memory has no address.
     script = tmp_path / "ext.py"
     script.write_text(
         "import torch\nfrom torch import nn\n"
         "class FusedNorm(nn.Module):\n"
         "    def forward(self, x):\n"
-        "        if x.device.type != 'cuda':\n"
+        "        if x.data_ptr() == 0:\n"
         "            raise ValueError('Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)')\n"
         "        return x\n"
         "m = nn.Sequential(nn.Linear(8, 8), FusedNorm()).cuda()\n"

@@ -64,12 +64,13 @@ GPT = """
 
 
     def saved_bytes(fn, *args):
-        # Every storage autograd saves for backward, once (a meta storage has no address: its identity).
+        # Every storage autograd saves for backward, once (one without an address, on meta or
+        # on preflight's fake GPU: by its identity).
         seen = {}
 
         def pack(t):
             st = t.untyped_storage()
-            seen[id(st) if t.device.type == "meta" else st.data_ptr()] = st.nbytes()
+            seen[st.data_ptr() or id(st)] = st.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -228,7 +228,8 @@ def test_the_time_limit_bounds_the_whole_command(tmp_path: Path) -> None:
     took = time.monotonic() - began
     # The script as written answered; the changes ran in what was left of the limit, and were stopped.
     assert doc["run"]["steps"] == 2, doc["run"]
-    assert took < limit + 10, took
+    # Beyond the limit: starting the command and its Python, and telling the answer (slower on a loaded machine).
+    assert took < limit + 20, took
     stopped = [n for n in doc["fix_notes"] if "stopped the script after" in n or "time limit" in n]
     assert len(stopped) >= 3, doc["fix_notes"]
     # The allocator's settings need no run: the first run's step is replayed.

@@ -482,3 +482,99 @@ def test_a_python_without_oomkit_is_one_line(tmp_path: Path) -> None:
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import oomkit's preflight" in lines[0] and "install oomkit where the script runs" in lines[0], p.stderr
+
+
+SCORED_AT_LABELS = """
+import torch
+from torch import nn
+
+width, vocab = 256, 4000
+body, head = nn.Linear(width, width).cuda(), nn.Linear(width, vocab).cuda()
+opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+labels = torch.full((4, 128), -100)
+for row, length in enumerate((100, 90, 80, 70)):
+    labels[row, :length] = 7  # each row's completion, the rest padding
+for _ in range(2):
+    hidden = body(torch.randn(4, 128, width, device="cuda"))
+    target = labels.to(hidden.device)
+    mask = target != -100
+    # On a CUDA device only the label positions are scored (TRL's compact path).
+    before = torch.cuda.memory_allocated()
+    selected = hidden[mask] if hidden.is_cuda else hidden.flatten(0, 1)
+    print("SELECTED", tuple(selected.shape), torch.cuda.memory_allocated() - before)
+    scores = head(selected)
+    nn.functional.cross_entropy(scores, target[mask] if hidden.is_cuda else target.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+    del selected, scores
+"""
+
+
+def test_only_the_label_positions_are_scored_when_the_mask_is_known(tmp_path: Path) -> None:
+    # x[mask] has as many rows as the mask has positions: the mask comes from the batch
+    # (known values), the hidden states are data the step does not have.
+    script = _script(tmp_path, SCORED_AT_LABELS)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["run"]["steps"] == 2
+    positions = 100 + 90 + 80 + 70
+    # The selection has a row per label position, and takes that much memory, as on a GPU.
+    said = [line for line in p.stderr.splitlines() if line.startswith("SELECTED")]
+    assert said == [f"SELECTED ({positions}, 256) {allocator_bytes([torch.empty(positions, 256)])}"] * 2, p.stderr[-3000:]
+
+
+TRITON_KERNEL = """
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def scale(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 2, mask=offsets < n)
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 256}), triton.Config({"BLOCK": 1024})], key=["n"])
+@triton.jit
+def shift(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        before = torch.cuda.memory_allocated()
+        out = torch.empty_like(x)
+        scale[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        shifted = torch.empty_like(out)
+        shift[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](out, shifted, x.numel())
+        print("GREW", torch.cuda.memory_allocated() - before, shifted.is_cuda)
+        return shifted
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    Scale.apply(model(torch.randn(64, 1024, device="cuda"))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_scripts_own_triton_kernels_launch_as_nothing_into_what_the_step_allocated(tmp_path: Path) -> None:
+    pytest.importorskip("triton", reason="Triton is not installed for this Python")
+    script = _script(tmp_path, TRITON_KERNEL)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2, run
+    assert any(n.startswith("the script's Triton kernels (first scale)") for n in run["notes"]), run["notes"]
+    # The launches allocate nothing: the memory is the two buffers they write, 64 x 1024 floats each.
+    grew = [line for line in p.stderr.splitlines() if line.startswith("GREW")]
+    assert grew == [f"GREW {2 * 64 * 1024 * 4} True"] * 2, p.stderr[-3000:]

@@ -23,7 +23,8 @@ import torch
 from oomkit._native import PreflightError
 from oomkit.preflight.frameworks.bitsandbytes import adamw8bit
 from oomkit.preflight.notes import Notes
-from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
+from oomkit.preflight.record.placement import on_meta
+from oomkit.preflight.record.recorder import Recorder
 from oomkit.preflight.record.recording import Recording
 from oomkit.preflight.record.roles import Known
 from oomkit.preflight.settings import Settings
@@ -68,7 +69,7 @@ def _run(s: Settings, rec: Recorder, known: Known, notes: Notes) -> None:
     """The steps, in the fake GPU: the model built and spread, the optimizer made, then
     each step's micro-batches (forward and loss, backward) and the optimizer's step."""
     state = Autocast()
-    functions = CudaFunctions(state, read_back=rec.read_back, host=rec.host)
+    functions = CudaFunctions(state, read_back=rec.read_back, host=rec.host, placement=rec.placement)
     memory = MemoryQueries(rec, lambda: s.alloc_conf, s.capacity_bytes, notes)
     world = FakeGpu(
         settings=s,
@@ -124,12 +125,13 @@ def _build_model(s: Settings) -> torch.nn.Module:
     if isinstance(s.model, torch.nn.Module):
         built = _meta_copy(s.model)
     else:
-        with torch.device(FAKE_DEVICE):
+        # Built on the GPU, which the fake GPU makes meta: never allocated, and told it is on cuda:0.
+        with torch.device("cuda"):
             built = s.model()
         if not isinstance(built, torch.nn.Module):
             raise PreflightError(f"model() returned {type(built).__name__}, not a torch.nn.Module")
-        if any(p.device.type != FAKE_DEVICE for p in built.parameters()):
-            built = built.to(FAKE_DEVICE)
+        if not all(on_meta(p) for p in built.parameters()):
+            built = built.to("cuda")
     if s.dtype is not None:
         built = built.to(s.dtype)
     return built
@@ -155,7 +157,7 @@ def _make_batch(s: Settings) -> Any:
     data = s.batch(s.micro_batch) if callable(s.batch) else s.batch
     # A batch on the CPU is what the loop would copy to the GPU first.
     return torch.utils._pytree.tree_map(
-        lambda t: t.to(FAKE_DEVICE) if isinstance(t, torch.Tensor) and t.device.type != FAKE_DEVICE else t, data
+        lambda t: t.to("cuda") if isinstance(t, torch.Tensor) and not on_meta(t) else t, data
     )
 
 
@@ -180,12 +182,12 @@ def _default_loss(model: torch.nn.Module, data: Any) -> torch.Tensor:
 
 
 def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` whose parameters and buffers are on ``meta``, never copying their data."""
+    """A copy of ``module`` whose parameters and buffers are on the fake GPU, never copying their data."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=FAKE_DEVICE), requires_grad=p.requires_grad)
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cuda"), requires_grad=p.requires_grad)
     for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device=FAKE_DEVICE)
+        memo[id(b)] = torch.empty_like(b, device="cuda")
     return copy.deepcopy(module, memo)
 
 

@@ -118,7 +118,9 @@ class _Session:
         self.memory = MemoryQueries(self.rec, self.allocator_settings, s.capacity_bytes, self.notes)
         self.known = Known()
         self.autocast = Autocast()
-        self.functions = CudaFunctions(self.autocast, on_upload=self._upload, read_back=self.rec.read_back, host=self.rec.host)
+        self.functions = CudaFunctions(
+            self.autocast, on_upload=self._upload, read_back=self.rec.read_back, host=self.rec.host, placement=self.rec.placement
+        )
         self.steps_done = 0
         #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).

@@ -56,7 +56,7 @@ def lora_linear(base: Any, rank: int, dtype: Any) -> Any:
 
 
 def quantize_4bit(model: Any, dtype: Any) -> int:
-    """Replaces every linear layer but the output head by bitsandbytes' NF4 layer, quantized on meta.
+    """Replaces every linear layer but the output head by bitsandbytes' NF4 layer, quantized on the fake GPU.
 
     bitsandbytes (0.46 and later) gives its 4-bit operations fake
     implementations, so the packed weights (half a byte per parameter plus
@@ -83,12 +83,13 @@ def quantize_4bit(model: Any, dtype: Any) -> int:
                 # transformers' BitsAndBytesConfig defaults: NF4, no double quantization.
                 compress_statistics=False,
                 quant_type="nf4",
-                device="meta",
+                # The fake GPU's device (meta underneath): the layer is on the GPU, not the script's meta.
+                device="cuda",
             )
             quantize = getattr(layer.weight, "_quantize", None)
             if quantize is None:
                 raise ValueError(f"bitsandbytes {bnb.__version__} cannot quantize on meta tensors")
-            layer.weight = quantize("meta")
+            layer.weight = quantize("cuda")
             if child.bias is not None:
                 layer.bias = torch.nn.Parameter(torch.empty_like(child.bias, dtype=dtype), requires_grad=False)
             setattr(parent, name, layer)

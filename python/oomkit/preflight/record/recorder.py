@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.host import HostMemory, host_zeros
+from oomkit.preflight.record.placement import Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
@@ -67,6 +68,9 @@ _CUBLAS_OPS = frozenset(
     }
 )
 
+
+#: ``Tensor.set_`` of a storage: the storage may have been made outside any operation.
+_SET_STORAGE = frozenset({torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset})
 
 #: What PyTorch says when an operator has no implementation for tensors without data.
 _NO_FAKE_KERNEL = ("no fake impl", "'Meta' backend", "meta kernel")
@@ -154,6 +158,8 @@ class Recorder(TorchDispatchMode):
         self.values = Values()
         #: The host memory the script holds for the GPU (pinned, and copies from it).
         self.host = HostMemory()
+        #: Which tensors without data are the fake GPU's and which the script's own meta tensors.
+        self.placement = Placement()
         #: Operations run so far, and when the run must stop (None: never).
         self.ops = 0
         self.time_limit = time_limit
@@ -265,7 +271,7 @@ class Recorder(TorchDispatchMode):
                 return
             self._drop_ended(call)
             if not self._modules:
-                self.on_host = not _touches_gpu(module, _args)
+                self.on_host = not _touches_gpu(module, _args, self.placement.on_gpu)
                 if not self.on_host:
                     self._forward_begins(module)
             self._modules.append(type(module).__name__)
@@ -377,12 +383,18 @@ class Recorder(TorchDispatchMode):
             if known is not None and known.values.shape == args[0].shape:
                 args[0].copy_(known.values)
             return args[0]
+        if func in _SET_STORAGE and self.placement.deciding and isinstance(args[1], torch.UntypedStorage):
+            self.placement.set_storage(args[0], args[1])
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as e:
             # An operation whose result's shape depends on values (nonzero,
             # masked_select) runs on the CPU where its inputs' values are known.
             computed = self.values.run_on_cpu(func, args, kwargs) if isinstance(e, NotImplementedError) else None
+            by_position = self.values.masks_as_indices(func, args) if computed is None and isinstance(e, NotImplementedError) else None
+            if by_position is not None:
+                # Indexed by a mask whose values are known (labels' positions): by the positions it selects.
+                computed = func(*by_position, **kwargs)
             if computed is not None:
                 for t in tree_leaves(computed):
                     if _is_fake(t):
@@ -409,6 +421,9 @@ class Recorder(TorchDispatchMode):
         if self.forward_open and not self._deferred:
             self._note_reads(func, args, kwargs)
         if not self.fusing:
+            placement = self.placement
+            if placement.deciding and placement.made_as_meta(tensors_in(args, kwargs)):
+                self._script_meta(args, kwargs, out)
             for t in tensors_in(out):
                 if _is_fake(t):
                     self.track(t)
@@ -429,6 +444,17 @@ class Recorder(TorchDispatchMode):
                 if index is not None:
                     self.trace.library.add(index)
         return out
+
+    def _script_meta(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Notes the new storages of an operation's outputs as the script's own meta: no device memory."""
+        made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if _is_fake(t) and not is_traceable_wrapper_subclass(t)}
+        for t in tensors_in(out):
+            if not _is_fake(t) or is_traceable_wrapper_subclass(t):
+                continue
+            st = t.untyped_storage()
+            # A view of an input, or the input itself (``.to("meta")`` of a tensor already there), keeps its place.
+            if id(st) not in made_from and st not in self._index:
+                self.placement.mark(st)
 
     def _carry_forward_origin(self, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Gives a tensor made between forwards, as a whole rearranged copy of one a forward
@@ -612,7 +638,8 @@ class Recorder(TorchDispatchMode):
         if known is not None:
             return int(known)
         size = st.nbytes()
-        if size == 0:
+        if size == 0 or self.placement.holds(st):
+            # Nothing held, or the script's own meta tensor: no device memory.
             return None
         if self._deferred:
             self._pending.append((weakref.ref(st), size, self._stack_id()))
@@ -763,15 +790,6 @@ class Recorder(TorchDispatchMode):
         self._workspaces = {}
 
 
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors holding memory under ``t``: itself, or what a wrapper subclass (DTensor) wraps."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    attrs, _ctx = t.__tensor_flatten__()
-    inner = [getattr(t, a) for a in attrs]
-    return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
-
-
 #: How deep into a user's objects (a module's attributes, an optimizer's, a forward's
 #: arguments) tensors are looked for: what a script nests, bounded, so that no structure
 #: of its own (one holding itself) can make the walk endless.
@@ -791,19 +809,20 @@ def tensors_kept(values: list[Any], depth: int = KEPT_DEPTH) -> list[torch.Tenso
     return found
 
 
-def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:
+def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...], on_gpu: Callable[[Any], bool]) -> bool:
     """Whether a module's call works on the GPU: its first weight is there, or an argument
     is. A transform a data loader runs on the host does neither."""
     first: torch.Tensor | None = next(module.parameters(), None)
     if first is None:
         first = next(module.buffers(), None)
-    if first is not None and _is_fake(first):
+    if first is not None and on_gpu(first):
         return True
-    return any(_is_fake(t) for t in tensors_kept(list(args)))
+    return any(on_gpu(t) for t in tensors_kept(list(args)))
 
 
 def _is_fake(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == FAKE_DEVICE
+    # Read past the function mode, which tells the script its GPU tensors are on cuda:0.
+    return on_meta(t)
 
 
 def _first_sentence(e: BaseException) -> str:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder, Trace, plain_tensors, tensors_kept
+from oomkit.preflight.record.placement import on_meta, plain_tensors
+from oomkit.preflight.record.recorder import Recorder, Trace, tensors_kept
 
 
 class Known:
@@ -32,8 +33,10 @@ class Known:
     def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
         leaves = [p for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
         for t in leaves:
-            i = rec.index_of(t) if t.device.type == FAKE_DEVICE else None
-            if i is None and t.device.type == FAKE_DEVICE:
+            if not on_meta(t):
+                continue
+            i = rec.index_of(t)
+            if i is None:
                 i = rec.track(t)
             if i is not None:
                 into.add(i)

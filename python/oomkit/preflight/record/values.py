@@ -54,6 +54,17 @@ _FRESH_ZEROS = frozenset(
 )
 
 
+#: Indexing operators that take a list of index tensors, boolean masks among them.
+_INDEXING = frozenset(
+    {
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.index_put.default,
+        torch.ops.aten.index_put_.default,
+        torch.ops.aten._index_put_impl_.default,
+    }
+)
+
+
 class Shadow:
     """A small meta tensor's values on the CPU, and how far they are known."""
 
@@ -190,6 +201,30 @@ class Values:
             return m
 
         return tree_map(to_meta, values)
+
+    def masks_as_indices(self, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The arguments of an indexing by boolean masks (``x[mask]``, ``x[mask] = v``) with each
+        mask made the positions it selects, where its values are known: the result's shape
+        depends on the mask's values alone, not the indexed tensor's. None where no mask is
+        known (or one rests on a value taken as zero, which would select a false count)."""
+        if func not in _INDEXING or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+            return None
+        indices: list[Any] = []
+        changed = False
+        for index in args[1]:
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) and _is_meta(index):
+                known = self.get(index)
+                if known is None or known.assumed:
+                    return None
+                for positions in known.values.bool().nonzero().unbind(1):
+                    m = torch.empty(positions.shape, dtype=positions.dtype, device=_META)
+                    if _small(m):
+                        self._set(m, Shadow(positions, False, known.opaque))
+                    indices.append(m)
+                changed = True
+            else:
+                indices.append(index)
+        return (args[0], indices, *args[2:]) if changed else None
 
     def _on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool, bool] | None:
         """``func`` run on the inputs' shadows, whether any was assumed and whether any was opaque;

@@ -21,36 +21,41 @@ from typing import Any
 
 import torch
 
+from oomkit.preflight.record.placement import Placement
 from oomkit.preflight.record.recorder import FAKE_DEVICE
 from oomkit.preflight.world.cuda import is_cuda
 
 
-def load_stand_in() -> Callable[..., Any]:
-    """``torch.load`` for the fake GPU's ledger: what would go to a GPU goes to the fake GPU."""
+def load_stand_in(placement: Placement) -> Callable[..., Any]:
+    """``torch.load`` for the fake GPU's ledger: what would go to a GPU goes to the fake GPU (its
+    storages claimed as the GPU's in ``placement``: they are made on meta outside any operation)."""
     load = torch.load
 
     def fake_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         if "mmap" not in kwargs and isinstance(f, (str, os.PathLike)) and _zip_checkpoint(f):
             # The file's pages mapped and left unread: the storages bound for the GPU become meta ones.
             kwargs["mmap"] = True
-        return load(f, _onto_fake_gpu(map_location), *args, **kwargs)
+        return load(f, _onto_fake_gpu(map_location, placement), *args, **kwargs)
 
     return fake_load
 
 
-def _onto_fake_gpu(map_location: Any) -> Any:
+def _onto_fake_gpu(map_location: Any, placement: Placement) -> Any:
     """``map_location`` with every GPU it names, or leaves to the file, made the fake GPU."""
     if map_location is None:
-        return _restore(lambda _storage, location: location)
+        return _restore(lambda _storage, location: location, placement)
     if isinstance(map_location, dict):
         named = dict(map_location)
-        return _restore(lambda _storage, location: named.get(location, location))
+        return _restore(lambda _storage, location: named.get(location, location), placement)
     if callable(map_location):
-        return _restore(map_location, own=True)
-    return FAKE_DEVICE if is_cuda(map_location) else map_location
+        return _restore(map_location, placement, own=True)
+    if is_cuda(map_location):
+        # Restored by a function, so that the GPU's storages are claimed as they are made.
+        return _restore(lambda _storage, _location: map_location, placement)
+    return map_location
 
 
-def _restore(where: Callable[[Any, str], Any], own: bool = False) -> Callable[[Any, str], Any]:
+def _restore(where: Callable[[Any, str], Any], placement: Placement, own: bool = False) -> Callable[[Any, str], Any]:
     """A ``map_location`` function: a storage whose place (``where`` says it, from the saved
     one) is a GPU is made on meta at its size; any other is restored as PyTorch restores it.
     ``own``: ``where`` is the script's own function, which may move the storage itself."""
@@ -66,7 +71,9 @@ def _restore(where: Callable[[Any, str], Any], own: bool = False) -> Callable[[A
             return placed
         target = location if placed is None else placed
         if is_cuda(target) or target == FAKE_DEVICE:
-            return torch.UntypedStorage(storage.nbytes(), device=FAKE_DEVICE)
+            made = torch.UntypedStorage(storage.nbytes(), device=FAKE_DEVICE)
+            placement.claim(made)
+            return made
         return default_restore_location(storage, str(target))
 
     return restore

@@ -236,12 +236,15 @@ class Compiler:
                 return
             ended = True
             self.recorder.capturing = False
+            self.recorder.placement.telling = True
             self.autocast.cache = cache
             refusal.remove()
             for h, saved in zip(hooks, held):
                 h.update(saved)
 
         self.recorder.capturing = True
+        # The tracer makes its fake tensors from the meta tensors as they are, reading their device.
+        self.recorder.placement.telling = False
         self.autocast.cache = {}
         for h in hooks:
             h.clear()
@@ -332,7 +335,10 @@ class _Graphs:
         for key in (static, general):
             if key in self.by_signature:
                 compiled = self.by_signature[key]
-                return self._eager(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
+                if compiled is None:
+                    return self._eager(*args, **kwargs)
+                with self.compiler.recorder.placement.running_compiled():
+                    return compiled(*args, **kwargs)
         if general in self.sizes_seen and self.dynamic_works:
             # Inputs that differ from ones seen only in their sizes get one graph with symbolic
             # sizes, as Dynamo's automatic dynamic shapes compile one after the first change of size.
@@ -363,7 +369,7 @@ class _Graphs:
         self.captured = False
         self.state = _ModuleState(self._modules())
         try:
-            with self.compiler.capturing() as end:
+            with self.compiler.capturing() as end, self.compiler.recorder.placement.running_compiled():
                 self.ends_capture = end
                 out = compiled(*args, **kwargs)
         except Exception as e:
@@ -674,7 +680,9 @@ def _ran(gm: torch.fx.GraphModule, recorder: Recorder) -> Any:
                 recorder.fusing = False
 
     def run(args: list[Any]) -> Any:
-        return Run(gm).boxed_run(args)
+        # The backward graph runs from autograd's engine, outside the compiled call.
+        with recorder.placement.running_compiled():
+            return Run(gm).boxed_run(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit import _native
 from oomkit.preflight.record.host import HostMemory, host_zeros
+from oomkit.preflight.record.placement import ASKED_GPU, ASKED_META, Placement
 from oomkit.preflight.record.recorder import FAKE_DEVICE
 from oomkit.preflight.world.autocast import UNTOUCHED, Autocast
 from oomkit.preflight.world.memory import MemoryQueries, rng_answers
@@ -290,6 +291,46 @@ def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
 
+def _names_meta(device: Any) -> bool:
+    """Whether ``device`` (a device or its name) is ``meta``, named by the script itself."""
+    if isinstance(device, torch.device):
+        return device.type == FAKE_DEVICE
+    return isinstance(device, str) and device.split(":")[0] == FAKE_DEVICE
+
+
+#: The GPU a tensor on the fake GPU says it is on, as a CUDA tensor on the first GPU says.
+GPU = torch.device("cuda", 0)
+
+#: The type of a property's getter as the function mode receives it (a tensor's ``device``).
+_GETTER = type(torch.Tensor.device.__get__)
+
+#: What a tensor on the fake GPU answers to the questions a script asks of where it lives
+#: (each property's descriptor, read through the mode as its ``__get__``), as on the GPU.
+_WHERE: dict[Any, Any] = {torch.Tensor.device: GPU, torch.Tensor.is_cuda: True, torch.Tensor.is_meta: False}
+
+
+def _asked(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Where the call puts what it makes, where it says: the GPU, the script's meta, or None (where its inputs are)."""
+    device = kwargs.get("device")
+    if device is not None:
+        return ASKED_GPU if is_cuda(device) else ASKED_META if _names_meta(device) else None
+    if name == "cuda":
+        return ASKED_GPU
+    if name == "to":
+        for a in args[1:]:
+            if is_cuda(a):
+                return ASKED_GPU
+            if _names_meta(a):
+                return ASKED_META
+    # A factory given no device makes its tensor on the fake GPU (CUDA the default device, a module
+    # built on meta) or on the CPU; an operation on tensors, where they are: decided by its inputs.
+    return None
+
+
+#: ``Tensor.get_device``, as the function mode receives it: a fake GPU tensor's is 0.
+_GET_DEVICE = torch.Tensor.get_device
+
+
 class CudaFunctions(TorchFunctionMode):
     """Maps ``cuda`` to ``meta``, and does autocast and attention as CUDA does."""
 
@@ -299,8 +340,11 @@ class CudaFunctions(TorchFunctionMode):
         on_upload: Callable[[torch.Tensor], None] | None = None,
         read_back: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
         host: HostMemory | None = None,
+        placement: Placement | None = None,
     ) -> None:
         super().__init__()
+        #: Which tensors without data are the fake GPU's (told ``cuda:0``) and which the script's own meta ones.
+        self.placement = placement or Placement()
         #: Counts the host memory the script holds for the GPU: pinned, and copies from it.
         self.host = host or HostMemory()
         self.autocast = autocast
@@ -323,8 +367,40 @@ class CudaFunctions(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if type(func) is _GETTER:
+            owner = getattr(func, "__self__", None)
+            if owner in _WHERE:
+                # Where a tensor lives: the fake GPU's say cuda:0, as on the GPU (torchtune's RoPE,
+                # Fabric, FlexAttention and DataParallel check), the script's own meta ones meta.
+                return _WHERE[owner] if self._told(args[0]) else func(*args)
+        if func is _GET_DEVICE:
+            return 0 if self._told(args[0]) else func(*args)
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        asked = _asked(name, args, kwargs)
+        if asked == ASKED_META and self.placement.compiled:
+            # A compiled graph's own buffers, on the device its trace read: the GPU's.
+            asked = None
+        if asked is None:
+            return self._call(func, name, args, kwargs)
+        placement = self.placement
+        before, placement.asked = placement.asked, asked
+        try:
+            out = self._call(func, name, args, kwargs)
+            if asked == ASKED_META and name == "to" and out is args[0] and placement.on_gpu(out):
+                # A GPU tensor sent to meta is a new tensor there, and the GPU's memory goes when it does.
+                out = out.clone()
+        finally:
+            placement.asked = before
+        return out
+
+    def _told(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is told it is on the GPU: it is on the fake GPU, and no tracer is reading it as it is."""
+        placement = self.placement
+        return placement.telling and placement.on_gpu(t)
+
+    def _call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call, done as on CUDA."""
         reads_back = name in _READ_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE
         if reads_back and (name != "to" or _is_cpu(args[1:], kwargs)):
             # Values read back to the host (a loss logged, a metric, a
@@ -399,6 +475,11 @@ class CudaFunctions(TorchFunctionMode):
         if name in OPENED and isinstance(func, FunctionType):
             with self:
                 return _opened(func, self._opened)(*args, **kwargs)
+        if func is torch.autograd.grad:
+            # Gradients taken without .backward() (a gradient penalty): what runs in Python meanwhile
+            # sees the mode too, as in any backward.
+            with self:
+                return _opened(cast(FunctionType, func), self._opened)(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             # What runs in Python during backward (a checkpoint's recomputed
             # forward, FSDP's hooks gathering parameters, a custom Function's
@@ -416,6 +497,37 @@ class CudaFunctions(TorchFunctionMode):
         if self.read_back is not None:
             return self.read_back(t, what)
         return host_zeros(t.shape, t.dtype)
+
+
+def saved_tensor_hooks_in_mode(functions: CudaFunctions) -> list[tuple[Any, str, Any]]:
+    """Saved-tensor hooks run with the function mode on, as (owner, name, value) for the fake GPU's ledger.
+
+    Autograd packs a tensor inside the operation that saves it, where the
+    mode is off while it handles the call, and unpacks it in backward, where
+    it is on. On a GPU both see the tensor on cuda: checkpointing compares
+    what each saw, and ``save_on_cpu`` copies back to the device it saw.
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+
+    enabled = torch._C._is_torch_function_mode_enabled
+
+    def in_mode(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(x: Any) -> Any:
+            # No mode on at all: inside an operation, where the mode is off while it handles the call.
+            # (Checked so, not by walking the stack of modes: a checkpointed step packs every tensor it saves.)
+            if enabled():
+                return hook(x)
+            with functions:
+                return hook(x)
+
+        return run
+
+    init = saved_tensors_hooks.__init__
+
+    def new_init(self: Any, pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any]) -> None:
+        init(self, in_mode(pack_hook), in_mode(unpack_hook))
+
+    return [(saved_tensors_hooks, "__init__", new_init)]
 
 
 def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cache: dict[Any, FunctionType]) -> Any:

@@ -36,10 +36,18 @@ from oomkit.preflight.settings import Settings
 from oomkit.preflight.world.autocast import Autocast, autocast_stand_ins
 from oomkit.preflight.world.checkpoints import load_stand_in
 from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
-from oomkit.preflight.world.cuda import CudaFunctions, accelerator_answers, device_answers, foreach_stand_ins, no_graph_capture
+from oomkit.preflight.world.cuda import (
+    CudaFunctions,
+    accelerator_answers,
+    device_answers,
+    foreach_stand_ins,
+    no_graph_capture,
+    saved_tensor_hooks_in_mode,
+)
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
+from oomkit.preflight.world.triton import launch_stand_ins
 
 #: The note data loader workers run in the process leave.
 WORKERS_IN_PROCESS = "data loader workers were run in the main process"
@@ -169,7 +177,7 @@ class FakeGpu:
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
         attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
-        fake_load = load_stand_in()
+        fake_load = load_stand_in(rec.placement)
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
         attrs(
@@ -187,8 +195,12 @@ class FakeGpu:
         attrs("optimizers' checks for a CUDA graph being captured (none is)", torch.optim.Optimizer, no_graph_capture())
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
+        for owner, name, value in saved_tensor_hooks_in_mode(self.functions):
+            entries.append(StandIn("saved-tensor hooks see the GPU as the rest of the script does", owner, name, value))
         for owner, name, value in autocast_stand_ins(self.autocast, self.functions):
             entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
+        for owner, name, value in launch_stand_ins(self.notes):
+            entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
         for owner, name, value in _fused_on_meta():
             entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
         compiler = Compiler(self.notes, rec, self.autocast)

@@ -1,0 +1,219 @@
+"""A fake GPU the script cannot tell from a real one: where tensors say they live, under `oomkit preflight`.
+
+Libraries decide what to do by asking a tensor where it is: torchtune's
+rotary embedding skips building its cache for a tensor on ``meta``,
+Fabric refuses to set up an optimizer over ``meta`` parameters,
+FlexAttention and DataParallel check for CUDA. So a tensor on the fake
+GPU must answer as a CUDA tensor does, while a tensor the script makes on
+``meta`` itself (a model initialised there before ``to_empty``) must go
+on saying ``meta``, and holds no memory. Each answer below is what PyTorch
+gives on a GPU (``EXPECTED``, from a CUDA machine's run of the same
+questions); the script asks them inside a preflight.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from preflight_cli import BLOCK, preflight_run
+
+#: nn.Linear(1024, 1024)'s weight and bias in float32, as the allocator rounds them.
+LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4
+
+QUESTIONS = """
+import json
+import torch
+from torch import nn
+
+x = torch.randn(4, 4).cuda()
+model = nn.Linear(4, 4).cuda()
+opt = torch.optim.AdamW(model.parameters())
+model(x).sum().backward()
+opt.step()
+state = opt.state[model.weight]
+with torch.device("meta"):
+    meta = nn.Linear(4, 4)
+said = {
+    "device": str(x.device),
+    "is_cuda": x.is_cuda,
+    "is_meta": x.is_meta,
+    "get_device": x.get_device(),
+    "index": x.device.index,
+    "equals cuda:0": x.device == torch.device("cuda", 0),
+    "equals cuda": x.device == torch.device("cuda"),
+    "type": x.device.type,
+    "parameter": str(model.weight.device),
+    "gradient": str(model.weight.grad.device),
+    "optimizer state": str(state["exp_avg"].device),
+    "step count": str(state["step"].device),
+    "output": str(model(x).device),
+    "empty_like": str(torch.empty_like(x).device),
+    "new_zeros": str(x.new_zeros(3).device),
+    "same device": str(torch.zeros(2, device=x.device).device),
+    "to cpu": str(x.cpu().device),
+    "to meta": str(x.to("meta").device),
+    "meta parameter": str(meta.weight.device),
+    "meta is_meta": meta.weight.is_meta,
+    "meta is_cuda": meta.weight.is_cuda,
+    "meta get_device": meta.weight.get_device(),
+    "meta output": str(meta(torch.empty(2, 4, device="meta")).device),
+    "to_empty": str(meta.to_empty(device="cuda").weight.device),
+    "current_device": torch.cuda.current_device(),
+}
+with torch.device("cuda"):
+    said["default in a device context"] = str(torch.get_default_device())
+    said["made in a device context"] = str(torch.empty(2).device)
+torch.set_default_device("cuda")
+said["made by default"] = str(torch.empty(2).device)
+torch.set_default_device("cpu")
+said["made after"] = str(torch.empty(2).device)
+with open("said.json", "w") as f:
+    json.dump(said, f)
+"""
+
+#: What PyTorch answers on a GPU (a CUDA tensor on the first GPU; a meta one is meta).
+EXPECTED = {
+    "device": "cuda:0",
+    "is_cuda": True,
+    "is_meta": False,
+    "get_device": 0,
+    "index": 0,
+    "equals cuda:0": True,
+    # A CUDA tensor's device has its index; torch.device("cuda") has none, and they differ.
+    "equals cuda": False,
+    "type": "cuda",
+    "parameter": "cuda:0",
+    "gradient": "cuda:0",
+    "optimizer state": "cuda:0",
+    # AdamW, neither fused nor capturable, counts its steps on the host.
+    "step count": "cpu",
+    "output": "cuda:0",
+    "empty_like": "cuda:0",
+    "new_zeros": "cuda:0",
+    "same device": "cuda:0",
+    "to cpu": "cpu",
+    "to meta": "meta",
+    "meta parameter": "meta",
+    "meta is_meta": True,
+    "meta is_cuda": False,
+    "meta get_device": -1,
+    "meta output": "meta",
+    "to_empty": "cuda:0",
+    "current_device": 0,
+    "default in a device context": "cuda:0",
+    "made in a device context": "cuda:0",
+    "made by default": "cuda:0",
+    "made after": "cpu",
+}
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_a_tensor_on_the_fake_gpu_answers_where_it_lives_as_on_a_gpu(tmp_path: Path) -> None:
+    script = _script(tmp_path, "ask.py", QUESTIONS)
+    # Its one optimizer step is fewer than preflight's two, so it runs to its end.
+    preflight_run(script, cwd=tmp_path)
+    said = json.loads((tmp_path / "said.json").read_text())
+    assert said == EXPECTED
+
+
+def test_a_model_initialised_on_meta_holds_no_memory_until_it_is_made_on_the_gpu(tmp_path: Path) -> None:
+    # FSDP2's and torchtitan's way: built on meta, then made on the GPU with to_empty and
+    # initialised there. The meta model is no memory at all; the GPU one is the weights.
+    script = _script(
+        tmp_path,
+        "meta_init.py",
+        """
+        import torch
+        from torch import nn
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+        assert all(p.is_meta for p in model.parameters())
+        before = torch.cuda.memory_allocated()
+        model.to_empty(device="cuda")
+        for layer in model:
+            layer.reset_parameters()
+        made = torch.cuda.memory_allocated() - before
+        assert made == 4 * (1024 * 1024 * 4 + 1024 * 4), made
+        assert all(p.is_cuda for p in model.parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    assert run["by_role"]["parameters"] == 4 * LINEAR_1024
+    assert run["by_role"]["gradients"] == 4 * LINEAR_1024
+    # Nothing from the meta model's line: it never held memory.
+    assert not [line for line in run["by_line"] if line["line"].startswith("meta_init.py:5 ")], run["by_line"]
+
+
+def test_a_tensor_sent_from_the_gpu_to_meta_gives_its_memory_back(tmp_path: Path) -> None:
+    # Offloading to meta (accelerate's hooks drop weights this way): on a GPU, .to("meta")
+    # is a new tensor without data, and the GPU's copy goes when the script lets it go.
+    script = _script(
+        tmp_path,
+        "drop.py",
+        """
+        import torch
+        weights = torch.empty(1 << 20, device="cuda")
+        held = torch.cuda.memory_allocated()
+        weights = weights.to("meta")
+        assert weights.is_meta and not weights.is_cuda
+        assert torch.cuda.memory_allocated() == held - (4 << 20), torch.cuda.memory_allocated()
+        model = torch.nn.Linear(64, 64).cuda()
+        model(torch.randn(2, 64, device="cuda")).sum().backward()
+        """,
+    )
+    preflight_run(script, "--steps", "1", cwd=tmp_path)
+
+
+def test_a_cache_built_only_off_meta_is_built_on_the_fake_gpu(tmp_path: Path) -> None:
+    # A rotary table built lazily, skipped while the module is on meta (torchtune's RoPE
+    # does this, and stops at its forward if the table was never built).
+    script = _script(
+        tmp_path,
+        "rope.py",
+        """
+        import torch
+        from torch import nn
+
+        class Rotary(nn.Module):
+            def __init__(self, dim, length):
+                super().__init__()
+                self.dim, self.length = dim, length
+                self.register_buffer("theta", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+                self.build()
+
+            def build(self):
+                if self.theta.is_meta:
+                    return
+                angles = torch.outer(torch.arange(self.length, device=self.theta.device).float(), self.theta)
+                self.register_buffer("table", torch.stack([angles.cos(), angles.sin()], -1), persistent=False)
+
+            def forward(self, x):
+                if not hasattr(self, "table"):
+                    raise RuntimeError("the rotary table is not built: call build() first")
+                return x * self.table[: x.shape[1], :, 0].repeat(1, 2)
+
+        with torch.device("cuda"):
+            model = nn.Sequential(nn.Linear(64, 64), Rotary(64, 4096))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(2, 128, 64, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    # The table (4096 x 32 x 2 floats) is held as the model's own state, beside the weights and theta.
+    table = 4096 * 32 * 2 * 4
+    assert run["by_role"]["parameters"] == table + 64 * 64 * 4 + BLOCK + BLOCK
