@@ -157,3 +157,41 @@ def test_an_unchanged_ddp_script_runs_as_rank_zero(tmp_path: Path) -> None:
     assert run["by_role"]["other"] >= params + (32 << 20), run["by_role"]
     # The script's own hook does not run on one rank, and the answer says so.
     assert any("fp16_compress_hook was not run" in n for n in run["notes"]), run["notes"]
+
+
+FSDP2_META_INIT = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+with torch.device("meta"):
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+model.to_empty(device="cuda")  # FSDP2's parameters are swapped in place (torch.utils.swap_tensors)
+for layer in model:
+    nn.init.constant_(layer.weight, 0.01)
+    nn.init.zeros_(layer.bias)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_model_built_on_meta_and_sharded_is_made_on_the_gpu_with_to_empty(tmp_path: Path) -> None:
+    # FSDP2's and torchtitan's order: built on meta, sharded, then to_empty and initialised.
+    # Swapping a parameter refuses a tensor with a weak reference: preflight holds none.
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_META_INIT)
+    run = preflight_run(script, "--gpus", "4", "--capacity", "8GiB")
+    assert run["steps"] == 2, run
+    # Each GPU holds a quarter of each weight and bias; AdamW keeps two moments of that shard.
+    shard = 4 * (1024 * 1024 * 4 // 4 + 1024)
+    assert run["by_role"]["optimizer_state"] == 2 * shard, run["by_role"]

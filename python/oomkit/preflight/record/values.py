@@ -22,12 +22,12 @@ memory is planned for.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 #: Tensors with more elements than this get no shadow: control values
 #: (flags per sequence, counters, positions) are small, and activations
@@ -118,18 +118,35 @@ def tensors_in(*values: Any) -> Iterator[torch.Tensor]:
 
 
 class Values:
-    """The shadows of the small meta tensors alive, kept beside them and dropped with them."""
+    """The shadows of the small meta tensors alive, kept beside them and dropped with their memory.
+
+    No weak reference to a tensor is held: ``torch.utils.swap_tensors`` (how
+    ``nn.Module._apply`` replaces FSDP2's parameters in ``to_empty``) refuses
+    a tensor that has one. A shadow is kept by the tensor's id with what
+    the tensor is a view of (its storage, offset, shape and dtype), checked
+    when read, since a dead tensor's id may be taken by another; all of a
+    storage's shadows go when the storage does (a weak reference to it).
+    """
 
     def __init__(self) -> None:
-        self._shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # By the tensor's id: (its storage's id, (offset, shape, dtype), its shadow).
+        self._shadows: dict[int, tuple[int, tuple[Any, ...], Shadow]] = {}
+        # By a storage's id: the weak reference that drops its shadows, and the ids of the tensors shadowed.
+        self._storages: dict[int, tuple[weakref.ref[Any], set[int]]] = {}
 
     def get(self, t: torch.Tensor) -> Shadow | None:
         """The shadow of ``t``, if it has one."""
-        try:
-            found = self._shadows.get(t)
-        except TypeError:
+        entry = self._shadows.get(id(t))
+        if entry is None:
             return None
-        return found if isinstance(found, Shadow) else None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+        if entry[0] != id(st) or entry[1] != (t.storage_offset(), t.shape, t.dtype):
+            # Another tensor's, whose id this one took.
+            return None
+        return entry[2]
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Gives the small meta tensors ``func`` returned their shadows."""
@@ -262,6 +279,22 @@ class Values:
 
     def _set(self, t: torch.Tensor, s: Shadow) -> None:
         try:
-            self._shadows[t] = s
-        except TypeError:
-            pass
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            # A wrapper without a storage of its own (a DTensor): no shadow.
+            return
+        key = id(st)
+        self._shadows[id(t)] = (key, (t.storage_offset(), t.shape, t.dtype), s)
+        held = self._storages.get(key)
+        if held is not None:
+            held[1].add(id(t))
+            return
+        shadows, storages = self._shadows, self._storages
+
+        def gone(_ref: Any) -> None:
+            for tensor in storages.pop(key, (None, set()))[1]:
+                entry = shadows.get(tensor)
+                if entry is not None and entry[0] == key:
+                    del shadows[tensor]
+
+        storages[key] = (weakref.ref(st, gone), {id(t)})
