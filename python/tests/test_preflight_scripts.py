@@ -578,3 +578,65 @@ def test_a_scripts_own_triton_kernels_launch_as_nothing_into_what_the_step_alloc
     # The launches allocate nothing: the memory is the two buffers they write, 64 x 1024 floats each.
     grew = [line for line in p.stderr.splitlines() if line.startswith("GREW")]
     assert grew == [f"GREW {2 * 64 * 1024 * 4} True"] * 2, p.stderr[-3000:]
+
+
+OPTIMIZER_IN_BACKWARD = """
+import torch
+from torch import nn
+
+model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+# One optimizer per parameter, stepped as its gradient is accumulated (torchtune's optimizer_in_bwd).
+optimizers = {p: torch.optim.AdamW([p], foreach=False) for p in model.parameters()}
+
+def step_now(p):
+    optimizers[p].step()
+    optimizers[p].zero_grad()
+
+for p in model.parameters():
+    p.register_post_accumulate_grad_hook(step_now)
+for _ in range(3):
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+"""
+
+
+def test_optimizers_stepped_in_backward_are_one_step_with_it(tmp_path: Path) -> None:
+    # Each parameter's step runs inside the backward: the training step is the backward, not each of 8 steps.
+    run = preflight_run(_script(tmp_path, OPTIMIZER_IN_BACKWARD), cwd=tmp_path)
+    assert run["steps"] == 2 and run["forwards"] == 2, run
+    # Every weight's two moments exist from the first step on; no gradient outlives its own step.
+    assert run["by_role"]["optimizer_state"] == 2 * 4 * LINEAR_1024, run["by_role"]
+    assert run["by_role"]["gradients"] <= 1024 * 1024 * 4, run["by_role"]
+
+
+NESTED_OPTIMIZERS = """
+import torch
+from torch import nn
+
+class Both(torch.optim.Optimizer):
+    # A container that is an optimizer itself, stepping the ones it holds (torchtitan's way).
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).cuda()
+opt = Both([torch.optim.AdamW(model[0].parameters()), torch.optim.SGD(model[1].parameters(), lr=0.1)])
+for _ in range(3):
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_container_of_optimizers_steps_once_a_step(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, NESTED_OPTIMIZERS), cwd=tmp_path)
+    # Two training steps, each the container's step and the two it runs inside.
+    assert run["steps"] == 2 and run["forwards"] == 2, run
+    assert run["by_role"]["optimizer_state"] == 2 * LINEAR_1024, run["by_role"]

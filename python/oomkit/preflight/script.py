@@ -129,6 +129,12 @@ class _Session:
         #: Whether an optimizer's step is running: the forward and backward of a closure it calls
         #: (Lightning's automatic optimization, LBFGS) are the step's forward and backward.
         self.in_step = False
+        # How deep in optimizers' steps the script is: a container's step (torchtitan's
+        # OptimizersContainer) runs each of its optimizers' steps inside its own, one step.
+        self._step_depth = 0
+        # Whether optimizers stepped inside the backward running now (an optimizer per parameter,
+        # stepped from its gradient hook: torchtune's optimizer_in_bwd): that backward's step.
+        self._stepped_in_backward = False
         self.finished = False
         self._seen_modules: set[int] = set()
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
@@ -245,6 +251,11 @@ class _Session:
 
     def _after_backward(self) -> None:
         self.backwards_done += 1
+        if self._stepped_in_backward:
+            # The weights were updated as their gradients came: the step ends with its backward.
+            self._stepped_in_backward = False
+            self._step_done()
+            return
         if not self.has_optimizer or self.in_step:
             # What follows a backward pass without an optimizer is the script's own update, and
             # what follows a closure's backward inside an optimizer's step is that step's update.
@@ -289,17 +300,31 @@ class _Session:
             self.in_script.top_forward_ends()
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
-        self.in_step = True
+        self._step_depth += 1
         self.in_script.optimizer_steps(opt)
-        self.rec.begin()
-        self.rec.phase = "optimizer"
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward:
+            # Stepped from a gradient hook, inside backward: part of that backward's step.
+            self._stepped_in_backward = True
+        elif self._step_depth == 1:
+            # (A step inside a container's is part of the container's.)
+            self.in_step = True
+            self.rec.begin()
+            self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
         self.known.add_params(self.rec, params)
         self.known.add_grad_tensors(self.rec, [p.grad for p in params if p.grad is not None])
 
     def _after_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
-        self.in_step = False
+        self._step_depth -= 1
         self.known.add_state_of(self.rec, opt)
+        if torch._C._current_graph_task_id() != -1 or self._step_depth > 0:
+            return
+        self.in_step = False
+        self._step_done()
+
+    def _step_done(self) -> None:
+        """A training step ended: counted, and the script stopped after the steps asked for."""
         self.steps_done += 1
         self.rec.phase = "inputs"
         if self.steps_done >= self.settings.steps:
