@@ -149,6 +149,43 @@ def test_autocast_and_cudas_attention_kernels_change_what_is_saved() -> None:
     assert math_path.by_role["activations"] - half.by_role["activations"] >= LAYERS * matrix
 
 
+class GroupedAttention(torch.nn.Module):
+    """Grouped-query attention (Llama 3's shape of it): 32 query heads share 8 key-value heads."""
+
+    def __init__(self, width: int = 1024, heads: int = 32, groups: int = 8) -> None:
+        super().__init__()
+        self.heads, self.groups, self.size = heads, groups, width // heads
+        self.q = torch.nn.Linear(width, width, bias=False)
+        self.kv = torch.nn.Linear(width, 2 * groups * self.size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.size).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.groups, self.size).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+
+def test_grouped_query_attention_takes_the_flash_kernel_without_the_attention_matrix() -> None:
+    # CUDA's flash and memory-efficient kernels take grouped keys as they are (sdp_utils.cpp's
+    # check_batch_size_and_num_heads_dense with grouped-query support): no matrix of 4096 x 4096 per head.
+    seq = 4096
+    batch = lambda b: torch.randn(b, seq, 1024)  # noqa: E731
+    flash = preflight(GroupedAttention, batch, micro_batch=1, autocast=torch.bfloat16, capacity="80GiB")
+    matrix = 32 * seq * seq * 2
+    assert flash.by_role["activations"] < matrix / 8, flash.by_role
+    # The math path, as CUDA takes it with both kernels switched off, holds it.
+    switched = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    try:
+        math_path = preflight(GroupedAttention, batch, micro_batch=1, autocast=torch.bfloat16, capacity="80GiB")
+    finally:
+        torch.backends.cuda.enable_flash_sdp(switched[0])
+        torch.backends.cuda.enable_mem_efficient_sdp(switched[1])
+    assert math_path.by_role["activations"] - flash.by_role["activations"] >= matrix, (math_path.by_role, flash.by_role)
+
+
 def test_the_largest_micro_batch_fits_and_the_next_does_not() -> None:
     r = preflight(LM, tokens, micro_batch=4, grad_accum=8, capacity="300MiB", max_micro_batch=64)
     best = r.largest_micro_batch

@@ -568,8 +568,8 @@ def _cuda_attention(
     """The kernel CUDA's ``select_sdp_backend`` picks, called directly; None for the math path."""
     if query.device.type != FAKE_DEVICE or query.dim() != 4 or key.dim() != 4:
         return None
-    if key.shape[1] != query.shape[1]:
-        # Grouped keys: left to the math path, which repeats them as CUDA's does.
+    if key.shape[1] != query.shape[1] and not _grouped(query, key, value, enable_gqa):
+        # Heads that do not group: refused by every kernel, as on CUDA (the math path says why).
         return None
     head_dim = query.shape[-1]
     same_dtype = query.dtype == key.dtype == value.dtype
@@ -602,6 +602,15 @@ def _cuda_attention(
         )
         return out[0]
     return None
+
+
+def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> bool:
+    """Whether keys and values shared by groups of query heads (grouped-query attention: Llama 3,
+    Mistral, Qwen) go to flash or memory-efficient attention as they are: asked with
+    ``enable_gqa``, as many key heads as value heads, and query heads a multiple of them
+    (``check_batch_size_and_num_heads_dense`` with grouped-query support, which both kernels
+    have on CUDA); neither repeats the keys, and neither holds the attention matrix."""
+    return enable_gqa and key.shape[1] == value.shape[1] and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
 
 
 def foreach_stand_ins() -> list[tuple[Any, str, Any]]:
