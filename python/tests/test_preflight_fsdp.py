@@ -175,8 +175,8 @@ for layer in model:
 fully_shard(model)
 model.to_empty(device="cuda")  # FSDP2's parameters are swapped in place (torch.utils.swap_tensors)
 for layer in model:
-    nn.init.constant_(layer.weight, 0.01)
-    nn.init.zeros_(layer.bias)
+    layer.reset_parameters()  # random values on each shard: DTensor's random operators
+nn.init.trunc_normal_(model[0].weight, std=0.02)
 opt = torch.optim.AdamW(model.parameters())
 for _ in range(2):
     model(torch.randn(8, 1024, device="cuda")).sum().backward()
@@ -187,7 +187,8 @@ for _ in range(2):
 
 def test_a_model_built_on_meta_and_sharded_is_made_on_the_gpu_with_to_empty(tmp_path: Path) -> None:
     # FSDP2's and torchtitan's order: built on meta, sharded, then to_empty and initialised.
-    # Swapping a parameter refuses a tensor with a weak reference: preflight holds none.
+    # Swapping a parameter refuses a tensor with a weak reference: preflight holds none. The
+    # random initialisation of sharded weights reaches for the GPU's generator: not here.
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_META_INIT)
     run = preflight_run(script, "--gpus", "4", "--capacity", "8GiB")

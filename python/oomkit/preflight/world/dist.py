@@ -82,7 +82,23 @@ def rank_zero_note(world_size: int) -> str:
 def parallel_stand_ins(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:
     """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, and
     ``nn.DataParallel`` as its first GPU, as (owner, attributes) to set."""
-    return fsdp_on_meta() + ddp_on_one_rank(notes) + data_parallel_on_first_gpu(notes, world_size)
+    return fsdp_on_meta() + ddp_on_one_rank(notes) + data_parallel_on_first_gpu(notes, world_size) + dtensor_random_on_shards()
+
+
+def dtensor_random_on_shards() -> list[tuple[Any, dict[str, Any]]]:
+    """DTensor's random operators run on each shard as they are, as (owner, attributes) to set.
+
+    On a GPU, DTensor keeps every rank's generator in step for its random
+    operators (``reset_parameters()``, ``trunc_normal_``: initialising a
+    model sharded on meta), through the device's generator, which does not
+    exist here; the values are not what preflight measures, and the shard
+    each one fills is the same.
+    """
+    import torch.distributed.tensor._dispatch as dtensor_dispatch
+
+    if not hasattr(dtensor_dispatch, "is_rng_supported_mesh"):
+        return []
+    return [(dtensor_dispatch, {"is_rng_supported_mesh": lambda *_, **__: False})]
 
 
 def data_parallel_on_first_gpu(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:

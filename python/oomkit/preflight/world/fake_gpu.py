@@ -193,6 +193,9 @@ class FakeGpu:
         # FSDP's default mesh (fully_shard without one) and DeviceMesh ask the C++ side for the accelerator.
         attrs("the accelerator distributed code asks for is CUDA", torch._C, {"_get_accelerator": lambda *_, **__: torch.device("cuda")})
         attrs("optimizers' checks for a CUDA graph being captured (none is)", torch.optim.Optimizer, no_graph_capture())
+        # Fake CUDA tensors (DTensor's sharding propagation, autocast's questions) would start the
+        # CUDA that torch.cuda.is_available() says is there: there is none to start.
+        attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
         for owner, name, value in saved_tensor_hooks_in_mode(self.functions):
@@ -283,6 +286,13 @@ class FakeGpu:
 def _called(make: Callable[[], Any]) -> Any:
     """A hook's registration that is a call: ``make()`` returns the handle to remove."""
     return make()
+
+
+def _fake_tensor_mode() -> Any:
+    """PyTorch's ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
 
 
 def _fused_on_meta() -> list[tuple[Any, str, Any]]:
