@@ -640,3 +640,37 @@ def test_a_container_of_optimizers_steps_once_a_step(tmp_path: Path) -> None:
     # Two training steps, each the container's step and the two it runs inside.
     assert run["steps"] == 2 and run["forwards"] == 2, run
     assert run["by_role"]["optimizer_state"] == 2 * LINEAR_1024, run["by_role"]
+
+
+FLEX_ATTENTION_EAGER = """
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+
+B, H, L, D = 2, 4, 512, 64
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v).transpose(1, 2).reshape(B, L, H * D)
+
+model = Attn().cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(B, L, H * D, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_flex_attention_called_eagerly_holds_its_scores_as_on_a_gpu(tmp_path: Path) -> None:
+    # FlexAttention checks its inputs are on CUDA, and has no rule for a dispatch mode of its own:
+    # called without torch.compile, PyTorch runs its dense implementation, which holds the scores.
+    run = preflight_run(_script(tmp_path, FLEX_ATTENTION_EAGER), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    scores = 2 * 4 * 512 * 512 * 4
+    assert run["peak_allocated_bytes"] >= scores, run["peak_allocated_bytes"]

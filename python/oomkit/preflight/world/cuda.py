@@ -509,13 +509,13 @@ def saved_tensor_hooks_in_mode(functions: CudaFunctions) -> list[tuple[Any, str,
     """
     from torch.autograd.graph import saved_tensors_hooks
 
-    enabled = torch._C._is_torch_function_mode_enabled
+    depth, at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
 
     def in_mode(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def run(x: Any) -> Any:
-            # No mode on at all: inside an operation, where the mode is off while it handles the call.
-            # (Checked so, not by walking the stack of modes: a checkpointed step packs every tensor it saves.)
-            if enabled():
+            # Looked for on the stack of modes by index (a few C calls: a checkpointed step packs
+            # every tensor it saves, and PyTorch's own walk of the stack builds a list each time).
+            if any(at(i) is functions for i in range(depth())):
                 return hook(x)
             with functions:
                 return hook(x)

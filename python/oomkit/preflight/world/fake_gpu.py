@@ -45,6 +45,7 @@ from oomkit.preflight.world.cuda import (
     saved_tensor_hooks_in_mode,
 )
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
+from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
 from oomkit.preflight.world.triton import launch_stand_ins
@@ -221,6 +222,10 @@ class FakeGpu:
         entries += self.extra_stand_ins
         for register, fn in rec.hooks():
             entries.append(Hook("which module's forward is running", register, fn))
+        for register, fn in flex_rules(rec):
+            entries.append(Hook("FlexAttention's kernel sized as CUDA allocates it, compiled or dense", register, fn))
+        for owner, name, value in device_check_stand_in():
+            entries.append(StandIn("FlexAttention's device check takes the fake GPU's tensors", owner, name, value))
         entries += self.extra_hooks
         return entries
 
