@@ -59,6 +59,8 @@ said = {
     "meta is_cuda": meta.weight.is_cuda,
     "meta get_device": meta.weight.get_device(),
     "meta output": str(meta(torch.empty(2, 4, device="meta")).device),
+    "made from data on meta": str(torch.tensor(0, device="meta").device),
+    "made from data on the gpu": str(torch.tensor([1, 2], device="cuda").device),
     "to_empty": str(meta.to_empty(device="cuda").weight.device),
     "current_device": torch.cuda.current_device(),
 }
@@ -100,6 +102,9 @@ EXPECTED = {
     "meta is_cuda": False,
     "meta get_device": -1,
     "meta output": "meta",
+    # torch.tensor makes its tensor out of the modes' sight (Fabric's 4-bit layer asks this way).
+    "made from data on meta": "meta",
+    "made from data on the gpu": "cuda:0",
     "to_empty": "cuda:0",
     "current_device": 0,
     "default in a device context": "cuda:0",

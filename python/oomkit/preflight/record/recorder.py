@@ -69,6 +69,9 @@ _CUBLAS_OPS = frozenset(
 )
 
 
+#: What ``torch.tensor(data)`` dispatches: the tensor it made out of the modes' sight.
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
 #: ``Tensor.set_`` of a storage: the storage may have been made outside any operation.
 _SET_STORAGE = frozenset({torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset})
 
@@ -423,7 +426,7 @@ class Recorder(TorchDispatchMode):
         if not self.fusing:
             placement = self.placement
             if placement.deciding and placement.made_as_meta(tensors_in(args, kwargs)):
-                self._script_meta(args, kwargs, out)
+                self._script_meta(func, args, kwargs, out)
             for t in tensors_in(out):
                 if _is_fake(t):
                     self.track(t)
@@ -445,9 +448,13 @@ class Recorder(TorchDispatchMode):
                     self.trace.library.add(index)
         return out
 
-    def _script_meta(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def _script_meta(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Notes the new storages of an operation's outputs as the script's own meta: no device memory."""
-        made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if _is_fake(t) and not is_traceable_wrapper_subclass(t)}
+        made_from = set()
+        if func is not _LIFT_FRESH:
+            # (``torch.tensor(..., device="meta")`` makes its tensor where no mode sees it, and
+            # hands it to ``lift_fresh``, which returns it: new, though it is its input.)
+            made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if _is_fake(t) and not is_traceable_wrapper_subclass(t)}
         for t in tensors_in(out):
             if not _is_fake(t) or is_traceable_wrapper_subclass(t):
                 continue
