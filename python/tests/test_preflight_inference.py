@@ -101,8 +101,15 @@ def test_a_generation_is_measured_to_its_longest_sequence_with_its_cache(tmp_pat
 
     for run, tokens in ((short, 128 + 16), (long, 128 + 256)):
         held = run["by_role"]["kv_cache"]
-        assert 0.85 * cache_bytes(tokens) <= held <= 1.3 * cache_bytes(tokens), (held, cache_bytes(tokens), run["by_role"])
-    assert long["peak_allocated_bytes"] > short["peak_allocated_bytes"]
+        # A beam search's prompt runs over 12 sequences at once: with grouped keys not repeated
+        # (CUDA's kernels take them as they are) its forward can hold more than any later one,
+        # and the peak is there, holding the prompt's cache.
+        least = cache_bytes(128) if cache == "beam" else cache_bytes(tokens)
+        assert 0.85 * least <= held <= 1.3 * cache_bytes(tokens), (held, cache_bytes(tokens), run["by_role"])
+    if cache == "beam":
+        assert long["peak_allocated_bytes"] >= short["peak_allocated_bytes"]
+    else:
+        assert long["peak_allocated_bytes"] > short["peak_allocated_bytes"]
 
 
 HAND_WRITTEN = """
