@@ -31,7 +31,7 @@ _META_KEY = torch._C.DispatchKey.Meta
 
 #: What a call asked for: a place named explicitly (``device="meta"``, ``.to("meta")``).
 ASKED_META = "meta"
-#: What a call asked for: the GPU (``device="cuda"``, ``.cuda()``, CUDA as the default device).
+#: What a call asked for: the GPU (``device="cuda"``, ``.cuda()``, ``.to("cuda")``).
 ASKED_GPU = "gpu"
 
 
