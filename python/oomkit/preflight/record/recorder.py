@@ -374,9 +374,9 @@ class Recorder(TorchDispatchMode):
             # stands for its pinned copy, counted as such (``HostMemory``).
             self.host.hold(args[0], pinned=True)
             return args[0]
-        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
+        if func is torch.ops.aten._local_scalar_dense.default and on_meta(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
-        if func is torch.ops.aten.copy_.default and not _is_fake(args[0]) and _is_fake(args[1]):
+        if func is torch.ops.aten.copy_.default and not on_meta(args[0]) and on_meta(args[1]):
             # A copy back to the host made below Python (DDP's bucket indices
             # after their broadcast) brings the values where the step made
             # them known; else the host tensor keeps its own, which on rank 0
@@ -400,7 +400,7 @@ class Recorder(TorchDispatchMode):
                 computed = func(*by_position, **kwargs)
             if computed is not None:
                 for t in tree_leaves(computed):
-                    if _is_fake(t):
+                    if on_meta(t):
                         self.track(t)
                 return computed
             # Meta tensors raise NotImplementedError where an operation needs
@@ -409,7 +409,7 @@ class Recorder(TorchDispatchMode):
             # so; any other error is the step's own and would happen on the
             # GPU too.
             kernel_missing = isinstance(e, NotImplementedError) or any(m in str(e) for m in _NO_FAKE_KERNEL)
-            if kernel_missing and any(_is_fake(t) for t in tree_leaves((args, kwargs))):
+            if kernel_missing and any(on_meta(t) for t in tree_leaves((args, kwargs))):
                 error = StepUnsupportedError(
                     str(func.overloadpacket.__name__),
                     _where(self._stack()),
@@ -428,7 +428,7 @@ class Recorder(TorchDispatchMode):
             if placement.deciding and placement.made_as_meta(tensors_in(args, kwargs)):
                 self._script_meta(func, args, kwargs, out)
             for t in tensors_in(out):
-                if _is_fake(t):
+                if on_meta(t):
                     self.track(t)
         if (
             not self.forward_open
@@ -454,9 +454,9 @@ class Recorder(TorchDispatchMode):
         if func is not _LIFT_FRESH:
             # (``torch.tensor(..., device="meta")`` makes its tensor where no mode sees it, and
             # hands it to ``lift_fresh``, which returns it: new, though it is its input.)
-            made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if _is_fake(t) and not is_traceable_wrapper_subclass(t)}
+            made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if on_meta(t) and not is_traceable_wrapper_subclass(t)}
         for t in tensors_in(out):
-            if not _is_fake(t) or is_traceable_wrapper_subclass(t):
+            if not on_meta(t) or is_traceable_wrapper_subclass(t):
                 continue
             st = t.untyped_storage()
             # A view of an input, or the input itself (``.to("meta")`` of a tensor already there), keeps its place.
@@ -467,7 +467,7 @@ class Recorder(TorchDispatchMode):
         """Gives a tensor made between forwards, as a whole rearranged copy of one a forward
         made, that forward as its origin: a beam search reorders its cache this way, and
         the copy is the cache the next forward reads."""
-        if not _is_fake(out) or not args or not _is_fake(args[0]):
+        if not on_meta(out) or not args or not on_meta(args[0]):
             return
         source = args[0]
         origin = self._index.get(source.untyped_storage())
@@ -484,14 +484,14 @@ class Recorder(TorchDispatchMode):
         made, or that an earlier one read too: held across forwards (a key-value cache,
         written by one step of a generation and read by the next), and those it writes in place."""
         now = self.forward_open
-        if func.overloadpacket.__name__.endswith("_") and args and _is_fake(args[0]):
+        if func.overloadpacket.__name__.endswith("_") and args and on_meta(args[0]):
             # An in-place operation writes its first argument (a static cache's index_copy_).
             written = self._index.get(args[0].untyped_storage())
             if written is not None:
                 self._written_in[int(written)] = now
         generation = self._generation_of.get(now)
         for t in tensors_in(args, kwargs):
-            if not _is_fake(t) or is_traceable_wrapper_subclass(t):
+            if not on_meta(t) or is_traceable_wrapper_subclass(t):
                 continue
             index = self._index.get(t.untyped_storage())
             if index is None or index in self.trace.kv_cache:
@@ -667,7 +667,7 @@ class Recorder(TorchDispatchMode):
 
     def index_of(self, t: torch.Tensor) -> int | None:
         """The allocation index of ``t``'s storage, if recorded."""
-        if not _is_fake(t):
+        if not on_meta(t):
             return None
         if is_traceable_wrapper_subclass(t):
             found = [self.index_of(inner) for inner in plain_tensors(t)]
@@ -825,11 +825,6 @@ def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...], on_gpu: Callabl
     if first is not None and on_gpu(first):
         return True
     return any(on_gpu(t) for t in tensors_kept(list(args)))
-
-
-def _is_fake(t: Any) -> bool:
-    # Read past the function mode, which tells the script its GPU tensors are on cuda:0.
-    return on_meta(t)
 
 
 def _first_sentence(e: BaseException) -> str:
