@@ -82,5 +82,6 @@ python -m ruff check python scripts
 python -m mypy
 # Two workers: most tests wait on a subprocess (a script under preflight, a
 # training run), so two of them keep two cores busy; the suite takes about
-# a fifth less time than one after another.
-python -m pytest -q -n 2 python/tests
+# a fifth less time than one after another. The slowest twenty are listed,
+# to keep the suite well inside CI's time.
+python -m pytest -q -n 2 --durations=20 python/tests
