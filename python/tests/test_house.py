@@ -302,3 +302,29 @@ def test_the_architecture_names_every_module() -> None:
 
 if sys.platform == "win32":  # pragma: no cover - oomkit's tests run on Linux
     pytest.skip("Linux only", allow_module_level=True)
+
+
+def test_a_stand_in_for_a_module_imported_later_is_set_at_its_import_and_taken_back(tmp_path: Path) -> None:
+    import importlib
+    import sys
+
+    from oomkit.preflight.world.imports import when_imported
+
+    (tmp_path / "later_lib.py").write_text("def kernel():\n    return 'native'\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        handle = when_imported("later_lib")(lambda m: [("kernel", lambda: "stand-in"), ("extra", 1)])
+        module = importlib.import_module("later_lib")
+        assert module.kernel() == "stand-in" and module.extra == 1
+        handle.remove()
+        # The module's own function back, the added name gone, and no finder left behind.
+        assert module.kernel() == "native" and not hasattr(module, "extra")
+        assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)
+        # A module imported already gets its stand-ins at once.
+        handle = when_imported("later_lib")(lambda m: [("kernel", lambda: "again")])
+        assert module.kernel() == "again"
+        handle.remove()
+        assert module.kernel() == "native"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("later_lib", None)

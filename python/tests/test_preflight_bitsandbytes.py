@@ -166,3 +166,39 @@ def test_a_script_with_4bit_layers_is_measured_quantized(tmp_path: Path) -> None
     lines = [x["line"] for x in run["by_line"] if x["role"] == "parameters"]
     assert lines and all(line.startswith("qlora.py:") for line in lines), lines
     assert not any("bitsandbytes" in line.split(", in ")[0] for line in lines), lines
+
+
+PAGED = """
+import bitsandbytes as bnb
+import torch
+from torch import nn
+
+# The embedding's 2,048,000 elements are paged (100,000 or more); the two Linears' are not.
+model = nn.Sequential(nn.Embedding(8000, 256), nn.Linear(256, 256), nn.Linear(256, 8000)).cuda()
+small = list(model[1].parameters())
+opt = bnb.optim.PagedAdamW8bit([{"params": model[0].parameters()}, {"params": small}])
+for _ in range(2):
+    x = torch.randint(0, 8000, (4, 64), device="cuda")
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_paged_optimizer_keeps_its_large_state_in_unified_memory_outside_the_gpu_figures(tmp_path: Path) -> None:
+    # Without the stand-ins, bitsandbytes' native library exits the process (no driver).
+    script = tmp_path / "paged.py"
+    script.write_text(PAGED)
+    run = preflight_run(script, "--capacity", "8GiB", "--steps", "2", cwd=tmp_path)
+    assert run["steps"] == 2, run
+    # bitsandbytes pages state1 and state2, a byte an element each, for tensors of 100,000
+    # elements or more (get_state_buffer); the scales (absmax) stay device memory.
+    embedding = 8000 * 256
+    assert run["host_paged_peak_bytes"] == 2 * embedding, run
+    assert run["host_peak_bytes"] == 0, run
+    # What stays on the GPU is the small Linear's 8-bit state (its bias's fp32) and the
+    # scales, maps and step counters: far less than the embedding's 4 MB.
+    small = [torch.empty(256, 256), torch.empty(256)]
+    on_gpu = run["by_role"]["optimizer_state"]
+    assert adam8bit_state_bytes(small) <= on_gpu < adam8bit_state_bytes(small) + 2 * 4 * math.ceil(embedding / STATE_BLOCK) + 64 * 1024, run

@@ -674,3 +674,73 @@ def test_flex_attention_called_eagerly_holds_its_scores_as_on_a_gpu(tmp_path: Pa
     assert run["steps"] == 2, run
     scores = 2 * 4 * 512 * 512 * 4
     assert run["peak_allocated_bytes"] >= scores, run["peak_allocated_bytes"]
+
+
+def test_flex_attention_compiled_on_its_own_is_the_fused_kernel_forward_and_backward(tmp_path: Path) -> None:
+    # torchtune and torchtitan call torch.compile(flex_attention): one fused kernel, whose
+    # forward holds the output and a float32 log-sum-exp per row, and no matrix of scores;
+    # nor does its backward (the dense backward would hold the scores and their gradient).
+    source = FLEX_ATTENTION_EAGER.replace(
+        "from torch.nn.attention.flex_attention import flex_attention",
+        "from torch.nn.attention.flex_attention import flex_attention as flex\nflex_attention = torch.compile(flex, dynamic=False)",
+    )
+    run = preflight_run(_script(tmp_path, source), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    scores = 2 * 4 * 512 * 512 * 4
+    # cuBLAS's workspaces (64 MiB) are live from the first step's inputs on: the forward adds less
+    # than the scores to them, the backward (with the gradients) less than twice; the dense
+    # kernel adds four times the scores to the forward and eight to the backward.
+    peaks = run["phase_peaks"]
+    assert peaks["forward"] - peaks["inputs"] < scores and peaks["backward"] - peaks["inputs"] < 2 * scores, peaks
+    assert run["by_role"]["temporaries"] < scores, run["by_role"]
+    # What the forward keeps for the backward: the output and the log-sum-exp, as the fused kernel makes them.
+    out, lse = 2 * 4 * 512 * 64 * 4, 2 * 4 * 512 * 4
+    assert run["by_role"]["activations"] >= out + lse, run["by_role"]
+    assert not any("flex" in n.lower() or "not modelled" in n for n in run["notes"]), run["notes"]
+
+
+FLEX_BLOCK_COMPILED = """
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+flex = torch.compile(flex_attention, dynamic=False)
+B, H, L, D = 2, 4, 512, 64
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.out = nn.Linear(H * D, H * D)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        y = flex(q, k, v, block_mask=mask).transpose(1, 2).reshape(B, L, H * D)
+        return nn.functional.gelu(self.out(y)) * 2 + 1
+
+model = Block().cuda()
+model.compile()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mask = create_block_mask(causal, B, None, L, L, device="cuda")
+for _ in range(3):
+    model(torch.randn(B, L, H * D, device="cuda"), mask).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_compiled_block_given_a_block_mask_is_captured_with_its_attention_fused(tmp_path: Path) -> None:
+    # A BlockMask (tensors, sizes and a function) is no input AOTAutograd takes: before, the block
+    # ran eager ("all flat_args must be KNOWN_TYPES"). Held out of the inputs and read as a constant,
+    # the block is captured, and the compiled attention inside it is one fused operator.
+    run = preflight_run(_script(tmp_path, FLEX_BLOCK_COMPILED), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    assert any("torch.compile (inductor) was modelled" in n for n in run["notes"]), run["notes"]
+    assert not any("could not capture" in n for n in run["notes"]), run["notes"]
+    # Beside cuBLAS's workspaces (role "other"), the step holds less than twice the scores at its
+    # peak; the dense attention would hold several times them.
+    scores = 2 * 4 * 512 * 512 * 4
+    assert run["peak_allocated_bytes"] - run["by_role"]["other"] < 2 * scores, run["by_role"]

@@ -55,6 +55,10 @@ pub struct PreflightRun {
     /// Of it, the most that was pinned at once.
     #[serde(default)]
     pub host_pinned_peak_bytes: u64,
+    /// The most unified (paged) memory held at once (bitsandbytes' paged optimizer state),
+    /// outside PyTorch's allocator: in neither the GPU's figures nor `host_peak_bytes`.
+    #[serde(default)]
+    pub host_paged_peak_bytes: u64,
     /// The same recorded step replayed by the allocator model under other
     /// settings (`oomkit preflight`'s expandable-segments fix), where asked:
     /// read by the command, not part of the run's answer.

@@ -62,6 +62,7 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         phase_peaks=_phase_peaks(tr, realized[3][0]),
         host_peak_bytes=rec.host.peak_bytes,
         host_pinned_peak_bytes=rec.host.pinned_peak_bytes,
+        host_paged_peak_bytes=rec.host.paged_peak_bytes,
     )
     snapshot = settings.snapshot
     if snapshot is not None:

@@ -73,6 +73,10 @@ class Preflight:
     host_peak_bytes: int = 0
     #: Of it, the most that was pinned (page-locked) at once.
     host_pinned_peak_bytes: int = 0
+    #: The most unified (paged) memory held at once: bitsandbytes' paged optimizer state, on the
+    #: GPU while there is room and on the host when not; outside PyTorch's allocator, so in
+    #: neither the GPU's figures nor ``host_peak_bytes``.
+    host_paged_peak_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as plain data (what ``json.dumps`` writes)."""

@@ -76,6 +76,13 @@ pub fn preflight(r: &PreflightReport) -> String {
             human_bytes(run.host_pinned_peak_bytes),
         );
     }
+    if run.host_paged_peak_bytes > 0 {
+        let _ = writeln!(
+            out,
+            "  paged (unified) memory: {} at most (paged optimizer state: on the GPU while there is room, moved to the host when not; outside PyTorch's allocator and the peaks above)",
+            human_bytes(run.host_paged_peak_bytes),
+        );
+    }
     if let Some(&eval) = run.phase_peaks.get("eval") {
         let _ = writeln!(
             out,

@@ -5,14 +5,32 @@ and 4-bit layers fake implementations, so they run on tensors without
 data as they are, and hold what they hold on a GPU: an 8-bit optimizer's
 state is one byte per element in blocks of 256 with an fp32 scale each,
 and tensors under 4096 elements keep fp32 state (``min_8bit_size``).
+
+Its paged optimizers (``PagedAdamW8bit``, ``PagedAdamW``) keep the state
+of each tensor of 100,000 elements or more in CUDA's unified memory, which
+its native library allocates and prefetches (``cget_managed_ptr``,
+``cprefetch``); without a GPU the library exits the process. On a GPU that
+state is a host tensor whose pages the driver moves to the GPU while there
+is room and back when there is not, outside PyTorch's caching allocator:
+never in the GPU's peaks, never the cause of an out-of-memory. Under
+preflight it is host memory that costs nothing until touched, counted as
+paged beside the GPU's figures.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
+import torch
+
 from oomkit._native import PreflightError
+from oomkit.preflight.record.host import HostMemory, host_zeros
+
+#: The module whose paged buffers are stood in for, once the script imports it.
+FUNCTIONAL = "bitsandbytes.functional"
 
 
 def _bitsandbytes(what: str) -> Any:
@@ -51,3 +69,34 @@ def _taking_torchs_arguments(cls: Any) -> Any:
 
     InPlace.__name__ = InPlace.__qualname__ = cls.__name__
     return InPlace
+
+
+def paged_stand_ins(host: HostMemory) -> Any:
+    """What to set on ``bitsandbytes.functional`` once imported: paged buffers made as host
+    memory counted as paged, their prefetches and fills without the native library."""
+
+    def make(functional: ModuleType) -> Sequence[tuple[str, Any]]:
+        elementwise = functional.elementwise_func
+
+        def get_paged(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+            out = host_zeros(tuple(shape), dtype)
+            out.is_paged = True  # type: ignore[attr-defined]
+            out.page_deviceid = getattr(device, "index", None) or 0  # type: ignore[attr-defined]
+            host.hold_paged(out)
+            return out
+
+        def prefetch_tensor(a: torch.Tensor, to_cpu: bool = False) -> None:
+            # Moving pages between host and GPU changes no figure preflight gives.
+            del a, to_cpu
+
+        def elementwise_func(func_name: str, a: torch.Tensor, b: Any, value: Any, prefetch: bool = True) -> Any:
+            if not getattr(a, "is_paged", False):
+                return elementwise(func_name, a, b, value, prefetch)
+            # A paged buffer is new zeros; filling it with zeros (all its optimizer does) leaves it so.
+            if func_name == "fill" and value:
+                a.fill_(value)
+            return None
+
+        return [("get_paged", get_paged), ("prefetch_tensor", prefetch_tensor), ("elementwise_func", elementwise_func)]
+
+    return make

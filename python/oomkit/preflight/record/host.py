@@ -38,13 +38,21 @@ def host_zeros(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch
 
 
 class HostMemory:
-    """The host memory the script holds for the GPU, live and at its most: all of it, and pinned."""
+    """The host memory the script holds for the GPU, live and at its most: all of it, pinned, and paged.
+
+    Paged memory is CUDA's unified memory (bitsandbytes' paged optimizer
+    state): allocated outside PyTorch's caching allocator, resident on the
+    GPU while there is room and moved to the host when there is not, so it
+    is never in the GPU's peaks and never the cause of an out-of-memory.
+    """
 
     def __init__(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.pinned_live_bytes = 0
         self.pinned_peak_bytes = 0
+        self.paged_live_bytes = 0
+        self.paged_peak_bytes = 0
         # Each storage counted once: [its bytes, whether pinned].
         self._held: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # The storages of values read back from tensors without data, taken as zero.
@@ -77,6 +85,16 @@ class HostMemory:
 
     def _freed(self, entry: list[Any]) -> None:
         self._change(-entry[0], -entry[0] if entry[1] else 0)
+
+    def hold_paged(self, t: torch.Tensor) -> None:
+        """Counts ``t``'s storage as paged (unified) memory until it is freed."""
+        nbytes = t.untyped_storage().nbytes()
+        self._change_paged(nbytes)
+        weakref.finalize(t.untyped_storage(), self._change_paged, -nbytes)
+
+    def _change_paged(self, nbytes: int) -> None:
+        self.paged_live_bytes += nbytes
+        self.paged_peak_bytes = max(self.paged_peak_bytes, self.paged_live_bytes)
 
     def pinned(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is counted as pinned (what ``Tensor.is_pinned()`` says of it)."""

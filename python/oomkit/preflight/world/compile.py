@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.world.dist import spread_by
+from oomkit.preflight.world.flex import compiled_alone, eager_wrapper
 
 if TYPE_CHECKING:
     from oomkit.preflight.record.recorder import Recorder
@@ -193,7 +194,7 @@ class Compiler:
                 return lambda m: compile(m, backend=backend, mode=mode, disable=disable)
             check_mode(mode)
             partition = partition_of(backend)
-            if disable:
+            if disable or eager_wrapper(model):
                 return model
             if mode in CUDA_GRAPH_MODES:
                 self._note(CUDA_GRAPHS.format(mode=mode))
@@ -210,6 +211,9 @@ class Compiler:
         ``compile()`` (its ``_call_impl``), or a function."""
         if isinstance(target, torch.nn.Module):
             return _compiled_module(target, _Graphs(self, partition, target))
+        flex = compiled_alone(target, self.recorder)
+        if flex is not None:
+            return flex
         owner = getattr(target, "__self__", None)
         if isinstance(owner, torch.nn.Module) and getattr(target, "__name__", "") in ("_call_impl", "__call__", "forward"):
             # nn.Module.compile() sets this as the module's call: the module's own call runs under it.
@@ -328,6 +332,8 @@ class _Graphs:
         # The modules it reads, once known.
         self.reached: list[torch.nn.Module] | None = None
         self.ends_capture: Callable[[], None] = lambda: None
+        # The inputs of the call being captured that the tracer cannot take.
+        self._held = _HeldOut()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         static = self._signature(args, kwargs, sizes=True)
@@ -466,6 +472,7 @@ class _Graphs:
         buffers = dict(module.named_buffers())
 
         def functional(named_params: dict[str, Any], named_buffers: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self._held.put_back(args, kwargs)
             with self._own_call():
                 return torch.func.functional_call(module, {**named_params, **named_buffers}, args, kwargs)
 
@@ -474,6 +481,7 @@ class _Graphs:
         def run(*args: Any, **kwargs: Any) -> Any:
             # The module's tensors as they are now (a fix may have replaced some), passed as the graph's inputs.
             params_now = dict(module.named_parameters())
+            args, kwargs = self._held.hold_out(args, kwargs)
             return inner(params_now, dict(module.named_buffers()), *args, **kwargs)
 
         return run
@@ -492,6 +500,7 @@ class _Graphs:
             return {f"{i}.{name}": t for i, m in enumerate(modules) for name, t in (*m.named_parameters(), *m.named_buffers())}
 
         def functional(named: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self._held.put_back(args, kwargs)
             with contextlib.ExitStack() as stack:
                 for i, m in enumerate(modules):
                     own = {name.partition(".")[2]: t for name, t in named.items() if name.partition(".")[0] == str(i)}
@@ -499,7 +508,12 @@ class _Graphs:
                 return fn(*args, **kwargs)
 
         inner = aot(functional, len(tensors_now()))
-        return lambda *args, **kwargs: inner(tensors_now(), *args, **kwargs)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self._held.hold_out(args, kwargs)
+            return inner(tensors_now(), *args, **kwargs)
+
+        return run
 
     def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, sizes: bool) -> tuple[Any, ...]:
         """What a compiled graph is specialised on: its inputs' shapes (or only their number of
@@ -514,6 +528,36 @@ class _Graphs:
             else:
                 parts.append(type(leaf).__name__)
         return tuple(parts)
+
+
+#: The inputs AOTAutograd's tracer takes: tensors, and values it specialises the graph on.
+TRACEABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class _HeldOut:
+    """The inputs of a compiled call that AOTAutograd cannot take (a FlexAttention ``BlockMask``:
+    tensors, sizes and a mask function), held out of its arguments and put back inside the traced
+    function, where the graph's capture reads them as Dynamo reads its guarded constants."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Any] = {}
+
+    def hold_out(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with each leaf the tracer cannot take replaced by ``0``, remembered."""
+        leaves, spec = tree_flatten((args, kwargs))
+        self.held = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, TRACEABLE)}
+        if not self.held:
+            return args, kwargs
+        out: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten([0 if i in self.held else x for i, x in enumerate(leaves)], spec)
+        return out
+
+    def put_back(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The held-out leaves back in their places in the traced call's arguments."""
+        if not self.held:
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        out: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten([self.held.get(i, x) for i, x in enumerate(leaves)], spec)
+        return out
 
 
 def modules_reached(fn: Any) -> list[torch.nn.Module]:

@@ -30,6 +30,7 @@ from typing import Any, Union
 
 import torch
 
+from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
@@ -46,6 +47,7 @@ from oomkit.preflight.world.cuda import (
 )
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
+from oomkit.preflight.world.imports import when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
 from oomkit.preflight.world.triton import launch_stand_ins
@@ -205,6 +207,8 @@ class FakeGpu:
             entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
+        paged = paged_stand_ins(rec.host)
+        entries.append(Hook("bitsandbytes' paged buffers are host memory, counted as paged", when_imported(FUNCTIONAL), paged))
         for owner, name, value in _fused_on_meta():
             entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
         compiler = Compiler(self.notes, rec, self.autocast)

@@ -1,0 +1,126 @@
+"""Stand-ins for a library the script imports later: set when its module is imported, taken back on exit.
+
+The fake GPU enters before the script runs, when most libraries it will
+use are not imported yet, and importing them all up front would cost every
+preflight the time of libraries the script never uses. A stand-in for such
+a library (bitsandbytes' paged buffers) waits for its module instead: a
+finder on ``sys.meta_path`` sees the import, lets it run, then sets the
+stand-ins on the module; if the module is imported already they are set at
+once. Removing the hook takes the finder away and puts the module's own
+attributes back.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+#: What a library's stand-ins are made from: its module, given once imported;
+#: it returns the (name, value) pairs to set on that module.
+MakeStandIns = Callable[[ModuleType], Sequence[tuple[str, Any]]]
+
+
+class _Setter:
+    """The stand-ins for one module: set once, and the module's own attributes put back on removal."""
+
+    def __init__(self, module_name: str, make: MakeStandIns) -> None:
+        self.module_name = module_name
+        self.make = make
+        self._module: ModuleType | None = None
+        self._old: dict[str, Any] = {}
+
+    def set_on(self, module: ModuleType) -> None:
+        if self._module is not None:
+            return
+        self._module = module
+        for name, value in self.make(module):
+            self._old[name] = module.__dict__.get(name, _MISSING)
+            setattr(module, name, value)
+
+    def take_back(self) -> None:
+        module, self._module = self._module, None
+        if module is None:
+            return
+        for name, value in self._old.items():
+            if value is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)
+        self._old.clear()
+
+
+_MISSING = object()
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the one module it waits for, it wraps the real loader so
+    that the stand-ins are set as soon as the module's code has run."""
+
+    def __init__(self, setter: _Setter) -> None:
+        self.setter = setter
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.setter.module_name:
+            return None
+        # The other finders, not this one, find the module (it is first on the path).
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self.setter)
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    """The real loader, and then the stand-ins set on the module it made."""
+
+    def __init__(self, loader: Any, setter: _Setter) -> None:
+        self.loader = loader
+        self.setter = setter
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.setter.set_on(module)
+
+    def __getattr__(self, name: str) -> Any:
+        # What else the real loader offers (get_source, is_package: tracebacks and pkgutil read them).
+        return getattr(self.loader, name)
+
+
+class _Handle:
+    """What registering returns: ``remove()`` takes the finder away and the stand-ins back."""
+
+    def __init__(self, finder: _Finder) -> None:
+        self.finder = finder
+
+    def remove(self) -> None:
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+        self.finder.setter.take_back()
+
+
+def when_imported(module_name: str) -> Callable[[MakeStandIns], _Handle]:
+    """A hook's registration for the fake GPU's ledger: the stand-ins ``make`` returns are set
+    on ``module_name`` when it is imported (at once, if it is), and taken back on removal."""
+
+    def register(make: MakeStandIns) -> _Handle:
+        setter = _Setter(module_name, make)
+        finder = _Finder(setter)
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setter.set_on(module)
+        else:
+            sys.meta_path.insert(0, finder)
+        return _Handle(finder)
+
+    return register
