@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# torchtune's memory ladder (its README: full fine-tuning of Llama-3.2-3B on an A100, batch 2,
+# 4,096 tokens packed, bf16, one change per row), each row run through `tune run` unchanged
+# under `oomkit preflight`. Stand-ins only for what would be downloaded: a zero-filled sparse
+# checkpoint of the real names and shapes (6 GiB on paper, nothing on disk), a byte-level
+# tokenizer and a small Alpaca-shaped JSON file (packing fills every row to 4,096 tokens).
+# Needs torchtune 0.6.1 and torchao 0.15.0 importable (PYTHONPATH is kept) and bitsandbytes
+# for the last row. Usage: scripts/torchtune_ladder.sh [WORKDIR]; prints one line per row.
+set -euo pipefail
+work=${1:-$(mktemp -d)}
+mkdir -p "$work/ckpt"
+python - "$work/ckpt" <<'PY'
+import base64, json, os, struct, sys
+out = sys.argv[1]
+V, D, L, H, KV, F = 128256, 3072, 28, 24, 8, 8192  # Llama-3.2-3B's config.json
+hd = D // H
+shapes = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
+for i in range(L):
+    p = f"model.layers.{i}."
+    for name, shape in (("self_attn.q_proj", [H * hd, D]), ("self_attn.k_proj", [KV * hd, D]), ("self_attn.v_proj", [KV * hd, D]),
+                        ("self_attn.o_proj", [D, H * hd]), ("mlp.gate_proj", [F, D]), ("mlp.up_proj", [F, D]), ("mlp.down_proj", [D, F])):
+        shapes[p + name + ".weight"] = shape
+    shapes[p + "input_layernorm.weight"] = [D]
+    shapes[p + "post_attention_layernorm.weight"] = [D]
+header, off = {}, 0
+for k, s in shapes.items():
+    n = 2 * s[0] * (s[1] if len(s) > 1 else 1)
+    header[k] = {"dtype": "BF16", "shape": s, "data_offsets": [off, off + n]}
+    off += n
+header["__metadata__"] = {"format": "pt"}
+h = json.dumps(header).encode()
+h += b" " * (-len(h) % 8)
+with open(os.path.join(out, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h)
+    f.truncate(8 + len(h) + off)  # sparse: zeros that take no disk
+json.dump({"num_attention_heads": H, "num_key_value_heads": KV, "hidden_size": D, "tie_word_embeddings": True,
+           "vocab_size": V, "num_hidden_layers": L, "intermediate_size": F, "head_dim": hd}, open(os.path.join(out, "config.json"), "w"))
+with open(os.path.join(out, "tokenizer.model"), "w") as f:
+    f.writelines(base64.b64encode(bytes([i])).decode() + f" {i}\n" for i in range(256))
+rows = [{"instruction": f"Say something about the number {i} " * 8, "input": "", "output": f"The number {i} is fine. " * 20} for i in range(64)]
+json.dump(rows, open(os.path.join(out, "alpaca.json"), "w"))
+PY
+c=$work/ckpt
+common=(checkpointer.checkpoint_dir="$c" "checkpointer.checkpoint_files=[model.safetensors]" tokenizer.path="$c/tokenizer.model"
+  tokenizer.max_seq_len=4096 dataset.source=json dataset.data_files="$c/alpaca.json" dataset.split=train output_dir="$work/out"
+  max_steps_per_epoch=2 batch_size=2 dataset.packed=True loss._component_=torch.nn.CrossEntropyLoss compile=False
+  enable_activation_checkpointing=False optimizer_in_bwd=False enable_activation_offloading=False optimizer._component_=torch.optim.AdamW)
+row() {
+  local name=$1; shift
+  HF_DATASETS_OFFLINE=1 oomkit preflight --json --capacity A100 --steps 2 -- \
+    tune run full_finetune_single_device --config llama3_2/3B_full_single_device "${common[@]}" "$@" > "$work/row.json" 2> "$work/row.err" \
+    || { echo "$name: no answer (see $work/row.err)"; return; }
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['run']; G=2**30; print('%-28s peak allocated %6.2f GiB, paged %5.2f GiB' % (sys.argv[2], r['peak_allocated_bytes']/G, r['host_paged_peak_bytes']/G))" "$work/row.json" "$name"
+}
+chunked=loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss
+row "+ packed (60.0)"
+row "+ compile (51.0)" compile=True
+row "+ chunked CE (42.9)" compile=True $chunked
+row "+ checkpointing (24.9)" compile=True $chunked enable_activation_checkpointing=True optimizer.fused=True
+row "  (foreach AdamW)" compile=True $chunked enable_activation_checkpointing=True
+row "+ optimizer in bwd (23.1)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True
+row "+ offloading (21.8)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True
+row "+ 8-bit AdamW (17.6)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True optimizer._component_=bitsandbytes.optim.AdamW8bit
+row "  (paged)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True optimizer._component_=bitsandbytes.optim.PagedAdamW8bit
