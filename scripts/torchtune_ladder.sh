@@ -47,8 +47,19 @@ common=(checkpointer.checkpoint_dir="$c" "checkpointer.checkpoint_files=[model.s
   enable_activation_checkpointing=False optimizer_in_bwd=False enable_activation_offloading=False optimizer._component_=torch.optim.AdamW)
 row() {
   local name=$1; shift
+  run_recipe "$name" full_finetune_single_device llama3_2/3B_full_single_device "$@"
+}
+# The LoRA rows: the README's command for its last row, on the LoRA and QLoRA configs.
+lora_row() {
+  local name=$1 config=$2; shift 2
+  run_recipe "$name" lora_finetune_single_device "$config" compile=True loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss \
+    enable_activation_checkpointing=True enable_activation_offloading=True gradient_accumulation_steps=1 \
+    dataset._component_=torchtune.datasets.alpaca_dataset "$@"
+}
+run_recipe() {
+  local name=$1 recipe=$2 config=$3; shift 3
   HF_DATASETS_OFFLINE=1 oomkit preflight --json --capacity A100 --steps 2 -- \
-    tune run full_finetune_single_device --config llama3_2/3B_full_single_device "${common[@]}" "$@" > "$work/row.json" 2> "$work/row.err" \
+    tune run "$recipe" --config "$config" "${common[@]}" "$@" > "$work/row.json" 2> "$work/row.err" \
     || { echo "$name: no answer (see $work/row.err)"; return; }
   python -c "import json,sys; r=json.load(open(sys.argv[1]))['run']; G=2**30; print('%-28s peak allocated %6.2f GiB, paged %5.2f GiB' % (sys.argv[2], r['peak_allocated_bytes']/G, r['host_paged_peak_bytes']/G))" "$work/row.json" "$name"
 }
@@ -62,3 +73,5 @@ row "+ optimizer in bwd (23.1)" compile=True $chunked enable_activation_checkpoi
 row "+ offloading (21.8)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True
 row "+ 8-bit AdamW (17.6)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True optimizer._component_=bitsandbytes.optim.AdamW8bit
 row "  (paged)" compile=True $chunked enable_activation_checkpointing=True optimizer_in_bwd=True enable_activation_offloading=True optimizer._component_=bitsandbytes.optim.PagedAdamW8bit
+lora_row "LoRA (8.5)" llama3_2/3B_lora_single_device
+lora_row "QLoRA (4.6)" llama3_2/3B_qlora_single_device
