@@ -222,3 +222,62 @@ def test_a_cache_built_only_off_meta_is_built_on_the_fake_gpu(tmp_path: Path) ->
     # The table (4096 x 32 x 2 floats) is held as the model's own state, beside the weights and theta.
     table = 4096 * 32 * 2 * 4
     assert run["by_role"]["parameters"] == table + 64 * 64 * 4 + BLOCK + BLOCK
+
+
+def test_a_tensor_subclass_wrapping_a_gpu_tensor_is_on_the_fake_gpu(tmp_path: Path) -> None:
+    # A quantized weight as torchao's NF4Tensor makes one: a wrapper subclass taking its device
+    # from the tensor it wraps, whose copy_ moves what is copied in onto that device. Made on
+    # CUDA, every operation on it went through CUDA's device guard first ("CUDA driver version is
+    # insufficient" as the checkpoint was loaded); on the fake GPU it runs, and holds what it wraps.
+    script = _script(
+        tmp_path,
+        "wrapped.py",
+        """
+        import torch
+        from torch import nn
+        from torch.utils._pytree import tree_map
+
+        class Packed(torch.Tensor):
+            @staticmethod
+            def __new__(cls, data, device):
+                # The device the library read off the weight (torchao's NF4Tensor keeps it in its metadata).
+                return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=device)
+
+            def __init__(self, data, device):
+                self.data_ = data
+
+            def __tensor_flatten__(self):
+                return ["data_"], None
+
+            @staticmethod
+            def __tensor_unflatten__(inner, meta, size, stride):
+                return Packed(inner["data_"], torch.device("cuda", 0))
+
+            @classmethod
+            def __torch_dispatch__(cls, func, types, args, kwargs=None):
+                if func is torch.ops.aten.copy_.default:
+                    dst, src = args
+                    dst.data_.copy_(src.to(dst.device))
+                    return dst
+                if func is torch.ops.aten.detach.default:
+                    return Packed(args[0].data_, torch.device("cuda", 0))
+                unwrapped = tree_map(lambda t: t.data_ if isinstance(t, Packed) else t, args)
+                return func(*unwrapped, **(kwargs or {}))
+
+        layer = nn.Linear(256, 256, bias=False).cuda()
+        layer.weight = nn.Parameter(Packed(layer.weight.detach(), torch.device("cuda", 0)), requires_grad=False)
+        assert layer.weight.is_cuda and layer.weight.device == torch.device("cuda", 0)
+        layer.load_state_dict({"weight": torch.ones(256, 256)})
+        model = nn.Sequential(layer, nn.Linear(256, 8).cuda())
+        opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+        for _ in range(2):
+            x = torch.randn(4, 256, device="cuda")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    assert run["steps"] == 2, run
+    # The wrapped weight is held once, as the model's parameters with the head's (and its bias).
+    assert run["by_role"]["parameters"] == 256 * 256 * 4 + 8 * 256 * 4 + BLOCK, run["by_role"]

@@ -739,8 +739,24 @@ def fused_away(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     Inductor fuses such chains into one kernel that reads the chain's inputs
     and writes its end; run one operation at a time, each link would hold a
     tensor of its own. A result the graph returns (saved for backward, a
-    gradient) is written.
+    gradient) is written. A constant fill (``full``) is computed where it is
+    read, and a scatter of a scalar into one (cross-entropy's backward: the
+    one-hot of the targets) is a comparison with the positions, as
+    Inductor's ``scatter_upon_const_tensor`` rewrites it. A gather reads
+    a pointwise input at the positions it picks, computing just those
+    (cross-entropy's forward: the log-probability of each target).
     """
+
+    def pointwise(n: torch.fx.Node) -> bool:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            return False
+        if torch.Tag.pointwise in op.tags or op is _FULL:
+            return True
+        if op is _SCATTER_VALUE:
+            base = n.args[0]
+            return isinstance(base, torch.fx.Node) and base.target is _FULL and len(base.users) == 1
+        return False
 
     def fusible_uses(n: torch.fx.Node) -> bool:
         for user in n.users:
@@ -750,19 +766,24 @@ def fused_away(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             if op.is_view:
                 if not fusible_uses(user):
                     return False
-            elif not (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags):
+            elif not (pointwise(user) or torch.Tag.reduction in op.tags or op is _GATHER):
                 return False
         return True
 
-    return {
-        n
-        for n in graph.nodes
-        if n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
-        and torch.Tag.pointwise in n.target.tags
-        and n.users
-        and fusible_uses(n)
-    }
+    fused = {n for n in graph.nodes if pointwise(n) and n.users and fusible_uses(n)}
+    # A view of a result never written is never written either (else it would be counted as new memory).
+    for n in graph.nodes:
+        op = n.target
+        if isinstance(op, torch._ops.OpOverload) and op.is_view and n.args and n.args[0] in fused:
+            fused.add(n)
+    return fused
+
+
+#: A constant fill, and a scatter of a scalar (fused as in ``fused_away``).
+_FULL = torch.ops.aten.full.default
+_SCATTER_VALUE = torch.ops.aten.scatter.value
+#: A read at chosen positions, which computes a pointwise input only there.
+_GATHER = torch.ops.aten.gather.default
 
 
 def _compiled_module(module: torch.nn.Module, graphs: _Graphs) -> torch.nn.Module:

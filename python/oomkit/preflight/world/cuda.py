@@ -613,6 +613,22 @@ def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable
     return enable_gqa and key.shape[1] == value.shape[1] and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
 
 
+def wrapper_subclass_stand_in() -> list[tuple[Any, str, Any]]:
+    """``Tensor._make_wrapper_subclass`` that makes a wrapper asked for on CUDA on the fake GPU, for
+    the ledger. A quantized weight (torchao's ``NF4Tensor``) takes its device from the tensor it
+    wraps, which says CUDA; a wrapper made on CUDA sends every operation on it through CUDA's
+    device guard, which needs a driver, before any mode can see it ("CUDA driver version is
+    insufficient" as a checkpoint is copied in). On ``meta`` it is the fake GPU's, as DTensor's are."""
+    make = torch.Tensor._make_wrapper_subclass
+
+    def on_fake_gpu(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_cuda(kwargs.get("device")):
+            kwargs["device"] = FAKE_DEVICE
+        return make(cls, *args, **kwargs)
+
+    return [(torch.Tensor, "_make_wrapper_subclass", staticmethod(on_fake_gpu))]
+
+
 def foreach_stand_ins() -> list[tuple[Any, str, Any]]:
     """What makes PyTorch choose foreach kernels for ``meta`` tensors by default, as it
     does for CUDA ones: (owner, name, value) for the fake GPU's ledger."""

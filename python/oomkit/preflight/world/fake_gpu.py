@@ -44,6 +44,7 @@ from oomkit.preflight.world.cuda import (
     foreach_stand_ins,
     no_graph_capture,
     saved_tensor_hooks_in_mode,
+    wrapper_subclass_stand_in,
 )
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
@@ -201,6 +202,8 @@ class FakeGpu:
         attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
+        for owner, name, value in wrapper_subclass_stand_in():
+            entries.append(StandIn("tensor subclasses wrapping the fake GPU's tensors are on it too", owner, name, value))
         for owner, name, value in saved_tensor_hooks_in_mode(self.functions):
             entries.append(StandIn("saved-tensor hooks see the GPU as the rest of the script does", owner, name, value))
         for owner, name, value in autocast_stand_ins(self.autocast, self.functions):
