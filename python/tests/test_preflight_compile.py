@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from preflight_cli import OOMKIT, preflight_run
@@ -298,7 +299,7 @@ def test_cross_entropy_in_a_compiled_graph_writes_only_its_gradient_at_the_logit
 
     written: dict[str, list[str]] = {}
 
-    def keep(name: str) -> object:
+    def keep(name: str) -> Any:
         def compiler(gm: torch.fx.GraphModule, _inputs: object) -> object:
             fused = fused_away(gm.graph)
             written[name] = [
