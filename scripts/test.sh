@@ -3,7 +3,7 @@
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
 # and pip installs maturin, pytest (with pytest-xdist), mypy (its stubtest checks the stub), ruff, expecttest
 # (which PyTorch's autocast test lists import), PyTorch (CPU use), transformers, accelerate,
-# lightning, bitsandbytes and litgpt (without its pins) into .venv, which
+# lightning, bitsandbytes, litgpt (without its pins), TRL and torchtune into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -72,6 +72,12 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # The corpus of entry points that packages ship (python/tests/corpus.md): TRL's
   # trainers, through its own command, with the PEFT and datasets it runs on.
   python -c "import trl, peft, datasets" 2>/dev/null || python -m pip install -q "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0"
+  # torchtune's recipes, run through `tune run` (test_preflight_torchtune.py), with torchao and
+  # what else they import, in a folder of their own that only those tests put on the path (the
+  # other libraries would find torchao and change what they run). No dependencies: the rest is above.
+  [ -d .venv/torchtune-site/torchtune ] || python -m pip install -q --no-deps --target .venv/torchtune-site \
+    "torchtune==0.6.1" "torchao==0.15.0" "torchdata==0.11.0" "omegaconf==2.4.0" "antlr4-python3-runtime==4.13.2" \
+    "tiktoken==0.14.0" "sentencepiece==0.2.3" "kagglehub==1.0.3" "kagglesdk==0.1.38" "protobuf==7.36.2"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

@@ -74,6 +74,22 @@ pub struct PreflightRun {
     /// makes them rows saying so, not part of the run's answer.
     #[serde(default, skip_serializing)]
     pub in_script: BTreeMap<String, String>,
+    /// The framework recipe the script ran (a torchtune recipe), with the memory switches its
+    /// config sets: read by the command, whose changes are then the recipe's own switches.
+    #[serde(default, skip_serializing)]
+    pub recipe: Option<Recipe>,
+}
+
+/// A framework's recipe as its run read it: which, and the settings its config gave.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Recipe {
+    /// The framework (`torchtune`).
+    pub framework: String,
+    /// The recipe, as it names itself (`FullFinetuneRecipeSingleDevice`).
+    pub name: String,
+    /// Its settings by their dotted names in the config (null where the config has none).
+    #[serde(default)]
+    pub settings: BTreeMap<String, serde_json::Value>,
 }
 
 /// A recorded step replayed by the allocator model under other settings.

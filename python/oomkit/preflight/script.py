@@ -423,6 +423,9 @@ class _Session:
             if not self.launch.fixes:
                 # Run as written: the changes it already makes are rows saying so, not runs.
                 out["in_script"] = self.in_script.said(self.rec.recomputed, conf)
+            if self.world.recipe.recipe is not None:
+                # A framework's recipe: its own switches are the changes to measure.
+                out["recipe"] = self.world.recipe.recipe
         except PreflightError as e:
             self._write({"error": str(e)})
             return

@@ -10,13 +10,15 @@
 use crate::args::FormatArgs;
 use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
 use crate::output::{print, say};
-use oomkit_report::{FixRow, PreflightReport, PreflightRun, Replayed};
+use oomkit_report::{FixRow, PreflightReport, PreflightRun, Recipe, Replayed};
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+mod recipe;
 
 /// What `{batch}` in the command is replaced with.
 const BATCH: &str = "{batch}";
@@ -283,6 +285,7 @@ pub(crate) fn run(mut a: Args) -> u8 {
         let script = AsWritten {
             accumulation: report.run.grad_accum.unwrap_or(1),
             already: std::mem::take(&mut report.run.in_script),
+            recipe: report.run.recipe.take(),
             peak_allocated_bytes: report.run.peak_allocated_bytes,
             peak_reserved_bytes: report.run.peak_reserved_bytes,
             fits: report.run.fits,
@@ -311,11 +314,17 @@ pub(crate) fn run(mut a: Args) -> u8 {
 impl Change {
     /// Whether the change is the allocator's settings alone, which a replay of the recorded step answers.
     fn replayable(&self) -> bool {
-        self.expandable && self.inside.is_empty() && !self.halved && self.gpus.is_none()
+        self.expandable
+            && self.inside.is_empty()
+            && self.args.is_empty()
+            && self.drop.is_empty()
+            && !self.halved
+            && self.gpus.is_none()
     }
 }
 
 /// A change tried for "what would make it fit", as the script is run with it.
+#[derive(Default)]
 struct Change {
     /// In words, for the report.
     change: String,
@@ -329,6 +338,17 @@ struct Change {
     halved: bool,
     /// The GPUs it runs as rank 0 of, where it spreads the model over more than the script's.
     gpus: Option<u32>,
+    /// Words added to the command (a recipe's overrides: `compile=True`).
+    args: Vec<String>,
+    /// Words of the command taken off it, by how they begin (`optimizer.fused=`).
+    drop: Vec<String>,
+    /// Why the script already makes it, where its recipe's config says so.
+    already: Option<String>,
+    /// It takes one backward per optimizer step (torchtune's `optimizer_in_bwd`), so it is
+    /// not made together with a change that accumulates more.
+    one_backward: bool,
+    /// It accumulates more backward passes per optimizer step (half the batch).
+    accumulates: bool,
 }
 
 /// The script as written, as its run found it: what the changes are weighed against.
@@ -337,6 +357,8 @@ struct AsWritten {
     accumulation: u64,
     /// The changes it already makes, by name, each with why it would change nothing.
     already: BTreeMap<String, String>,
+    /// The framework recipe it is (torchtune's), whose own switches are the changes.
+    recipe: Option<Recipe>,
     /// Its peaks, and whether it fits.
     peak_allocated_bytes: u64,
     peak_reserved_bytes: u64,
@@ -346,7 +368,10 @@ struct AsWritten {
 impl AsWritten {
     /// Why `c` would change nothing in this script, if it would.
     fn already_makes(&self, c: &Change) -> Option<String> {
-        if c.expandable && c.inside.is_empty() {
+        if c.already.is_some() {
+            return c.already.clone();
+        }
+        if c.expandable && c.inside.is_empty() && c.args.is_empty() {
             // The allocator settings in force (given, or set by the script), as its run found.
             return self.already.get(EXPANDABLE_IN_SCRIPT).cloned();
         }
@@ -384,71 +409,11 @@ fn fixes(
     replayed: Option<&Replayed>,
     notes: &mut Vec<String>,
 ) -> Vec<FixRow> {
-    let mut changes = vec![
-        Change {
-            change: "activation checkpointing of the model's repeated blocks".into(),
-            cost: "each block's forward run again in backward (about a third more compute)",
-            inside: vec!["checkpoint"],
-            expandable: false,
-            halved: false,
-            gpus: None,
-        },
-        Change {
-            change: "bf16 autocast around the model's forward".into(),
-            cost: "matmuls in bfloat16 (the weights and the optimizer stay float32)",
-            inside: vec!["autocast"],
-            expandable: false,
-            halved: false,
-            gpus: None,
-        },
-        Change {
-            change: "8-bit AdamW (bitsandbytes) for torch.optim.AdamW".into(),
-            cost: "the optimizer's moments in 8 bits, with bitsandbytes installed",
-            inside: vec!["adamw8bit"],
-            expandable: false,
-            halved: false,
-            gpus: None,
-        },
-        Change {
-            change: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
-            cost: "none to speak of: the allocator maps pages instead of whole segments",
-            inside: Vec::new(),
-            expandable: true,
-            halved: false,
-            gpus: None,
-        },
-    ];
-    if let Some(b) = base.batch.filter(|&b| b > 1) {
-        changes.push(Change {
-            // Twice the script's own accumulation keeps its effective batch; the peak is the
-            // half micro-batch's, however many of them accumulate.
-            change: if script.accumulation > 1 {
-                format!(
-                    "micro-batch {} x accumulation {} (twice the script's {})",
-                    b / 2,
-                    2 * script.accumulation,
-                    script.accumulation
-                )
-            } else {
-                format!("micro-batch {} x accumulation 2", b / 2)
-            },
-            cost: "twice the forward and backward passes per optimizer step",
-            inside: Vec::new(),
-            expandable: false,
-            halved: true,
-            gpus: None,
-        });
-    }
-    // More GPUs is another kind of change: its own row, after the ones on the script's GPUs
-    // (which it may not combine with: bitsandbytes' 8-bit step takes no sharded tensors).
-    let over = if a.gpus > 1 { a.gpus } else { SHARD_OVER_GPUS };
-    let sharded = Change {
-        change: format!("FSDP over {over} GPUs (fully_shard of each block)"),
-        cost: "a GPU per rank; each gathers a block's weights as it runs it, and gradients are reduce-scattered",
-        inside: vec!["fsdp"],
-        expandable: false,
-        halved: false,
-        gpus: Some(over),
+    let (changes, sharded) = match script.recipe.as_ref() {
+        Some(r) if r.framework == recipe::TORCHTUNE => {
+            (recipe::changes(r, &a.command, notes), None)
+        }
+        _ => (script_changes(base, script), Some(sharded_change(a))),
     };
     // Each change alone, the sharding, and all of them together run side by side.
     // The run of all of them skips what cannot be made here (autocast the script
@@ -462,11 +427,11 @@ fn fixes(
         .filter(|(_, why)| why.is_none())
         .map(|(c, _)| c)
         .collect();
-    let sharded_already = script.already_makes(&sharded);
+    let sharded_already = sharded.as_ref().and_then(|c| script.already_makes(c));
     let everything = together(&to_run);
     let mut jobs: Vec<&Change> = to_run.clone();
-    if sharded_already.is_none() {
-        jobs.push(&sharded);
+    if let Some(c) = sharded.as_ref().filter(|_| sharded_already.is_none()) {
+        jobs.push(c);
     }
     jobs.push(&everything);
     let mut outcomes = side_by_side(a, base, knob, replayed, &jobs).into_iter();
@@ -487,10 +452,10 @@ fn fixes(
         }
     }
     // After the changes alone, the sharding's outcome and all of them together's.
-    let sharded_outcome = match sharded_already {
-        Some(why) => Ok(script.row(&sharded, why)),
-        None => outcomes.next().unwrap_or_else(|| not_run(&sharded)),
-    };
+    let sharded_outcome = sharded.as_ref().map(|c| match sharded_already {
+        Some(why) => Ok(script.row(c, why)),
+        None => outcomes.next().unwrap_or_else(|| not_run(c)),
+    });
     let everything_outcome = outcomes.next().unwrap_or_else(|| not_run(&everything));
     // Together only what ran alone: a change that cannot run here would sink the rest.
     if measured_changes.len() >= 2 {
@@ -505,14 +470,89 @@ fn fixes(
         }
     }
     match sharded_outcome {
-        Ok(row) => rows.push(row),
-        Err(note) => notes.push(note),
+        Some(Ok(row)) => rows.push(row),
+        Some(Err(note)) => notes.push(note),
+        None => {}
     }
     rows
 }
 
+/// The changes preflight makes to a script of the user's own (not a framework's recipe):
+/// inside it (checkpointing, autocast, an 8-bit AdamW), the allocator's settings, and half
+/// the micro-batch where the command has `{batch}`.
+fn script_changes(base: &Variant<'_>, script: &AsWritten) -> Vec<Change> {
+    let mut changes = vec![
+        Change {
+            change: "activation checkpointing of the model's repeated blocks".into(),
+            cost: "each block's forward run again in backward (about a third more compute)",
+            inside: vec!["checkpoint"],
+            ..Change::default()
+        },
+        Change {
+            change: "bf16 autocast around the model's forward".into(),
+            cost: "matmuls in bfloat16 (the weights and the optimizer stay float32)",
+            inside: vec!["autocast"],
+            ..Change::default()
+        },
+        Change {
+            change: "8-bit AdamW (bitsandbytes) for torch.optim.AdamW".into(),
+            cost: "the optimizer's moments in 8 bits, with bitsandbytes installed",
+            inside: vec!["adamw8bit"],
+            ..Change::default()
+        },
+        expandable_change(),
+    ];
+    if let Some(b) = base.batch.filter(|&b| b > 1) {
+        changes.push(Change {
+            // Twice the script's own accumulation keeps its effective batch; the peak is the
+            // half micro-batch's, however many of them accumulate.
+            change: if script.accumulation > 1 {
+                format!(
+                    "micro-batch {} x accumulation {} (twice the script's {})",
+                    b / 2,
+                    2 * script.accumulation,
+                    script.accumulation
+                )
+            } else {
+                format!("micro-batch {} x accumulation 2", b / 2)
+            },
+            cost: HALF_THE_BATCH_COST,
+            halved: true,
+            accumulates: true,
+            ..Change::default()
+        });
+    }
+    changes
+}
+
+/// What half the micro-batch with twice the accumulation costs.
+const HALF_THE_BATCH_COST: &str = "twice the forward and backward passes per optimizer step";
+
+/// The allocator's expandable segments, a change to any script.
+fn expandable_change() -> Change {
+    Change {
+        change: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
+        cost: "none to speak of: the allocator maps pages instead of whole segments",
+        expandable: true,
+        ..Change::default()
+    }
+}
+
+/// More GPUs, another kind of change: its own row, after the ones on the script's GPUs
+/// (which it may not combine with: bitsandbytes' 8-bit step takes no sharded tensors).
+fn sharded_change(a: &Args) -> Change {
+    let over = if a.gpus > 1 { a.gpus } else { SHARD_OVER_GPUS };
+    Change {
+        change: format!("FSDP over {over} GPUs (fully_shard of each block)"),
+        cost: "a GPU per rank; each gathers a block's weights as it runs it, and gradients are reduce-scattered",
+        inside: vec!["fsdp"],
+        gpus: Some(over),
+        ..Change::default()
+    }
+}
+
 /// What a run of `c` changed, less the changes inside the script it `skipped`.
-fn made(c: &Change, skipped: &[String]) -> (Vec<&'static str>, bool, bool) {
+fn made(c: &Change, skipped: &[String]) -> (Vec<&'static str>, bool, bool, Vec<String>) {
     let mut inside: Vec<&'static str> = c
         .inside
         .iter()
@@ -520,19 +560,29 @@ fn made(c: &Change, skipped: &[String]) -> (Vec<&'static str>, bool, bool) {
         .filter(|name| !skipped.iter().any(|s| s == name))
         .collect();
     inside.sort_unstable();
-    (inside, c.expandable, c.halved)
+    (inside, c.expandable, c.halved, c.args.clone())
 }
 
 /// The changes made together, on the script's own GPUs ("all of the above").
+/// A change that takes one backward per optimizer step leaves out one that accumulates more.
 fn together(changes: &[&Change]) -> Change {
+    let one_backward = changes.iter().any(|c| c.one_backward);
+    let made: Vec<&&Change> = changes
+        .iter()
+        .filter(|c| !(one_backward && c.accumulates))
+        .collect();
     Change {
         change: "all of the above".into(),
         cost: "each of the costs above",
-        inside: changes.iter().flat_map(|c| c.inside.clone()).collect(),
-        expandable: changes.iter().any(|c| c.expandable),
-        halved: changes.iter().any(|c| c.halved),
+        inside: made.iter().flat_map(|c| c.inside.clone()).collect(),
+        expandable: made.iter().any(|c| c.expandable),
+        halved: made.iter().any(|c| c.halved),
         // Sharding over more GPUs is a row of its own.
         gpus: None,
+        args: made.iter().flat_map(|c| c.args.clone()).collect(),
+        drop: made.iter().flat_map(|c| c.drop.clone()).collect(),
+        one_backward,
+        ..Change::default()
     }
 }
 
@@ -620,6 +670,8 @@ fn measure_change(
         alloc_conf: conf.as_deref().or(base.alloc_conf),
         alloc_conf_fixed: c.expandable,
         fixes: &c.inside,
+        args: &c.args,
+        drop: &c.drop,
         snapshot: None,
         gpus: c.gpus,
         // The script's output was shown by its own run; runs side by side would interleave it.
@@ -683,6 +735,10 @@ struct Variant<'v> {
     alloc_conf_fixed: bool,
     /// Changes made inside the script (`oomkit.preflight.fixes`: checkpoint, autocast, adamw8bit, fsdp).
     fixes: &'v [&'v str],
+    /// Words added to the end of the command (a recipe's overrides).
+    args: &'v [String],
+    /// Words of the command taken off it, by how they begin.
+    drop: &'v [String],
     /// The GPUs it runs as rank 0 of, where a fix spreads the model over other than `--gpus`.
     gpus: Option<u32>,
     /// The script's own output is dropped (a fix's run), not shown.
@@ -739,6 +795,8 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
     let words: Vec<String> = a
         .command
         .iter()
+        .filter(|w| !v.drop.iter().any(|d| w.starts_with(d.as_str())))
+        .chain(v.args)
         .map(|w| {
             let w = match batch {
                 Some(b) => w.replace(BATCH, &b.to_string()),

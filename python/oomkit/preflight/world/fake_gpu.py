@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.torchtune import CONFIG, RecipeSeen
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
@@ -164,6 +165,8 @@ class FakeGpu:
         self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
         self._stack: ExitStack | None = None
+        #: The framework recipe the script ran (torchtune's), once its config is read.
+        self.recipe = RecipeSeen()
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
 
@@ -210,6 +213,7 @@ class FakeGpu:
             entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
+        entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
         paged = paged_stand_ins(rec.host)
         entries.append(Hook("bitsandbytes' paged buffers are host memory, counted as paged", when_imported(FUNCTIONAL), paged))
         for owner, name, value in _fused_on_meta():
