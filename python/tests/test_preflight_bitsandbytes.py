@@ -173,7 +173,8 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 
-# The embedding's 2,048,000 elements are paged (100,000 or more); the two Linears' are not.
+# The embedding's 2,048,000 elements are paged (100,000 or more); the small Linear's are not
+# (the head is not optimized).
 model = nn.Sequential(nn.Embedding(8000, 256), nn.Linear(256, 256), nn.Linear(256, 8000)).cuda()
 small = list(model[1].parameters())
 opt = bnb.optim.PagedAdamW8bit([{"params": model[0].parameters()}, {"params": small}])
