@@ -744,3 +744,42 @@ def test_a_compiled_block_given_a_block_mask_is_captured_with_its_attention_fuse
     # peak; the dense attention would hold several times them.
     scores = 2 * 4 * 512 * 512 * 4
     assert run["peak_allocated_bytes"] - run["by_role"]["other"] < 2 * scores, run["by_role"]
+
+
+CHUNKED_HEAD = """
+import torch
+from torch import nn
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        self.output = nn.Linear(64, 1000)
+
+    def forward(self, x):
+        return self.body(x)  # the hidden states: the loss runs the output projection itself
+
+model = LM().cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    hidden = model(torch.randn(8, 256, 64, device="cuda"))
+    target = torch.randint(0, 1000, (8, 256), device="cuda")
+    # torchtitan's chunked loss: the model's own output projection, chunk by chunk, after its forward.
+    loss = sum(
+        nn.functional.cross_entropy(model.output(h).flatten(0, 1), t.flatten())
+        for h, t in zip(hidden.chunk(4, dim=1), target.chunk(4, dim=1))
+    )
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_models_own_layer_run_after_its_forward_continues_that_forward(tmp_path: Path) -> None:
+    # Each chunk's output projection is a call of one of the model's modules outside its forward:
+    # part of the step's forward, not a forward of its own (torchtitan's debug model read 18 for 2 steps).
+    run = preflight_run(_script(tmp_path, CHUNKED_HEAD), cwd=tmp_path)
+    assert run["steps"] == 2 and run["forwards"] == 2, run
+    # The chunks' logits, kept for the backward, are the step's activations.
+    logits = 4 * 8 * 64 * 1000 * 4
+    assert run["by_role"]["kv_cache"] == 0 and run["by_role"]["activations"] >= logits, run["by_role"]

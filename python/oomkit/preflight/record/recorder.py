@@ -230,6 +230,9 @@ class Recorder(TorchDispatchMode):
         self._until_backward: set[int] = set()
         # The top-level modules whose forwards ran, to find the state they keep at the end.
         self._top_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # The modules inside those (their submodules, not themselves): one of them called on
+        # its own (an output projection run chunk by chunk by a loss) continues the forward.
+        self._inside_top: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # The forward each allocation was made in (0: outside any), and for
         # those made outside, the first forward that read them: a tensor
         # read by a later forward than its own is held across forwards.
@@ -275,7 +278,11 @@ class Recorder(TorchDispatchMode):
             self._drop_ended(call)
             if not self._modules:
                 self.on_host = not _touches_gpu(module, _args, self.placement.on_gpu)
-                if not self.on_host:
+                if not self.on_host and module in self._inside_top and self.forwards:
+                    # A part of a model seen (torchtitan's loss runs the output projection
+                    # chunk by chunk after the model's forward): that forward, continued.
+                    self.forward_open = self.forwards
+                elif not self.on_host:
                     self._forward_begins(module)
             self._modules.append(type(module).__name__)
             self._calls.append(call)
@@ -304,7 +311,9 @@ class Recorder(TorchDispatchMode):
         """A top-level forward of a model on the GPU begins: counted, and given its generation."""
         self.forwards += 1
         self.forward_open = self.forwards
-        self._top_modules.add(module)
+        if module not in self._top_modules:
+            self._top_modules.add(module)
+            self._inside_top.update(m for m in module.modules() if m is not module)
         grad = torch.is_grad_enabled()
         if grad or self._last_forward_grad or self._backward_seen:
             self._generation += 1
