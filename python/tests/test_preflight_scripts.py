@@ -744,6 +744,10 @@ def test_a_compiled_block_given_a_block_mask_is_captured_with_its_attention_fuse
     # peak; the dense attention would hold several times them.
     scores = 2 * 4 * 512 * 512 * 4
     assert run["peak_allocated_bytes"] - run["by_role"]["other"] < 2 * scores, run["by_role"]
+    # The model's own compile() replaces its call, hooks and all: its forward is still the step's
+    # forward phase, and what it keeps for the backward its activations (before, temporaries).
+    assert run["forwards"] == 2 and "forward" in run["phase_peaks"], run
+    assert run["by_role"]["activations"] > 0, run["by_role"]
 
 
 CHUNKED_HEAD = """

@@ -311,6 +311,14 @@ def _composites_decomposed() -> Iterator[None]:
             op._dispatch_cache.clear()
 
 
+#: No output yet: the forward pre-hooks are run, not the forward hooks.
+_NO_OUTPUT = object()
+
+
+def _nothing_to_end() -> None:
+    """The end of a capture when none is running."""
+
+
 class _Graphs:
     """A compiled callable: per kind of input, a forward and backward graph partitioned as the backend would."""
 
@@ -331,7 +339,7 @@ class _Graphs:
         self.state = _ModuleState([])
         # The modules it reads, once known.
         self.reached: list[torch.nn.Module] | None = None
-        self.ends_capture: Callable[[], None] = lambda: None
+        self.ends_capture: Callable[[], None] = _nothing_to_end
         # The inputs of the call being captured that the tracer cannot take.
         self._held = _HeldOut()
 
@@ -344,7 +352,10 @@ class _Graphs:
                 if compiled is None:
                     return self._eager(*args, **kwargs)
                 with self.compiler.recorder.placement.running_compiled():
-                    return compiled(*args, **kwargs)
+                    self._global_hooks(args)
+                    out = compiled(*args, **kwargs)
+                    self._global_hooks(args, out)
+                    return out
         if general in self.sizes_seen and self.dynamic_works:
             # Inputs that differ from ones seen only in their sizes get one graph with symbolic
             # sizes, as Dynamo's automatic dynamic shapes compile one after the first change of size.
@@ -376,8 +387,25 @@ class _Graphs:
         self.state = _ModuleState(self._modules())
         try:
             with self.compiler.capturing() as end, self.compiler.recorder.placement.running_compiled():
-                self.ends_capture = end
-                out = compiled(*args, **kwargs)
+                began: list[bool] = []
+                grad = torch.is_grad_enabled()
+
+                def ended() -> None:
+                    end()
+                    if not began:
+                        # The graphs run from here: the module's forward begins, as its hooks say,
+                        # in the call's own grad mode (AOTAutograd compiles without gradients).
+                        began.append(True)
+                        with torch.set_grad_enabled(grad):
+                            self._global_hooks(args)
+
+                self.ends_capture = ended
+                try:
+                    out = compiled(*args, **kwargs)
+                finally:
+                    # The call's inputs are held by the closure only while it captures.
+                    self.ends_capture = _nothing_to_end
+                self._global_hooks(args, out)
         except Exception as e:
             # A failure to capture runs the forward eager, named; one after is the step's own.
             if self.captured:
@@ -390,6 +418,21 @@ class _Graphs:
         self.by_signature[key] = compiled
         self.compiler._note(COMPILED.format(backend=self.partition.backend))
         return out
+
+    def _global_hooks(self, args: tuple[Any, ...], out: Any = _NO_OUTPUT) -> None:
+        """For a module's own ``compile()``, which replaces its call whole: the global forward
+        pre-hooks (no ``out``) or forward hooks, run around its graphs as its compiled call runs
+        them, since the step's bookkeeping (which forward runs, its phase) is kept there."""
+        if self.module is None or self.call is None:
+            return
+        import torch.nn.modules.module as nn_module
+
+        if out is _NO_OUTPUT:
+            for pre_hook in list(nn_module._global_forward_pre_hooks.values()):
+                pre_hook(self.module, args)
+        else:
+            for hook in list(nn_module._global_forward_hooks.values()):
+                hook(self.module, args, out)
 
     def _modules(self) -> list[torch.nn.Module]:
         """The modules whose parameters the compiled callable reads: its own, or those a
