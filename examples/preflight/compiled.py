@@ -5,7 +5,7 @@ backend builds the step: what the compiled step saves for backward is what
 AOTAutograd's partitioner decides, and chains of pointwise operations take
 no memory of their own (inductor fuses them), so a compiled step can hold
 less than the same step run eagerly (at this GPT's peak, the start of
-backward, it holds the same: the loss's tensors over the vocabulary).
+backward, the loss's tensors over the vocabulary are not held).
 """
 
 import argparse
