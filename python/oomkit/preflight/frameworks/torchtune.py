@@ -54,7 +54,7 @@ class RecipeSeen:
         return [("log_config", log_config)]
 
 
-def settings_of(cfg: Any, argv: Sequence[str] | None = None) -> dict[str, Any]:
+def settings_of(cfg: Any) -> dict[str, Any]:
     """The :data:`SWITCHES` of an OmegaConf config as plain values, with the optimizer's own
     arguments by name (``optimizer_args``: another optimizer would be given them too), and
     those of them the config file sets (``optimizer_args_in_file``: a change removes those
@@ -66,7 +66,7 @@ def settings_of(cfg: Any, argv: Sequence[str] | None = None) -> dict[str, Any]:
         value = OmegaConf.select(cfg, key, default=None)
         out[key] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
     out["optimizer_args"] = _optimizer_args(cfg)
-    out["optimizer_args_in_file"] = _optimizer_args(_config_file(sys.argv if argv is None else argv))
+    out["optimizer_args_in_file"] = _optimizer_args(_config_file(sys.argv))
     return out
 
 
@@ -88,7 +88,12 @@ def _config_file(argv: Sequence[str]) -> Any:
     from omegaconf import OmegaConf
 
     for i, word in enumerate(argv):
-        path = argv[i + 1] if word == "--config" and i + 1 < len(argv) else word.partition("=")[2] if word.startswith("--config=") else None
+        if word == "--config":
+            path = argv[i + 1] if i + 1 < len(argv) else None
+        elif word.startswith("--config="):
+            path = word.partition("=")[2]
+        else:
+            continue
         if path and os.path.isfile(path):
             try:
                 return OmegaConf.load(path)

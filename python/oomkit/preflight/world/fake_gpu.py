@@ -49,7 +49,7 @@ from oomkit.preflight.world.cuda import (
 )
 from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
 from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
-from oomkit.preflight.world.imports import when_imported
+from oomkit.preflight.world.imports import replaced, when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
 from oomkit.preflight.world.triton import launch_stand_ins
@@ -84,30 +84,6 @@ class Hook:
 
 #: An entry of the ledger.
 Entry = Union[StandIn, Hook]
-
-
-@contextlib.contextmanager
-def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
-    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after.
-
-    Only what the owner held itself is put back; a name it had from a base
-    class (``UntypedStorage.resize_``, a C method of its base) or not at
-    all is deleted again, so that the class is left as it was.
-    """
-    missing = object()
-    own = getattr(owner, "__dict__", {})
-    old = {name: own.get(name, missing) for name in attributes}
-    for name, value in attributes.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is missing:
-                with contextlib.suppress(AttributeError):
-                    delattr(owner, name)
-            else:
-                setattr(owner, name, value)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,11 @@ attributes back.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -24,36 +25,48 @@ from typing import Any
 MakeStandIns = Callable[[ModuleType], Sequence[tuple[str, Any]]]
 
 
+@contextlib.contextmanager
+def replaced(owner: Any, attributes: dict[str, Any]) -> Iterator[None]:
+    """Sets ``attributes`` on ``owner`` for the block, and puts the old values back after.
+
+    Only what the owner held itself is put back; a name it had from a base
+    class (``UntypedStorage.resize_``, a C method of its base) or not at
+    all is deleted again, so that the class is left as it was.
+    """
+    missing = object()
+    own = getattr(owner, "__dict__", {})
+    old = {name: own.get(name, missing) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is missing:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
 class _Setter:
     """The stand-ins for one module: set once, and the module's own attributes put back on removal."""
 
     def __init__(self, module_name: str, make: MakeStandIns) -> None:
         self.module_name = module_name
         self.make = make
-        self._module: ModuleType | None = None
-        self._old: dict[str, Any] = {}
+        self._set: contextlib.ExitStack | None = None
 
     def set_on(self, module: ModuleType) -> None:
-        if self._module is not None:
+        if self._set is not None:
             return
-        self._module = module
-        for name, value in self.make(module):
-            self._old[name] = module.__dict__.get(name, _MISSING)
-            setattr(module, name, value)
+        self._set = contextlib.ExitStack()
+        self._set.enter_context(replaced(module, dict(self.make(module))))
 
     def take_back(self) -> None:
-        module, self._module = self._module, None
-        if module is None:
-            return
-        for name, value in self._old.items():
-            if value is _MISSING:
-                module.__dict__.pop(name, None)
-            else:
-                setattr(module, name, value)
-        self._old.clear()
-
-
-_MISSING = object()
+        done, self._set = self._set, None
+        if done is not None:
+            done.close()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
