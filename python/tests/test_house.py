@@ -313,7 +313,7 @@ def test_a_stand_in_for_a_module_imported_later_is_set_at_its_import_and_taken_b
     (tmp_path / "later_lib.py").write_text("def kernel():\n    return 'native'\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        handle = when_imported("later_lib")(lambda m: [("kernel", lambda: "stand-in"), ("extra", 1)])
+        handle = when_imported("later_lib")(lambda m: [(m, "kernel", lambda: "stand-in"), (m, "extra", 1)])
         module = importlib.import_module("later_lib")
         assert module.kernel() == "stand-in" and module.extra == 1
         handle.remove()
@@ -321,7 +321,7 @@ def test_a_stand_in_for_a_module_imported_later_is_set_at_its_import_and_taken_b
         assert module.kernel() == "native" and not hasattr(module, "extra")
         assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)
         # A module imported already gets its stand-ins at once.
-        handle = when_imported("later_lib")(lambda m: [("kernel", lambda: "again")])
+        handle = when_imported("later_lib")(lambda m: [(m, "kernel", lambda: "again")])
         assert module.kernel() == "again"
         handle.remove()
         assert module.kernel() == "native"

@@ -75,7 +75,7 @@ def paged_stand_ins(host: HostMemory) -> Any:
     """What to set on ``bitsandbytes.functional`` once imported: paged buffers made as host
     memory counted as paged, their prefetches and fills without the native library."""
 
-    def make(functional: ModuleType) -> Sequence[tuple[str, Any]]:
+    def make(functional: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         elementwise = functional.elementwise_func
 
         def get_paged(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
@@ -97,6 +97,10 @@ def paged_stand_ins(host: HostMemory) -> Any:
                 a.fill_(value)
             return None
 
-        return [("get_paged", get_paged), ("prefetch_tensor", prefetch_tensor), ("elementwise_func", elementwise_func)]
+        return [
+            (functional, "get_paged", get_paged),
+            (functional, "prefetch_tensor", prefetch_tensor),
+            (functional, "elementwise_func", elementwise_func),
+        ]
 
     return make

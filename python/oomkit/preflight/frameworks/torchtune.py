@@ -43,7 +43,7 @@ class RecipeSeen:
     def __init__(self) -> None:
         self.recipe: dict[str, Any] | None = None
 
-    def stand_ins(self, config: ModuleType) -> Sequence[tuple[str, Any]]:
+    def stand_ins(self, config: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         """``torchtune.config.log_config`` that reads the recipe's switches, then logs as before."""
         log = config.log_config
 
@@ -51,7 +51,7 @@ class RecipeSeen:
             self.recipe = {"framework": "torchtune", "name": recipe_name, "settings": settings_of(cfg)}
             log(recipe_name=recipe_name, cfg=cfg)
 
-        return [("log_config", log_config)]
+        return [(config, "log_config", log_config)]
 
 
 def settings_of(cfg: Any) -> dict[str, Any]:

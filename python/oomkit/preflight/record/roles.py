@@ -42,13 +42,13 @@ class Known:
                 into.add(i)
 
     def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
-        params = list(model.parameters())
-        self.add_params(rec, params + list(model.buffers()) + [t for p in params for t in _attached(p)])
+        self.add_params(rec, list(model.parameters()) + list(model.buffers()))
 
     def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
         # Their storages are read as they are: a detach of each would be an operation run and
         # recorded, on every forward of a module first seen and every optimizer step.
-        self._add(rec, self.params, tensors)
+        # A quantized weight's scales are the weight's too, however the script found it.
+        self._add(rec, self.params, tensors + [t for p in tensors for t in _attached(p)])
 
     def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
         self._add(rec, self.grads, grads)

@@ -629,6 +629,35 @@ def wrapper_subclass_stand_in() -> list[tuple[Any, str, Any]]:
     return [(torch.Tensor, "_make_wrapper_subclass", staticmethod(on_fake_gpu))]
 
 
+def moved_in_place_stand_in() -> list[tuple[Any, str, Any]]:
+    """``nn.Module._apply`` that keeps each parameter's object as a module moves from the host to
+    the fake GPU, for the ledger. On CUDA, ``model.cuda()`` changes a host parameter in place
+    (``param.data = ...``: host and CUDA tensors are of one kind), so tied weights stay one
+    parameter and an optimizer made before the move still holds the model's parameters. A host
+    tensor and a ``meta`` one are not of one kind, so ``_apply`` makes a new parameter for each
+    module that holds it: a loaded model's tied embedding became two, each with its gradient
+    and optimizer state. The new parameter's contents are swapped into the old object instead."""
+    apply = torch.nn.Module._apply
+
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> Any:
+        own = dict(self._parameters)
+        out = apply(self, fn, recurse)
+        if torch.__future__.get_overwrite_module_params_on_conversion():
+            return out  # New parameters are what the script asked for.
+        for key, old in own.items():
+            new = self._parameters.get(key)
+            if old is None or new is None or new is old or type(new) is not type(old):
+                continue
+            try:
+                torch.utils.swap_tensors(old, new)
+            except RuntimeError:
+                continue  # A tensor PyTorch will not swap keeps the new object, as before.
+            self._parameters[key] = old
+        return out
+
+    return [(torch.nn.Module, "_apply", _apply)]
+
+
 def foreach_stand_ins() -> list[tuple[Any, str, Any]]:
     """What makes PyTorch choose foreach kernels for ``meta`` tensors by default, as it
     does for CUDA ones: (owner, name, value) for the fake GPU's ledger."""

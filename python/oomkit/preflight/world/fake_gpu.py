@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.pretrained import MODELING, WeightsFromConfig
 from oomkit.preflight.frameworks.torchtune import CONFIG, RecipeSeen
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
@@ -43,6 +44,7 @@ from oomkit.preflight.world.cuda import (
     accelerator_answers,
     device_answers,
     foreach_stand_ins,
+    moved_in_place_stand_in,
     no_graph_capture,
     saved_tensor_hooks_in_mode,
     wrapper_subclass_stand_in,
@@ -181,6 +183,8 @@ class FakeGpu:
         attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
+        for owner, name, value in moved_in_place_stand_in():
+            entries.append(StandIn("a module moved to the GPU keeps its parameters' objects, as on CUDA", owner, name, value))
         for owner, name, value in wrapper_subclass_stand_in():
             entries.append(StandIn("tensor subclasses wrapping the fake GPU's tensors are on it too", owner, name, value))
         for owner, name, value in saved_tensor_hooks_in_mode(self.functions):
@@ -190,6 +194,9 @@ class FakeGpu:
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
         entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
+        weights = WeightsFromConfig(self.notes).stand_ins
+        from_config = "transformers' from_pretrained builds from the config, reading no weight file"
+        entries.append(Hook(from_config, when_imported(MODELING), weights))
         paged = paged_stand_ins(rec.host)
         entries.append(Hook("bitsandbytes' paged buffers are host memory, counted as paged", when_imported(FUNCTIONAL), paged))
         for owner, name, value in _fused_on_meta():

@@ -21,8 +21,9 @@ from types import ModuleType
 from typing import Any
 
 #: What a library's stand-ins are made from: its module, given once imported;
-#: it returns the (name, value) pairs to set on that module.
-MakeStandIns = Callable[[ModuleType], Sequence[tuple[str, Any]]]
+#: it returns the (owner, name, value) triples to set: on the module itself,
+#: or on a class it defines (a method of its base model class).
+MakeStandIns = Callable[[ModuleType], Sequence[tuple[Any, str, Any]]]
 
 
 @contextlib.contextmanager
@@ -61,7 +62,8 @@ class _Setter:
         if self._set is not None:
             return
         self._set = contextlib.ExitStack()
-        self._set.enter_context(replaced(module, dict(self.make(module))))
+        for owner, name, value in self.make(module):
+            self._set.enter_context(replaced(owner, {name: value}))
 
     def take_back(self) -> None:
         done, self._set = self._set, None

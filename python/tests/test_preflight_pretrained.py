@@ -1,0 +1,180 @@
+"""``from_pretrained`` under preflight reads no weight file: a model is built from its config alone,
+from a folder that holds only ``config.json`` or from the hub's cache offline, with the figures of
+the same step run with the weights present; and a module moved to the GPU keeps its parameters'
+objects (tied weights stay tied), as on CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from preflight_cli import OOMKIT, allocator_bytes, preflight_run
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+import torch  # noqa: E402
+
+#: A small Llama of the real architecture: grouped-query attention, untied head, bf16 as its config says.
+LLAMA = {
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "tie_word_embeddings": False, "dtype": "bfloat16",
+}  # fmt: skip
+
+#: A small GPT-2: its head tied to its embedding, and (as GPT-2's own config) no dtype named.
+GPT2 = {"n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 8192, "n_positions": 512}
+
+TRAIN = """
+import sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).to("cuda")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+for step in range(2):
+    ids = torch.randint(0, 4096, (2, 256), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def _folder(root: Path, name: str, kind: str, config: dict[str, Any], *, weights: bool) -> Path:
+    """A model folder of ``config``: ``config.json`` alone, or with the weights ``save_pretrained`` writes."""
+    cfg = transformers.AutoConfig.for_model(kind, **config)
+    cfg.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    out = root / name
+    if weights:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.to(cfg.dtype or torch.float32).save_pretrained(out)
+    else:
+        cfg.save_pretrained(out)
+    return out
+
+
+def _notes(run: dict[str, Any]) -> list[str]:
+    return [n for n in run["notes"] if "built from its config" in n]
+
+
+def test_a_folder_with_only_its_config_answers_as_with_its_weights(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    full = _folder(tmp_path, "full", "llama", LLAMA, weights=True)
+    assert sorted(os.listdir(bare)) == ["config.json"]
+    without = preflight_run(script, args=(str(bare),))
+    withw = preflight_run(script, args=(str(full),))
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "by_role", "steps"):
+        assert without[key] == withw[key], (key, without[key], withw[key])
+    # The weights are those of the config, in bf16 as it says: the head untied, each tensor a block of its own;
+    # the rotary embedding's buffers (far below a block each) beside them.
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(bare))
+    expected = allocator_bytes(p.to(torch.bfloat16) for p in model.parameters()) + allocator_bytes(model.buffers())
+    assert without["by_role"]["parameters"] == expected, (without["by_role"], expected)
+    (note,) = _notes(without)
+    assert note.startswith("LlamaForCausalLM was built from its config; no weight file was read"), note
+    assert f"its {len(model.state_dict())} tensors" in note, note
+
+
+def test_a_hub_id_offline_reads_its_config_from_the_cache_and_ties_the_head(tmp_path: Path) -> None:
+    # The hub cache's layout: one repository, its ref, one snapshot holding config.json and nothing else.
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--someorg--tiny-gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    config = transformers.GPT2Config(**GPT2).to_dict()
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (snapshot / "config.json").write_text(json.dumps(config))
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace("4096", "8192").replace("sys.argv[1]", '"someorg/tiny-gpt2"'))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2, run
+    # fp32 (no dtype anywhere), the head tied to the embedding: its weight counted once, with one gradient and one state.
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    expected = allocator_bytes(model.parameters())
+    assert run["by_role"]["parameters"] == expected, (run["by_role"], expected)
+    assert any("no dtype" in n and "float32" in n for n in run["notes"]), run["notes"]
+    assert len(_notes(run)) == 1, run["notes"]
+
+
+def test_an_id_missing_from_the_cache_offline_says_so_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace("sys.argv[1]", '"someorg/no-such-model"'))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    # No answer (exit 2), said in the last line: transformers' own words, at the script's line.
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("oomkit: preflight: the script failed under preflight after 0 optimizer step(s): OSError:"), last
+    assert "couldn't find them in the cached files" in last and "(at train.py:3 (<module>)" in last, last
+
+
+FOUR_BIT = """
+import sys, torch, transformers
+q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], quantization_config=q, device_map={"": 0})
+model.lm_head.weight.requires_grad_(True)
+ids = torch.randint(0, 4096, (2, 128), device="cuda")
+model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+def test_4bit_weights_from_the_config_hold_their_real_size(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
+    script = tmp_path / "qlora.py"
+    script.write_text(FOUR_BIT)
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    full = _folder(tmp_path, "full", "llama", LLAMA, weights=True)
+    without = preflight_run(script, args=(str(bare),))
+    withw = preflight_run(script, args=(str(full),))
+    assert without["by_role"] == withw["by_role"] and without["peak_allocated_bytes"] == withw["peak_allocated_bytes"]
+    # bitsandbytes' NF4: two weights a byte, an fp32 scale per block of 64 and the 16 values of the code book
+    # (each quantized weight's own), for every linear layer but the head; the head, the embedding and the norms
+    # stay bf16. Every tensor is a block of its own.
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(bare))
+    quantized = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    packed = sum(-(-w.numel() // 2 // 512) * 512 + -(-(w.numel() // 64 * 4) // 512) * 512 + 512 for w in quantized)
+    kept = allocator_bytes(p.to(torch.bfloat16) for n, p in model.named_parameters() if not any(p is w for w in quantized))
+    kept += allocator_bytes(model.buffers())
+    assert without["by_role"]["parameters"] == packed + kept, (without["by_role"], packed, kept)
+
+
+def test_a_module_moved_to_the_gpu_keeps_its_parameters_objects(tmp_path: Path) -> None:
+    # Host tensors with data (as a checkpoint's are), a head tied to the embedding, and an optimizer made before the move.
+    script = tmp_path / "tied.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "emb, head = nn.Embedding(8192, 512), nn.Linear(512, 8192, bias=False)\n"
+        "emb.weight = nn.Parameter(torch.frombuffer(bytearray(8192 * 512 * 4), dtype=torch.float32).view(8192, 512))\n"
+        "head.weight = emb.weight\n"
+        "model = nn.Sequential(emb, head)\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "kept = emb.weight\n"
+        "model.cuda()\n"
+        "assert model[0].weight is model[1].weight is kept, 'untied'\n"
+        "assert kept.is_cuda\n"
+        "for _ in range(2):\n"
+        "    model(torch.randint(0, 8192, (4, 64), device='cuda')).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+    run = preflight_run(script)
+    weight = 8192 * 512 * 4
+    assert run["by_role"]["parameters"] == weight, run["by_role"]
+    # AdamW's two states of the one weight (and its step counter, a 4-byte tensor in a block of its own).
+    assert run["by_role"]["optimizer_state"] >= 2 * weight and run["by_role"]["optimizer_state"] < 2 * weight + 4096, run["by_role"]
