@@ -59,6 +59,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out / "model")
     fast.save_pretrained(out / "model")
+    # The same model as a hub repository before its weights are fetched: config and tokenizer only.
+    config.save_pretrained(out / "bare")
+    fast.save_pretrained(out / "bare")
     (out / "text").mkdir()
     (out / "prefs").mkdir()
     with open(out / "text" / "train.jsonl", "w") as f:
@@ -133,6 +136,29 @@ def test_trl_sft_with_lora(assets: Path) -> None:
     # scores only the label positions (its Triton log-probability kernels), so the step whose
     # batch holds the most of them peaks, and the first one peaks before any state is made.
     assert run["by_role"]["optimizer_state"] in (0, _adamw_state(adapters)), run["by_role"]
+
+
+@needs_trl
+def test_trl_sft_qlora_from_the_config_alone(assets: Path) -> None:
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
+    assert not [f for f in os.listdir(assets / "bare") if f.endswith((".safetensors", ".bin"))]
+    run = _trl(
+        assets, "sft", "--model_name_or_path", "bare", "--dataset_name", "text", "--per_device_train_batch_size", "4",
+        "--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj", "--load_in_4bit",
+    )["run"]  # fmt: skip
+    assert run["steps"] == 2, run
+    # The linear layers in NF4 (two weights a byte, an fp32 scale per 64, each weight's 16-value code book);
+    # the embedding, the head and the norms in float32 (TRL's default dtype); the adapters in bf16, to which
+    # TRL's SFTTrainer converts them for a quantized model, as the QLoRA paper recommends.
+    model = _model(assets)
+    linear = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    nf4 = sum(-(-w.numel() // 2 // 512) * 512 + -(-(w.numel() // 64 * 4) // 512) * 512 + 512 for w in linear)
+    rest = allocator_bytes([p for p in model.parameters() if not any(p is w for w in linear)] + list(model.buffers()))
+    head_dim = WIDTH // HEADS
+    shapes = [(8, WIDTH), (WIDTH, 8), (8, WIDTH), (KV_HEADS * head_dim, 8)] * LAYERS
+    adapters = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
+    assert run["by_role"]["parameters"] == nf4 + rest + allocator_bytes(adapters), (run["by_role"], nf4, rest)
+    assert any("LlamaForCausalLM was built from its config; no weight file was read" in n for n in run["notes"]), run["notes"]
 
 
 @needs_trl
