@@ -12,6 +12,7 @@
 mod args;
 mod cmd;
 mod exit;
+mod hub;
 mod load;
 mod output;
 

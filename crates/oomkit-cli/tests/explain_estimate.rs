@@ -129,6 +129,62 @@ fn estimate_bad_input() {
     assert_eq!(v["max_batch"], Value::Null);
 }
 
+#[test]
+fn estimate_reads_a_config_from_a_folder_or_the_hub_cache() {
+    // One config, three ways: the file, the folder holding it, and a hub id whose cached snapshot holds it.
+    let dir = scratch("estimate-hub");
+    let config = r#"{"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": false}"#;
+    std::fs::create_dir_all(dir.join("folder")).unwrap();
+    std::fs::write(dir.join("folder").join("config.json"), config).unwrap();
+    let repo = dir.join("hub").join("models--someorg--tiny-llama");
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), "0123abcd").unwrap();
+    std::fs::create_dir_all(repo.join("snapshots").join("0123abcd")).unwrap();
+    std::fs::write(
+        repo.join("snapshots").join("0123abcd").join("config.json"),
+        config,
+    )
+    .unwrap();
+    let run = |arg: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_oomkit"))
+            .args(["estimate", "--json", "--gpu", "24GiB", "--config", arg])
+            .env("HF_HUB_CACHE", dir.join("hub"))
+            .env("HF_HUB_OFFLINE", "1")
+            .env("OOMKIT_FAKE_GPUS", "/nonexistent/oomkit-no-gpus.json")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let file = run(dir.join("folder").join("config.json").to_str().unwrap());
+    assert_eq!(file.0, Some(0), "{}", file.2);
+    let v: Value = serde_json::from_str(&file.1).unwrap();
+    // Embedding and head, and per layer four projections, the gated MLP's three and two norms; the final norm.
+    let params = 2 * 32000 * 512 + 4 * (4 * 512 * 512 + 3 * 512 * 1376 + 2 * 512) + 512;
+    assert_eq!(v["params"].as_u64(), Some(params), "{v}");
+    assert_eq!(run(dir.join("folder").to_str().unwrap()).1, file.1);
+    assert_eq!(run("someorg/tiny-llama").1, file.1);
+    // Offline, an id the cache lacks is one line, exit 2; a folder without a config too.
+    let (code, _, err) = run("someorg/absent");
+    assert_eq!(code, Some(2));
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("someorg/absent: not in the hub's cache")
+            && err.contains("HF_HUB_OFFLINE is set"),
+        "{err}"
+    );
+    let (code, _, err) = run(dir.join("hub").to_str().unwrap());
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("a model folder needs a config.json, and this one has none"),
+        "{err}"
+    );
+}
+
 /// A run log of a few CUDA steps at one micro-batch, as the tracker and a callback write it.
 fn run_log(dir: &std::path::Path, name: &str, micro_batch: Option<u64>, peak_gib: u64) -> String {
     const GIB: u64 = 1 << 30;
@@ -294,7 +350,7 @@ fn estimate_without_a_model_names_both_ways_to_give_one() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--params <N>") && err.contains("--config <FILE>"),
+        err.contains("--params <N>") && err.contains("--config <FILE|FOLDER|HUB_ID>"),
         "{err}"
     );
 }

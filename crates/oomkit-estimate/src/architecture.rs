@@ -74,7 +74,12 @@ impl Architecture {
             0.0
         };
         let mlp = matrices * hidden * (n(self.experts) * n(self.ffn) + n(self.shared_ffn)) + router;
-        let norms = 4.0 * hidden;
+        // Two norms a layer: LayerNorm's weight and bias each, RMSNorm's weight alone.
+        let norms = if self.llama_style {
+            2.0 * hidden
+        } else {
+            4.0 * hidden
+        };
         // Biases of Q, K, V and O, and of each expert's two MLP matrices.
         let (attn_bias, mlp_bias, dense_bias) = if self.biases {
             (

@@ -18,8 +18,10 @@ pub(crate) struct Args {
     /// Parameter count (7B, 350M, 1.3B); or give --config.
     #[arg(long, value_parser = count, value_name = "N")]
     params: Option<u64>,
-    /// A Hugging Face config.json for the model's shape (and its parameter count); or give --params.
-    #[arg(long, value_name = "FILE")]
+    /// A Hugging Face config.json for the model's shape (and its parameter count): the file, a
+    /// model folder holding it, or a hub id (its config alone is read from the hub's cache, or
+    /// fetched); or give --params.
+    #[arg(long, value_name = "FILE|FOLDER|HUB_ID")]
     config: Option<PathBuf>,
     /// Dtype of weights and compute.
     #[arg(long, value_enum, default_value = "bf16")]
@@ -187,7 +189,19 @@ enum OptimizerArg {
 
 /// `oomkit estimate`.
 pub(crate) fn run(a: Args) -> u8 {
-    let arch = match &a.config {
+    let config = match a
+        .config
+        .as_deref()
+        .map(|c| crate::hub::config_file(c, &super::preflight::python()))
+    {
+        Some(Err(msg)) => {
+            say(&msg);
+            return EXIT_INPUT;
+        }
+        Some(Ok(file)) => Some(file),
+        None => None,
+    };
+    let arch = match &config {
         Some(path) => {
             let text = match std::fs::read_to_string(path) {
                 Ok(t) => t,
@@ -266,7 +280,7 @@ pub(crate) fn run(a: Args) -> u8 {
                     }
                 }
             };
-            let traced = a.trace.then(|| traced(&a, capacity));
+            let traced = a.trace.then(|| traced(&a, config.as_deref(), capacity));
             print(
                 a.format.output(),
                 &oomkit_report::Budget {
@@ -285,11 +299,12 @@ pub(crate) fn run(a: Args) -> u8 {
 }
 
 /// The step traced with preflight, with the settings the formula used, or why not.
-fn traced(a: &Args, capacity: Option<u64>) -> Result<oomkit_report::PreflightRun, String> {
-    let config = a
-        .config
-        .as_ref()
-        .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()));
+fn traced(
+    a: &Args,
+    config: Option<&Path>,
+    capacity: Option<u64>,
+) -> Result<oomkit_report::PreflightRun, String> {
+    let config = config.map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
     let settings = serde_json::json!({
         "config": config,
         "dtype": value_name(a.dtype),

@@ -861,7 +861,7 @@ fn read_answer(path: &Path) -> Result<PreflightRun, String> {
 /// The Python that runs oomkit's preflight for `estimate --trace`:
 /// `OOMKIT_PYTHON` (which the `oomkit` pip installs sets to its own
 /// interpreter), else `python3`.
-fn python() -> std::ffi::OsString {
+pub(crate) fn python() -> std::ffi::OsString {
     std::env::var_os("OOMKIT_PYTHON")
         .filter(|p| !p.is_empty())
         .unwrap_or_else(|| "python3".into())
