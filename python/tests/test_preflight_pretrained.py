@@ -153,6 +153,38 @@ def test_4bit_weights_from_the_config_hold_their_real_size(tmp_path: Path) -> No
     assert without["by_role"]["parameters"] == packed + kept, (without["by_role"], packed, kept)
 
 
+ADAPTED = """
+import sys, torch, transformers, peft
+base = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map={"": 0})
+model = peft.PeftModel.from_pretrained(base, sys.argv[2], is_trainable=True)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+for _ in range(2):
+    ids = torch.randint(0, 4096, (2, 128), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_peft_adapter_folder_without_weights_is_built_from_its_config(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft", reason="PEFT is not installed for this Python")
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    adapter = tmp_path / "adapter"
+    peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM").save_pretrained(adapter)
+    assert sorted(os.listdir(adapter)) == ["adapter_config.json"]
+    script = tmp_path / "adapted.py"
+    script.write_text(ADAPTED)
+    run = preflight_run(script, args=(str(bare), str(adapter)))
+    assert run["steps"] == 2, run
+    # The base in bf16 (its config's dtype), and LoRA's A (r x in) and B (out x r) in fp32 on each query and value.
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(bare))
+    width, kv = LLAMA["hidden_size"], LLAMA["num_key_value_heads"] * LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    adapters = [torch.empty(16, width), torch.empty(width, 16), torch.empty(16, width), torch.empty(kv, 16)] * LLAMA["num_hidden_layers"]
+    base = allocator_bytes(p.to(torch.bfloat16) for p in model.parameters()) + allocator_bytes(model.buffers())
+    assert run["by_role"]["parameters"] == base + allocator_bytes(adapters), (run["by_role"], base)
+    assert any(f"the PEFT adapter {str(adapter)!r} was built from its adapter_config.json alone" in n for n in run["notes"]), run["notes"]
+
+
 def test_a_module_moved_to_the_gpu_keeps_its_parameters_objects(tmp_path: Path) -> None:
     # Host tensors with data (as a checkpoint's are), a head tied to the embedding, and an optimizer made before the move.
     script = tmp_path / "tied.py"

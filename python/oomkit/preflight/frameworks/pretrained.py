@@ -32,6 +32,12 @@ from oomkit.preflight.record.host import host_zeros
 #: transformers' module that finds, reads and loads a checkpoint's weight files.
 MODELING = "transformers.modeling_utils"
 
+#: PEFT's module whose ``PeftModel.from_pretrained`` / ``load_adapter`` read an adapter's weights.
+PEFT_MODEL = "peft.peft_model"
+
+#: The weight files of a PEFT adapter, safetensors first, as PEFT looks for them.
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
 #: The weight files a folder or hub repository can hold, whose header says the weights' dtype.
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -98,6 +104,31 @@ class WeightsFromConfig:
             (modeling, "_get_dtype", _get_dtype),
             (base, "_load_pretrained_model", staticmethod(_load_pretrained_model)),
         ]
+
+
+class AdapterWithoutWeights:
+    """Stands in for a PEFT adapter's weight file where there is none: the adapter is built from
+    its ``adapter_config.json`` (as PEFT builds it before loading), its weights left as made."""
+
+    def __init__(self, notes: Notes) -> None:
+        self.notes = notes
+
+    def stand_ins(self, peft_model: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """What to set on ``peft.peft_model`` once imported."""
+        load = getattr(peft_model, "load_peft_weights", None)
+        if load is None:
+            return []
+        notes = self.notes
+
+        def load_peft_weights(model_id: str, *args: Any, **kwargs: Any) -> Any:
+            folder = os.path.join(str(model_id), kwargs.get("subfolder") or "")
+            if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, f)) for f in ADAPTER_FILES):
+                # A folder with the adapter's config alone: its weights are what PEFT initialised, on the fake GPU.
+                notes.add(f"the PEFT adapter {str(model_id)!r} was built from its adapter_config.json alone; it has no weight file to read")
+                return {}
+            return load(model_id, *args, **kwargs)
+
+        return [(peft_model, "load_peft_weights", load_peft_weights)]
 
 
 def _zeros_like_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
-from oomkit.preflight.frameworks.pretrained import MODELING, WeightsFromConfig
+from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
 from oomkit.preflight.frameworks.torchtune import CONFIG, RecipeSeen
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
@@ -197,6 +197,8 @@ class FakeGpu:
         weights = WeightsFromConfig(self.notes).stand_ins
         from_config = "transformers' from_pretrained builds from the config, reading no weight file"
         entries.append(Hook(from_config, when_imported(MODELING), weights))
+        adapters = AdapterWithoutWeights(self.notes).stand_ins
+        entries.append(Hook("a PEFT adapter folder without weights is built from its config", when_imported(PEFT_MODEL), adapters))
         paged = paged_stand_ins(rec.host)
         entries.append(Hook("bitsandbytes' paged buffers are host memory, counted as paged", when_imported(FUNCTIONAL), paged))
         for owner, name, value in _fused_on_meta():
