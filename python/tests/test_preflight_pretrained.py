@@ -75,6 +75,7 @@ def test_a_folder_with_only_its_config_answers_as_with_its_weights(tmp_path: Pat
     (note,) = _notes(without)
     assert note.startswith("LlamaForCausalLM was built from its config; no weight file was read"), note
     assert f"its {len(model.state_dict())} tensors" in note, note
+    assert any(n.startswith("each measured step ran at 2 x 256 tokens") for n in without["notes"]), without["notes"]
 
 
 def test_a_hub_id_offline_reads_its_config_from_the_cache_and_ties_the_head(tmp_path: Path) -> None:

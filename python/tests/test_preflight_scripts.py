@@ -787,3 +787,28 @@ def test_a_models_own_layer_run_after_its_forward_continues_that_forward(tmp_pat
     # The chunks' logits, kept for the backward, are the step's activations.
     logits = 4 * 8 * 64 * 1000 * 4
     assert run["by_role"]["kv_cache"] == 0 and run["by_role"]["activations"] >= logits, run["by_role"]
+
+
+VARYING = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with torch.no_grad():
+    model(torch.zeros(8, 999, dtype=torch.long, device="cuda"))  # an evaluation first: not a step
+for seq in (64, 128, 96):
+    ids = torch.randint(0, 1000, (2, seq), device="cuda")
+    nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_the_answer_says_the_sequence_lengths_its_steps_ran_at(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, VARYING), "--steps", "2")
+    said = [n for n in run["notes"] if "tokens (batch x sequence" in n]
+    assert said == [
+        "the measured steps ran at 2 x 64, 2 x 128 tokens (batch x sequence, at each step's first embedding lookup); "
+        "activations grow with the sequence, so a batch of longer sequences than these holds more"
+    ], run["notes"]

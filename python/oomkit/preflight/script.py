@@ -122,6 +122,8 @@ class _Session:
             self.autocast, on_upload=self._upload, read_back=self.rec.read_back, host=self.rec.host, placement=self.rec.placement
         )
         self.steps_done = 0
+        #: Each training step's tokens (batch, sequence), read at its first embedding lookup.
+        self.tokens: list[tuple[int, int]] = []
         #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).
         self.backwards_done = 0
@@ -265,6 +267,11 @@ class _Session:
         if self.rec.on_host:
             # A data transform run on the host: no forward of the model.
             return
+        if isinstance(module, torch.nn.Embedding) and len(self.tokens) == self.steps_done and torch.is_grad_enabled():
+            # A language model's step: its first lookup of token ids (batch x sequence) says how long its sequences are.
+            ids = _args[0] if _args else None
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+                self.tokens.append((int(ids.shape[0]), int(ids.shape[1])))
         if not self.has_optimizer and self.backwards_done >= self.settings.steps:
             # The forward after the last step's backward: that step's update is done.
             self._stop()
@@ -397,6 +404,8 @@ class _Session:
                 )
             else:
                 notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
+        if mode == TRAINING and self.tokens[: self.steps_done]:
+            notes.append(_sequence_note(self.tokens[: self.steps_done]))
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
@@ -450,6 +459,18 @@ def _at(tb: Any) -> str:
         return ""
     # Innermost first; the first line outside PyTorch and oomkit is the script's.
     return f" (at {user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
+
+
+def _sequence_note(tokens: list[tuple[int, int]]) -> str:
+    """What the measured steps' sequences were, and that a longer one holds more."""
+    shown = sorted(set(tokens), key=tokens.index)
+    ran = f"each measured step ran at {shown[0][0]} x {shown[0][1]} tokens" if len(shown) == 1 else (
+        "the measured steps ran at " + ", ".join(f"{b} x {t}" for b, t in tokens) + " tokens"
+    )
+    return (
+        f"{ran} (batch x sequence, at each step's first embedding lookup); activations grow with the sequence, "
+        "so a batch of longer sequences than these holds more"
+    )
 
 
 def _exited_early(code: Any, handling: BaseException | None) -> str:
