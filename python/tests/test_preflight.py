@@ -667,6 +667,22 @@ def test_estimate_traces_the_config_beside_the_formula() -> None:
         assert eight["traced"]["by_role"]["optimizer_state"] < traced["by_role"]["optimizer_state"]
 
 
+def test_estimate_names_a_model_type_transformers_lacks_in_one_line(tmp_path) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed for this Python")
+    config = json.load(open(os.path.join(os.path.dirname(EXAMPLE), "gpt2_tiny.json")))
+    config["model_type"] = "gpt2_from_the_future"
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    p = subprocess.run(
+        [OOMKIT, "estimate", "--config", str(tmp_path / "model"), "--gpu", "8GiB", "--trace", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    error = json.loads(p.stdout)["traced_error"]
+    assert "\n" not in error and "has no model type 'gpt2_from_the_future', which the config names" in error, error
+    assert len(error) < 300, error
+
+
 def test_an_operator_without_a_fake_kernel_is_named_with_its_module() -> None:
     # A custom operator with a CUDA implementation only, as an extension's would be.
     @torch.library.custom_op("oomkit_test::fused_gelu", mutates_args=(), device_types="cuda")

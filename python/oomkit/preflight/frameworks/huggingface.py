@@ -109,6 +109,12 @@ def model_from_config(config: dict[str, Any], s: dict[str, Any]) -> Any:
     kind = config.get("model_type")
     if not kind:
         raise ValueError("the config has no model_type")
+    if kind not in transformers.CONFIG_MAPPING:
+        # transformers' own error lists every type it knows (hundreds): one line says what to do.
+        raise ValueError(
+            f"the installed transformers ({transformers.__version__}) has no model type {kind!r}, which the config names: "
+            "upgrade transformers, or give a config of a type it has"
+        )
     cfg = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
     cfg._attn_implementation = "sdpa" if s["flash_attention"] else "eager"
     names = config.get("architectures") or []
