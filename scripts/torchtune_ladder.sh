@@ -1,40 +1,27 @@
 #!/usr/bin/env bash
 # torchtune's memory ladder (its README: full fine-tuning of Llama-3.2-3B on an A100, batch 2,
 # 4,096 tokens packed, bf16, one change per row), each row run through `tune run` unchanged
-# under `oomkit preflight`. Stand-ins only for what would be downloaded: a zero-filled sparse
-# checkpoint of the real names and shapes (6 GiB on paper, nothing on disk), a byte-level
+# under `oomkit preflight`, from the model's config alone: the checkpoint folder holds
+# Llama-3.2-3B's config.json and no weight file (preflight gives torchtune's checkpointer zeros of
+# the shapes the config describes, never read). Stand-ins for the other downloads: a byte-level
 # tokenizer and a small Alpaca-shaped JSON file (packing fills every row to 4,096 tokens).
-# Needs torchtune 0.6.1 and torchao 0.15.0 importable (PYTHONPATH is kept) and bitsandbytes
-# for the last row. Usage: scripts/torchtune_ladder.sh [WORKDIR]; prints one line per row.
+# Needs torchtune 0.6.1 and torchao 0.15.0 importable (PYTHONPATH is kept), transformers, and
+# bitsandbytes for the last row. Usage: scripts/torchtune_ladder.sh [WORKDIR]; prints one line per row.
 set -euo pipefail
 work=${1:-$(mktemp -d)}
 mkdir -p "$work/ckpt"
 python - "$work/ckpt" <<'PY'
-import base64, json, os, struct, sys
+import base64, json, os, sys
 out = sys.argv[1]
-V, D, L, H, KV, F = 128256, 3072, 28, 24, 8, 8192  # Llama-3.2-3B's config.json
-hd = D // H
-shapes = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
-for i in range(L):
-    p = f"model.layers.{i}."
-    for name, shape in (("self_attn.q_proj", [H * hd, D]), ("self_attn.k_proj", [KV * hd, D]), ("self_attn.v_proj", [KV * hd, D]),
-                        ("self_attn.o_proj", [D, H * hd]), ("mlp.gate_proj", [F, D]), ("mlp.up_proj", [F, D]), ("mlp.down_proj", [D, F])):
-        shapes[p + name + ".weight"] = shape
-    shapes[p + "input_layernorm.weight"] = [D]
-    shapes[p + "post_attention_layernorm.weight"] = [D]
-header, off = {}, 0
-for k, s in shapes.items():
-    n = 2 * s[0] * (s[1] if len(s) > 1 else 1)
-    header[k] = {"dtype": "BF16", "shape": s, "data_offsets": [off, off + n]}
-    off += n
-header["__metadata__"] = {"format": "pt"}
-h = json.dumps(header).encode()
-h += b" " * (-len(h) % 8)
-with open(os.path.join(out, "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(h)) + h)
-    f.truncate(8 + len(h) + off)  # sparse: zeros that take no disk
-json.dump({"num_attention_heads": H, "num_key_value_heads": KV, "hidden_size": D, "tie_word_embeddings": True,
-           "vocab_size": V, "num_hidden_layers": L, "intermediate_size": F, "head_dim": hd}, open(os.path.join(out, "config.json"), "w"))
+# meta-llama/Llama-3.2-3B's config.json, as `tune download` fetches it (the weights are not fetched).
+json.dump({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 3072,
+    "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}, open(os.path.join(out, "config.json"), "w"))
 with open(os.path.join(out, "tokenizer.model"), "w") as f:
     f.writelines(base64.b64encode(bytes([i])).decode() + f" {i}\n" for i in range(256))
 rows = [{"instruction": f"Say something about the number {i} " * 8, "input": "", "output": f"The number {i} is fine. " * 20} for i in range(64)]

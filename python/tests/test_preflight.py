@@ -669,7 +669,8 @@ def test_estimate_traces_the_config_beside_the_formula() -> None:
 
 def test_estimate_names_a_model_type_transformers_lacks_in_one_line(tmp_path) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed for this Python")
-    config = json.load(open(os.path.join(os.path.dirname(EXAMPLE), "gpt2_tiny.json")))
+    with open(os.path.join(os.path.dirname(EXAMPLE), "gpt2_tiny.json")) as f:
+        config = json.load(f)
     config["model_type"] = "gpt2_from_the_future"
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))

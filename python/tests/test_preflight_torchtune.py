@@ -66,13 +66,16 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _tune(assets: Path, recipe: str, config: str, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """``tune run RECIPE --config CONFIG`` on the tiny model and the stand-ins, under ``oomkit preflight FLAGS``."""
+def _tune(
+    assets: Path, recipe: str, config: str, *overrides: str, flags: tuple[str, ...] = (), checkpoint: str = "ckpt"
+) -> subprocess.CompletedProcess[str]:
+    """``tune run RECIPE --config CONFIG`` on the tiny model and the stand-ins, under ``oomkit preflight FLAGS``,
+    its weights read from the folder ``checkpoint``."""
     model = [f"model.{k}={v}" for k, v in MODEL.items()]
     builder = "torchtune.models.llama3_2.lora_llama3_2" if recipe.startswith("lora") else "torchtune.models.llama3_2.llama3_2"
     common = (
         f"model._component_={builder}", *model,
-        f"checkpointer.checkpoint_dir={assets / 'ckpt'}", "checkpointer.checkpoint_files=[model.safetensors]",
+        f"checkpointer.checkpoint_dir={assets / checkpoint}", "checkpointer.checkpoint_files=[model.safetensors]",
         f"tokenizer.path={assets / 'ckpt' / 'tokenizer.model'}", "tokenizer.max_seq_len=1024",
         "dataset._component_=torchtune.datasets.alpaca_dataset", "dataset.source=json",
         f"dataset.data_files={assets / 'ckpt' / 'alpaca.json'}", "dataset.split=train", "dataset.packed=True",
@@ -173,3 +176,24 @@ def test_a_script_that_is_no_recipe_keeps_the_changes_made_inside_it(tmp_path: P
     changes = [row["change"] for row in _answer(p)["fixes"]]
     assert "activation checkpointing of the model's repeated blocks" in changes, changes
     assert not any("=True" in c and not c.startswith("PYTORCH") for c in changes), changes
+
+
+def test_a_recipe_runs_from_a_checkpoint_folder_holding_only_its_config(assets: Path) -> None:
+    # The Hugging Face repository's config.json (as `tune download` fetches it) without the weights.
+    bare = assets / "bare"
+    bare.mkdir(exist_ok=True)
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": MODEL["vocab_size"],
+        "hidden_size": MODEL["embed_dim"], "intermediate_size": MODEL["intermediate_dim"], "num_hidden_layers": MODEL["num_layers"],
+        "num_attention_heads": MODEL["num_heads"], "num_key_value_heads": MODEL["num_kv_heads"],
+        "max_position_embeddings": MODEL["max_seq_len"], "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (bare / "config.json").write_text(json.dumps(config))
+    overrides = ("optimizer=torch.optim.AdamW", "optimizer.fused=True", "enable_activation_checkpointing=True", "compile=False")
+    recipe = ("full_finetune_single_device", "llama3_2/3B_full_single_device", *overrides)
+    without = _answer(_tune(assets, *recipe, flags=("--json",), checkpoint="bare"))["run"]
+    withw = _answer(_tune(assets, *recipe, flags=("--json",)))["run"]
+    assert without["steps"] == 2, without
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "by_role"):
+        assert without[key] == withw[key], (key, without[key], withw[key])
+    assert any(n.startswith(f"the checkpoint {bare} has a config.json and no weight file") for n in without["notes"]), without["notes"]

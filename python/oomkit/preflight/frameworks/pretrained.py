@@ -91,7 +91,7 @@ class WeightsFromConfig:
 
         def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, *args: Any, **kwargs: Any) -> Any:
             if state_dict is None and checkpoint_files is None:
-                state_dict = _zeros_like_model(model)
+                state_dict = zeros_like_model(model)
                 size = sum(t.numel() * t.element_size() for t in state_dict.values())
                 notes.add(
                     f"{type(model).__name__} was built from its config; no weight file was read "
@@ -131,7 +131,7 @@ class AdapterWithoutWeights:
         return [(peft_model, "load_peft_weights", load_peft_weights)]
 
 
-def _zeros_like_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def zeros_like_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A checkpoint for ``model``: each tensor of its state dict as untouched host zeros of its
     shape and dtype, without the tensors tied to another (a checkpoint holds those once, and
     transformers ties them only where the checkpoint lacks them)."""

@@ -14,6 +14,7 @@ with each one changed.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,15 @@ from typing import Any
 
 #: The module whose ``log_config`` every recipe calls with its config.
 CONFIG = "torchtune.config"
+
+#: The module that finds a checkpoint's files (``get_path``).
+CHECKPOINT_UTILS = "torchtune.training.checkpointing._utils"
+
+#: The module whose checkpointers read them (``safe_torch_load``, as it imported it).
+CHECKPOINTER = "torchtune.training.checkpointing._checkpointer"
+
+#: The files of a checkpoint that hold weights, by how their names end.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 #: The settings read off a recipe's config, by their dotted names (absent ones are None).
 SWITCHES = (
@@ -52,6 +62,80 @@ class RecipeSeen:
             log(recipe_name=recipe_name, cfg=cfg)
 
         return [(config, "log_config", log_config)]
+
+
+class CheckpointFromConfig:
+    """A Hugging Face checkpoint folder that holds its ``config.json`` but no weight file, read as
+    if it held them: the first missing file gives every tensor of the model its config describes,
+    as host zeros of their shapes and dtype (never touched), the others nothing. torchtune's
+    checkpointer then converts and loads them as it would the downloaded weights."""
+
+    def __init__(self, notes: Any) -> None:
+        self.notes = notes
+        # The missing weight files stood in for, and the folders whose tensors were given already.
+        self._missing: set[str] = set()
+        self._given: set[str] = set()
+
+    def path_stand_ins(self, utils: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``get_path`` that lets a missing weight file of a folder with a config through."""
+        get_path = utils.get_path
+
+        def stand_in(input_dir: Any, filename: str, missing_ok: bool = False) -> Any:
+            path = os.path.join(str(input_dir), filename)
+            if not os.path.exists(path) and filename.endswith(WEIGHT_SUFFIXES) and _has_config(str(input_dir)):
+                self._missing.add(os.path.abspath(path))
+                return get_path(input_dir, filename, missing_ok=True)
+            return get_path(input_dir, filename, missing_ok)
+
+        return [(utils, "get_path", stand_in)]
+
+    def load_stand_ins(self, checkpointer: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``safe_torch_load`` that reads a stood-in file as the model its folder's config describes."""
+        load = checkpointer.safe_torch_load
+
+        def safe_torch_load(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            path = os.path.abspath(str(checkpoint_path))
+            if path not in self._missing:
+                return load(checkpoint_path, *args, **kwargs)
+            folder = os.path.dirname(path)
+            if folder in self._given:
+                return {}
+            self._given.add(folder)
+            tensors = hf_checkpoint_from_config(folder)
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.notes.add(
+                f"the checkpoint {folder} has a config.json and no weight file: its {len(tensors)} tensors "
+                f"({size / (1 << 30):.2f} GiB) stand as zeros of the shapes and dtype the config gives"
+            )
+            return tensors
+
+        return [(checkpointer, "safe_torch_load", safe_torch_load)]
+
+
+def _has_config(folder: str) -> bool:
+    """Whether ``folder`` holds a Hugging Face ``config.json`` naming its model type."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def hf_checkpoint_from_config(folder: str) -> dict[str, Any]:
+    """The tensors a Hugging Face checkpoint of the model ``folder``'s config describes would hold,
+    as untouched host zeros in the config's dtype (float32 where it names none)."""
+    import torch
+    import transformers
+
+    from oomkit.preflight.frameworks.pretrained import zeros_like_model
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # Built on the script's meta: its shapes are all that is read.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return zeros_like_model(model)
 
 
 def settings_of(cfg: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
-from oomkit.preflight.frameworks.torchtune import CONFIG, RecipeSeen
+from oomkit.preflight.frameworks.torchtune import CHECKPOINT_UTILS, CHECKPOINTER, CONFIG, CheckpointFromConfig, RecipeSeen
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
@@ -194,6 +194,11 @@ class FakeGpu:
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
         entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
+        tune_checkpoint = CheckpointFromConfig(self.notes)
+        let_through = "torchtune's missing weight files let through"
+        entries.append(Hook(let_through, when_imported(CHECKPOINT_UTILS), tune_checkpoint.path_stand_ins))
+        read_from_config = "torchtune's missing weight files read from the config"
+        entries.append(Hook(read_from_config, when_imported(CHECKPOINTER), tune_checkpoint.load_stand_ins))
         weights = WeightsFromConfig(self.notes).stand_ins
         from_config = "transformers' from_pretrained builds from the config, reading no weight file"
         entries.append(Hook(from_config, when_imported(MODELING), weights))
