@@ -303,7 +303,7 @@ def lit_assets(assets: Path) -> Path:
     return out
 
 
-def _litgpt(lit_assets: Path, command: str, *args: str) -> tuple[dict[str, Any], int]:
+def _litgpt(lit_assets: Path, command: str, *args: str, checkpoint: str = "ckpt") -> tuple[dict[str, Any], int]:
     """``python -m litgpt COMMAND ckpt`` on the instruction data, in bf16, under ``oomkit preflight --json``: its
     run, and the longest sequence LitGPT found in the data (its rotary tables are made that long)."""
     common = (
@@ -313,7 +313,7 @@ def _litgpt(lit_assets: Path, command: str, *args: str) -> tuple[dict[str, Any],
         "--precision", "bf16-true", "--devices", "1", "--out_dir", f"out_{command}",
     )  # fmt: skip
     p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--capacity", "24GiB", "--", sys.executable, "-m", "litgpt", command, "ckpt", *common, *args],
+        [OOMKIT, "preflight", "--json", "--capacity", "24GiB", "--", sys.executable, "-m", "litgpt", command, checkpoint, *common, *args],
         capture_output=True, text=True, timeout=600, cwd=lit_assets, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
@@ -349,8 +349,16 @@ def test_litgpt_finetune_full(lit_assets: Path) -> None:
 
 
 @needs_litgpt
-def test_litgpt_finetune_lora(lit_assets: Path) -> None:
-    run, longest = _litgpt(lit_assets, "finetune_lora", "--lora_r", "8")
+@pytest.mark.parametrize("checkpoint", ["ckpt", "bare"])
+def test_litgpt_finetune_lora(lit_assets: Path, checkpoint: str) -> None:
+    if checkpoint == "bare":
+        # The folder as it is before its weights are converted: config and tokenizer, no lit_model.pth.
+        import shutil
+
+        shutil.copytree(lit_assets / "ckpt", lit_assets / "bare", ignore=shutil.ignore_patterns("lit_model.pth"), dirs_exist_ok=True)
+    run, longest = _litgpt(lit_assets, "finetune_lora", "--lora_r", "8", checkpoint=checkpoint)
+    if checkpoint == "bare":
+        assert any(n.startswith("LitGPT's checkpoint bare/lit_model.pth is not there") for n in run["notes"]), run["notes"]
     weights = list(_lit_model(lit_assets).parameters())
     kept = allocator_bytes(_lit_kept(lit_assets, longest))
     # LitGPT's defaults adapt the fused query-key-value projection: A (r x in) and B (3 x width x r) per layer, bf16.

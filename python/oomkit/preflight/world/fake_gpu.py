@@ -31,6 +31,8 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
+from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
 from oomkit.preflight.frameworks.torchtune import CHECKPOINT_UTILS, CHECKPOINTER, CONFIG, CheckpointFromConfig, RecipeSeen
 from oomkit.preflight.notes import Notes
@@ -202,6 +204,8 @@ class FakeGpu:
         weights = WeightsFromConfig(self.notes).stand_ins
         from_config = "transformers' from_pretrained builds from the config, reading no weight file"
         entries.append(Hook(from_config, when_imported(MODELING), weights))
+        lit = CheckpointWithoutWeights(self.notes).stand_ins
+        entries.append(Hook("a LitGPT checkpoint folder without its weights is built from its config", when_imported(LITGPT_UTILS), lit))
         adapters = AdapterWithoutWeights(self.notes).stand_ins
         entries.append(Hook("a PEFT adapter folder without weights is built from its config", when_imported(PEFT_MODEL), adapters))
         paged = paged_stand_ins(rec.host)
