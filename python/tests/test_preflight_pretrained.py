@@ -211,3 +211,43 @@ def test_a_module_moved_to_the_gpu_keeps_its_parameters_objects(tmp_path: Path) 
     assert run["by_role"]["parameters"] == weight, run["by_role"]
     # AdamW's two states of the one weight (and its step counter, a 4-byte tensor in a block of its own).
     assert run["by_role"]["optimizer_state"] >= 2 * weight and run["by_role"]["optimizer_state"] < 2 * weight + 4096, run["by_role"]
+
+
+TRUNCATED = """
+import sys, torch, transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+vocab = {"<pad>": 0, **{f"w{i}": i + 1 for i in range(999)}}
+words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+words.pre_tokenizer = pre_tokenizers.Whitespace()
+tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>")
+texts = [" ".join(f"w{j}" for j in range(50 + 10 * i)) for i in range(4)]  # 50, 60, 70 and 80 words
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for i in range(2):
+    batch = tokenizer(texts[2 * i : 2 * i + 2], truncation=True, max_length=int(sys.argv[2]), padding="longest", return_tensors="pt")
+    batch = batch.to("cuda")
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("max_length", [512, 60])
+def test_the_answer_sets_the_steps_sequences_beside_the_longest_the_script_keeps(tmp_path: Path, max_length: int) -> None:
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    script = tmp_path / "truncated.py"
+    script.write_text(TRUNCATED)
+    run = preflight_run(script, args=(str(bare), str(max_length)))
+    said = [n for n in run["notes"] if "at each step's first embedding lookup" in n]
+    if max_length == 512:
+        # Padded to each batch's longest (60, then 80 words), both below the truncation's 512.
+        assert said == [
+            "the measured steps ran at 2 x 60, 2 x 80 tokens (batch x sequence, at each step's first embedding lookup), "
+            "shorter than the longest the script keeps (512 tokens, the tokenizer's max_length): a batch of sequences "
+            "that long holds more activations than these, and was not measured"
+        ], run["notes"]
+    else:
+        assert said == [
+            "each measured step ran at 2 x 60 tokens (batch x sequence, at each step's first embedding lookup): "
+            "the longest sequence the script keeps (60 tokens, the tokenizer's max_length)"
+        ], run["notes"]

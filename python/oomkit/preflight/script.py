@@ -405,7 +405,7 @@ class _Session:
             else:
                 notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
         if mode == TRAINING and self.tokens[: self.steps_done]:
-            notes.append(_sequence_note(self.tokens[: self.steps_done]))
+            notes.append(_sequence_note(self.tokens[: self.steps_done], self.world.bounds.longest))
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return
@@ -461,15 +461,21 @@ def _at(tb: Any) -> str:
     return f" (at {user_line(tuple((f.filename, f.lineno or 0, f.name) for f in reversed(frames)))})"
 
 
-def _sequence_note(tokens: list[tuple[int, int]]) -> str:
-    """What the measured steps' sequences were, and that a longer one holds more."""
+def _sequence_note(tokens: list[tuple[int, int]], bound: tuple[int, str] | None) -> str:
+    """What the measured steps' sequences were, against the longest the script says it keeps."""
     shown = sorted(set(tokens), key=tokens.index)
     ran = f"each measured step ran at {shown[0][0]} x {shown[0][1]} tokens" if len(shown) == 1 else (
         "the measured steps ran at " + ", ".join(f"{b} x {t}" for b, t in tokens) + " tokens"
     )
+    ran += " (batch x sequence, at each step's first embedding lookup)"
+    longest = max(t for _, t in tokens)
+    if bound is None:
+        return f"{ran}; activations grow with the sequence, so a batch of longer sequences than these holds more"
+    if longest >= bound[0]:
+        return f"{ran}: the longest sequence the script keeps ({bound[0]} tokens, {bound[1]})"
     return (
-        f"{ran} (batch x sequence, at each step's first embedding lookup); activations grow with the sequence, "
-        "so a batch of longer sequences than these holds more"
+        f"{ran}, shorter than the longest the script keeps ({bound[0]} tokens, {bound[1]}): a batch of sequences "
+        "that long holds more activations than these, and was not measured"
     )
 
 

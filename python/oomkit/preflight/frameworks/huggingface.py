@@ -11,7 +11,60 @@ builds its model here (``config``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
+
+#: transformers' module of the tokenizers' base class, whose ``__call__`` truncates and pads.
+TOKENIZER_BASE = "transformers.tokenization_utils_base"
+
+#: transformers' module of the Trainer, whose arguments (TRL's ``max_length``) bound sequences.
+TRAINER = "transformers.trainer"
+
+#: The names trainers' arguments give the longest sequence they keep (TRL's SFT and DPO, older TRL).
+LENGTH_ARGUMENTS = ("max_length", "max_seq_length")
+
+
+class SequenceBounds:
+    """The longest sequence the script says it keeps: a tokenizer call that truncates or pads to
+    ``max_length``, or a trainer's ``max_length`` argument; each with where it was said."""
+
+    def __init__(self) -> None:
+        #: The largest bound said, and by what.
+        self.longest: tuple[int, str] | None = None
+
+    def _said(self, n: Any, by: str) -> None:
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0 and (self.longest is None or n > self.longest[0]):
+            self.longest = (n, by)
+
+    def tokenizer_stand_ins(self, base: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``PreTrainedTokenizerBase.__call__`` that notes a truncation or padding to ``max_length``."""
+        cls = getattr(base, "PreTrainedTokenizerBase", None)
+        if cls is None:
+            return []
+        call = cls.__call__
+
+        def __call__(tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("truncation") or kwargs.get("padding") == "max_length":
+                self._said(kwargs.get("max_length"), "the tokenizer's max_length")
+            return call(tokenizer, *args, **kwargs)
+
+        return [(cls, "__call__", __call__)]
+
+    def trainer_stand_ins(self, trainer: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``Trainer.__init__`` that notes its arguments' sequence bound (TRL's trainers pass theirs)."""
+        cls = getattr(trainer, "Trainer", None)
+        init = getattr(cls, "__init__", None)
+        if init is None:
+            return []
+
+        def __init__(self_: Any, *args: Any, **kwargs: Any) -> None:
+            init(self_, *args, **kwargs)
+            arguments = getattr(self_, "args", None)
+            for name in LENGTH_ARGUMENTS:
+                self._said(getattr(arguments, name, None), f"the trainer's {name}")
+
+        return [(cls, "__init__", __init__)]
 
 #: Attention projections LoRA adapts, by the names models give them: the
 #: four of Llama-style and T5 attention, BERT's three, and GPT-2's fused

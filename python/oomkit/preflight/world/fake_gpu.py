@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.huggingface import TOKENIZER_BASE, TRAINER, SequenceBounds
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
 from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
@@ -147,6 +148,8 @@ class FakeGpu:
         self._stack: ExitStack | None = None
         #: The framework recipe the script ran (torchtune's), once its config is read.
         self.recipe = RecipeSeen()
+        #: The longest sequence the script says it keeps (a tokenizer's or a trainer's max_length).
+        self.bounds = SequenceBounds()
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
 
@@ -196,6 +199,9 @@ class FakeGpu:
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
         entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
+        bounded = "the longest sequence the script keeps, as its tokenizer or trainer says it"
+        entries.append(Hook(bounded, when_imported(TOKENIZER_BASE), self.bounds.tokenizer_stand_ins))
+        entries.append(Hook(bounded, when_imported(TRAINER), self.bounds.trainer_stand_ins))
         tune_checkpoint = CheckpointFromConfig(self.notes)
         let_through = "torchtune's missing weight files let through"
         entries.append(Hook(let_through, when_imported(CHECKPOINT_UTILS), tune_checkpoint.path_stand_ins))
