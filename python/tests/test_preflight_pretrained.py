@@ -19,14 +19,14 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import torch  # noqa: E402
 
 #: A small Llama of the real architecture: grouped-query attention, untied head, bf16 as its config says.
-LLAMA = {
+LLAMA: dict[str, Any] = {
     "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
     "tie_word_embeddings": False, "dtype": "bfloat16",
 }  # fmt: skip
 
 #: A small GPT-2: its head tied to its embedding, and (as GPT-2's own config) no dtype named.
-GPT2 = {"n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 8192, "n_positions": 512}
+GPT2: dict[str, Any] = {"n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 8192, "n_positions": 512}
 
 TRAIN = """
 import sys, torch, transformers
