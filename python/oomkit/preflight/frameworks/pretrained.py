@@ -71,7 +71,8 @@ class WeightsFromConfig:
         notes = self.notes
 
         def _get_resolved_checkpoint_files(pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if pretrained_model_name_or_path is None:
+            if pretrained_model_name_or_path is None or kwargs.get("gguf_file"):
+                # A state dict given, or a GGUF file: its header is what transformers reads the model from.
                 return resolve(pretrained_model_name_or_path, *args, **kwargs)
             self._local_weights = _local_weights(str(pretrained_model_name_or_path), kwargs.get("download_kwargs") or {})
             # No weight file is looked for, so none is downloaded: the loading below stands in for them all.
