@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The file every model folder and hub repository keeps its architecture in.
-pub(crate) const CONFIG_FILE: &str = "config.json";
+const CONFIG_FILE: &str = "config.json";
 
 /// The longest part of a hub id (an owner or a repository name) the hub accepts.
 const MAX_ID_PART: usize = 96;
@@ -80,7 +80,7 @@ pub(crate) fn config_file(arg: &Path, python: &std::ffi::OsStr) -> Result<PathBu
 
 /// Whether `s` reads as a hub repository id: `name` or `owner/name`, of the hub's characters
 /// (a name ending in `.json` is a config file that is not there, not a repository).
-pub(crate) fn is_hub_id(s: &str) -> bool {
+fn is_hub_id(s: &str) -> bool {
     let parts: Vec<&str> = s.split('/').collect();
     !s.ends_with(".json")
         && parts.len() <= 2
@@ -96,7 +96,7 @@ pub(crate) fn is_hub_id(s: &str) -> bool {
 
 /// The hub's cache folder, as `huggingface_hub` finds it: `HF_HUB_CACHE`, else `HF_HOME/hub`,
 /// else `XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
-pub(crate) fn hub_cache(var: &dyn Fn(&str) -> Option<String>) -> PathBuf {
+fn hub_cache(var: &dyn Fn(&str) -> Option<String>) -> PathBuf {
     let set = |k: &str| var(k).filter(|v| !v.is_empty());
     if let Some(dir) = set("HF_HUB_CACHE").or_else(|| set("HUGGINGFACE_HUB_CACHE")) {
         return PathBuf::from(dir);
@@ -111,7 +111,7 @@ pub(crate) fn hub_cache(var: &dyn Fn(&str) -> Option<String>) -> PathBuf {
 }
 
 /// A hub id's `config.json` in the cache, at the revision `main` points to, if it is there.
-pub(crate) fn cached_config(cache: &Path, id: &str) -> Option<PathBuf> {
+fn cached_config(cache: &Path, id: &str) -> Option<PathBuf> {
     let repo = cache.join(format!("models--{}", id.replace('/', "--")));
     let revision = std::fs::read_to_string(repo.join("refs").join("main")).ok()?;
     let revision = revision.trim();

@@ -93,10 +93,9 @@ class WeightsFromConfig:
         def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, *args: Any, **kwargs: Any) -> Any:
             if state_dict is None and checkpoint_files is None:
                 state_dict = zeros_like_model(model)
-                size = sum(t.numel() * t.element_size() for t in state_dict.values())
                 notes.add(
                     f"{type(model).__name__} was built from its config; no weight file was read "
-                    f"(its {len(state_dict)} tensors, {_gib(size)}, stand as zeros of their shapes and dtypes)"
+                    f"(its {sized(state_dict)}, stand as zeros of their shapes and dtypes)"
                 )
             return load.__func__(model, state_dict, checkpoint_files, *args, **kwargs)
 
@@ -146,6 +145,28 @@ def zeros_like_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(id(tensor))
         out[name] = host_zeros(tuple(tensor.shape), tensor.dtype)
     return out
+
+
+def checkpoint_from_config(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors a Hugging Face checkpoint of the model ``folder``'s ``config.json`` describes
+    would hold, as untouched host zeros in the config's dtype (:data:`DEFAULT_DTYPE` where it
+    names none): a framework's own checkpointer reads them in place of the weight files."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or DEFAULT_DTYPE
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # Built on the script's meta: its shapes are all that is read.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return zeros_like_model(model)
+
+
+def sized(tensors: dict[str, torch.Tensor]) -> str:
+    """How many tensors a checkpoint holds and their bytes: "254 tensors, 5.98 GiB" (MiB below one GiB)."""
+    n = sum(t.numel() * t.element_size() for t in tensors.values())
+    size = f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    return f"{len(tensors)} tensors, {size}"
 
 
 def _local_weights(name: str, download: dict[str, Any]) -> str | None:
@@ -201,7 +222,3 @@ def _first_float_dtype(path: str) -> torch.dtype | None:
         return None
     return None
 
-
-def _gib(n: int) -> str:
-    """``n`` bytes in GiB, or MiB below one GiB."""
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

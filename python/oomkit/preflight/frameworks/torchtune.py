@@ -101,11 +101,12 @@ class CheckpointFromConfig:
             if folder in self._given:
                 return {}
             self._given.add(folder)
-            tensors = hf_checkpoint_from_config(folder)
-            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            from oomkit.preflight.frameworks.pretrained import checkpoint_from_config, sized
+
+            tensors = checkpoint_from_config(folder)
             self.notes.add(
-                f"the checkpoint {folder} has a config.json and no weight file: its {len(tensors)} tensors "
-                f"({size / (1 << 30):.2f} GiB) stand as zeros of the shapes and dtype the config gives"
+                f"the checkpoint {folder} has a config.json and no weight file: its {sized(tensors)} "
+                "stand as zeros of the shapes and dtype the config gives"
             )
             return tensors
 
@@ -119,23 +120,6 @@ def _has_config(folder: str) -> bool:
             return bool(json.load(f).get("model_type"))
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def hf_checkpoint_from_config(folder: str) -> dict[str, Any]:
-    """The tensors a Hugging Face checkpoint of the model ``folder``'s config describes would hold,
-    as untouched host zeros in the config's dtype (float32 where it names none)."""
-    import torch
-    import transformers
-
-    from oomkit.preflight.frameworks.pretrained import zeros_like_model
-
-    cfg = transformers.AutoConfig.from_pretrained(folder)
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    # Built on the script's meta: its shapes are all that is read.
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return zeros_like_model(model)
 
 
 def settings_of(cfg: Any) -> dict[str, Any]:
