@@ -1344,3 +1344,30 @@ fn the_cpu_allocator_s_failure_counts_as_too_large() {
         .iter()
         .any(|t| t["oom"] == true));
 }
+
+#[test]
+fn run_keeps_the_order_of_stdout_and_stderr_where_both_go_to_one_file() {
+    let s = Sandbox::new("one-stream");
+    s.gpus(&[]);
+    let script = s.script(
+        "talk.sh",
+        "i=0; while [ $i -lt 200 ]; do echo out$i; echo err$i >&2; i=$((i+1)); done",
+    );
+    let log = std::fs::File::create(s.path("both.log")).unwrap();
+    let status = s
+        .command(&["run", "--", script.to_str().unwrap()])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(s.path("both.log")).unwrap();
+    let said: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("out") || l.starts_with("err"))
+        .collect();
+    let expected: Vec<String> = (0..200)
+        .flat_map(|i| [format!("out{i}"), format!("err{i}")])
+        .collect();
+    assert_eq!(said, expected, "{text}");
+}

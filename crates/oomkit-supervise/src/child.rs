@@ -47,7 +47,8 @@ pub struct Outcome {
     pub oom_line: Option<String>,
     /// The command's own error, as its standard error last put it: the last
     /// line naming an exception (Python's `ModuleNotFoundError: ...`), else
-    /// the last line written there; `None` where it wrote nothing.
+    /// the last line written there; `None` where it wrote nothing. Where both
+    /// streams go to one place they are read as one, as the user sees them.
     pub error_line: Option<String>,
     /// The signal oomkit received and passed on, if the user stopped the run.
     pub interrupted_by: Option<i32>,
@@ -196,10 +197,26 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     cmd.args(args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::inherit())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         // Its own group, so one kill reaches torchrun and every worker it starts.
         .process_group(0);
+    // Where both of the command's streams end up in one place, one pipe keeps
+    // them in the order the command wrote them; two relayed pipes would let
+    // a line of one overtake a line of the other.
+    let merged = if spec.stdout_to_stderr || same_destination(1, 2) {
+        let (reader, writer) = std::io::pipe().map_err(|e| SuperviseError::Spawn {
+            program: program.to_string_lossy().into_owned(),
+            message: e.to_string(),
+        })?;
+        let copy = writer.try_clone().map_err(|e| SuperviseError::Spawn {
+            program: program.to_string_lossy().into_owned(),
+            message: e.to_string(),
+        })?;
+        cmd.stdout(copy).stderr(writer);
+        Some(reader)
+    } else {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        None
+    };
     if let Some(limit) = spec.data_limit {
         let limit = limit as libc::rlim_t;
         // SAFETY: between fork and exec only setrlimit runs, which is
@@ -221,10 +238,22 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         program: program.to_string_lossy().into_owned(),
         message: e.to_string(),
     })?;
+    // The command's copies of the shared pipe's write end live in `cmd`; the
+    // reader sees the end of the output only once they are closed here.
+    drop(cmd);
     let pgid = child.id() as i32;
     let heard = Arc::new(Mutex::new(Heard::default()));
     let (done_tx, done_rx) = mpsc::channel();
     let mut readers = 0;
+    if let Some(both) = merged {
+        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
+        if spec.stdout_to_stderr {
+            std::thread::spawn(move || tee(both, std::io::stderr(), heard, true, done));
+        } else {
+            std::thread::spawn(move || tee(both, std::io::stdout(), heard, true, done));
+        }
+        readers += 1;
+    }
     if let Some(out) = child.stdout.take() {
         let (heard, done) = (Arc::clone(&heard), done_tx.clone());
         if spec.stdout_to_stderr {
@@ -289,6 +318,20 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         max_rss_bytes: (rusage.ru_maxrss > 0).then(|| rusage.ru_maxrss as u64 * 1024),
         oom_kill,
     })
+}
+
+/// Whether two of our file descriptors write to the same file, pipe or
+/// terminal (`2>&1`, or both on one terminal), as `fstat` tells.
+fn same_destination(a: i32, b: i32) -> bool {
+    let stat = |fd: i32| {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a whole `stat` into the buffer on success and
+        // touches nothing else; a closed descriptor only returns -1.
+        (unsafe { libc::fstat(fd, st.as_mut_ptr()) } == 0)
+            .then(|| unsafe { st.assume_init() })
+            .map(|st| (st.st_dev, st.st_ino))
+    };
+    matches!((stat(a), stat(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// `wait4` without blocking: the child's status and its resource use once it has ended.
