@@ -277,6 +277,12 @@ class Values:
             return None
         return values, assumed, opaque
 
+    def know(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """Makes ``values`` (on the CPU) known as those of ``t``, a small meta tensor made without
+        an operation the recorder saw (a checkpoint's tensor restored onto the fake GPU)."""
+        if _small(t) and values.shape == t.shape:
+            self._set(t, Shadow(values.detach().to(t.dtype).clone(), assumed=False, opaque=False))
+
     def _set(self, t: torch.Tensor, s: Shadow) -> None:
         try:
             st = t.untyped_storage()

@@ -9,7 +9,10 @@ is made on ``meta`` with the size the file gives: the recorder counts it
 as the GPU would, and no byte of it is copied. A checkpoint in PyTorch's
 zip format is opened with ``mmap=True`` unless the script says otherwise,
 so that what is bound for the GPU is never read from the disk either;
-what the script loads onto the CPU is loaded as it asks.
+what the script loads onto the CPU is loaded as it asks. The small tensors
+bound for the GPU (an optimizer's step counters, which its next step reads)
+are given the values the file holds, read from a second pass over the
+mapped file onto the CPU, so that a resumed run steps on as it would.
 """
 
 from __future__ import annotations
@@ -20,24 +23,41 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from oomkit.preflight.record.placement import Placement
+from oomkit.preflight.record.placement import Placement, on_meta
 from oomkit.preflight.record.recorder import FAKE_DEVICE
+from oomkit.preflight.record.values import SHADOW_MAX_ELEMENTS, Values
 from oomkit.preflight.world.cuda import is_cuda
 
 
-def load_stand_in(placement: Placement) -> Callable[..., Any]:
+def load_stand_in(placement: Placement, values: Values) -> Callable[..., Any]:
     """``torch.load`` for the fake GPU's ledger: what would go to a GPU goes to the fake GPU (its
-    storages claimed as the GPU's in ``placement``: they are made on meta outside any operation)."""
+    storages claimed as the GPU's in ``placement``: they are made on meta outside any operation),
+    the small tensors among it with their values known to ``values``."""
     load = torch.load
 
     def fake_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if "mmap" not in kwargs and isinstance(f, (str, os.PathLike)) and _zip_checkpoint(f):
+        mapped = isinstance(f, (str, os.PathLike)) and _zip_checkpoint(f)
+        if "mmap" not in kwargs and mapped:
             # The file's pages mapped and left unread: the storages bound for the GPU become meta ones.
             kwargs["mmap"] = True
-        return load(f, _onto_fake_gpu(map_location, placement), *args, **kwargs)
+        loaded = load(f, _onto_fake_gpu(map_location, placement), *args, **kwargs)
+        small = [t for t in tree_leaves(loaded) if _small_on_fake_gpu(t)]
+        if small and mapped and kwargs.get("mmap"):
+            # The same file onto the CPU, mapped: only the pages of what is read are read.
+            on_cpu = tree_leaves(load(f, "cpu", *args, **kwargs))
+            for fake, real in zip(tree_leaves(loaded), on_cpu):
+                if _small_on_fake_gpu(fake) and isinstance(real, torch.Tensor):
+                    values.know(fake, real)
+        return loaded
 
     return fake_load
+
+
+def _small_on_fake_gpu(t: Any) -> bool:
+    """Whether ``t`` is a tensor on the fake GPU small enough to have its values kept."""
+    return on_meta(t) and t.numel() <= SHADOW_MAX_ELEMENTS
 
 
 def _onto_fake_gpu(map_location: Any, placement: Placement) -> Any:

@@ -39,6 +39,7 @@ from oomkit.preflight.frameworks.torchtune import CHECKPOINT_UTILS, CHECKPOINTER
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
+from oomkit.preflight.world.absent import SAFETENSORS, AbsentCheckpoints
 from oomkit.preflight.world.autocast import Autocast, autocast_stand_ins
 from oomkit.preflight.world.checkpoints import load_stand_in
 from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
@@ -167,9 +168,15 @@ class FakeGpu:
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
         attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
-        fake_load = load_stand_in(rec.placement)
+        absent = AbsentCheckpoints(self.notes)
+        fake_load = absent.torch_load(load_stand_in(rec.placement, rec.values))
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
+        not_there = "a checkpoint that is not there loads as a stand-in; what it is loaded into keeps its tensors"
+        for owner, name, value in absent.torch_stand_ins():
+            entries.append(StandIn(not_there, owner, name, value))
+        for module in SAFETENSORS:
+            entries.append(Hook(not_there, when_imported(module), absent.safetensors_stand_ins))
         attrs(
             "torch.cuda.memory's queries answered from the allocator model",
             torch.cuda.memory,

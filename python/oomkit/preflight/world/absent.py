@@ -1,0 +1,196 @@
+"""A checkpoint the script loads that is not on disk: what it is loaded into keeps the tensors it has.
+
+A script that fine-tunes, resumes or samples loads weights by path
+(``torch.load``, safetensors' ``load_file`` and ``safe_open``) or by URL
+(``torch.hub.load_state_dict_from_url``, which torchvision's ``weights=``
+goes through). Asked before the file is downloaded or written, it would
+stop at the missing file, though loading weights into a model changes no
+size on the GPU: they take the places of tensors the model already has.
+Under preflight a file that is not there loads as :class:`AbsentStateDict`,
+an empty state dict standing for it. A module or optimizer it is loaded
+into keeps what it has (so the model's own tensors stand for the file's
+sizes), a key read from it is another stand-in (``ckpt["model"]``), and an
+empty dict made from one (keys renamed in a comprehension) loads as one
+too. Where the file would have been loaded onto the GPU (``map_location``,
+safetensors' ``device``), the stand-in is filled, when a module is loaded
+from it, with a copy of each of the module's tensors there, and holds them
+as long as the script holds it, as the loaded file would. A URL that is not
+in torch's hub cache is not downloaded. A note names the folder or the URL,
+so the answer says what its figures stand on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from oomkit.preflight.notes import Notes
+from oomkit.preflight.world.cuda import is_cuda
+
+#: safetensors' modules: the package (``safe_open``) and its PyTorch side (``load_file``, ``safe_open`` as it imported it).
+SAFETENSORS = ("safetensors", "safetensors.torch")
+
+
+
+def _keeps(them: str, theirs: str) -> str:
+    """What a note says of a stood-in checkpoint, after naming it."""
+    return f"what is loaded from {them} keeps the tensors the model was built with, whose sizes stand for {theirs}"
+
+
+class AbsentStateDict(dict[Any, Any]):
+    """A state dict standing for a checkpoint that is not there: empty, and any key read from it is
+    another, kept in it as a loaded file keeps what it holds."""
+
+    def __init__(self, source: str, gpu: Any = None) -> None:
+        super().__init__()
+        #: The file or URL it stands for.
+        self.source = source
+        #: The GPU its tensors would have been loaded onto, or None.
+        self.gpu = gpu
+
+    def __missing__(self, key: Any) -> AbsentStateDict:
+        part = AbsentStateDict(self.source, self.gpu)
+        self[key] = part
+        return part
+
+    def fill_from(self, module: torch.nn.Module) -> None:
+        """Holds a copy of each of ``module``'s tensors on the GPU it would have been loaded onto."""
+        if self.gpu is None or self:
+            return
+        with torch.no_grad():
+            for name, tensor in module.state_dict().items():
+                self[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.gpu)
+
+    def __repr__(self) -> str:
+        return f"AbsentStateDict({self.source!r})"
+
+
+class _AbsentSafeOpen:
+    """``safe_open`` of a file that is not there: a file with no tensors."""
+
+    def __enter__(self) -> _AbsentSafeOpen:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return []
+
+    def offset_keys(self) -> list[str]:
+        return []
+
+    def metadata(self) -> dict[str, str]:
+        return {}
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+
+class AbsentCheckpoints:
+    """The stand-ins of one preflight run for checkpoints that are not there, and what they note."""
+
+    def __init__(self, notes: Notes) -> None:
+        self.notes = notes
+        #: Whether a checkpoint was stood in for in this run.
+        self.seen = False
+        # Where torch's hub would have written what it did not download: noted by URL, not by folder.
+        self._not_downloaded: set[str] = set()
+
+    def _absent(self, path: Any) -> bool:
+        """Whether ``path`` names a file (not an open one) that is not there."""
+        return isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path))
+
+    def stand_in(self, path: Any, device: Any = None) -> AbsentStateDict:
+        """The stand-in of the file ``path`` loaded onto ``device``, noted once per folder."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        first = os.path.basename(path)
+        if path not in self._not_downloaded:
+                said = f"checkpoint files the script loads from {folder} are not there (the first: {first})"
+                self.notes.add(f"{said}; {_keeps('them', 'theirs')}")
+        self.seen = True
+        return AbsentStateDict(path, device if is_cuda(device) else None)
+
+    def _loaded_from_absent(self, state_dict: Any) -> bool:
+        """Whether ``state_dict`` stands for a checkpoint that is not there, or is an empty one made from one."""
+        if isinstance(state_dict, AbsentStateDict):
+            return True
+        return self.seen and isinstance(state_dict, dict) and not state_dict
+
+    def torch_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.load`` that stands in for a file that is not there, and is ``load`` otherwise."""
+
+        def absent_or_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self._absent(f):
+                return self.stand_in(f, map_location)
+            return load(f, map_location, *args, **kwargs)
+
+        return absent_or_load
+
+    def torch_stand_ins(self) -> list[tuple[Any, str, Any]]:
+        """What loads into modules and optimizers leaves as it is when the load stands for a missing
+        checkpoint, and torch's hub that downloads no checkpoint."""
+        import torch.hub
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        module_load = torch.nn.Module.load_state_dict
+        optimizer_load = torch.optim.Optimizer.load_state_dict
+        download = torch.hub.download_url_to_file
+
+        def load_into_module(module: torch.nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._loaded_from_absent(state_dict):
+                if isinstance(state_dict, AbsentStateDict):
+                    state_dict.fill_from(module)
+                return _IncompatibleKeys([], [])
+            return module_load(module, state_dict, *args, **kwargs)
+
+        def load_into_optimizer(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+            if not self._loaded_from_absent(state_dict):
+                optimizer_load(optimizer, state_dict)
+
+        def not_downloaded(url: str, dst: str, *args: Any, **kwargs: Any) -> None:
+            if not str(url).startswith(("http://", "https://")):
+                download(url, dst, *args, **kwargs)
+                return
+            # torch.hub then loads the file it would have written, which is not there: a stand-in.
+            self._not_downloaded.add(os.fspath(dst))
+            self.notes.add(f"{url} was not downloaded; {_keeps('it', 'its own')}")
+
+        return [
+            (torch.nn.Module, "load_state_dict", load_into_module),
+            (torch.optim.Optimizer, "load_state_dict", load_into_optimizer),
+            (torch.hub, "download_url_to_file", not_downloaded),
+        ]
+
+    def safetensors_stand_ins(self, module: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """safetensors' ``safe_open`` (of the package, or of ``safetensors.torch``) and ``load_file``
+        that stand in for a file that is not there."""
+        found: list[tuple[Any, str, Any]] = []
+        safe_open = getattr(module, "safe_open", None)
+        if safe_open is not None:
+
+            def safe_open_or_absent(filename: Any, *args: Any, **kwargs: Any) -> Any:
+                if self._absent(filename):
+                    self.stand_in(filename)
+                    return _AbsentSafeOpen()
+                return safe_open(filename, *args, **kwargs)
+
+            found.append((module, "safe_open", safe_open_or_absent))
+        load_file = getattr(module, "load_file", None)
+        if load_file is not None:
+
+            def load_file_or_absent(filename: Any, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
+                if self._absent(filename):
+                    return self.stand_in(filename, device)
+                return load_file(filename, device, *args, **kwargs)
+
+            found.append((module, "load_file", load_file_or_absent))
+        return found

@@ -1,0 +1,148 @@
+"""A checkpoint the script loads itself that is not there (not written yet, not downloaded) answers
+under preflight as the same script with the file present: the model it is loaded into keeps the
+tensors it was built with, a copy loaded onto the GPU is held while the script holds it, and a note
+names the folder; a URL torch's hub would download is not fetched."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from preflight_cli import preflight_run
+
+#: The same model in the script and in the checkpoint the test writes for it.
+MODEL = "torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))"
+
+#: How the script loads its checkpoint, by the way it is written.
+LOADS = {
+    # A resumed run: the model's and the optimizer's state onto the GPU, the epoch read with a default, the file let go.
+    "torch.load": """
+        ckpt = torch.load(path, map_location="cuda")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start = ckpt.get("epoch", 0)
+        del ckpt
+    """,
+    # Weights onto the GPU, kept alive by the script for the whole run.
+    "load_file": """
+        from safetensors.torch import load_file
+        weights = load_file(path, device="cuda")
+        model.load_state_dict(weights)
+    """,
+    # Tensor by tensor, keys renamed as a script does for a checkpoint saved from a wrapped model.
+    "safe_open": """
+        from safetensors import safe_open
+        with safe_open(path, framework="pt", device="cpu") as f:
+            weights = {k.removeprefix("module."): f.get_tensor(k) for k in f.keys()}
+        model.load_state_dict(weights)
+    """,
+}
+
+
+def _script(load: str) -> str:
+    return (
+        "import sys, torch\n"
+        f"model = {MODEL}.cuda()\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "path = sys.argv[1]\n"
+        + textwrap.dedent(load)
+        + "for _ in range(2):\n"
+        "    model(torch.randn(64, 512, device='cuda')).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+
+
+def _write_checkpoint(how: str, path: Path) -> None:
+    """The checkpoint the script expects, written as a run would have: one step on the CPU first."""
+    model = eval(MODEL)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    if how == "torch.load":
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, path)
+    else:
+        from safetensors.torch import save_file
+
+        prefix = "module." if how == "safe_open" else ""
+        save_file({prefix + k: v for k, v in model.state_dict().items()}, path)
+
+
+def _absent_notes(run: dict[str, Any]) -> list[str]:
+    return [n for n in run["notes"] if "are not there" in n or "was not downloaded" in n]
+
+
+@pytest.mark.parametrize("how", sorted(LOADS))
+def test_a_checkpoint_that_is_not_there_answers_as_the_file_would(tmp_path: Path, how: str) -> None:
+    pytest.importorskip("safetensors", reason="safetensors is not installed for this Python")
+    script = tmp_path / "train.py"
+    script.write_text(_script(LOADS[how]))
+    present, absent = tmp_path / "written" / "ckpt.bin", tmp_path / "to_come" / "ckpt.bin"
+    present.parent.mkdir()
+    _write_checkpoint(how, present)
+    with_file = preflight_run(script, args=(str(present),))
+    without = preflight_run(script, args=(str(absent),))
+    assert not absent.parent.exists(), "preflight wrote where the checkpoint is to come"
+    if how == "torch.load":
+        # The file's step counters were loaded onto the GPU (a block each); AdamW keeps its own on the CPU.
+        counters = 512 * len(list(eval(MODEL).parameters()))
+        with_file["peak_allocated_bytes"] -= counters
+        with_file["by_role"]["optimizer_state"] -= counters
+    for key in ("peak_allocated_bytes", "by_role", "steps"):
+        assert without[key] == with_file[key], (key, without[key], with_file[key])
+    assert _absent_notes(with_file) == []
+    (note,) = _absent_notes(without)
+    assert note.startswith(f"checkpoint files the script loads from {absent.parent} are not there (the first: ckpt.bin)"), note
+    if how == "load_file":
+        # The weights loaded onto the GPU are held beside the model's own: two copies of each.
+        model = eval(MODEL)
+        weights = sum(p.nbytes for p in model.parameters())
+        assert without["by_role"]["parameters"] == weights, without["by_role"]
+        assert without["peak_allocated_bytes"] >= 2 * weights + 2 * weights + weights, without
+
+
+HUB = """
+import sys, torch
+model = {model}
+state = torch.hub.load_state_dict_from_url("https://download.example.org/models/mlp-0123abcd.pth", model_dir=sys.argv[1], map_location="cpu")
+model.load_state_dict(state)
+model.cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_checkpoint_url_is_not_downloaded_and_a_cached_one_is_read(tmp_path: Path) -> None:
+    script = tmp_path / "pretrained.py"
+    script.write_text(HUB.format(model=MODEL))
+    empty, cached = tmp_path / "empty_cache", tmp_path / "cache"
+    cached.mkdir()
+    torch.save(eval(MODEL).state_dict(), cached / "mlp-0123abcd.pth")
+    without = preflight_run(script, args=(str(empty),))
+    with_file = preflight_run(script, args=(str(cached),))
+    for key in ("peak_allocated_bytes", "by_role", "steps"):
+        assert without[key] == with_file[key], (key, without[key], with_file[key])
+    assert list(empty.iterdir()) == [], "a checkpoint was downloaded"
+    (note,) = _absent_notes(without)
+    assert note.startswith("https://download.example.org/models/mlp-0123abcd.pth was not downloaded"), note
+    assert _absent_notes(with_file) == []
+
+
+def test_a_missing_checkpoint_the_script_checks_for_is_still_missing(tmp_path: Path) -> None:
+    # A script that resumes only where its checkpoint exists goes its own way: nothing stands in for os.path.exists.
+    script = tmp_path / "resume.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        f"model = {MODEL}.cuda()\n"
+        "if os.path.exists(sys.argv[1]):\n"
+        "    raise SystemExit('resumed from a file that is not there')\n"
+        "model(torch.randn(8, 512, device='cuda')).sum().backward()\n"
+    )
+    run = preflight_run(script, args=(str(tmp_path / "last.pt"),))
+    assert _absent_notes(run) == []
