@@ -97,7 +97,7 @@ def test_estimate_traces_qlora_with_nf4_weights(tmp_path: Path) -> None:
     assert doc.get("traced_error") is None, doc.get("traced_error")
     # What bitsandbytes keeps for the model: every linear layer but the head
     # packed two weights a byte with an fp32 scale per 64 (and a 16-entry
-    # code book), the rest in bf16, and the adapters on q, k, v and o in bf16.
+    # code book), the rest in bf16, and PEFT's adapters on q, k, v and o in fp32 (it keeps them so).
     cfg = transformers.AutoConfig.for_model("llama", **{k: v for k, v in LLAMA.items() if k != "model_type"})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
@@ -110,7 +110,7 @@ def test_estimate_traces_qlora_with_nf4_weights(tmp_path: Path) -> None:
             else:
                 expected += r512(2 * n)
         if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            expected += r512(2 * 8 * module.in_features) + r512(2 * 8 * module.out_features)
+            expected += r512(4 * 8 * module.in_features) + r512(4 * 8 * module.out_features)
     held = doc["traced"]["by_role"]["parameters"]
     assert abs(held - expected) / expected < 0.01, (held, expected)
     # Against the same model unquantized: NF4 keeps well under half the weights.

@@ -251,3 +251,49 @@ def test_the_answer_sets_the_steps_sequences_beside_the_longest_the_script_keeps
             "each measured step ran at 2 x 60 tokens (batch x sequence, at each step's first embedding lookup): "
             "the longest sequence the script keeps (60 tokens, the tokenizer's max_length)"
         ], run["notes"]
+
+
+QLORA_AS_ESTIMATED = """
+import sys, torch, transformers, peft
+q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, quantization_config=q, attn_implementation="sdpa")
+model.gradient_checkpointing_enable()
+model.enable_input_require_grads()
+model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=["k_proj", "o_proj", "q_proj", "v_proj"]))
+model.train()  # from_pretrained leaves it in eval mode, where checkpointing is off
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+for _ in range(2):
+    ids = torch.randint(0, 4096, (2, 128))
+    batch = {"input_ids": ids.to("cuda"), "labels": ids.to("cuda")}
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_estimate_traces_the_model_a_script_makes_from_the_same_config(tmp_path: Path) -> None:
+    # `estimate --trace` builds its model with from_pretrained, BitsAndBytesConfig and PEFT, as a
+    # QLoRA script does: the same step from the same config-only folder has the same figures.
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
+    pytest.importorskip("peft", reason="PEFT is not installed for this Python")
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    script = tmp_path / "qlora.py"
+    script.write_text(QLORA_AS_ESTIMATED)
+    run = preflight_run(script, args=(str(bare),))
+    flags = ["--batch", "2", "--seq", "128", "--lora-rank", "16", "--load-in-4bit", "--flash-attention", "--grad-checkpointing"]
+    p = subprocess.run(
+        [OOMKIT, "estimate", "--config", str(bare), "--gpu", "80GiB", *flags, "--trace", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc.get("traced_error") is None, doc["traced_error"]
+    traced = doc["traced"]
+    for role in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs"):
+        assert traced["by_role"][role] == run["by_role"][role], (role, traced["by_role"], run["by_role"])
+    # The step's own small tensors beside it (the loss scaled, a counter) differ by a block or two.
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        assert abs(traced[key] - run[key]) <= 4 * 512, (key, traced[key], run[key])
+    assert any(n.startswith("LlamaForCausalLM was built from its config") for n in traced["notes"]), traced["notes"]
+    # Nothing but the answer: no progress bar or deprecation warning of the libraries that built the model.
+    assert p.stderr == "", p.stderr

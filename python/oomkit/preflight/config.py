@@ -2,21 +2,28 @@
 
 ``oomkit estimate`` runs ``python -m oomkit.preflight.config`` with its
 settings in ``OOMKIT_PREFLIGHT_CONFIG`` (JSON); this builds the Hugging
-Face model from the config on ``meta`` (no download, no weights), runs the
+Face model from the config as a script does, with ``from_pretrained`` (no
+download, no weight file read), LoRA through PEFT, 4-bit through
+``BitsAndBytesConfig``; runs the
 training step the flags describe through :func:`oomkit.preflight`, and
 writes the answer (or the one line why it cannot) to the result file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import oomkit
 from oomkit.preflight.driver import OPTIMIZERS
-from oomkit.preflight.frameworks.huggingface import model_from_config, random_batch
+from oomkit.preflight.frameworks.huggingface import CONFIG_NAME, model_from_config, random_batch
 
 #: The environment variable carrying the settings from ``oomkit estimate``.
 ENV = "OOMKIT_PREFLIGHT_CONFIG"
@@ -69,6 +76,32 @@ def _ema_updating(make: Any, model: Any) -> Any:
     return build
 
 
+def _quiet_libraries() -> None:
+    """No progress bar or deprecation warning from the libraries that build the model: this is
+    oomkit's own process, whose output is the estimate's, not a script's."""
+    warnings.simplefilter("ignore", FutureWarning)
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        # Said where the model is built, in the answer's one line.
+        pass
+
+
+@contextlib.contextmanager
+def _model_folder(config: str) -> Iterator[str]:
+    """A model folder holding ``config`` as its ``config.json``: its own folder where it is named so
+    (a model folder, the hub's cache), else a temporary one with a copy, removed after."""
+    if os.path.basename(config) == CONFIG_NAME:
+        yield os.path.dirname(os.path.abspath(config))
+        return
+    with tempfile.TemporaryDirectory(prefix="oomkit-config-") as folder:
+        shutil.copyfile(config, os.path.join(folder, CONFIG_NAME))
+        yield folder
+
+
 def _unsupported(s: dict[str, Any]) -> str | None:
     if int(s.get("gpus", 1)) > 1 and int(s.get("zero", 0)) not in ZERO_SHARDING:
         return f"ZeRO stage {s.get('zero', 0)} is not one PyTorch runs"
@@ -88,15 +121,19 @@ def main() -> int:
     if why is not None:
         result = {"error": f"not traced: {why}; the formula's figures stand"}
     else:
+        stack = contextlib.ExitStack()
         try:
             import torch
 
+            _quiet_libraries()
+
             with open(s["config"], encoding="utf-8") as f:
                 config = json.load(f)
+            folder = stack.enter_context(_model_folder(s["config"]))
             built: list[Any] = []
 
             def build() -> Any:
-                model = model_from_config(config, s)
+                model = model_from_config(folder, s)
                 built.append(_with_ema(model) if s.get("ema") else model)
                 return built[-1]
 
@@ -123,8 +160,10 @@ def main() -> int:
             result = {"result": answer.as_dict()}
         except ImportError as e:
             result = {"error": f"not traced: {e} (install transformers where oomkit runs)"}
-        except (oomkit.OomkitError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (oomkit.OomkitError, ValueError, TypeError, KeyError, AttributeError, OSError) as e:
             result = {"error": f"not traced: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        finally:
+            stack.close()
     with open(s["result"], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

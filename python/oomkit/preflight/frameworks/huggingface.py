@@ -1,16 +1,17 @@
-"""Hugging Face models under preflight: built from their config on ``meta``, with LoRA adapters and 4-bit layers.
+"""Hugging Face models under preflight: the sequence bounds a script keeps, and the model of a config.
 
-No weight file is read and nothing is downloaded: the model is the class
-its config names, built by transformers from the config alone on the
-fake GPU. LoRA adapts the attention projections as PEFT does, and 4-bit
-quantization replaces the linear layers by bitsandbytes' NF4 layers as
-transformers' ``BitsAndBytesConfig`` does, so each holds what the real
-model holds on a GPU. ``oomkit estimate --config config.json --trace``
-builds its model here (``config``).
+A script's tokenizer and trainer say the longest sequence it keeps
+(:class:`SequenceBounds`). ``oomkit estimate --config ... --trace`` builds
+its model here (:func:`model_from_config`) the way a fine-tuning script
+does, with ``from_pretrained``, ``BitsAndBytesConfig`` and PEFT, which
+preflight answers from the config alone: the script path and the
+no-script path are one way of making a model from its config.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -71,94 +72,28 @@ class SequenceBounds:
 #: ``c_attn`` (the layer PEFT adapts for GPT-2).
 LORA_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "q", "k", "v", "o", "c_attn"})
 
-#: Output heads, kept in the compute dtype when the rest is quantized to 4 bits (as transformers does).
-HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs"})
+#: The name a model folder gives its config, which ``from_pretrained`` reads.
+CONFIG_NAME = "config.json"
 
 
-def linear_features(layer: Any) -> tuple[int, int] | None:
-    """A linear layer's (in, out) features: ``nn.Linear``'s, or GPT-2's ``Conv1D`` (its weight is in x out)."""
-    import torch
+def model_from_config(folder: str, s: dict[str, Any]) -> Any:
+    """The model of ``folder``'s ``config.json``, made as a fine-tuning script makes it, with the
+    estimate's flags ``s`` (``dtype``, ``mixed_precision``, ``flash_attention``,
+    ``grad_checkpointing``, ``load_in_4bit``, ``lora_rank``), in training mode.
 
-    if isinstance(layer, torch.nn.Linear) or (hasattr(layer, "in_features") and hasattr(layer, "out_features")):
-        return int(layer.in_features), int(layer.out_features)
-    if type(layer).__name__ == "Conv1D" and getattr(layer, "weight", None) is not None and layer.weight.dim() == 2:
-        return int(layer.weight.shape[0]), int(layer.weight.shape[1])
-    return None
-
-
-def lora_linear(base: Any, rank: int, dtype: Any) -> Any:
-    """A LoRA-adapted linear layer: the frozen ``base`` plus two trainable factors in ``dtype``."""
-    import torch
-    from torch import nn
-
-    features = linear_features(base)
-    assert features is not None
-    inner, outer = features
-
-    class LoRALinear(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.base = base
-            self.a = nn.Linear(inner, rank, bias=False, dtype=dtype)
-            self.b = nn.Linear(rank, outer, bias=False, dtype=dtype)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.base(x) + self.b(self.a(x))
-
-    return LoRALinear()
-
-
-def quantize_4bit(model: Any, dtype: Any) -> int:
-    """Replaces every linear layer but the output head by bitsandbytes' NF4 layer, quantized on the fake GPU.
-
-    bitsandbytes (0.46 and later) gives its 4-bit operations fake
-    implementations, so the packed weights (half a byte per parameter plus
-    an fp32 scale per block of 64) and the dequantized weight each matmul
-    makes are the real layer's. Returns how many layers were replaced.
+    It is ``from_pretrained`` of the class the config names, which preflight
+    answers from the config alone (no weight file is read), with
+    transformers' ``BitsAndBytesConfig`` for 4-bit weights (NF4, its
+    defaults) and PEFT's ``get_peft_model`` for LoRA on the attention
+    projections: the same calls, and so the same figures, as a script's.
+    The rest of a 4-bit model stays in ``dtype``: ``prepare_model_for_kbit_training``,
+    which a script may add, would keep it in float32.
     """
-    import torch
-
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise ValueError("4-bit weights are bitsandbytes': install bitsandbytes where oomkit runs") from None
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # GPT-2's Conv1D is a linear layer stored transposed; transformers quantizes it too.
-            features = linear_features(child) if type(child) is torch.nn.Linear or type(child).__name__ == "Conv1D" else None
-            if name in HEAD_NAMES or features is None:
-                continue
-            layer = bnb.nn.Linear4bit(
-                *features,
-                bias=child.bias is not None,
-                compute_dtype=dtype,
-                # transformers' BitsAndBytesConfig defaults: NF4, no double quantization.
-                compress_statistics=False,
-                quant_type="nf4",
-                # The fake GPU's device (meta underneath): the layer is on the GPU, not the script's meta.
-                device="cuda",
-            )
-            quantize = getattr(layer.weight, "_quantize", None)
-            if quantize is None:
-                raise ValueError(f"bitsandbytes {bnb.__version__} cannot quantize on meta tensors")
-            layer.weight = quantize("cuda")
-            if child.bias is not None:
-                layer.bias = torch.nn.Parameter(torch.empty_like(child.bias, dtype=dtype), requires_grad=False)
-            setattr(parent, name, layer)
-            replaced += 1
-    if not replaced:
-        raise ValueError("the model has no linear layer to quantize to 4 bits")
-    return replaced
-
-
-def model_from_config(config: dict[str, Any], s: dict[str, Any]) -> Any:
-    """The model ``config`` describes, built as the estimate's flags ``s`` say (``dtype``,
-    ``mixed_precision``, ``flash_attention``, ``grad_checkpointing``, ``load_in_4bit``,
-    ``lora_rank``), in training mode."""
     import torch
     import transformers
 
+    with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as f:
+        config = json.load(f)
     kind = config.get("model_type")
     if not kind:
         raise ValueError("the config has no model_type")
@@ -168,26 +103,38 @@ def model_from_config(config: dict[str, Any], s: dict[str, Any]) -> Any:
             f"the installed transformers ({transformers.__version__}) has no model type {kind!r}, which the config names: "
             "upgrade transformers, or give a config of a type it has"
         )
-    cfg = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
-    cfg._attn_implementation = "sdpa" if s["flash_attention"] else "eager"
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[s["dtype"]]
+    options: dict[str, Any] = {
+        # Mixed precision keeps the weights in float32 and casts in autocast.
+        "dtype": torch.float32 if s["mixed_precision"] else dtype,
+        "attn_implementation": "sdpa" if s["flash_attention"] else "eager",
+    }
+    if s.get("load_in_4bit"):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ValueError("4-bit weights are bitsandbytes': install bitsandbytes where oomkit runs") from None
+        options["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
     names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
-    model = cls(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[s["dtype"]]
-    if not s["mixed_precision"]:
-        model = model.to(dtype)
+    model = (cls or transformers.AutoModelForCausalLM).from_pretrained(folder, **options)
     if s["grad_checkpointing"]:
         model.gradient_checkpointing_enable()
-    if s.get("load_in_4bit"):
-        model.requires_grad_(False)
-        quantize_4bit(model, dtype)
     if s.get("lora_rank"):
-        model.requires_grad_(False)
-        adapters = torch.float32 if s["mixed_precision"] else dtype
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if name in LORA_TARGETS and linear_features(child) is not None:
-                    setattr(parent, name, lora_linear(child, int(s["lora_rank"]), adapters))
+        try:
+            import peft
+        except ImportError:
+            raise ValueError("LoRA is PEFT's: install peft where oomkit runs") from None
+        targets = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} & LORA_TARGETS)
+        if not targets:
+            known = ", ".join(sorted(LORA_TARGETS))
+            raise ValueError(f"{type(model).__name__} has none of the attention projections LoRA adapts ({known})")
+        if s["grad_checkpointing"]:
+            # The frozen embedding's output must carry a gradient for checkpointed blocks to run their backward.
+            model.enable_input_require_grads()
+        model = peft.get_peft_model(model, peft.LoraConfig(r=int(s["lora_rank"]), target_modules=targets))
     return model.train()
 
 
