@@ -1,17 +1,21 @@
 """A checkpoint the script loads itself that is not there (not written yet, not downloaded) answers
 under preflight as the same script with the file present: the model it is loaded into keeps the
 tensors it was built with, a copy loaded onto the GPU is held while the script holds it, and a note
-names the folder; a URL torch's hub would download is not fetched."""
+names the folder; a URL torch's hub would download, or a weight file of a hub repository, is not fetched."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from preflight_cli import preflight_run
+from preflight_cli import OOMKIT, preflight_run
 
 #: The same model in the script and in the checkpoint the test writes for it.
 MODEL = "torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))"
@@ -146,3 +150,51 @@ def test_a_missing_checkpoint_the_script_checks_for_is_still_missing(tmp_path: P
     )
     run = preflight_run(script, args=(str(tmp_path / "last.pt"),))
     assert _absent_notes(run) == []
+
+
+FROM_HUB = """
+import sys, torch
+from huggingface_hub import hf_hub_download
+from safetensors.torch import load_file
+model = {model}
+# As timm's pretrained=True and many scripts fetch weights: one file of a hub repository, then loaded.
+path = hf_hub_download("someorg/tiny-mlp", "model.safetensors")
+model.load_state_dict(load_file(path))
+model.cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_weight_file_asked_of_the_hub_is_not_downloaded_and_a_cached_one_is_read(tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub", reason="huggingface_hub is not installed for this Python")
+    from safetensors.torch import save_file
+
+    script = tmp_path / "from_hub.py"
+    script.write_text(FROM_HUB.format(model=MODEL))
+    # The hub cache's layout: the repository's ref and one snapshot holding the weights.
+    revision = "0" * 40
+    repo = tmp_path / "cached" / "models--someorg--tiny-mlp"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    save_file(eval(MODEL).state_dict(), repo / "snapshots" / revision / "model.safetensors")
+    runs = {}
+    for cache in ("empty", "cached"):
+        (tmp_path / cache).mkdir(exist_ok=True)
+        p = subprocess.run(
+            [OOMKIT, "preflight", "--json", "--", sys.executable, str(script)],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env=dict(os.environ, HF_HUB_CACHE=str(tmp_path / cache), HF_HUB_OFFLINE="1"),
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[cache] = json.loads(p.stdout)["run"]
+    for key in ("peak_allocated_bytes", "by_role", "steps"):
+        assert runs["empty"][key] == runs["cached"][key], (key, runs["empty"][key], runs["cached"][key])
+    assert list((tmp_path / "empty").rglob("*.safetensors")) == [], "a weight file was downloaded"
+    (note,) = _absent_notes(runs["empty"])
+    assert note.startswith("someorg/tiny-mlp/model.safetensors was not downloaded"), note
+    assert _absent_notes(runs["cached"]) == []

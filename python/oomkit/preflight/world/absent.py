@@ -11,7 +11,9 @@ an empty state dict standing for it. A module or optimizer it is loaded
 into keeps what it has (so the model's own tensors stand for the file's
 sizes), a key read from it is another stand-in (``ckpt["model"]``), and an
 empty dict made from one (keys renamed in a comprehension) loads as one
-too. Where the file would have been loaded onto the GPU (``map_location``,
+too. A weight file asked of the hub (``hf_hub_download``, as timm's
+``pretrained=True`` does) is read from the hub's cache where it is there,
+and otherwise not downloaded: its path is one that is not there. Where the file would have been loaded onto the GPU (``map_location``,
 safetensors' ``device``), the stand-in is filled, when a module is loaded
 from it, with a copy of each of the module's tensors there, and holds them
 as long as the script holds it, as the loaded file would. A URL that is not
@@ -30,6 +32,13 @@ import torch
 
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.world.cuda import is_cuda
+
+#: huggingface_hub's modules that hand out ``hf_hub_download``: the package (how timm and most
+#: scripts import it) and the module that defines it.
+HUB = ("huggingface_hub", "huggingface_hub.file_download")
+
+#: The endings of weight files, which are looked for in the hub's cache but never downloaded.
+WEIGHT_FILES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".msgpack", ".h5")
 
 #: safetensors' modules: the package (``safe_open``) and its PyTorch side (``load_file``, ``safe_open`` as it imported it).
 SAFETENSORS = ("safetensors", "safetensors.torch")
@@ -194,3 +203,36 @@ class AbsentCheckpoints:
 
             found.append((module, "load_file", load_file_or_absent))
         return found
+
+    def hub_stand_ins(self, module: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``hf_hub_download`` that downloads no weight file: one in the cache is its path there,
+        one that is not is a path that is not there, which loads as a stand-in."""
+        download = getattr(module, "hf_hub_download", None)
+        if download is None:
+            return []
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        def hf_hub_download(repo_id: str, filename: str, *args: Any, **kwargs: Any) -> Any:
+            if not str(filename).endswith(WEIGHT_FILES) or kwargs.get("dry_run"):
+                return download(repo_id, filename, *args, **kwargs)
+            try:
+                return download(repo_id, filename, *args, **{**kwargs, "local_files_only": True})
+            except LocalEntryNotFoundError:
+                pass
+            name = "/".join(p for p in (kwargs.get("subfolder"), str(filename)) if p)
+            where = kwargs.get("local_dir") or os.path.join(
+                os.fspath(kwargs.get("cache_dir") or _hub_cache()), "models--" + repo_id.replace("/", "--"), "not-downloaded"
+            )
+            path = os.path.join(os.fspath(where), name)
+            self._not_downloaded.add(path)
+            self.notes.add(f"{repo_id}/{name} was not downloaded; {_keeps('it', 'its own')}")
+            return path
+
+        return [(module, "hf_hub_download", hf_hub_download)]
+
+
+def _hub_cache() -> str:
+    """The hub's cache folder, as huggingface_hub reads it from the environment."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
