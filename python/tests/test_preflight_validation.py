@@ -8,12 +8,14 @@ ran out of memory is traced as fitting, or when VALIDATION.md no longer
 shows what preflight computes (the failure message has the row to paste).
 The Hugging Face guide's rows run transformers' BERT as its Trainer did;
 LitGPT's rows run LitGPT's own model, LoRA and chunked loss as its
-fine-tuning scripts do.
+fine-tuning scripts do, and two config-hub rows run through LitGPT's own
+command from configs alone.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -244,3 +246,36 @@ def test_the_traced_litgpt_rows_match_the_published_measurements(monkeypatch: py
     summary = re.search(r"(\d+) traced LitGPT cases: (\d+) within 5%", doc)
     within = sum(abs(e) <= 0.05 for _, e in errors)
     assert summary and summary.groups() == (str(len(errors)), str(within)), (len(errors), within)
+
+
+#: The config-hub rows run through LitGPT's own command (scripts/litgpt_config_hub.sh): the script's
+#: name of the row, its measured GB (None: ran out), and the case of VALIDATION.md's table.
+THROUGH_LITGPT = {
+    "gemma-2b": ("Gemma-2B LoRA r16 b2", 12.62),
+    "gemma-7b": ("Gemma-7B LoRA r16 b1 (ran out on 24 GB)", None),
+}
+
+
+def test_the_config_hub_rows_through_litgpts_own_command_match(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    if subprocess.run([sys.executable, "-c", "import litgpt.__main__, jsonargparse"], capture_output=True).returncode != 0:
+        pytest.skip(f"LitGPT and jsonargparse are not installed beside {sys.executable} (scripts/test.sh installs them)")
+    env = dict(os.environ, LITGPT_ROWS=" ".join(THROUGH_LITGPT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "litgpt_config_hub.sh"), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    printed = re.findall(r"^(.+?) \(.*?\)\s+peak allocated\s+([\d.]+) GB, fits: (True|False)$", p.stdout, re.M)
+    assert len(printed) == len(THROUGH_LITGPT), p.stdout
+    doc = (ROOT / "VALIDATION.md").read_text()
+    for (_, gb, fits), (case, measured) in zip(printed, THROUGH_LITGPT.values()):
+        if measured is None:
+            assert fits == "False", (case, gb)
+            row = f"| {case} | ran out | {gb} GB, does not fit | - |"
+        else:
+            error = float(gb) / measured - 1
+            assert abs(error) <= 0.05, (case, gb, measured)
+            row = f"| {case} | {measured:.2f} GB | {gb} GB | {100 * error:+.1f}% |"
+        assert row in doc, f"VALIDATION.md lacks this row (or shows an old figure):\n{row}"
