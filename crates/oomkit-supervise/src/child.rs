@@ -202,15 +202,13 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     // Where both of the command's streams end up in one place, one pipe keeps
     // them in the order the command wrote them; two relayed pipes would let
     // a line of one overtake a line of the other.
+    let cannot_start = |e: std::io::Error| SuperviseError::Spawn {
+        program: program.to_string_lossy().into_owned(),
+        message: e.to_string(),
+    };
     let merged = if spec.stdout_to_stderr || same_destination(1, 2) {
-        let (reader, writer) = std::io::pipe().map_err(|e| SuperviseError::Spawn {
-            program: program.to_string_lossy().into_owned(),
-            message: e.to_string(),
-        })?;
-        let copy = writer.try_clone().map_err(|e| SuperviseError::Spawn {
-            program: program.to_string_lossy().into_owned(),
-            message: e.to_string(),
-        })?;
+        let (reader, writer) = std::io::pipe().map_err(cannot_start)?;
+        let copy = writer.try_clone().map_err(cannot_start)?;
         cmd.stdout(copy).stderr(writer);
         Some(reader)
     } else {
@@ -234,10 +232,7 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
             });
         }
     }
-    let mut child = cmd.spawn().map_err(|e| SuperviseError::Spawn {
-        program: program.to_string_lossy().into_owned(),
-        message: e.to_string(),
-    })?;
+    let mut child = cmd.spawn().map_err(cannot_start)?;
     // The command's copies of the shared pipe's write end live in `cmd`; the
     // reader sees the end of the output only once they are closed here.
     drop(cmd);
@@ -245,27 +240,17 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
     let heard = Arc::new(Mutex::new(Heard::default()));
     let (done_tx, done_rx) = mpsc::channel();
     let mut readers = 0;
+    // The shared pipe is read as standard error: the command's own error is looked for in it.
     if let Some(both) = merged {
-        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
-        if spec.stdout_to_stderr {
-            std::thread::spawn(move || tee(both, std::io::stderr(), heard, true, done));
-        } else {
-            std::thread::spawn(move || tee(both, std::io::stdout(), heard, true, done));
-        }
+        relay(both, spec.stdout_to_stderr, true, &heard, &done_tx);
         readers += 1;
     }
     if let Some(out) = child.stdout.take() {
-        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
-        if spec.stdout_to_stderr {
-            std::thread::spawn(move || tee(out, std::io::stderr(), heard, false, done));
-        } else {
-            std::thread::spawn(move || tee(out, std::io::stdout(), heard, false, done));
-        }
+        relay(out, spec.stdout_to_stderr, false, &heard, &done_tx);
         readers += 1;
     }
     if let Some(err) = child.stderr.take() {
-        let (heard, done) = (Arc::clone(&heard), done_tx.clone());
-        std::thread::spawn(move || tee(err, std::io::stderr(), heard, true, done));
+        relay(err, true, true, &heard, &done_tx);
         readers += 1;
     }
     drop(done_tx);
@@ -318,6 +303,23 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         max_rss_bytes: (rusage.ru_maxrss > 0).then(|| rusage.ru_maxrss as u64 * 1024),
         oom_kill,
     })
+}
+
+/// Copies one of the child's pipes to our standard error (`to_stderr`) or output on a thread
+/// of its own; `is_stderr`: the pipe carries the command's standard error.
+fn relay(
+    from: impl Read + Send + 'static,
+    to_stderr: bool,
+    is_stderr: bool,
+    heard: &Arc<Mutex<Heard>>,
+    done: &mpsc::Sender<()>,
+) {
+    let (heard, done) = (Arc::clone(heard), done.clone());
+    if to_stderr {
+        std::thread::spawn(move || tee(from, std::io::stderr(), heard, is_stderr, done));
+    } else {
+        std::thread::spawn(move || tee(from, std::io::stdout(), heard, is_stderr, done));
+    }
 }
 
 /// Whether two of our file descriptors write to the same file, pipe or
