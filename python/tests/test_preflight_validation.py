@@ -248,7 +248,7 @@ def test_the_traced_litgpt_rows_match_the_published_measurements(monkeypatch: py
     assert summary and summary.groups() == (str(len(errors)), str(within)), (len(errors), within)
 
 
-#: The config-hub rows run through LitGPT's own command (scripts/litgpt_config_hub.sh): the script's
+#: Two config-hub rows run through LitGPT's own command (scripts/litgpt_tables.sh): the script's
 #: name of the row, its measured GB (None: ran out), and the case of VALIDATION.md's table.
 THROUGH_LITGPT = {
     "gemma-2b": ("Gemma-2B LoRA r16 b2", 12.62),
@@ -264,7 +264,7 @@ def test_the_config_hub_rows_through_litgpts_own_command_match(tmp_path: Path) -
         pytest.skip(f"LitGPT and jsonargparse are not installed beside {sys.executable} (scripts/test.sh installs them)")
     env = dict(os.environ, LITGPT_ROWS=" ".join(THROUGH_LITGPT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     p = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "litgpt_config_hub.sh"), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
+        ["bash", str(ROOT / "scripts" / "litgpt_tables.sh"), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
     )
     assert p.returncode == 0, p.stderr[-3000:]
     printed = re.findall(r"^(.+?) \(.*?\)\s+peak allocated\s+([\d.]+) GB, fits: (True|False)$", p.stdout, re.M)
