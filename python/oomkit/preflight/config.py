@@ -2,11 +2,11 @@
 
 ``oomkit estimate`` runs ``python -m oomkit.preflight.config`` with its
 settings in ``OOMKIT_PREFLIGHT_CONFIG`` (JSON); this builds the Hugging
-Face model from the config as a script does, with ``from_pretrained`` (no
-download, no weight file read), LoRA through PEFT, 4-bit through
-``BitsAndBytesConfig``; runs the
-training step the flags describe through :func:`oomkit.preflight`, and
-writes the answer (or the one line why it cannot) to the result file.
+Face model from the config as a script does (``from_pretrained``, which
+preflight answers with no download and no weight file read; LoRA through
+PEFT; 4-bit through ``BitsAndBytesConfig``), runs the training step the
+flags describe through :func:`oomkit.preflight`, and writes the answer (or
+the one line why it cannot) to the result file.
 """
 
 from __future__ import annotations

@@ -11,14 +11,17 @@ an empty state dict standing for it. A module or optimizer it is loaded
 into keeps what it has (so the model's own tensors stand for the file's
 sizes), a key read from it is another stand-in (``ckpt["model"]``), and an
 empty dict made from one (keys renamed in a comprehension) loads as one
-too. A weight file asked of the hub (``hf_hub_download``, as timm's
-``pretrained=True`` does) is read from the hub's cache where it is there,
-and otherwise not downloaded: its path is one that is not there. Where the file would have been loaded onto the GPU (``map_location``,
+too. Where the file would have been loaded onto the GPU (``map_location``,
 safetensors' ``device``), the stand-in is filled, when a module is loaded
 from it, with a copy of each of the module's tensors there, and holds them
-as long as the script holds it, as the loaded file would. A URL that is not
-in torch's hub cache is not downloaded. A note names the folder or the URL,
-so the answer says what its figures stand on.
+as long as the script holds it, as the loaded file would.
+
+Nothing that holds weights is downloaded: a URL that is not in torch's hub
+cache is not fetched, and a weight file asked of the Hugging Face hub
+(``hf_hub_download``, as timm's ``pretrained=True`` does) is read from the
+hub's cache where it is there, and otherwise given a path that is not
+there, which loads as a stand-in. A note names the folder, the URL or the
+repository's file, so the answer says what its figures stand on.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".msgpa
 
 #: safetensors' modules: the package (``safe_open``) and its PyTorch side (``load_file``, ``safe_open`` as it imported it).
 SAFETENSORS = ("safetensors", "safetensors.torch")
-
 
 
 def _keeps(them: str, theirs: str) -> str:
@@ -110,7 +112,7 @@ class AbsentCheckpoints:
         self.notes = notes
         #: Whether a checkpoint was stood in for in this run.
         self.seen = False
-        # Where torch's hub would have written what it did not download: noted by URL, not by folder.
+        # Where a hub would have written what it did not download: noted by URL or file, not by folder.
         self._not_downloaded: set[str] = set()
 
     def _absent(self, path: Any) -> bool:
@@ -123,8 +125,8 @@ class AbsentCheckpoints:
         folder = os.path.dirname(os.path.abspath(path))
         first = os.path.basename(path)
         if path not in self._not_downloaded:
-                said = f"checkpoint files the script loads from {folder} are not there (the first: {first})"
-                self.notes.add(f"{said}; {_keeps('them', 'theirs')}")
+            said = f"checkpoint files the script loads from {folder} are not there (the first: {first})"
+            self.notes.add(f"{said}; {_keeps('them', 'theirs')}")
         self.seen = True
         return AbsentStateDict(path, device if is_cuda(device) else None)
 
