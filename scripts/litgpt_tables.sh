@@ -11,7 +11,7 @@
 # The data are instruction rows longer than each table's sequence, so every sample is cut to it.
 # Needs litgpt 0.5 and jsonargparse importable, transformers' tokenizers.
 # Usage: scripts/litgpt_tables.sh [WORKDIR]; prints one line per row. LITGPT_ROWS="gemma-2b
-# gemma-7b" runs only the rows of those models (the test runs two).
+# gemma-7b" runs only the rows of those models (the test runs Gemma 2B's).
 set -euo pipefail
 work=${1:-$(mktemp -d)}
 mkdir -p "$work"
