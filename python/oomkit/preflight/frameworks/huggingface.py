@@ -67,6 +67,7 @@ class SequenceBounds:
 
         return [(cls, "__init__", __init__)]
 
+
 #: Attention projections LoRA adapts, by the names models give them: the
 #: four of Llama-style and T5 attention, BERT's three, and GPT-2's fused
 #: ``c_attn`` (the layer PEFT adapts for GPT-2).

@@ -43,11 +43,13 @@ def load_stand_in(placement: Placement, values: Values) -> Callable[..., Any]:
             # The file's pages mapped and left unread: the storages bound for the GPU become meta ones.
             kwargs["mmap"] = True
         loaded = load(f, _onto_fake_gpu(map_location, placement), *args, **kwargs)
-        small = [t for t in tree_leaves(loaded) if _small_on_fake_gpu(t)]
-        if small and mapped and kwargs.get("mmap"):
+        if not (mapped and kwargs.get("mmap")):
+            return loaded
+        leaves = tree_leaves(loaded)
+        if any(_small_on_fake_gpu(t) for t in leaves):
             # The same file onto the CPU, mapped: only the pages of what is read are read.
             on_cpu = tree_leaves(load(f, "cpu", *args, **kwargs))
-            for fake, real in zip(tree_leaves(loaded), on_cpu):
+            for fake, real in zip(leaves, on_cpu):
                 if _small_on_fake_gpu(fake) and isinstance(real, torch.Tensor):
                     values.know(fake, real)
         return loaded
