@@ -100,6 +100,9 @@ def test_a_checkpoint_that_is_not_there_answers_as_the_file_would(tmp_path: Path
     assert _absent_notes(with_file) == []
     (note,) = _absent_notes(without)
     assert note.startswith(f"checkpoint files the script loads from {absent.parent} are not there (the first: ckpt.bin)"), note
+    # Loaded onto the GPU, the file's other contents are not known: the answer says they are not counted.
+    gpu_bound = [n for n in without["notes"] if n.startswith("a checkpoint that is not there was loaded onto the GPU")]
+    assert len(gpu_bound) == (0 if how == "safe_open" else 1), without["notes"]
     if how == "load_file":
         # The weights loaded onto the GPU are held beside the model's own: two copies of each.
         model = eval(MODEL)

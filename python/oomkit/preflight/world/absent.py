@@ -47,6 +47,15 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".msgpa
 SAFETENSORS = ("safetensors", "safetensors.torch")
 
 
+#: Said where a checkpoint that is not there would have been loaded onto the GPU: only what a
+#: module is loaded from is known, not what else the file holds there.
+GPU_BOUND_NOTE = (
+    "a checkpoint that is not there was loaded onto the GPU: a copy of each tensor of the module loaded from it is "
+    "counted while the script holds it; what else the file would put there (an optimizer's state the script "
+    "does not restore) is not known, and not counted"
+)
+
+
 def _keeps(them: str, theirs: str) -> str:
     """What a note says of a stood-in checkpoint, after naming it."""
     return f"what is loaded from {them} keeps the tensors the model was built with, whose sizes stand for {theirs}"
@@ -128,6 +137,8 @@ class AbsentCheckpoints:
             said = f"checkpoint files the script loads from {folder} are not there (the first: {first})"
             self.notes.add(f"{said}; {_keeps('them', 'theirs')}")
         self.seen = True
+        if is_cuda(device):
+            self.notes.add(GPU_BOUND_NOTE)
         return AbsentStateDict(path, device if is_cuda(device) else None)
 
     def _loaded_from_absent(self, state_dict: Any) -> bool:
