@@ -22,10 +22,13 @@ def allocator_bytes(tensors: Iterable[Any]) -> int:
     return sum(-(-t.nbytes // BLOCK) * BLOCK for t in tensors)
 
 
-def preflight_run(script: Path, *flags: str, args: tuple[str, ...] = (), cwd: Path | None = None) -> dict[str, Any]:
-    """Runs ``oomkit preflight --json FLAGS -- python SCRIPT ARGS``, checks it answered, and returns its ``run``."""
+def preflight_run(
+    script: Path, *flags: str, args: tuple[str, ...] = (), cwd: Path | None = None, launcher: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Runs ``oomkit preflight --json FLAGS -- python LAUNCHER SCRIPT ARGS`` (``LAUNCHER``: ``-m
+    torch.distributed.run --nproc-per-node 2``), checks it answered, and returns its ``run``."""
     p = subprocess.run(
-        [OOMKIT, "preflight", "--json", *flags, "--", sys.executable, str(script), *args],
+        [OOMKIT, "preflight", "--json", *flags, "--", sys.executable, *launcher, str(script), *args],
         capture_output=True, text=True, timeout=300, cwd=cwd,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr

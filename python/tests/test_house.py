@@ -45,6 +45,11 @@ def _owners() -> list[Any]:
     import torch.optim.optimizer as optimizer
     import torch.utils._foreach_utils as foreach_utils
     import torch.utils.checkpoint as checkpoint
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.pipelining import _utils as pipelining_utils
+    from torch.distributed.pipelining import schedules, stage
     from torch.nn.parallel import distributed as ddp
 
     owners = [
@@ -66,6 +71,12 @@ def _owners() -> list[Any]:
         dist,
         ddp,
         ddp.DistributedDataParallel,
+        device_mesh,
+        c10d,
+        launcher,
+        schedules._PipelineSchedule,
+        stage.PipelineStage,
+        pipelining_utils.InferenceMode,
         module,
     ]
     accelerator = getattr(torch, "accelerator", None)

@@ -35,7 +35,9 @@ from oomkit.preflight.settings import DEFAULT_CAPACITY, DEFAULT_STEPS, DEFAULT_T
 from oomkit.preflight.world.autocast import Autocast
 from oomkit.preflight.world.cuda import CudaFunctions, cublas_workspace
 from oomkit.preflight.world.fake_gpu import FakeGpu, Hook, StandIn
+from oomkit.preflight.world.imports import when_imported
 from oomkit.preflight.world.memory import MemoryQueries
+from oomkit.preflight.world.torchrun import TORCHRUN, TorchrunAsRankZero
 from oomkit.tracker.measure import PREFLIGHT_DIR_ENV
 from oomkit.tracker.tracker import PREFLIGHT_LOGS
 
@@ -174,6 +176,7 @@ class _Session:
                 Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),
                 Hook("the first forward begins the step", torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward),
                 Hook("a fix tried ends with each forward", torch.nn.modules.module.register_module_forward_hook, self._after_forward),
+                Hook("torchrun runs its rank 0 alone", when_imported(TORCHRUN), TorchrunAsRankZero(ENV, self.settings.gpus).stand_ins),
             ],
             stand_ins=[
                 StandIn(f"a fix tried: {getattr(owner, '__name__', owner)}.{name} replaced", owner, name, value)

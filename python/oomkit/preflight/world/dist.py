@@ -29,6 +29,7 @@ import torch
 from oomkit._native import PreflightError
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.settings import STRATEGIES
+from oomkit.preflight.world.imports import replaced
 
 #: Sharding strategies by name: whether parameters are freed again after
 #: forward (FSDP's FULL_SHARD, ZeRO-3) or kept gathered until backward
@@ -302,3 +303,85 @@ def zero_redundancy(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     defaults = {k: v for k, v in opt.defaults.items() if k in takes and k != "params"}
     groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in opt.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
+
+
+#: The module whose import brings pipeline parallelism's schedules (and stages) in.
+PIPELINE_SCHEDULES = "torch.distributed.pipelining.schedules"
+
+#: What a pipeline's answer adds where rank 0 does not hold the last stage.
+ELSEWHERE = "; the last stage (the output layer and the loss) is on another rank and may hold more"
+
+
+class PipelineOnOneRank:
+    """What lets ``torch.distributed.pipelining``'s schedules run as rank 0 of the fake group.
+
+    A schedule runs the stages this rank holds, in its own order of
+    forwards and backwards over the micro-batches, so rank 0's activations
+    in flight are what the schedule keeps (all of them under GPipe, at most
+    the number of stages under 1F1B). What a stage learns from the other
+    ranks before the first step is the shapes of what it will receive, and
+    on a fake group nothing arrives (PyTorch refuses to infer them there).
+    Here they are answered from what this rank knows: the gradients a stage
+    receives have the shapes of its outputs, and the activations a later
+    stage on this rank receives have the shapes this rank last sent on,
+    which holds where the stages between keep the shape of what they pass
+    (a transformer's hidden states), and a note says so.
+    """
+
+    def __init__(self, notes: Notes) -> None:
+        self.notes = notes
+        self._sent: Any = None
+
+    def stand_ins(self, schedules: Any) -> list[tuple[Any, str, Any]]:
+        """The (owner, name, value) triples to set once ``schedules`` is imported; none where
+        this PyTorch's pipelining infers no shapes across ranks (it has nothing to stand in for)."""
+        from torch.distributed.pipelining import _utils, stage
+
+        base = getattr(schedules, "_PipelineSchedule", None)
+        cls = getattr(stage, "PipelineStage", None)
+        modes = getattr(_utils, "InferenceMode", None)
+        wanted = (base, "_initialize_pipeline_distributed_state"), (cls, "_recv_meta"), (cls, "_send_meta")
+        if base is None or cls is None or modes is None or any(not hasattr(owner, name) for owner, name in wanted):
+            return []
+        initialize, send = base._initialize_pipeline_distributed_state, cls._send_meta
+        needs_dynamic = modes.needs_dynamic
+
+        def initialize_on_one_rank(schedule: Any, stages: Any, has_backward: bool, *args: Any, **kwargs: Any) -> None:
+            # PyTorch asks every rank whether any stage needs its shapes inferred and refuses
+            # that on a fake group; here this rank's stages answer for all (each rank builds alike).
+            dynamic = any(needs_dynamic(s._user_meta, has_backward) for s in stages if hasattr(s, "_user_meta"))
+            with replaced(modes, {"needs_dynamic": classmethod(lambda *_: False)}):
+                initialize(schedule, stages, has_backward, *args, **kwargs)
+            if dynamic:
+                for s in stages:
+                    s._inference_mode = modes.DYNAMIC
+            held = ", ".join(str(s.stage_index) for s in stages)
+            last = "" if any(getattr(s, "is_last", False) for s in stages) else ELSEWHERE
+            in_flight = "with the micro-batches its schedule keeps in flight"
+            self.notes.add(f"pipeline parallelism: rank 0's stage(s) {held} measured, {in_flight}{last}")
+
+        def send_meta(stage_: Any, meta: Any, dst_stage: int) -> None:
+            if isinstance(meta, _utils._StageForwardMeta):
+                self._sent = meta
+            send(stage_, meta, dst_stage)
+
+        def recv_meta(stage_: Any, src_stage: int) -> Any:
+            if src_stage > stage_.stage_index:
+                # The gradients of a stage's outputs have its outputs' shapes.
+                return _utils._StageBackwardMeta(backward_metas=tuple(stage_._stage_meta.outputs))
+            if self._sent is None:
+                raise PreflightError(
+                    f"pipeline stage {stage_.stage_index} receives its inputs from stage {src_stage} on another rank, "
+                    "and rank 0 has sent nothing to take their shapes from: give the stage its input_args"
+                )
+            self.notes.add(
+                f"pipeline stage {stage_.stage_index}'s inputs are taken to have the shapes this rank sent on "
+                "(the stages between, on other ranks, keep the shape of what they pass)"
+            )
+            return self._sent
+
+        return [
+            (base, "_initialize_pipeline_distributed_state", initialize_on_one_rank),
+            (cls, "_recv_meta", recv_meta),
+            (cls, "_send_meta", send_meta),
+        ]

@@ -53,7 +53,14 @@ from oomkit.preflight.world.cuda import (
     saved_tensor_hooks_in_mode,
     wrapper_subclass_stand_in,
 )
-from oomkit.preflight.world.dist import fake_process_group, parallel_stand_ins, rank_zero_environment, rank_zero_note
+from oomkit.preflight.world.dist import (
+    PIPELINE_SCHEDULES,
+    PipelineOnOneRank,
+    fake_process_group,
+    parallel_stand_ins,
+    rank_zero_environment,
+    rank_zero_note,
+)
 from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
 from oomkit.preflight.world.imports import replaced, when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
@@ -263,11 +270,20 @@ class FakeGpu:
             # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
             fake_process_group(world_size, init)
 
-        entries.append(
-            StandIn("the script's init_process_group gets the fake process group", dist, "init_process_group", init_process_group)
-        )
+        # DeviceMesh (``init_device_mesh`` with no group yet) calls its own imported name.
+        import torch.distributed.device_mesh  # noqa: F401
+
+        modules = list(sys.modules.items())
+        owners = [m for n, m in modules if n.startswith("torch.distributed") and getattr(m, "init_process_group", None) is init]
+        entries += [
+            StandIn("the script's init_process_group gets the fake process group", owner, "init_process_group", init_process_group)
+            for owner in owners
+        ]
         for owner, values in parallel_stand_ins(self.notes, self.settings.gpus):
             entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
+        pipeline = PipelineOnOneRank(self.notes).stand_ins
+        shapes = "pipeline schedules run rank 0's stages, shapes from other ranks answered"
+        entries.append(Hook(shapes, when_imported(PIPELINE_SCHEDULES), pipeline))
         return entries
 
     # ----- entering and leaving ----------------------------------------------

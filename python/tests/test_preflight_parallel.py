@@ -1,0 +1,218 @@
+"""Parallelism beyond FSDP and DDP, as rank 0 of many: tensor parallelism (DTensor's
+colwise and rowwise styles), FSDP and tensor parallelism on a 2D mesh with sequence
+parallelism, pipeline schedules, and torchrun's command line. Each script is the
+project's own; each answer is checked against sizes worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from preflight_cli import OOMKIT, preflight_run
+
+#: Two Linear layers split over the tensor-parallel GPUs, built as a DeviceMesh starts its own group.
+TENSOR_PARALLEL = """
+import os
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+class Feed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(1024, 4096, bias=False)
+        self.down = nn.Linear(4096, 1024, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+# No init_process_group: the mesh starts the default group itself, from torchrun's environment.
+mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+model = parallelize_module(Feed().cuda(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(4, 256, 1024, device="cuda")).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_tensor_parallel_keeps_a_slice_of_each_weight_launched_by_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "tp.py"
+    script.write_text(TENSOR_PARALLEL)
+    # As a user types it: torchrun's own command line, which decides the world (2 GPUs).
+    run = preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    weights = 2 * 1024 * 4096 * 4
+    assert run["steps"] == 2, run
+    # Each GPU keeps half of each weight (up's rows, down's columns), and AdamW's two moments of that half.
+    assert run["by_role"]["parameters"] == weights // 2, run["by_role"]
+    assert run["by_role"]["optimizer_state"] == weights, run["by_role"]
+    assert any("rank 0 of 2 GPUs" in n for n in run["notes"]), run["notes"]
+
+
+def test_gpus_given_is_the_world_torchrun_starts_rank_zero_of(tmp_path: Path) -> None:
+    script = tmp_path / "tp.py"
+    script.write_text(TENSOR_PARALLEL)
+    # torchrun's console script, installed with torch beside this Python (or on PATH where torch is shared).
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = beside if os.path.exists(beside) else shutil.which("torchrun")
+    assert torchrun, "torch's torchrun console script is not installed"
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--gpus", "4", "--", torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    run = json.loads(p.stdout)["run"]
+    assert run["by_role"]["parameters"] == 2 * 1024 * 4096 * 4 // 4, run["by_role"]
+    assert any("rank 0 of 4 GPUs" in n for n in run["notes"]), run["notes"]
+
+
+#: A small transformer's blocks on a 2D mesh: tensor parallelism (with sequence parallelism
+#: for the norms and a vocabulary-parallel loss) inside each pair of GPUs, FSDP across pairs.
+TWO_D = """
+import os
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+)
+
+WIDTH, VOCAB, DEPTH = 512, 4096, 4
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(WIDTH)
+        self.wide = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
+        self.narrow = nn.Linear(4 * WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return x + self.narrow(F.gelu(self.wide(self.norm(x))))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+mesh = init_device_mesh("cuda", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+with torch.device("meta"):
+    model = Model()
+parallelize_module(model, mesh["tp"], {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+})
+for block in model.blocks:
+    parallelize_module(block, mesh["tp"], {
+        "norm": SequenceParallel(),
+        "wide": ColwiseParallel(input_layouts=Shard(1)),
+        "narrow": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    fully_shard(block, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+model.to_empty(device="cuda")
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    tokens = torch.randint(0, VOCAB, (4, 256), device="cuda")
+    logits = model(tokens)
+    with loss_parallel():
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_fsdp_and_tensor_parallel_on_a_2d_mesh_keep_one_shard_per_gpu(tmp_path: Path) -> None:
+    script = tmp_path / "two_d.py"
+    script.write_text(TWO_D)
+    run = preflight_run(script, "--gpus", "8")
+    width, vocab, depth = 512, 4096, 4
+    # Every weight split eight ways (2 for tensor parallelism x 4 for FSDP), in float32;
+    # the norms' weights (width each) split over FSDP's 4 only, as sequence parallelism replicates them.
+    matrices = (2 * width * vocab + depth * 8 * width * width) * 4 // 8
+    norms = depth * width * 4 // 4
+    assert run["steps"] == 2, run
+    assert abs(run["by_role"]["optimizer_state"] - 2 * (matrices + norms)) <= 2 * 512 * (2 + 3 * depth), run["by_role"]
+    assert any("rank 0 of 8 GPUs" in n for n in run["notes"]), run["notes"]
+
+
+#: Rank 0's stage of a pipeline: half the layers, run over eight micro-batches by a schedule
+#: chosen on the command line.
+PIPELINE = """
+import os
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+WIDTH, LAYERS, BATCH, SEQ, MICRO = 512, 8, 16, 128, 8
+dist.init_process_group("nccl")
+rank, ranks = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+kind = sys.argv[1]
+# Interleaved: each rank holds two stages, rank and rank + ranks (stage 0 and stage 2 on rank 0).
+held = [rank, rank + ranks] if kind == "interleaved" else [rank]
+count = len(held) * ranks
+per_stage = LAYERS // count
+
+def layer():
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+parts = [nn.Sequential(*[layer() for _ in range(per_stage)]).to(device) for _ in held]
+stages = [PipelineStage(part, index, count, device) for part, index in zip(parts, held)]
+loss = lambda out, target: (out - target).pow(2).mean()
+if kind == "interleaved":
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=loss)
+else:
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], n_microbatches=MICRO, loss_fn=loss)
+opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+for _ in range(2):
+    schedule.step(torch.randn(BATCH, SEQ, WIDTH, device=device))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_pipeline_schedules_keep_the_micro_batches_they_hold_in_flight(tmp_path: Path) -> None:
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE)
+    width, micro_tokens = 512, 16 // 8 * 128
+    layer_weights = (2 * width * 4 * width + 5 * width) * 4
+    # What one layer keeps for its backward for one micro-batch: the first Linear's input,
+    # GELU's input and the second Linear's input (GELU's output), in float32.
+    kept = micro_tokens * (width + 4 * width + 4 * width) * 4
+    runs = {kind: preflight_run(script, "--gpus", "2", args=(kind,)) for kind in ("gpipe", "1f1b", "interleaved")}
+    for kind, run in runs.items():
+        assert run["steps"] == 2, (kind, run)
+        # Rank 0 holds its stages' layers alone: half the model.
+        assert run["by_role"]["parameters"] == 4 * layer_weights, (kind, run["by_role"])
+        assert any("pipeline parallelism: rank 0's stage(s)" in n for n in run["notes"]), run["notes"]
+    # GPipe runs every micro-batch's forward before any backward: at its peak (the first
+    # backward, its gradients made) rank 0 still holds seven of the eight.
+    gpipe, one_f_one_b = runs["gpipe"]["by_role"], runs["1f1b"]["by_role"]
+    assert gpipe["activations"] >= 6 * 4 * kept, gpipe
+    # 1F1B's first stage starts its backwards after as many forwards as there are stages (two).
+    assert 4 * kept <= one_f_one_b["activations"] <= 2.2 * 4 * kept, one_f_one_b
+    # The interleaved schedule's second stage on rank 0 takes its inputs' shapes from what rank 0 sent.
+    assert any("pipeline stage 2's inputs are taken" in n for n in runs["interleaved"]["notes"]), runs["interleaved"]["notes"]
