@@ -3,7 +3,7 @@
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
 # and pip installs maturin, pytest (with pytest-xdist), mypy (its stubtest checks the stub), ruff, expecttest
 # (which PyTorch's autocast test lists import), PyTorch (CPU use), transformers, accelerate,
-# lightning, bitsandbytes, litgpt (without its pins), TRL and torchtune into .venv, which
+# lightning, bitsandbytes, litgpt (without its pins), TRL, torchtune and torchtitan into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -78,6 +78,11 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   [ -d .venv/torchtune-site/torchtune ] || python -m pip install -q --no-deps --target .venv/torchtune-site \
     "torchtune==0.6.1" "torchao==0.15.0" "torchdata==0.11.0" "omegaconf==2.4.0" "antlr4-python3-runtime==4.13.2" \
     "tiktoken==0.14.0" "sentencepiece==0.2.3" "kagglehub==1.0.3" "kagglesdk==0.1.38" "protobuf==7.36.2"
+  # torchtitan's trainer, run through torchrun (test_preflight_torchtitan.py), in a folder of its own
+  # for the same reason; its metrics import tensorboard's writer. No dependencies: the rest is above.
+  [ -d .venv/torchtitan-site/torchtitan ] || python -m pip install -q --no-deps --target .venv/torchtitan-site \
+    "torchtitan==0.3.0" "tyro==1.0.17" "typeguard==4.6.1" "shtab==1.13.0" "einops==0.8.2" "spmd_types==0.2.3" \
+    "torch_checkpointing==0.1.1" "torchdata==0.11.0" "tensorboard==2.21.0" "protobuf==7.36.2" "absl-py==2.5.1"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

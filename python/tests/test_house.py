@@ -41,13 +41,13 @@ def _owners() -> list[Any]:
 
     import torch.amp.autocast_mode as autocast_mode
     import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.launcher.api as launcher
     import torch.nn.modules.module as module
     import torch.optim.optimizer as optimizer
     import torch.utils._foreach_utils as foreach_utils
     import torch.utils.checkpoint as checkpoint
-    import torch.distributed.device_mesh as device_mesh
-    import torch.distributed.distributed_c10d as c10d
-    import torch.distributed.launcher.api as launcher
     from torch.distributed.pipelining import _utils as pipelining_utils
     from torch.distributed.pipelining import schedules, stage
     from torch.nn.parallel import distributed as ddp
