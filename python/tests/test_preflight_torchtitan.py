@@ -1,5 +1,6 @@
 """torchtitan's own trainer, run unchanged through torchrun under `oomkit preflight`, as rank 0
-of 8 GPUs: FSDP alone, FSDP with tensor parallelism, pipeline parallelism, and compiled.
+of 8 GPUs: FSDP alone, FSDP with tensor parallelism, pipeline parallelism, context parallelism,
+and compiled.
 
 The model is torchtitan's debug Llama 3 (its own config, `llama3_debugmodel`); the tokenizer
 and the data set are stand-ins written here (a word-level tokenizer, generated text in the
@@ -111,6 +112,15 @@ def test_pipeline_parallel_holds_rank_zeros_stages(workdir: Path) -> None:
     # Its layers' share of AdamW's state: at most the half of the model its stages hold, over 4.
     whole = 2 * PARAMETERS * 4 // 4
     assert whole * 0.25 < run["by_role"]["optimizer_state"] < whole * 0.75, run["by_role"]
+
+
+def test_context_parallel_runs_each_gpus_share_of_the_sequence(workdir: Path) -> None:
+    run = _titan(workdir, "--parallelism.context_parallel_degree", "2")
+    # Two GPUs share each sequence of 2,048 tokens: rank 0 runs its 1,024 of each of the 8.
+    assert any("8 x 1024 tokens" in n for n in run["notes"]), run["notes"]
+    # FSDP shards over all 8 (its mesh takes the context-parallel GPUs in): an eighth of the state.
+    state = 2 * PARAMETERS * 4 // 8
+    assert state <= run["by_role"]["optimizer_state"] <= state * 1.02, run["by_role"]
 
 
 def test_compiled_blocks_answer(workdir: Path) -> None:
