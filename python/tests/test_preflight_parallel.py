@@ -5,14 +5,9 @@ project's own; each answer is checked against sizes worked out by hand."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from preflight_cli import OOMKIT, preflight_run
+from preflight_cli import preflight_run
 
 #: Two Linear layers split over the tensor-parallel GPUs, built as a DeviceMesh starts its own group.
 TENSOR_PARALLEL = """
@@ -59,16 +54,9 @@ def test_tensor_parallel_keeps_a_slice_of_each_weight_launched_by_torchrun(tmp_p
 def test_gpus_given_is_the_world_torchrun_starts_rank_zero_of(tmp_path: Path) -> None:
     script = tmp_path / "tp.py"
     script.write_text(TENSOR_PARALLEL)
-    # torchrun's console script, installed with torch beside this Python (or on PATH where torch is shared).
-    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    torchrun = beside if os.path.exists(beside) else shutil.which("torchrun")
-    assert torchrun, "torch's torchrun console script is not installed"
-    p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--gpus", "4", "--", torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    run = json.loads(p.stdout)["run"]
+    # torchrun's own launcher options (--standalone) are torchrun's; --gpus 4 over its 2 processes is the world.
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    run = preflight_run(script, "--gpus", "4", launcher=launcher)
     assert run["by_role"]["parameters"] == 2 * 1024 * 4096 * 4 // 4, run["by_role"]
     assert any("rank 0 of 4 GPUs" in n for n in run["notes"]), run["notes"]
 

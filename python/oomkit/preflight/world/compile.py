@@ -342,8 +342,12 @@ class _Graphs:
         self.ends_capture: Callable[[], None] = _nothing_to_end
         # The inputs of the call being captured that the tracer cannot take.
         self._held = _HeldOut()
+        # For a module's own compile() once FSDP or DDP spreads it: its forward's graphs alone.
+        self._inner: _Graphs | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module is not None and self.call is not None and spread_by(self.module) is not None:
+            return self._hooks_eager(*args, **kwargs)
         static = self._signature(args, kwargs, sizes=True)
         general = self._signature(args, kwargs, sizes=False)
         for key in (static, general):
@@ -418,6 +422,24 @@ class _Graphs:
         self.by_signature[key] = compiled
         self.compiler._note(COMPILED.format(backend=self.partition.backend))
         return out
+
+    def _hooks_eager(self, *args: Any, **kwargs: Any) -> Any:
+        """A module's own ``compile()`` where FSDP or DDP spreads the module (torchtitan compiles
+        each block, then shards it): as Dynamo skips their hooks, which gather and free the
+        weights, those run eager around the module's ``forward``, which alone is captured."""
+        module = self.module
+        assert module is not None
+        if self._inner is None:
+            self._inner = _Graphs(self.compiler, self.partition, None, call=module.forward)
+        own = vars(module).get("forward", _NO_OUTPUT)
+        module.forward = self._inner
+        try:
+            return self._eager(*args, **kwargs)
+        finally:
+            if own is _NO_OUTPUT:
+                del module.forward
+            else:
+                module.forward = own
 
     def _global_hooks(self, args: tuple[Any, ...], out: Any = _NO_OUTPUT) -> None:
         """For a module's own ``compile()``, which replaces its call whole: the global forward
@@ -727,9 +749,13 @@ def _contents(v: Any) -> Any:
     return {k: (id(x), x) for k, x in v.items()}
 
 
-#: A module's registries of parameters, buffers, submodules and hooks: not Python state a forward writes.
+#: A module's registries of parameters, buffers, submodules and hooks, and its compiled call and
+#: the forward preflight sets around it (a module's own compile() once FSDP spreads it): not
+#: Python state a forward writes.
 _REGISTRIES = frozenset(
     {
+        "forward",
+        "_compiled_call_impl",
         "_parameters",
         "_buffers",
         "_modules",

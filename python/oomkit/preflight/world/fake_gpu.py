@@ -67,6 +67,9 @@ from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
 from oomkit.preflight.world.triton import launch_stand_ins
 
+#: PyTorch's module wrapping a module in activation checkpointing (``checkpoint_wrapper``).
+CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
 #: The note data loader workers run in the process leave.
 WORKERS_IN_PROCESS = "data loader workers were run in the main process"
 
@@ -238,7 +241,11 @@ class FakeGpu:
         attrs("torch.compile's graphs partitioned as its backend would", torch, {"compile": compiler.stand_in()})
         entries.append(Hook("the pytree nodes torch.compile's captures registered, taken back", _called, compiler.registrations))
         tagged = {"checkpoint": checkpoint_stand_in()}
-        attrs("checkpointed regions tagged for the partitioner, as torch.compile tags them", torch.utils.checkpoint, tagged)
+        regions = "checkpointed regions tagged for the partitioner, as torch.compile tags them"
+        attrs(regions, torch.utils.checkpoint, tagged)
+        # PyTorch's checkpoint_wrapper (FSDP's and torchtitan's) holds the function it imported.
+        wrapper = [(CHECKPOINT_WRAPPER, "torch_utils_checkpoint", tagged["checkpoint"])]
+        entries.append(Hook(regions, when_imported(CHECKPOINT_WRAPPER), lambda m: [(m, n, v) for _, n, v in wrapper]))
         attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
         attrs("threads the script starts run on the fake GPU too", threading.Thread, {"_bootstrap_inner": _in_world(self.functions, rec)})
         if self.on_optimizer_made is not None:
