@@ -750,6 +750,44 @@ def test_a_compiled_block_given_a_block_mask_is_captured_with_its_attention_fuse
     assert run["by_role"]["activations"] > 0, run["by_role"]
 
 
+FLEX_BLOCK_SELECTIVE = FLEX_BLOCK_COMPILED.replace(
+    "model = Block().cuda()",
+    """import sys
+from functools import partial
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+SAVED = {"attention": [torch.ops.higher_order.flex_attention], "nothing": []}[sys.argv[1]]
+
+def policy(ctx, func, *args, **kwargs):
+    # torchtitan's way: the attention's outputs named by its operator, the rest recomputed.
+    return CheckpointPolicy.MUST_SAVE if func in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x, mask):
+        contexts = partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(self.block, x, mask, use_reentrant=False, context_fn=contexts)
+
+model = Checkpointed().cuda()""",
+)
+
+
+def test_a_selective_checkpoint_inside_a_compiled_block_saves_the_attention_its_policy_names(tmp_path: Path) -> None:
+    # Inside a captured graph compiled FlexAttention is preflight's one operator; a policy that
+    # names flex_attention (torchtitan's) is asked of it as of flex_attention, as of Dynamo's graph.
+    script = _script(tmp_path, FLEX_BLOCK_SELECTIVE)
+    saved, recomputed = (preflight_run(script, cwd=tmp_path, args=(kind,)) for kind in ("attention", "nothing"))
+    for run in (saved, recomputed):
+        assert run["steps"] == 2 and not any("could not capture" in n for n in run["notes"]), run["notes"]
+    # Saving the attention keeps its output and log-sum-exp for the backward: the rest is recomputed either way.
+    out, lse = 2 * 4 * 512 * 64 * 4, 2 * 4 * 512 * 4
+    kept = saved["by_role"]["activations"] - recomputed["by_role"]["activations"]
+    assert kept >= out + lse, (saved["by_role"], recomputed["by_role"])
+
+
 CHUNKED_HEAD = """
 import torch
 from torch import nn

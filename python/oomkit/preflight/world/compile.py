@@ -679,6 +679,9 @@ def checkpoint_stand_in() -> Any:
             selective = own is not None and own is not ac.noop_context_fn
             forward, recompute = own() if selective else ac.create_selective_checkpoint_contexts(prefer_recompute)
             forward.ac_graph_id = region
+            for mode in (forward, recompute):
+                if callable(getattr(mode, "policy_fn", None)):
+                    mode.policy_fn = _policy_seeing_flex(mode.policy_fn)
             return forward, recompute
 
         kwargs.update(use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
@@ -686,6 +689,20 @@ def checkpoint_stand_in() -> Any:
             return real(function, *args, **kwargs)
 
     return checkpoint
+
+
+def _policy_seeing_flex(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """A selective checkpoint's policy that is asked of compiled FlexAttention's one operator
+    (preflight's, in a captured graph) as of ``flex_attention`` itself, which is what Dynamo's
+    graph holds and what policies name (torchtitan saves its outputs)."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+
+    from oomkit.preflight.world.flex import is_fused_operator
+
+    def asked(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        return policy(ctx, flex_hop if is_fused_operator(func) else func, *args, **kwargs)
+
+    return asked
 
 
 class _Uncapturable(Exception):

@@ -144,6 +144,11 @@ def _fused_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ou
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+def is_fused_operator(func: Any) -> bool:
+    """Whether ``func`` is the fused kernel's forward operator (or its overload), once defined."""
+    return bool(_FUSED_OPERATOR) and func in (_FUSED_OPERATOR[0], getattr(torch.ops.oomkit_preflight.flex_fused, "default", None))
+
+
 def _fused_operator() -> Any:
     """The fused kernel as an operator AOTAutograd traces as one call, with its backward another."""
     if _FUSED_OPERATOR:
