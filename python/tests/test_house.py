@@ -58,6 +58,7 @@ def _owners() -> list[Any]:
         threading.Thread,
         torch.cuda,
         torch.cuda.memory,
+        torch.cuda.graphs,
         torch._C,
         torch.amp,
         torch.optim.Optimizer,

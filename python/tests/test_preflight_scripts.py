@@ -850,3 +850,43 @@ def test_the_answer_says_the_sequence_lengths_its_steps_ran_at(tmp_path: Path) -
         "the measured steps ran at 2 x 64, 2 x 128 tokens (batch x sequence, at each step's first embedding lookup); "
         "activations grow with the sequence, so a batch of longer sequences than these holds more"
     ], run["notes"]
+
+
+CUDA_GRAPH = """
+import torch
+from torch import nn
+
+MIB = 1 << 20
+model = nn.Linear(1024, 1024, bias=False).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+static_x = torch.randn(16, 1024, device="cuda")
+
+def step():
+    # A 64 MiB temporary, freed before the step ends.
+    scratch = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    del scratch
+    model(static_x).sum().backward()
+
+step()  # warm-up, eager
+opt.step()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    step()
+for _ in range(2):
+    graph.replay()
+    # The same temporary outside the graph: its block is the graph's, not the default pools'.
+    outside = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    del outside
+    opt.step()
+"""
+
+
+def test_a_cuda_graph_captures_into_its_own_pool_and_replays_without_allocating(tmp_path: Path) -> None:
+    # Creating a graph or a pool needs the driver: stood in. The capture runs as the code runs,
+    # from the graph's private pool; a replay allocates nothing.
+    run = preflight_run(_script(tmp_path, CUDA_GRAPH), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    assert any("a CUDA graph was captured" in n for n in run["notes"]), run["notes"]
+    # The capture's freed 64 MiB stays in the graph's pool: the eager one after it takes a segment
+    # of its own, reserved beside the peak allocated (one pool for both would reuse the block).
+    assert run["peak_reserved_bytes"] - run["peak_allocated_bytes"] >= 64 * (1 << 20), run

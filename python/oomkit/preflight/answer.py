@@ -100,7 +100,7 @@ def replayed(recording: Recording, alloc_conf: str) -> dict[str, Any]:
 def _served(tr: Trace, alloc_conf: str | None, capacity_bytes: int) -> tuple[Any, Any]:
     """The recorded step served through the allocator model without a limit (its peaks) and
     limited to the capacity (whether it fits)."""
-    streams = [0] * len(tr.kinds)
+    streams = tr.streams()
     realized = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None)
     capped = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, capacity_bytes)
     return realized, capped

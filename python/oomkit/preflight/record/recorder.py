@@ -144,6 +144,14 @@ class Trace:
     module_state: set[int] = field(default_factory=set)
     #: The top-level forward each operation ran in (0: outside any), by operation index.
     forward_of: list[int] = field(default_factory=list)
+    #: The private pool of each allocation made while a CUDA graph captured (1 on), by
+    #: allocation index; every other allocation is in the default pools.
+    pools: dict[int, int] = field(default_factory=dict)
+
+    def streams(self) -> list[int]:
+        """Each operation's pool as the allocator model takes it (its stream): a CUDA graph's
+        private pool shares no cached block with the default pools, nor a stream with another's."""
+        return [self.pools.get(i, 0) for i in range(len(self.kinds))]
 
 
 def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
@@ -246,6 +254,8 @@ class Recorder(TorchDispatchMode):
         self._weight_casts: set[int] = set()
         #: Whether torch.compile's tracer is capturing a graph: its fake tensors pass unrecorded.
         self.capturing = False
+        #: The private pool a CUDA graph being captured allocates from (0: none is capturing).
+        self.graph_pool = 0
         #: Whether the operation running is one a fusing compiler computes inside another's kernel: its result takes no memory.
         self.fusing = False
 
@@ -666,6 +676,8 @@ class Recorder(TorchDispatchMode):
         tr = self.trace
         index = len(tr.kinds)
         self._append(0, size, stack_id)
+        if self.graph_pool:
+            tr.pools[index] = self.graph_pool
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._index[st] = index

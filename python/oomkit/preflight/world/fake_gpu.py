@@ -62,6 +62,7 @@ from oomkit.preflight.world.dist import (
     rank_zero_note,
 )
 from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
+from oomkit.preflight.world.graphs import CudaGraphs
 from oomkit.preflight.world.imports import replaced, when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries
@@ -252,6 +253,8 @@ class FakeGpu:
             attrs("told whenever an optimizer is made", torch.optim.Optimizer, {"__init__": _told_when_made(self.on_optimizer_made)})
         for owner, name, value in rec.stand_ins():
             entries.append(StandIn("storages resized in place are recorded", owner, name, value))
+        for owner, name, value in CudaGraphs(rec, self.notes).stand_ins():
+            entries.append(StandIn("CUDA graphs captured in their private pools, replayed as nothing", owner, name, value))
         entries += self._distributed()
         entries += self.extra_stand_ins
         for register, fn in rec.hooks():

@@ -66,7 +66,8 @@ class MemoryQueries:
         key = (len(kinds), self.allowed_bytes())
         if self._cached is not None and self._cached[0] == key and not held:
             return self._cached[1]
-        realized = _native.realize_ops(kinds, args, [0] * len(kinds), self.alloc_conf(), self.allowed_bytes())
+        streams = tr.streams() + [0] * len(held)
+        realized = _native.realize_ops(kinds, args, streams, self.alloc_conf(), self.allowed_bytes())
         allocated, reserved, retries = realized[3]
         series = (allocated, reserved, retries, realized[2][4])
         if not held:
