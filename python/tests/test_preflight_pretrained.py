@@ -232,25 +232,42 @@ for i in range(2):
 """
 
 
-@pytest.mark.parametrize("max_length", [512, 60])
-def test_the_answer_sets_the_steps_sequences_beside_the_longest_the_script_keeps(tmp_path: Path, max_length: int) -> None:
+def test_a_later_step_runs_at_the_longest_sequence_the_script_keeps(tmp_path: Path) -> None:
     bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
     script = tmp_path / "truncated.py"
     script.write_text(TRUNCATED)
-    run = preflight_run(script, args=(str(bare), str(max_length)))
-    said = [n for n in run["notes"] if "at each step's first embedding lookup" in n]
-    if max_length == 512:
-        # Padded to each batch's longest (60, then 80 words), both below the truncation's 512.
-        assert said == [
-            "the measured steps ran at 2 x 60, 2 x 80 tokens (batch x sequence, at each step's first embedding lookup), "
-            "shorter than the longest the script keeps (512 tokens, the tokenizer's max_length): a batch of sequences "
-            "that long holds more activations than these, and was not measured"
-        ], run["notes"]
-    else:
-        assert said == [
-            "each measured step ran at 2 x 60 tokens (batch x sequence, at each step's first embedding lookup): "
-            "the longest sequence the script keeps (60 tokens, the tokenizer's max_length)"
-        ], run["notes"]
+    long, short = (preflight_run(script, args=(str(bare), str(n))) for n in (512, 60))
+    said = [n for n in long["notes"] if "at each step's first embedding lookup" in n]
+    # The data pads each batch to its longest (60, then 80 words), below the truncation's 512: the
+    # first step runs as the data gives it, the second padded to the 512 the script keeps.
+    assert said == [
+        "the measured steps ran at 2 x 60, 2 x 512 tokens (batch x sequence, at each step's first embedding lookup): "
+        "the longest sequence the script keeps (512 tokens, the tokenizer's max_length)"
+    ], long["notes"]
+    assert any("each training batch was padded to the longest sequence the script keeps (512 tokens" in n for n in long["notes"])
+    # Truncated at 60, every batch is already at the longest: nothing is padded.
+    said = [n for n in short["notes"] if "at each step's first embedding lookup" in n]
+    assert said == [
+        "each measured step ran at 2 x 60 tokens (batch x sequence, at each step's first embedding lookup): "
+        "the longest sequence the script keeps (60 tokens, the tokenizer's max_length)"
+    ], short["notes"]
+    assert not any("was padded" in n for n in short["notes"]), short["notes"]
+    # The longest batch's loss upcasts its logits (2 x 512 x 4,096) to float32: at least that much more.
+    assert long["peak_allocated_bytes"] - short["peak_allocated_bytes"] >= 2 * (512 - 60) * 4096 * 4, (long, short)
+
+
+def test_a_script_that_cannot_take_the_padded_batch_answers_with_its_first_step(tmp_path: Path) -> None:
+    # The loss is taken outside the model against the batch as the data gave it: the padded
+    # step's logits and those labels disagree. The first step's figures stand, said so.
+    bare = _folder(tmp_path, "bare", "llama", LLAMA, weights=False)
+    script = tmp_path / "outside.py"
+    outside = "    logits = model(input_ids=batch['input_ids']).logits\n"
+    outside += "    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch['input_ids'].flatten()).backward()\n"
+    script.write_text(TRUNCATED.replace('    model(**batch, labels=batch["input_ids"]).loss.backward()\n', outside))
+    run = preflight_run(script, args=(str(bare), "512"))
+    assert run["steps"] == 1, run
+    assert any("failed under preflight after 1 step(s)" in n for n in run["notes"]), run["notes"]
+    assert any("did not complete a step (the failure above): the figures are at the data's own lengths" in n for n in run["notes"])
 
 
 QLORA_AS_ESTIMATED = """

@@ -140,6 +140,8 @@ class _Session:
         # stepped from its gradient hook: torchtune's optimizer_in_bwd): that backward's step.
         self._stepped_in_backward = False
         self.finished = False
+        # The top-level modules whose later training batches are padded to the longest sequence kept.
+        self._padded_modules: set[int] = set()
         self._seen_modules: set[int] = set()
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
         #: What the script already does of those changes, seen where it runs as written.
@@ -294,6 +296,11 @@ class _Session:
         if self.rec.module_depth == 1:
             self.in_script.first_forward(module, self.autocast)
             self.fixer.top_forward_begins(module)
+            if id(module) not in self._padded_modules:
+                # Its later training forwards run at the longest sequence the script keeps, once said
+                # (this one has begun: a module's own hooks are read as its call starts).
+                self._padded_modules.add(id(module))
+                module.register_forward_pre_hook(self.world.bounds.pad_to_longest, with_kwargs=True, prepend=True)
         else:
             self.in_script.inner_forward(self.autocast)
         if id(module) not in self._seen_modules:
@@ -409,6 +416,17 @@ class _Session:
                 notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
         if mode == TRAINING and self.tokens[: self.steps_done]:
             notes.append(_sequence_note(self.tokens[: self.steps_done], self.world.bounds.longest))
+            padded, bound = self.world.bounds.padded_from, self.world.bounds.longest
+            if padded is not None and bound is not None:
+                kept = f"the longest sequence the script keeps ({bound[0]} tokens, {bound[1]})"
+                if max(t for _, t in self.tokens[: self.steps_done]) >= bound[0]:
+                    notes.append(
+                        f"after the first forward, each training batch was padded to {kept}, "
+                        f"where its data's own were up to {padded}: the peak is that of its longest batch"
+                    )
+                else:
+                    failed_at = "did not complete a step (the failure above): the figures are at the data's own lengths"
+                    notes.append(f"a training batch padded to {kept} {failed_at}")
         if not self.known.params:
             self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
             return

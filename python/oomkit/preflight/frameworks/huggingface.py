@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import torch
+
 #: transformers' module of the tokenizers' base class, whose ``__call__`` truncates and pads.
 TOKENIZER_BASE = "transformers.tokenization_utils_base"
 
@@ -33,6 +35,8 @@ class SequenceBounds:
     def __init__(self) -> None:
         #: The largest bound said, and by what.
         self.longest: tuple[int, str] | None = None
+        #: The longest sequence of a batch padded to ``longest`` (None: none was).
+        self.padded_from: int | None = None
 
     def _said(self, n: Any, by: str) -> None:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0 and (self.longest is None or n > self.longest[0]):
@@ -52,6 +56,39 @@ class SequenceBounds:
 
         return [(cls, "__call__", __call__)]
 
+    def pad_to_longest(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A training forward's token batch padded to the longest sequence the script keeps (a
+        forward pre-hook with keyword arguments), so that a step runs at its longest batch.
+
+        The sequence is the second size of the first integer tensor of two
+        dimensions among the inputs (``input_ids``); every input of that
+        batch and sequence (its attention mask, labels, positions) is padded
+        along the sequence alike. A forward without gradients (evaluation,
+        generation), or already at the longest, is left as it is.
+        """
+        if self.longest is None or not torch.is_grad_enabled():
+            return None
+        values = [*args, *kwargs.values()]
+        ids = kwargs.get("input_ids")
+        if not _token_batch(ids):
+            ids = next((v for v in values if _token_batch(v)), None)
+        if ids is None:
+            return None
+        batch, length = int(ids.shape[0]), int(ids.shape[1])
+        longest = self.longest[0]
+        if length >= longest:
+            return None
+
+        def padded(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch and v.shape[1] == length:
+                grown = v.new_zeros((batch, longest, *v.shape[2:]))
+                grown[:, :length] = v
+                return grown
+            return v
+
+        self.padded_from = max(self.padded_from or 0, length)
+        return tuple(padded(a) for a in args), {k: padded(v) for k, v in kwargs.items()}
+
     def trainer_stand_ins(self, trainer: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         """``Trainer.__init__`` that notes its arguments' sequence bound (TRL's trainers pass theirs)."""
         cls = getattr(trainer, "Trainer", None)
@@ -66,6 +103,11 @@ class SequenceBounds:
                 self._said(getattr(arguments, name, None), f"the trainer's {name}")
 
         return [(cls, "__init__", __init__)]
+
+
+def _token_batch(v: Any) -> bool:
+    """Whether ``v`` is a batch of token ids: an integer tensor of batch x sequence."""
+    return isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point() and v.dtype != torch.bool
 
 
 #: Attention projections LoRA adapts, by the names models give them: the
