@@ -127,6 +127,18 @@ def test_the_fixes_of_a_torchtune_recipe_are_its_own_switches_each_run(assets: P
     assert everything["peak_allocated_bytes"] <= min(r["peak_allocated_bytes"] for r in measured), rows
 
 
+def test_an_unpacked_recipe_runs_its_second_step_at_the_tokenizers_longest(assets: Path) -> None:
+    # Unpacked, each batch is as long as its longest example (well under 1,024 tokens); the
+    # recipe's tokenizer keeps 1,024, and its second batch is padded there, tokens and labels.
+    overrides = ("dataset.packed=False", "loss=torch.nn.CrossEntropyLoss", "compile=False", "batch_size=2")
+    run = _answer(_tune(assets, "full_finetune_single_device", "llama3_2/3B_full_single_device", *overrides, flags=("--json",)))["run"]
+    assert run["steps"] == 2, run
+    said = [n for n in run["notes"] if "at each step's first embedding lookup" in n]
+    assert said and said[0].endswith(", 2 x 1024 tokens (batch x sequence, at each step's first embedding lookup): "
+                                     "the longest sequence the script keeps (1024 tokens, the recipe's tokenizer.max_seq_len)"), said
+    assert any("each training batch was padded to the longest sequence the script keeps (1024 tokens" in n for n in run["notes"])
+
+
 def test_qlora_runs_with_its_4bit_weights_on_the_fake_gpu(assets: Path) -> None:
     # torchao's NF4 weights (a tensor subclass made where the weight says it is) and LoRA, with the
     # switches of torchtune's last row: compiled, chunked loss, checkpointing, offloading.

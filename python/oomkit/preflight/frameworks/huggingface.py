@@ -24,6 +24,9 @@ TOKENIZER_BASE = "transformers.tokenization_utils_base"
 #: transformers' module of the Trainer, whose arguments (TRL's ``max_length``) bound sequences.
 TRAINER = "transformers.trainer"
 
+#: torchtune's data module, whose ``padded_collate_sft`` its recipes collate their batches with.
+TORCHTUNE_DATA = "torchtune.data"
+
 #: The names trainers' arguments give the longest sequence they keep (TRL's SFT and DPO, older TRL).
 LENGTH_ARGUMENTS = ("max_length", "max_seq_length")
 
@@ -88,6 +91,37 @@ class SequenceBounds:
 
         self.padded_from = max(self.padded_from or 0, length)
         return tuple(padded(a) for a in args), {k: padded(v) for k, v in kwargs.items()}
+
+    def said_by_recipe(self, n: Any, by: str) -> None:
+        """A framework's recipe said the longest sequence it keeps (torchtune's ``tokenizer.max_seq_len``)."""
+        self._said(n, by)
+
+    def collate_stand_ins(self, data: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """torchtune's ``padded_collate_sft`` that, from its second batch on, pads the batch's
+        tokens and labels to the longest sequence the recipe keeps (its loss reads the labels
+        outside the model, so the batch is padded where it is made, tokens and labels alike)."""
+        collate = getattr(data, "padded_collate_sft", None)
+        if collate is None:
+            return []
+        calls = [0]
+
+        def padded_collate_sft(batch: Any, padding_idx: int = 0, ignore_idx: int = -100, *args: Any, **kwargs: Any) -> Any:
+            out = collate(batch, padding_idx, ignore_idx, *args, **kwargs)
+            calls[0] += 1
+            tokens = out.get("tokens") if isinstance(out, dict) else None
+            if calls[0] == 1 or self.longest is None or not isinstance(tokens, torch.Tensor) or not _token_batch(tokens):
+                return out
+            length, longest = int(tokens.shape[1]), self.longest[0]
+            if length >= longest:
+                return out
+            grow = (0, longest - length)
+            out["tokens"] = torch.nn.functional.pad(tokens, grow, value=padding_idx)
+            if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == tokens.shape:
+                out["labels"] = torch.nn.functional.pad(out["labels"], grow, value=ignore_idx)
+            self.padded_from = max(self.padded_from or 0, length)
+            return out
+
+        return [(data, "padded_collate_sft", padded_collate_sft)]
 
     def trainer_stand_ins(self, trainer: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         """``Trainer.__init__`` that notes its arguments' sequence bound (TRL's trainers pass theirs)."""

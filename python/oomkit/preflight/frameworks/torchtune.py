@@ -50,15 +50,22 @@ SWITCHES = (
 class RecipeSeen:
     """The recipe the script ran, once it logged its config: ``{"framework", "name", "settings"}``."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_bound: Any = None) -> None:
         self.recipe: dict[str, Any] | None = None
+        #: Told the longest sequence the recipe keeps, and what says it: ``on_bound(n, by)``.
+        self.on_bound = on_bound
 
     def stand_ins(self, config: ModuleType) -> Sequence[tuple[Any, str, Any]]:
-        """``torchtune.config.log_config`` that reads the recipe's switches, then logs as before."""
+        """``torchtune.config.log_config`` that reads the recipe's switches and the longest
+        sequence its tokenizer keeps, then logs as before."""
         log = config.log_config
 
         def log_config(recipe_name: str, cfg: Any) -> None:
             self.recipe = {"framework": "torchtune", "name": recipe_name, "settings": settings_of(cfg)}
+            if self.on_bound is not None:
+                from omegaconf import OmegaConf
+
+                self.on_bound(OmegaConf.select(cfg, "tokenizer.max_seq_len", default=None), "the recipe's tokenizer.max_seq_len")
             log(recipe_name=recipe_name, cfg=cfg)
 
         return [(config, "log_config", log_config)]

@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
-from oomkit.preflight.frameworks.huggingface import TOKENIZER_BASE, TRAINER, SequenceBounds
+from oomkit.preflight.frameworks.huggingface import TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
 from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
@@ -158,10 +158,10 @@ class FakeGpu:
         self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
         self._stack: ExitStack | None = None
-        #: The framework recipe the script ran (torchtune's), once its config is read.
-        self.recipe = RecipeSeen()
-        #: The longest sequence the script says it keeps (a tokenizer's or a trainer's max_length).
+        #: The longest sequence the script says it keeps (a tokenizer's, a trainer's or a recipe's).
         self.bounds = SequenceBounds()
+        #: The framework recipe the script ran (torchtune's), once its config is read.
+        self.recipe = RecipeSeen(on_bound=self.bounds.said_by_recipe)
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
 
@@ -222,6 +222,7 @@ class FakeGpu:
         bounded = "the longest sequence the script keeps, as its tokenizer or trainer says it"
         entries.append(Hook(bounded, when_imported(TOKENIZER_BASE), self.bounds.tokenizer_stand_ins))
         entries.append(Hook(bounded, when_imported(TRAINER), self.bounds.trainer_stand_ins))
+        entries.append(Hook(bounded, when_imported(TORCHTUNE_DATA), self.bounds.collate_stand_ins))
         tune_checkpoint = CheckpointFromConfig(self.notes)
         let_through = "torchtune's missing weight files let through"
         entries.append(Hook(let_through, when_imported(CHECKPOINT_UTILS), tune_checkpoint.path_stand_ins))
