@@ -1,8 +1,10 @@
 """``oomkit preflight -- torchrun ...``: torchrun's ranks run as rank 0 alone.
 
-Every rank of a job holds what rank 0 holds (preflight measures rank 0 of
-the fake process group), so starting torchrun's N workers would measure
-the same rank N times, on a machine that may have two cores. Under
+Preflight measures rank 0 of the fake process group, and under data,
+tensor and context parallelism every rank holds what rank 0 holds (a
+pipeline's stages differ, and its answer says which rank 0 holds), so
+starting torchrun's N workers would measure rank 0 N times, on a machine
+that may have two cores. Under
 preflight, torchrun reads its command line as it does (``--nnodes``,
 ``--nproc-per-node``, ``-m``, ``--no-python``) and hands its launch to its
 agent (``launcher.api.launch_agent``, which ``torchrun`` and ``python -m
@@ -27,7 +29,7 @@ TORCHRUN = "torch.distributed.launcher.api"
 
 
 class TorchrunAsRankZero:
-    """torchrun's ``run`` replaced by a run of its rank 0 alone, as a world of its size."""
+    """torchrun's agent launch replaced by a run of its rank 0 alone, as a world of its size."""
 
     def __init__(self, settings_env: str, gpus: int) -> None:
         #: The environment variable holding the preflight's settings (JSON), handed to the worker.
