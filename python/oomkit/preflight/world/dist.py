@@ -61,6 +61,12 @@ def fake_process_group(world_size: int, init: Any) -> bool:
     return True
 
 
+def modules_holding(name: str, value: Any) -> list[Any]:
+    """The imported modules of ``torch.distributed`` that hold ``value`` as ``name``: each
+    imported it by name and calls its own, so a stand-in is set on every one of them."""
+    return [m for n, m in list(sys.modules.items()) if n.startswith("torch.distributed") and getattr(m, name, None) is value]
+
+
 def rank_zero_environment(world_size: int) -> dict[str, str]:
     """The environment torchrun gives rank 0 of ``world_size`` (nothing for one GPU).
 
@@ -209,10 +215,7 @@ def fsdp_on_meta() -> list[tuple[Any, dict[str, Any]]]:
         return torch.cuda if device_type == "meta" else original(device_type)
 
     handle._oomkit_original = original  # type: ignore[attr-defined]
-    owners = {_fsdp_collectives}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and getattr(module, "_get_device_handle", None) is original:
-            owners.add(module)
+    owners = {_fsdp_collectives, *modules_holding("_get_device_handle", original)}
     changes: list[tuple[Any, dict[str, Any]]] = [(m, {"_get_device_handle": handle}) for m in owners]
     changes.append((_fsdp_param_group.FSDPParamGroup, {"_validate_no_meta_params": lambda self: None}))
     return changes

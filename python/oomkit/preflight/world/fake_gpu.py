@@ -57,6 +57,7 @@ from oomkit.preflight.world.dist import (
     PIPELINE_SCHEDULES,
     PipelineOnOneRank,
     fake_process_group,
+    modules_holding,
     parallel_stand_ins,
     rank_zero_environment,
     rank_zero_note,
@@ -246,8 +247,7 @@ class FakeGpu:
         regions = "checkpointed regions tagged for the partitioner, as torch.compile tags them"
         attrs(regions, torch.utils.checkpoint, tagged)
         # PyTorch's checkpoint_wrapper (FSDP's and torchtitan's) holds the function it imported.
-        wrapper = [(CHECKPOINT_WRAPPER, "torch_utils_checkpoint", tagged["checkpoint"])]
-        entries.append(Hook(regions, when_imported(CHECKPOINT_WRAPPER), lambda m: [(m, n, v) for _, n, v in wrapper]))
+        entries.append(Hook(regions, when_imported(CHECKPOINT_WRAPPER), lambda m: [(m, "torch_utils_checkpoint", tagged["checkpoint"])]))
         attrs("data loader workers run in the process", torch.utils.data.DataLoader, {"__init__": _one_process_loader(self.notes)})
         attrs("threads the script starts run on the fake GPU too", threading.Thread, {"_bootstrap_inner": _in_world(self.functions, rec)})
         if self.on_optimizer_made is not None:
@@ -284,11 +284,9 @@ class FakeGpu:
         # DeviceMesh (``init_device_mesh`` with no group yet) calls its own imported name.
         import torch.distributed.device_mesh  # noqa: F401
 
-        modules = list(sys.modules.items())
-        owners = [m for n, m in modules if n.startswith("torch.distributed") and getattr(m, "init_process_group", None) is init]
         entries += [
             StandIn("the script's init_process_group gets the fake process group", owner, "init_process_group", init_process_group)
-            for owner in owners
+            for owner in modules_holding("init_process_group", init)
         ]
         for owner, values in parallel_stand_ins(self.notes, self.settings.gpus):
             entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
