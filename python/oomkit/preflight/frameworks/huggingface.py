@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -78,19 +78,28 @@ class SequenceBounds:
         if ids is None:
             return None
         batch, length = int(ids.shape[0]), int(ids.shape[1])
-        longest = self.longest[0]
-        if length >= longest:
+        if not self._pads(length):
             return None
 
         def padded(v: Any) -> Any:
             if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch and v.shape[1] == length:
-                grown = v.new_zeros((batch, longest, *v.shape[2:]))
-                grown[:, :length] = v
-                return grown
+                return self._padded(v)
             return v
 
-        self.padded_from = max(self.padded_from or 0, length)
         return tuple(padded(a) for a in args), {k: padded(v) for k, v in kwargs.items()}
+
+    def _pads(self, length: int) -> bool:
+        """Whether a batch of sequences ``length`` long is padded (shorter than the longest kept), noted if so."""
+        if self.longest is None or length >= self.longest[0]:
+            return False
+        self.padded_from = max(self.padded_from or 0, length)
+        return True
+
+    def _padded(self, t: torch.Tensor, value: int = 0) -> torch.Tensor:
+        """``t`` (batch x sequence x ...) with its sequence grown to the longest kept, filled with ``value``."""
+        assert self.longest is not None
+        grow = (0, 0) * (t.dim() - 2) + (0, self.longest[0] - int(t.shape[1]))
+        return torch.nn.functional.pad(t, grow, value=value)
 
     def said_by_recipe(self, n: Any, by: str) -> None:
         """A framework's recipe said the longest sequence it keeps (torchtune's ``tokenizer.max_seq_len``)."""
@@ -109,16 +118,11 @@ class SequenceBounds:
             out = collate(batch, padding_idx, ignore_idx, *args, **kwargs)
             calls[0] += 1
             tokens = out.get("tokens") if isinstance(out, dict) else None
-            if calls[0] == 1 or self.longest is None or not isinstance(tokens, torch.Tensor) or not _token_batch(tokens):
+            if calls[0] == 1 or not _token_batch(tokens) or not self._pads(int(tokens.shape[1])):
                 return out
-            length, longest = int(tokens.shape[1]), self.longest[0]
-            if length >= longest:
-                return out
-            grow = (0, longest - length)
-            out["tokens"] = torch.nn.functional.pad(tokens, grow, value=padding_idx)
+            out["tokens"] = self._padded(tokens, padding_idx)
             if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == tokens.shape:
-                out["labels"] = torch.nn.functional.pad(out["labels"], grow, value=ignore_idx)
-            self.padded_from = max(self.padded_from or 0, length)
+                out["labels"] = self._padded(out["labels"], ignore_idx)
             return out
 
         return [(data, "padded_collate_sft", padded_collate_sft)]
@@ -139,7 +143,7 @@ class SequenceBounds:
         return [(cls, "__init__", __init__)]
 
 
-def _token_batch(v: Any) -> bool:
+def _token_batch(v: Any) -> TypeGuard[torch.Tensor]:
     """Whether ``v`` is a batch of token ids: an integer tensor of batch x sequence."""
     return isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point() and v.dtype != torch.bool
 
