@@ -144,6 +144,19 @@ def _samples() -> list[tuple[str, tuple[object, ...], dict[str, object]]]:
                 calls.append(("native_layer_norm", (x, normalized, w, b, 1e-5), {}))
                 if x.dim() == 3 and len(normalized) == 1:  # a transposed input, normalized over its last dim
                     calls.append(("native_layer_norm", (x.transpose(0, 1), normalized, w, b, 1e-5), {}))
+    for dtype in (torch.float32, torch.bfloat16):
+        for spatial in (1, 2, 3):
+            x = torch.empty(2, 8, *[9, 11, 7][:spatial], device=m, dtype=dtype)
+            inputs = [x] + ([x.to(memory_format=torch.channels_last)] if spatial == 2 else [])
+            for groups in (1, 2, 8):
+                w = torch.empty(16, 8 // groups, *[3, 2, 1][:spatial], device=m, dtype=dtype)
+                for stride, padding, dilation in (([1], [0], [1]), ([2] * spatial, [1] * spatial, [1] * spatial), ([1], [2], [2])):
+                    for bias in (None, torch.empty(16, device=m, dtype=dtype)):
+                        for inp in inputs:
+                            calls.append(("convolution", (inp, w, bias, stride, padding, dilation, False, [0], groups), {}))
+            # Transposed: handed to PyTorch's own kernel.
+            wt = torch.empty(8, 4, *[3, 3, 3][:spatial], device=m, dtype=dtype)
+            calls.append(("convolution", (x, wt, None, [2], [1], [1], True, [1], 1), {}))
     return calls
 
 
@@ -194,7 +207,9 @@ def _on_cpu(a: object) -> object:
 def test_the_sizes_only_kernels_are_cpus_results_in_shape_dtype_and_strides() -> None:
     # Where CPU and CUDA share the implementation (everything here but layer norm, whose
     # statistics CPU keeps in the input's dtype), the real CPU result is the layout check.
-    samples = [(name, args, kwargs) for name, args, kwargs in _samples() if name != "native_layer_norm"]
+    # (Nor convolution, which the CPU lays out as its input is laid out, where CUDA's kernel
+    # suggests its own format and a meta kernel, PyTorch's and preflight's, lays out contiguous.)
+    samples = [(name, args, kwargs) for name, args, kwargs in _samples() if name not in ("native_layer_norm", "convolution")]
     on_cpu = []
     for name, args, kwargs in samples:
         cpu_args = [_on_cpu(a) for a in args]
@@ -203,3 +218,20 @@ def test_the_sizes_only_kernels_are_cpus_results_in_shape_dtype_and_strides() ->
         sized = [[d[:3] for d in _described(_op(name)(*args, **kwargs)) if d is not None] for name, args, kwargs in samples]
     for (name, args, kwargs), cpu, meta in zip(samples, on_cpu, sized):
         assert meta == cpu, (name, [getattr(a, "shape", a) for a in args], kwargs)
+
+
+def test_a_convolution_that_cannot_run_fails_as_pytorchs_kernel_fails() -> None:
+    # A kernel wider than the padded input, or channels that do not match the weight, are the
+    # step's own errors: the sizes-only kernel must refuse them as PyTorch's kernel does.
+    m = "meta"
+    conv = torch.ops.aten.convolution.default
+    wide = (torch.empty(1, 4, 2, 2, device=m), torch.empty(8, 4, 5, 5, device=m), None, [1], [0], [1], False, [0], 1)
+    mismatched = (torch.empty(1, 3, 8, 8, device=m), torch.empty(8, 4, 3, 3, device=m), None, [1], [0], [1], False, [0], 1)
+    for args in (wide, mismatched):
+        with native_meta_kernels_current():
+            try:
+                conv(*args)
+            except RuntimeError as e:
+                assert "kernels.py" not in str(e)
+            else:
+                raise AssertionError(f"a convolution of {[getattr(a, 'shape', a) for a in args]} ran")

@@ -48,7 +48,7 @@ def record(settings: Settings) -> Recording:
     """Runs ``settings.steps`` training steps at ``settings.micro_batch`` in the fake GPU and
     returns what was recorded; a step that needs data raises ``StepUnsupportedError``, and
     one past the time limit ``PreflightStopped``, for the caller to say in one line."""
-    rec = Recorder(cublas_workspace(settings.capacity), settings.time_limit)
+    rec = Recorder(cublas_workspace(settings.capacity), settings.time_limit, free_stacks=settings.snapshot is not None)
     known = Known()
     notes = Notes()
     try:

@@ -114,7 +114,7 @@ class _Session:
         #: The allocator settings in force: --alloc-conf, else what the script set before its first forward.
         self.alloc_conf = s.alloc_conf
         self._alloc_conf_fixed = False
-        self.rec = Recorder(cublas_workspace(s.capacity), s.time_limit)
+        self.rec = Recorder(cublas_workspace(s.capacity), s.time_limit, free_stacks=s.snapshot is not None)
         self.notes = Notes()
         #: torch.cuda's memory queries, answered from what is recorded.
         self.memory = MemoryQueries(self.rec, self.allocator_settings, s.capacity_bytes, self.notes)

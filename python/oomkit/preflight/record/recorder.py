@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.host import HostMemory, host_zeros
@@ -45,9 +44,9 @@ _OWN_FILES = (
     os.path.join("oomkit", "preflight", ""),
 )
 
-#: Whether each file seen in a stack is one of ``_OWN_FILES``: a stack is
-#: taken for every allocation, and its frames come from few files.
-_OWN_BY_FILE: dict[str, bool] = {}
+#: Whether each function seen in a stack (its code) is in one of ``_OWN_FILES``: a stack is
+#: taken for every allocation, and its frames come from few functions.
+_OWN_BY_CODE: dict[Any, bool] = {}
 
 #: The phases a step goes through, in the words the trace's roles use.
 PHASES = ("setup", "inputs", "forward", "backward", "optimizer")
@@ -69,6 +68,27 @@ _CUBLAS_OPS = frozenset(
 )
 
 
+#: Operations between two looks at the clock: a look costs as much as a small operation's
+#: recording, and a run past its limit stops within a fraction of a millisecond anyway.
+TIME_CHECK_EVERY = 64
+
+#: Whether each operator seen calls cuBLAS (its packet is one of ``_CUBLAS_OPS``).
+_MULTIPLIES: dict[Any, bool] = {}
+
+
+def _multiplies(func: Any) -> bool:
+    """Whether ``func`` calls cuBLAS on CUDA, looked up once per operator."""
+    found = _MULTIPLIES.get(func)
+    if found is None:
+        found = _MULTIPLIES[func] = getattr(getattr(func, "overloadpacket", None), "__name__", "") in _CUBLAS_OPS
+    return found
+
+
+#: Operators the recorder answers itself, below Python's functions.
+_PIN_MEMORY = torch.ops.aten._pin_memory.default
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+_COPY = torch.ops.aten.copy_.default
+
 #: What ``torch.tensor(data)`` dispatches: the tensor it made out of the modes' sight.
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
@@ -77,6 +97,58 @@ _SET_STORAGE = frozenset({torch.ops.aten.set_.source_Storage, torch.ops.aten.set
 
 #: What PyTorch says when an operator has no implementation for tensors without data.
 _NO_FAKE_KERNEL = ("no fake impl", "'Meta' backend", "meta kernel")
+
+
+#: PyTorch's call of a function that skips the function modes for that call alone (what
+#: ``torch.overrides.redispatch_function`` calls), where this PyTorch has it.
+_SKIP_ONE_HOP = getattr(torch._C, "_skip_one_hop_torch_function", None)
+
+#: How many function modes are on: in a backward autograd runs, preflight's is.
+_FUNCTION_MODES = torch._C._len_torch_function_stack
+
+
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` as CUDA's dispatcher runs it at this point, below autograd. In a
+    backward the function mode is on, and would see the ATen operator once more, as a call of
+    the script's, which on a GPU it never sees: it is passed for this call alone, and what the
+    operator's kernel calls still meets it."""
+    if _SKIP_ONE_HOP is not None and type(func) is torch._ops.OpOverload and _FUNCTION_MODES():
+        return _SKIP_ONE_HOP(func, (), args, kwargs)
+    return func(*args, **kwargs)
+
+
+class _ByStorage:
+    """Allocation indices by storage, found by identity as a ``WeakIdKeyDictionary`` finds them,
+    at a plain dict's cost (that dictionary makes a weak reference for every lookup, and the
+    recorder looks up each tensor of each operation): each entry keeps a weak reference to its
+    storage, and one whose storage has died, its id free for another's, is not found."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], int]] = {}
+
+    def get(self, st: Any, default: int | None = None) -> int | None:
+        """The index of storage ``st``, or ``default``."""
+        entry = self._entries.get(id(st))
+        return entry[1] if entry is not None and entry[0]() is st else default
+
+    def __contains__(self, st: Any) -> bool:
+        return self.get(st) is not None
+
+    def __setitem__(self, st: Any, index: int) -> None:
+        self._entries[id(st)] = (weakref.ref(st), index)
+
+    def __delitem__(self, st: Any) -> None:
+        if st not in self:
+            raise KeyError(st)
+        del self._entries[id(st)]
+
+    def forget(self, key: int, index: int) -> None:
+        """Drops the entry of a storage that died (by its id then), if it is still that allocation's."""
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] == index:
+            del self._entries[key]
 
 
 class PreflightStopped(BaseException):
@@ -162,8 +234,12 @@ def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
 class Recorder(TorchDispatchMode):
     """Records the allocations and frees of ``meta`` tensors, with their stacks and phases."""
 
-    def __init__(self, cublas_workspace: int, time_limit: float | None = DEFAULT_TIME_LIMIT) -> None:
+    def __init__(self, cublas_workspace: int, time_limit: float | None = DEFAULT_TIME_LIMIT, free_stacks: bool = True) -> None:
         super().__init__()
+        #: Whether each free takes the stack it happened at (a snapshot's trace shows it); else
+        #: it is given its allocation's: nothing else reads where a free happened, and a stack's
+        #: walk is the largest part of recording an allocation or a free.
+        self.free_stacks = free_stacks
         self.trace = Trace()
         #: The values of small tensors, where the step makes them known.
         self.values = Values()
@@ -177,7 +253,7 @@ class Recorder(TorchDispatchMode):
         self._started = time.monotonic()
         self._stopped: PreflightStopped | None = None
         self.phase = "setup"
-        self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._index = _ByStorage()
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._stack_ids: dict[tuple[tuple[str, int, str], ...], int] = {}
         self._cublas_workspace = cublas_workspace
@@ -203,7 +279,7 @@ class Recorder(TorchDispatchMode):
         # The frame that called each of those forwards, innermost last (held,
         # so that no other frame takes its id while it is listed; one that
         # ended without its forward hook is taken off at the next forward, or
-        # at the next allocation or free made outside it),
+        # at the next allocation made outside it, or free where frees take their stacks),
         # and by its id the stack above it, once an allocation inside asked
         # for it: the frames above a running call do not change, and a deep
         # model's stack (a generation's is ninety frames) is then walked
@@ -379,7 +455,8 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
-        self._check_time()
+        if not self.ops % TIME_CHECK_EVERY:
+            self._check_time()
         if self.capturing:
             return func(*args, **kwargs)
         if kwargs.get("pin_memory"):
@@ -388,14 +465,14 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **dict(kwargs, pin_memory=False))
             self.host.hold(out, pinned=True)
             return out
-        if func is torch.ops.aten._pin_memory.default:
+        if func is _PIN_MEMORY:
             # Pinning below Python's functions: page-locked memory needs a GPU; the tensor
             # stands for its pinned copy, counted as such (``HostMemory``).
             self.host.hold(args[0], pinned=True)
             return args[0]
-        if func is torch.ops.aten._local_scalar_dense.default and on_meta(args[0]):
+        if func is _LOCAL_SCALAR_DENSE and on_meta(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
-        if func is torch.ops.aten.copy_.default and not on_meta(args[0]) and on_meta(args[1]):
+        if func is _COPY and not on_meta(args[0]) and on_meta(args[1]):
             # A copy back to the host made below Python (DDP's bucket indices
             # after their broadcast) brings the values where the step made
             # them known; else the host tensor keeps its own, which on rank 0
@@ -408,7 +485,7 @@ class Recorder(TorchDispatchMode):
         if func in _SET_STORAGE and self.placement.deciding and isinstance(args[1], torch.UntypedStorage):
             self.placement.set_storage(args[0], args[1])
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:
             # An operation whose result's shape depends on values (nonzero,
             # masked_select) runs on the CPU where its inputs' values are known.
@@ -440,6 +517,15 @@ class Recorder(TorchDispatchMode):
                 error.needs_kernel = getattr(func, "namespace", "aten") not in ("aten", "prims")
                 raise error from None
             raise
+        with torch._C.DisableTorchFunction():
+            # What the recorder asks of tensors (their storages, sizes, devices) is its own
+            # business: past the function mode, which would see each question as the script's.
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Records what an operation that ran made and read: new storages, a forward's reads,
+        small values, and cuBLAS's workspace at a thread's first multiply."""
         if self.forward_open and not self._deferred:
             self._note_reads(func, args, kwargs)
         if not self.fusing:
@@ -457,7 +543,7 @@ class Recorder(TorchDispatchMode):
         ):
             self._carry_forward_origin(args, out)
         self.values.after(func, args, kwargs, out)
-        if self._cublas_workspace > 0 and not self._deferred and func.overloadpacket.__name__ in _CUBLAS_OPS:
+        if self._cublas_workspace > 0 and not self._deferred and _multiplies(func):
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
             if thread not in self._workspaces:
                 workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
@@ -465,7 +551,6 @@ class Recorder(TorchDispatchMode):
                 index = self.track(workspace)
                 if index is not None:
                     self.trace.library.add(index)
-        return out
 
     def _script_meta(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Notes the new storages of an operation's outputs as the script's own meta: no device memory."""
@@ -491,7 +576,7 @@ class Recorder(TorchDispatchMode):
         source = args[0]
         origin = self._index.get(source.untyped_storage())
         made = self._made_in.get(int(origin)) if origin is not None else None
-        if not made or source.numel() != out.numel():
+        if origin is None or not made or source.numel() != out.numel():
             return
         index = self._index.get(out.untyped_storage())
         if index is not None and int(index) not in self._made_in:
@@ -681,7 +766,7 @@ class Recorder(TorchDispatchMode):
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._index[st] = index
-        self._refs[index] = weakref.ref(st, self._freed_callback(index))
+        self._refs[index] = weakref.ref(st, self._freed_callback(index, id(st)))
         if self.forward_open:
             self._made_in[index] = self.forward_open
         return index
@@ -696,8 +781,9 @@ class Recorder(TorchDispatchMode):
         known = self._index.get(t.untyped_storage())
         return None if known is None else int(known)
 
-    def _freed_callback(self, index: int) -> Callable[[Any], None]:
+    def _freed_callback(self, index: int, key: int) -> Callable[[Any], None]:
         def freed(_ref: Any) -> None:
+            self._index.forget(key, index)
             self._free(index)
 
         return freed
@@ -706,7 +792,7 @@ class Recorder(TorchDispatchMode):
         self._refs.pop(index, None)
         self.live_bytes -= self.trace.args[index]
         self.trace.freed_in[index] = self.current_phase()
-        self._append(1, index)
+        self._append(1, index, None if self.free_stacks else self.trace.stack_of[index])
 
     def resized(self, st: Any, size: int) -> None:
         """A storage resized in place: its memory goes back and, unless the size is 0, new memory is taken.
@@ -761,9 +847,9 @@ class Recorder(TorchDispatchMode):
         above = self._above
         while f is not None and len(frames) < MAX_FRAMES:
             co = f.f_code
-            own = _OWN_BY_FILE.get(co.co_filename)
+            own = _OWN_BY_CODE.get(co)
             if own is None:
-                own = _OWN_BY_FILE[co.co_filename] = any(o in co.co_filename for o in _OWN_FILES)
+                own = _OWN_BY_CODE[co] = any(o in co.co_filename for o in _OWN_FILES)
             if not own:
                 frames.append((co.co_filename, f.f_lineno, co.co_name))
             key = id(f)

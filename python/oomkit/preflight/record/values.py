@@ -23,11 +23,11 @@ memory is planned for.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 #: Tensors with more elements than this get no shadow: control values
 #: (flags per sequence, counters, positions) are small, and activations
@@ -117,6 +117,27 @@ def tensors_in(*values: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(*value.values())
 
 
+def _leaves(value: Any) -> list[Any]:
+    """What is not a list, tuple or dict in an operator's result or its CPU run, in order: the
+    nesting ATen has (a tuple of tensors, a foreach op's list), walked without pytree's
+    general walk, which costs more than the rest of an operation's recording."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
+def _mapped(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` (an operator's arguments: tuples, lists and dicts of them) with ``fn`` applied
+    to each of its leaves; a named tuple is walked as a tuple."""
+    if type(value) is tuple or type(value) is list:
+        return type(value)(_mapped(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _mapped(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
 class Values:
     """The shadows of the small meta tensors alive, kept beside them and dropped with their memory.
 
@@ -156,7 +177,7 @@ class Values:
                 return
             outs = [out]
         else:
-            outs = [t for t in tree_leaves(out) if _is_meta(t) and _small(t)]
+            outs = [t for t in _leaves(out) if _is_meta(t) and _small(t)]
             if not outs:
                 return
         name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
@@ -185,8 +206,8 @@ class Values:
                 values = torch.full(values.shape, match, dtype=values.dtype)
             # What a comparison gives are flags, not data stood in for.
             opaque = False
-        meta_leaves, _ = tree_flatten(out)
-        cpu_leaves, _ = tree_flatten(values)
+        meta_leaves = _leaves(out)
+        cpu_leaves = _leaves(values)
         if len(meta_leaves) != len(cpu_leaves):
             return
         for m, c in zip(meta_leaves, cpu_leaves):
@@ -265,7 +286,7 @@ class Values:
                 return torch.device("cpu")
             return a
 
-        cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+        cpu_args, cpu_kwargs = _mapped(to_cpu, args), _mapped(to_cpu, kwargs)
         if missing:
             return None
         try:

@@ -330,6 +330,32 @@ def _asked(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | No
 #: ``Tensor.get_device``, as the function mode receives it: a fake GPU tensor's is 0.
 _GET_DEVICE = torch.Tensor.get_device
 
+#: Calls that CUDA does as ``meta`` does: they ask a tensor about itself, or set a flag, and
+#: make nothing a device, autocast or a read back could change. Most calls that reach the
+#: mode are these (PyTorch's own Python reads ``untyped_storage()``, ``dim()``, ``size()``
+#: of every tensor it handles), so they skip its handling.
+_AS_ON_META = frozenset(
+    {
+        torch.Tensor.untyped_storage,
+        torch.Tensor.dim,
+        torch.Tensor.ndimension,
+        torch.Tensor.size,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.element_size,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.detach,
+        torch.Tensor.detach_,
+        torch._C._set_grad_enabled,
+        torch._has_compatible_shallow_copy_type,
+    }
+)
+
 
 class CudaFunctions(TorchFunctionMode):
     """Maps ``cuda`` to ``meta``, and does autocast and attention as CUDA does."""
@@ -373,6 +399,10 @@ class CudaFunctions(TorchFunctionMode):
                 # Where a tensor lives: the fake GPU's say cuda:0, as on the GPU (torchtune's RoPE,
                 # Fabric, FlexAttention and DataParallel check), the script's own meta ones meta.
                 return _WHERE[owner] if self._told(args[0]) else func(*args)
+            # Any other attribute read or set (``shape``, ``grad``, ``data``) is the same on CUDA.
+            return func(*args)
+        if func in _AS_ON_META:
+            return func(*args, **(kwargs or {}))
         if func is _GET_DEVICE:
             return 0 if self._told(args[0]) else func(*args)
         kwargs = dict(kwargs or {})

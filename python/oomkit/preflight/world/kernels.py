@@ -155,6 +155,46 @@ def _layer_norm_backward(
     return like(input, output_mask[0]), like(weight, output_mask[1]), like(bias, output_mask[2])
 
 
+def _convolution(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+) -> torch.Tensor:
+    """``convolution``'s output, sized as PyTorch's own kernel sizes it (batch, the weight's
+    output channels, each spatial size from the input's, padding, dilation and stride), laid
+    out contiguous as it lays it out; a transposed convolution or sizes that are not plain
+    (a channel count that does not match, a kernel wider than the padded input) are handed to
+    PyTorch's kernel, which says what is wrong."""
+    spatial = input.dim() - 2
+    plain = not transposed and spatial >= 1 and weight.dim() == input.dim() and weight.shape[1] * groups == input.shape[1]
+    strides, pads, dilations = (_per_dim(x, spatial) for x in (stride, padding, dilation))
+    if plain and strides is not None and pads is not None and dilations is not None:
+        shape = [input.shape[0], weight.shape[0] if input.shape[1] else 0]
+        for i in range(spatial):
+            padded = input.shape[2 + i] + 2 * pads[i]
+            reach = dilations[i] * (weight.shape[2 + i] - 1) + 1
+            if padded < reach:
+                break
+            shape.append((padded - reach) // strides[i] + 1)
+        else:
+            return input.new_empty(shape)
+    return _python_kernel("aten::convolution")(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _per_dim(values: list[int], spatial: int) -> list[int] | None:
+    """A convolution's stride, padding or dilation, one per spatial dimension (one value is
+    every dimension's); None where the count matches neither."""
+    if len(values) == spatial:
+        return list(values)
+    return [values[0]] * spatial if len(values) == 1 else None
+
+
 def _relu(input: torch.Tensor) -> torch.Tensor:
     """``relu``, which ATen computes as ``clamp_min(input, 0)``: that operator's C++ meta kernel."""
     return torch.ops.aten.clamp_min.default(input, 0)
@@ -235,6 +275,7 @@ SIZES_ONLY: dict[str, Any] = {
     "aten::native_batch_norm_backward": _batch_norm_backward,
     "aten::native_layer_norm": _layer_norm,
     "aten::native_layer_norm_backward": _layer_norm_backward,
+    "aten::convolution": _convolution,
     "aten::relu": _relu,
     # A ``.Scalar`` overload as ATen runs it: the ``.Tensor`` overload, given the scalar, which
     # the dispatcher wraps as a number (promoting types as a Python number does).
