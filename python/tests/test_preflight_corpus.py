@@ -303,11 +303,11 @@ def lit_assets(assets: Path) -> Path:
     return out
 
 
-def _litgpt(lit_assets: Path, command: str, *args: str, checkpoint: str = "ckpt") -> tuple[dict[str, Any], int]:
+def _litgpt(lit_assets: Path, command: str, *args: str, checkpoint: str = "ckpt", data: str = "data.json") -> tuple[dict[str, Any], int]:
     """``python -m litgpt COMMAND ckpt`` on the instruction data, in bf16, under ``oomkit preflight --json``: its
     run, and the longest sequence LitGPT found in the data (its rotary tables are made that long)."""
     common = (
-        "--data", "JSON", "--data.json_path", "data.json", "--data.val_split_fraction", "0.1",
+        "--data", "JSON", "--data.json_path", data, "--data.val_split_fraction", "0.1",
         "--train.max_steps", "2", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
         "--eval.interval", "1000", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--precision", "bf16-true", "--devices", "1", "--out_dir", f"out_{command}",
@@ -372,3 +372,27 @@ def test_litgpt_finetune_lora(lit_assets: Path, checkpoint: str) -> None:
     assert run["by_role"]["optimizer_state"] == 2 * allocator_bytes(adapters), run["by_role"]
     # The checkpoint Fabric loads lazily is read through meta tensors of its own: no device memory.
     assert not [line for line in run["by_line"] if "load.py" in line["line"]], run["by_line"]
+
+
+@needs_litgpt
+def test_litgpt_runs_its_steps_at_its_datas_longest_sequence(lit_assets: Path) -> None:
+    # LitGPT sets model.max_seq_length to its train data's longest sequence and pads each batch only
+    # to its own longest, in data loader workers: the first batches here are short, one row is long.
+    words = [f"w{i}" for i in range(WORDS)]
+
+    def row(i: int, n: int) -> dict[str, str]:
+        return {"instruction": " ".join(words[(i * 3 + j) % WORDS] for j in range(n)), "input": "",
+                "output": " ".join(words[(i * 7 + j) % WORDS] for j in range(n))}  # fmt: skip
+
+    rows = [row(i, 4) for i in range(63)]
+    rows.insert(40, row(99, 60))
+    (lit_assets / "varied.json").write_text(json.dumps(rows))
+    run, longest = _litgpt(lit_assets, "finetune_lora", "--lora_r", "8", data="varied.json")
+    ran = next(n for n in run["notes"] if n.startswith("the measured steps ran at"))
+    steps = [int(t) for _, t in re.findall(r"(\d+) x (\d+)", ran.split("(")[0])]
+    # The first step at the data's own lengths, shorter than its longest row; the second padded to it.
+    assert len(steps) == 2 and steps[0] < longest and steps[1] == longest, (ran, longest)
+    padded = next(n for n in run["notes"] if n.startswith("after the first forward, each training batch was padded"))
+    assert f"({longest} tokens, LitGPT's model.max_seq_length)" in padded, padded
+    own = re.search(r"where its data's own were up to (\d+)", padded)
+    assert own and int(own.group(1)) < longest, padded

@@ -296,9 +296,10 @@ class _Session:
         if self.rec.module_depth == 1:
             self.in_script.first_forward(module, self.autocast)
             self.fixer.top_forward_begins(module)
-            if id(module) not in self._padded_modules:
+            if id(module) not in self._padded_modules and torch.is_grad_enabled():
                 # Its later training forwards run at the longest sequence the script keeps, once said
-                # (this one has begun: a module's own hooks are read as its call starts).
+                # (this one has begun: a module's own hooks are read as its call starts; an evaluation
+                # before training, LitGPT's sanity check, is no training forward).
                 self._padded_modules.add(id(module))
                 module.register_forward_pre_hook(self.world.bounds.pad_to_longest, with_kwargs=True, prepend=True)
         else:
@@ -416,7 +417,7 @@ class _Session:
                 notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
         if mode == TRAINING and self.tokens[: self.steps_done]:
             notes.append(_sequence_note(self.tokens[: self.steps_done], self.world.bounds.longest))
-            padded, bound = self.world.bounds.padded_from, self.world.bounds.longest
+            padded, bound = self.world.bounds.padded_longest(), self.world.bounds.longest
             if padded is not None and bound is not None:
                 kept = f"the longest sequence the script keeps ({bound[0]} tokens, {bound[1]})"
                 if max(t for _, t in self.tokens[: self.steps_done]) >= bound[0]:

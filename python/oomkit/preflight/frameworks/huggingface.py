@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, TypeGuard
@@ -27,6 +28,15 @@ TRAINER = "transformers.trainer"
 #: torchtune's data module, whose ``padded_collate_sft`` its recipes collate their batches with.
 TORCHTUNE_DATA = "torchtune.data"
 
+#: LitGPT's model, whose ``max_seq_length`` its recipes set to their data's longest sequence.
+LITGPT_MODEL = "litgpt.model"
+
+#: LitGPT's data module, whose ``get_sft_collate_fn`` its data sets collate their batches with.
+LITGPT_DATA = "litgpt.data.base"
+
+#: What a LitGPT recipe's bound is called in the answer's notes.
+LITGPT_BOUND = "LitGPT's model.max_seq_length"
+
 #: The names trainers' arguments give the longest sequence they keep (TRL's SFT and DPO, older TRL).
 LENGTH_ARGUMENTS = ("max_length", "max_seq_length")
 
@@ -40,6 +50,9 @@ class SequenceBounds:
         self.longest: tuple[int, str] | None = None
         #: The longest sequence of a batch padded to ``longest`` (None: none was).
         self.padded_from: int | None = None
+        # The same, for batches a data loader's worker processes padded: shared memory, made
+        # (before the workers fork) only where a collate that pads may run in one.
+        self._padded_in_workers: Any = None
 
     def _said(self, n: Any, by: str) -> None:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0 and (self.longest is None or n > self.longest[0]):
@@ -92,8 +105,17 @@ class SequenceBounds:
         """Whether a batch of sequences ``length`` long is padded (shorter than the longest kept), noted if so."""
         if self.longest is None or length >= self.longest[0]:
             return False
+        if torch.utils.data.get_worker_info() is not None and self._padded_in_workers is not None:
+            with self._padded_in_workers.get_lock():
+                self._padded_in_workers.value = max(self._padded_in_workers.value, length)
         self.padded_from = max(self.padded_from or 0, length)
         return True
+
+    def padded_longest(self) -> int | None:
+        """The longest sequence of a batch padded to ``longest``, in this process or a data loader's worker (None: none was)."""
+        in_workers = self._padded_in_workers.value if self._padded_in_workers is not None else 0
+        found = max(self.padded_from or 0, in_workers)
+        return found or None
 
     def _padded(self, t: torch.Tensor, value: int = 0) -> torch.Tensor:
         """``t`` (batch x sequence x ...) with its sequence grown to the longest kept, filled with ``value``."""
@@ -127,6 +149,56 @@ class SequenceBounds:
 
         return [(data, "padded_collate_sft", padded_collate_sft)]
 
+    def litgpt_model_stand_ins(self, model: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """LitGPT's ``GPT.max_seq_length`` that notes what a recipe sets it to: its data's longest
+        sequence, or its ``--train.max_seq_length`` if shorter, which its collate pads batches up to
+        (the model's own setting to its context length, in its constructor, is no bound of the data)."""
+        cls = getattr(model, "GPT", None)
+        prop = vars(cls).get("max_seq_length") if cls is not None else None
+        if not isinstance(prop, property) or prop.fset is None:
+            return []
+        fget, fset = prop.fget, prop.fset
+
+        def max_seq_length(gpt: Any, value: int) -> None:
+            fset(gpt, value)
+            if not _constructing(gpt):
+                self._said(value, LITGPT_BOUND)
+
+        return [(cls, "max_seq_length", property(fget, max_seq_length, prop.fdel, prop.__doc__))]
+
+    def litgpt_collate_stand_ins(self, base: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """LitGPT's ``get_sft_collate_fn`` whose collate, from each data loader's second batch on, pads
+        the batch's tokens and labels to the longest sequence the recipe keeps (its loss reads the
+        labels outside the model). Each loader gets its own count of the batches made, in the
+        loader's order where its worker processes make them (a worker makes every n-th)."""
+        make = getattr(base, "get_sft_collate_fn", None)
+        if make is None:
+            return []
+        import multiprocessing
+
+        if self._padded_in_workers is None:
+            self._padded_in_workers = multiprocessing.Value("i", 0)
+
+        def get_sft_collate_fn(max_seq_length: int = -1, pad_id: int = 0, ignore_index: int = -100) -> Any:
+            collate = make(max_seq_length, pad_id, ignore_index)
+            made = [0]
+
+            def padded_collate(samples: Any) -> Any:
+                out = collate(samples)
+                index = _in_loader_order(made[0])
+                made[0] += 1
+                ids = out.get("input_ids") if isinstance(out, dict) else None
+                if index == 0 or not _token_batch(ids) or not self._pads(int(ids.shape[1])):
+                    return out
+                out["input_ids"] = self._padded(ids, pad_id)
+                if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == ids.shape:
+                    out["labels"] = self._padded(out["labels"], ignore_index)
+                return out
+
+            return padded_collate
+
+        return [(base, "get_sft_collate_fn", get_sft_collate_fn)]
+
     def trainer_stand_ins(self, trainer: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         """``Trainer.__init__`` that notes its arguments' sequence bound (TRL's trainers pass theirs)."""
         cls = getattr(trainer, "Trainer", None)
@@ -141,6 +213,29 @@ class SequenceBounds:
                 self._said(getattr(arguments, name, None), f"the trainer's {name}")
 
         return [(cls, "__init__", __init__)]
+
+
+#: How far up from a setter the constructor of the object set is looked for (``nn.Module.__setattr__`` is between).
+_SETTER_DEPTH = 4
+
+
+def _constructing(obj: Any) -> bool:
+    """Whether ``obj``'s own constructor is what is setting an attribute of it (a few frames up)."""
+    f: Any = sys._getframe(2)
+    for _ in range(_SETTER_DEPTH):
+        if f is None:
+            return False
+        if f.f_code.co_name == "__init__" and f.f_locals.get("self") is obj:
+            return True
+        f = f.f_back
+    return False
+
+
+def _in_loader_order(made: int) -> int:
+    """Which of its data loader's batches is the ``made``-th this process collated: a loader with
+    worker processes hands batch i to worker i mod n, so each worker's k-th is the loader's k n + id."""
+    worker = torch.utils.data.get_worker_info()
+    return made if worker is None else made * worker.num_workers + worker.id
 
 
 def _token_batch(v: Any) -> TypeGuard[torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
-from oomkit.preflight.frameworks.huggingface import TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
+from oomkit.preflight.frameworks.huggingface import LITGPT_DATA, LITGPT_MODEL, TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
 from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
@@ -224,6 +224,8 @@ class FakeGpu:
         entries.append(Hook(bounded, when_imported(TOKENIZER_BASE), self.bounds.tokenizer_stand_ins))
         entries.append(Hook(bounded, when_imported(TRAINER), self.bounds.trainer_stand_ins))
         entries.append(Hook(bounded, when_imported(TORCHTUNE_DATA), self.bounds.collate_stand_ins))
+        entries.append(Hook(bounded, when_imported(LITGPT_MODEL), self.bounds.litgpt_model_stand_ins))
+        entries.append(Hook(bounded, when_imported(LITGPT_DATA), self.bounds.litgpt_collate_stand_ins))
         tune_checkpoint = CheckpointFromConfig(self.notes)
         let_through = "torchtune's missing weight files let through"
         entries.append(Hook(let_through, when_imported(CHECKPOINT_UTILS), tune_checkpoint.path_stand_ins))
