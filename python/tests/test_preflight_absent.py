@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from preflight_cli import OOMKIT, preflight_run
+from preflight_cli import OOMKIT, allocator_bytes, preflight_run
 
 #: The same model in the script and in the checkpoint the test writes for it.
 MODEL = "torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))"
@@ -201,3 +201,52 @@ def test_a_weight_file_asked_of_the_hub_is_not_downloaded_and_a_cached_one_is_re
     (note,) = _absent_notes(runs["empty"])
     assert note.startswith("someorg/tiny-mlp/model.safetensors was not downloaded"), note
     assert _absent_notes(runs["cached"]) == []
+
+
+FROM_SNAPSHOT = """
+import sys, torch
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
+# As a fine-tuning script fetches a whole repository, then loads the weights from the folder.
+folder = snapshot_download("someorg/tiny-mlp", cache_dir=sys.argv[1])
+model = {model}
+model.load_state_dict(load_file(folder + "/model.safetensors"))
+model.cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_whole_repository_fetched_from_the_hub_comes_without_its_weight_files(tmp_path: Path) -> None:
+    # snapshot_download, served by a hub on localhost: its other files come, its weight files never do.
+    pytest.importorskip("huggingface_hub", reason="huggingface_hub is not installed for this Python")
+    from fake_hub import FakeHub
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({"layers": [512, 2048, 512]}))
+    save_file(eval(MODEL).state_dict(), repo / "model.safetensors")
+    script = tmp_path / "from_snapshot.py"
+    script.write_text(FROM_SNAPSHOT.format(model=MODEL))
+    hub = FakeHub(repo, "someorg/tiny-mlp")
+    try:
+        p = subprocess.run(
+            [OOMKIT, "preflight", "--json", "--", sys.executable, str(script), str(tmp_path / "cache")],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env=dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0"),
+        )  # fmt: skip
+    finally:
+        hub.close()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert hub.asked_for("config.json"), hub.log
+    assert hub.asked_for("model.safetensors") == [], hub.log
+    assert list((tmp_path / "cache").rglob("*.safetensors")) == [], "a weight file was downloaded"
+    run = json.loads(p.stdout)["run"]
+    notes = _absent_notes(run)
+    assert any(n.startswith("someorg/tiny-mlp/model.safetensors was not downloaded") for n in notes), notes
+    # The model's weights, as if read: the sizes its own tensors stand for.
+    assert run["by_role"]["parameters"] == allocator_bytes(eval(MODEL).parameters()), run["by_role"]
