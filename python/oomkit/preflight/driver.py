@@ -48,7 +48,7 @@ def record(settings: Settings) -> Recording:
     """Runs ``settings.steps`` training steps at ``settings.micro_batch`` in the fake GPU and
     returns what was recorded; a step that needs data raises ``StepUnsupportedError``, and
     one past the time limit ``PreflightStopped``, for the caller to say in one line."""
-    rec = Recorder(cublas_workspace(settings.capacity), settings.time_limit, free_stacks=settings.snapshot is not None)
+    rec = Recorder(cublas_workspace(settings.capacity), settings.time_limit)
     known = Known()
     notes = Notes()
     try:
@@ -70,6 +70,7 @@ def _run(s: Settings, rec: Recorder, known: Known, notes: Notes) -> None:
     each step's micro-batches (forward and loss, backward) and the optimizer's step."""
     state = Autocast()
     functions = CudaFunctions(state, read_back=rec.read_back, host=rec.host, placement=rec.placement)
+    functions.frames_fixed = rec.frames_fixed
     memory = MemoryQueries(rec, lambda: s.alloc_conf, s.capacity_bytes, notes)
     world = FakeGpu(
         settings=s,

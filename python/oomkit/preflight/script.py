@@ -114,7 +114,7 @@ class _Session:
         #: The allocator settings in force: --alloc-conf, else what the script set before its first forward.
         self.alloc_conf = s.alloc_conf
         self._alloc_conf_fixed = False
-        self.rec = Recorder(cublas_workspace(s.capacity), s.time_limit, free_stacks=s.snapshot is not None)
+        self.rec = Recorder(cublas_workspace(s.capacity), s.time_limit)
         self.notes = Notes()
         #: torch.cuda's memory queries, answered from what is recorded.
         self.memory = MemoryQueries(self.rec, self.allocator_settings, s.capacity_bytes, self.notes)
@@ -162,6 +162,7 @@ class _Session:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.functions.on_backward = self._after_backward
+        self.functions.frames_fixed = self.rec.frames_fixed
         # The fake GPU for the life of the process: the script runs in it to its end.
         self.world = FakeGpu(
             settings=self.settings,

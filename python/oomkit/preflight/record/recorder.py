@@ -12,11 +12,12 @@ are not device memory, so they are not recorded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,9 @@ def _multiplies(func: Any) -> bool:
     return found
 
 
+#: ``detach``, whose result shares its input's storage.
+_DETACH = torch.ops.aten.detach.default
+
 #: Operators the recorder answers itself, below Python's functions.
 _PIN_MEMORY = torch.ops.aten._pin_memory.default
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
@@ -108,11 +112,21 @@ _FUNCTION_MODES = torch._C._len_torch_function_stack
 
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``func(*args, **kwargs)`` as CUDA's dispatcher runs it at this point, below autograd. In a
-    backward the function mode is on, and would see the ATen operator once more, as a call of
-    the script's, which on a GPU it never sees: it is passed for this call alone, and what the
-    operator's kernel calls still meets it."""
-    if _SKIP_ONE_HOP is not None and type(func) is torch._ops.OpOverload and _FUNCTION_MODES():
+    """``func(*args, **kwargs)`` as CUDA's dispatcher runs it at this point, below autograd.
+
+    In a backward the function mode is on, and would see each ATen operator autograd runs once
+    more, with all its handling (autocast's policy among it) for a call that names no device:
+    such a call passes it for this call alone, and what the operator's kernel calls still meets
+    it. One that names a device (a process group's barrier makes its tensor on ``cuda`` from
+    C++) goes through it, which puts the fake GPU's device in its place.
+    """
+    if (
+        _SKIP_ONE_HOP is not None
+        and type(func) is torch._ops.OpOverload
+        and kwargs.get("device") is None
+        and _FUNCTION_MODES()
+        and torch._C._current_graph_task_id() != -1
+    ):
         return _SKIP_ONE_HOP(func, (), args, kwargs)
     return func(*args, **kwargs)
 
@@ -234,12 +248,8 @@ def _where(stack: tuple[tuple[str, int, str], ...]) -> str:
 class Recorder(TorchDispatchMode):
     """Records the allocations and frees of ``meta`` tensors, with their stacks and phases."""
 
-    def __init__(self, cublas_workspace: int, time_limit: float | None = DEFAULT_TIME_LIMIT, free_stacks: bool = True) -> None:
+    def __init__(self, cublas_workspace: int, time_limit: float | None = DEFAULT_TIME_LIMIT) -> None:
         super().__init__()
-        #: Whether each free takes the stack it happened at (a snapshot's trace shows it); else
-        #: it is given its allocation's: nothing else reads where a free happened, and a stack's
-        #: walk is the largest part of recording an allocation or a free.
-        self.free_stacks = free_stacks
         self.trace = Trace()
         #: The values of small tensors, where the step makes them known.
         self.values = Values()
@@ -279,13 +289,15 @@ class Recorder(TorchDispatchMode):
         # The frame that called each of those forwards, innermost last (held,
         # so that no other frame takes its id while it is listed; one that
         # ended without its forward hook is taken off at the next forward, or
-        # at the next allocation made outside it, or free where frees take their stacks),
+        # at the next allocation or free made outside it),
         # and by its id the stack above it, once an allocation inside asked
         # for it: the frames above a running call do not change, and a deep
         # model's stack (a generation's is ninety frames) is then walked
         # only as far as the innermost forward.
         self._calls: list[Any] = []
         self._above: dict[int, tuple[tuple[str, int, str], ...] | None] = {}
+        # The frames backward passes run below, held while they run (``frames_fixed``).
+        self._fixed: list[Any] = []
         # The modules whose forward checkpointing is running again in backward,
         # innermost last, each by its call's id: named, never held.
         self._recomputing: list[tuple[int, str]] = []
@@ -407,6 +419,27 @@ class Recorder(TorchDispatchMode):
         self._last_forward_grad = grad
         self._backward_seen = False
 
+    @contextlib.contextmanager
+    def frames_fixed(self, frame: Any) -> Iterator[None]:
+        """The block runs below ``frame`` (a backward's call), whose frames out do not change
+        meanwhile: a stack taken inside is walked as far as it, and the rest taken once, as
+        above a forward's call. A training loop's backward (a trainer's, forty frames deep)
+        allocates most of a step's tensors, each of which takes a stack."""
+        key = id(frame)
+        if key in self._above:
+            yield
+            return
+        # Forwards that ended without their hook are taken off first: the walks inside stop here.
+        self._drop_ended(frame)
+        self._above[key] = None
+        # Held, so that no other frame takes its id while it is listed.
+        self._fixed.append(frame)
+        try:
+            yield
+        finally:
+            self._fixed.remove(frame)
+            self._above.pop(key, None)
+
     def _drop_ended(self, call: Any) -> None:
         """Takes off the list the forwards' calls that ended without their forward hook (an
         exception; checkpointing stops its recomputation early by raising): their frames,
@@ -520,7 +553,13 @@ class Recorder(TorchDispatchMode):
         with torch._C.DisableTorchFunction():
             # What the recorder asks of tensors (their storages, sizes, devices) is its own
             # business: past the function mode, which would see each question as the script's.
-            self._record(func, args, kwargs, out)
+            if func is _DETACH and self._index.get(out.untyped_storage()) is not None:
+                # Autograd detaches each tensor it saves (a checkpointed step: four in ten of its
+                # operations): the same storage, recorded already, under another tensor; only its
+                # values, where it has them, go with it.
+                self.values.after(func, args, kwargs, out)
+            else:
+                self._record(func, args, kwargs, out)
         return out
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -792,7 +831,7 @@ class Recorder(TorchDispatchMode):
         self._refs.pop(index, None)
         self.live_bytes -= self.trace.args[index]
         self.trace.freed_in[index] = self.current_phase()
-        self._append(1, index, None if self.free_stacks else self.trace.stack_of[index])
+        self._append(1, index)
 
     def resized(self, st: Any, size: int) -> None:
         """A storage resized in place: its memory goes back and, unless the size is 0, new memory is taken.

@@ -381,6 +381,9 @@ class CudaFunctions(TorchFunctionMode):
         self.read_back = read_back
         #: Told when a backward pass (``Tensor.backward``, ``torch.autograd.backward``) has run.
         self.on_backward: Callable[[], None] | None = None
+        #: Given the frame a backward pass runs below, for the block it runs in: the frames out
+        #: of it do not change meanwhile (``Recorder.frames_fixed``).
+        self.frames_fixed: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
         #: Make the tensors a module's constructor makes without a device on meta.
         self.build_on_meta = False
         #: Composites run with their check for a mode skipped, made once each (``_opened``).
@@ -514,7 +517,8 @@ class CudaFunctions(TorchFunctionMode):
             # What runs in Python during backward (a checkpoint's recomputed
             # forward, FSDP's hooks gathering parameters, a custom Function's
             # backward) must see the mode, as CUDA's dispatcher sees it.
-            with self:
+            fixed = self.frames_fixed(sys._getframe()) if self.frames_fixed is not None else contextlib.nullcontext()
+            with self, fixed:
                 done = _backward(func, args, kwargs, self._opened)
             if self.on_backward is not None:
                 self.on_backward()
