@@ -155,6 +155,16 @@ def test_a_missing_checkpoint_the_script_checks_for_is_still_missing(tmp_path: P
     assert _absent_notes(run) == []
 
 
+#: The end of the hub scripts: the loaded model trained on the GPU for two steps.
+TRAINS_ON_THE_GPU = """
+model.cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
 FROM_HUB = """
 import sys, torch
 from huggingface_hub import hf_hub_download
@@ -163,13 +173,7 @@ model = {model}
 # As timm's pretrained=True and many scripts fetch weights: one file of a hub repository, then loaded.
 path = hf_hub_download("someorg/tiny-mlp", "model.safetensors")
 model.load_state_dict(load_file(path))
-model.cuda()
-opt = torch.optim.AdamW(model.parameters())
-for _ in range(2):
-    model(torch.randn(64, 512, device="cuda")).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + TRAINS_ON_THE_GPU
 
 
 def test_a_weight_file_asked_of_the_hub_is_not_downloaded_and_a_cached_one_is_read(tmp_path: Path) -> None:
@@ -211,13 +215,7 @@ from safetensors.torch import load_file
 folder = snapshot_download("someorg/tiny-mlp", cache_dir=sys.argv[1])
 model = {model}
 model.load_state_dict(load_file(folder + "/model.safetensors"))
-model.cuda()
-opt = torch.optim.AdamW(model.parameters())
-for _ in range(2):
-    model(torch.randn(64, 512, device="cuda")).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + TRAINS_ON_THE_GPU
 
 
 def test_a_whole_repository_fetched_from_the_hub_comes_without_its_weight_files(tmp_path: Path) -> None:
