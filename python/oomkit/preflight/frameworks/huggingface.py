@@ -1,7 +1,8 @@
 """Hugging Face models under preflight: the sequence bounds a script keeps, and the model of a config.
 
-A script's tokenizer and trainer say the longest sequence it keeps
-(:class:`SequenceBounds`). ``oomkit estimate --config ... --trace`` builds
+A script's tokenizer and trainer say the longest sequence it keeps, as
+torchtune's and LitGPT's recipes do (:class:`SequenceBounds`, which also
+pads their batches to it). ``oomkit estimate --config ... --trace`` builds
 its model here (:func:`model_from_config`) the way a fine-tuning script
 does, with ``from_pretrained``, ``BitsAndBytesConfig`` and PEFT, which
 preflight answers from the config alone: the script path and the
