@@ -124,6 +124,17 @@ class SequenceBounds:
         grow = (0, 0) * (t.dim() - 2) + (0, self.longest[0] - int(t.shape[1]))
         return torch.nn.functional.pad(t, grow, value=value)
 
+    def _padded_batch(self, out: Any, tokens: str, pad: int, ignore: int) -> Any:
+        """A collated batch (a dict) with its token batch under ``tokens`` padded with ``pad`` to the
+        longest kept, and its labels, of the same shape, with ``ignore``; as it is if not padded."""
+        ids = out.get(tokens) if isinstance(out, dict) else None
+        if not _token_batch(ids) or not self._pads(int(ids.shape[1])):
+            return out
+        out[tokens] = self._padded(ids, pad)
+        if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == ids.shape:
+            out["labels"] = self._padded(out["labels"], ignore)
+        return out
+
     def said_by_recipe(self, n: Any, by: str) -> None:
         """A framework's recipe said the longest sequence it keeps (torchtune's ``tokenizer.max_seq_len``)."""
         self._said(n, by)
@@ -140,13 +151,7 @@ class SequenceBounds:
         def padded_collate_sft(batch: Any, padding_idx: int = 0, ignore_idx: int = -100, *args: Any, **kwargs: Any) -> Any:
             out = collate(batch, padding_idx, ignore_idx, *args, **kwargs)
             calls[0] += 1
-            tokens = out.get("tokens") if isinstance(out, dict) else None
-            if calls[0] == 1 or not _token_batch(tokens) or not self._pads(int(tokens.shape[1])):
-                return out
-            out["tokens"] = self._padded(tokens, padding_idx)
-            if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == tokens.shape:
-                out["labels"] = self._padded(out["labels"], ignore_idx)
-            return out
+            return out if calls[0] == 1 else self._padded_batch(out, "tokens", padding_idx, ignore_idx)
 
         return [(data, "padded_collate_sft", padded_collate_sft)]
 
@@ -188,13 +193,7 @@ class SequenceBounds:
                 out = collate(samples)
                 index = _in_loader_order(made[0])
                 made[0] += 1
-                ids = out.get("input_ids") if isinstance(out, dict) else None
-                if index == 0 or not _token_batch(ids) or not self._pads(int(ids.shape[1])):
-                    return out
-                out["input_ids"] = self._padded(ids, pad_id)
-                if isinstance(out.get("labels"), torch.Tensor) and out["labels"].shape == ids.shape:
-                    out["labels"] = self._padded(out["labels"], ignore_index)
-                return out
+                return out if index == 0 else self._padded_batch(out, "input_ids", pad_id, ignore_index)
 
             return padded_collate
 

@@ -177,7 +177,7 @@ class Values:
                 return
             outs = [out]
         else:
-            outs = [t for t in _leaves(out) if _is_meta(t) and _small(t)]
+            outs = [t for t in tensors_in(out) if _is_meta(t) and _small(t)]
             if not outs:
                 return
         name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
