@@ -65,6 +65,9 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # (psutil, huggingface-hub) would change what the other tests run with,
   # and what the model code imports is installed above: no dependencies.
   python -c "import litgpt" 2>/dev/null || python -m pip install -q --no-deps "litgpt==0.5.13"
+  # LitGPT's pretrain prepares and streams its text with litdata. Its other dependencies are above or
+  # unused by that path (cloud storage, images; its torchvision has no wheel for every torch): none.
+  python -c "import litdata" 2>/dev/null || python -m pip install -q --no-deps "litdata==0.2.76"
   # The corpus runs LitGPT's own commands (`python -m litgpt finetune_full`), whose
   # command line is jsonargparse's, reading the functions' signatures and docstrings.
   python -c "import jsonargparse, docstring_parser, typeshed_client" 2>/dev/null \

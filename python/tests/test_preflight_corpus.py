@@ -12,6 +12,7 @@ The corpus, with versions, is listed in ``corpus.md`` beside this file.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -372,6 +373,50 @@ def test_litgpt_finetune_lora(lit_assets: Path, checkpoint: str) -> None:
     assert run["by_role"]["optimizer_state"] == 2 * allocator_bytes(adapters), run["by_role"]
     # The checkpoint Fabric loads lazily is read through meta tensors of its own: no device memory.
     assert not [line for line in run["by_line"] if "load.py" in line["line"]], run["by_line"]
+
+
+needs_litdata = pytest.mark.skipif(
+    importlib.util.find_spec("litdata") is None,
+    reason=f"litdata, which LitGPT's pretrain prepares and streams its data with, is not installed beside {sys.executable} (scripts/test.sh installs it)",
+)
+
+
+@needs_litgpt
+@needs_litdata
+def test_litgpt_pretrain(lit_assets: Path) -> None:
+    # LitGPT's pretrain on plain text files: litdata tokenizes them into chunks (worker processes of
+    # its own) and streams fixed-length blocks; the model is compiled, AdamW fused on a CUDA device.
+    words = [f"w{i}" for i in range(WORDS)]
+    (lit_assets / "text").mkdir()
+    for k in range(3):
+        lines = (" ".join(words[(i * 7 + j + k) % WORDS] for j in range(120)) for i in range(32))
+        (lit_assets / "text" / f"part{k}.txt").write_text("\n".join(lines))
+    seq = 64
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--capacity", "24GiB", "--", sys.executable, "-m", "litgpt", "pretrain",
+         "pythia-14m", "--model_config", "ckpt/model_config.yaml", "--tokenizer_dir", "ckpt",
+         "--data", "TextFiles", "--data.train_data_path", "text", "--data.num_workers", "2",
+         "--train.max_steps", "2", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+         "--train.max_seq_length", str(seq), "--train.lr_warmup_steps", "1", "--logger_name", "csv",
+         "--eval.interval", "1000", "--eval.final_validation", "false",
+         "--precision", "bf16-true", "--devices", "1", "--out_dir", "out_pretrain"],
+        capture_output=True, text=True, timeout=600, cwd=lit_assets, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    run = json.loads(p.stdout)["run"]
+    # Two optimizer steps of two micro-batches each, after its sanity check's two forwards without gradients.
+    assert (run["steps"], run["forwards"], run["grad_accum"]) == (2, 6, 2), run
+    model = _lit_model(lit_assets)
+    weights = list(model.parameters())
+    # The rotary tables are remade at --train.max_seq_length, then made bf16 with the model by Fabric.
+    kept = [torch.empty(seq, model.cos.shape[-1], dtype=torch.bfloat16)] * 2
+    assert run["by_role"]["parameters"] == allocator_bytes(weights) + allocator_bytes(kept), run["by_role"]
+    assert run["by_role"]["gradients"] == allocator_bytes(weights), run["by_role"]
+    # Fused AdamW: two moments per weight, and each weight's step count, a float32 on the device.
+    steps = [torch.empty((), dtype=torch.float32)] * len(weights)
+    assert run["by_role"]["optimizer_state"] == 2 * allocator_bytes(weights) + allocator_bytes(steps), run["by_role"]
+    # Lightning counts the FLOPs on a copy of the model on meta: no memory, no cuBLAS workspace of its own.
+    assert not [line for line in run["by_line"] if "throughput.py" in line["line"]], run["by_line"]
 
 
 @needs_litgpt

@@ -325,6 +325,17 @@ def test_a_training_step_holds_two_cublas_workspaces_and_a_forward_one() -> None
     fwd = oomkit.preflight(model, lambda b: torch.zeros(b, 64), micro_batch=8, step=forward_only, optimizer=None)
     assert fwd.by_role["other"] == 32 << 20
 
+    def flops_then_forward(m: torch.nn.Module, batch: torch.Tensor, opt: object) -> None:
+        # Counting FLOPs as Lightning's measure_flops does: a copy of the model on meta, forward
+        # and backward. Those multiplies run on no GPU; only the real forward's takes a workspace.
+        with torch.device("meta"):
+            counted = model()
+        counted(torch.zeros(8, 64, device="meta")).sum().backward()
+        forward_only(m, batch, opt)
+
+    fwd = oomkit.preflight(model, lambda b: torch.zeros(b, 64), micro_batch=8, step=flops_then_forward, optimizer=None)
+    assert fwd.by_role["other"] == 32 << 20, fwd.by_role
+
 
 # ----- python -m, and scripts that exit before a step -----------------------
 

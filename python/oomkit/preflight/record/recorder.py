@@ -584,7 +584,9 @@ class Recorder(TorchDispatchMode):
         self.values.after(func, args, kwargs, out)
         if self._cublas_workspace > 0 and not self._deferred and _multiplies(func):
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
-            if thread not in self._workspaces:
+            # A multiply of the script's own meta tensors (Lightning's measure_flops runs a
+            # meta model's forward and backward) runs on no GPU and takes no workspace.
+            if thread not in self._workspaces and any(self.placement.on_gpu(t) for t in tensors_in(args, kwargs)):
                 workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
                 self._workspaces[thread] = workspace
                 index = self.track(workspace)
