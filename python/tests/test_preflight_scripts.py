@@ -289,6 +289,43 @@ def test_training_roles_of_recurrent_state_kept_tables_and_state_made_in_init(tm
     assert run["by_role"]["parameters"] == weights + 4096 * 256 * 4, (weights, run["by_role"])
 
 
+#: An autoencoder of which a step trains only the encoder, as a latent model's training encodes with
+#: its VAE and never decodes; and a data set moved to the GPU whole before training, sampled from there.
+UNUSED_PART_AND_DATA_ON_GPU = """
+    import torch
+    from torch import nn
+
+    class AutoEncoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(1024, 256)
+            self.decoder = nn.Linear(256, 1024)
+
+    ae = AutoEncoder().cuda()
+    head = nn.Linear(256, 10).cuda()
+    data = torch.randn(2048, 1024).cuda()
+    labels = torch.randint(0, 10, (2048,)).cuda()
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    for step in range(2):
+        pick = torch.randint(0, 2048, (64,), device="cuda")
+        with torch.no_grad():
+            z = ae.encoder(data[pick])
+        nn.functional.cross_entropy(head(z), labels[pick]).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_weights_whose_forward_never_runs_and_data_moved_before_the_step_have_their_roles(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, UNUSED_PART_AND_DATA_ON_GPU), cwd=tmp_path)
+    ae, head = torch.nn.ModuleDict({"e": torch.nn.Linear(1024, 256), "d": torch.nn.Linear(256, 1024)}), torch.nn.Linear(256, 10)
+    # The decoder's weights are on the GPU as the encoder's are, though no forward of it runs.
+    assert run["by_role"]["parameters"] == allocator_bytes([*ae.parameters(), *head.parameters()]), run["by_role"]
+    # The data set copied to the GPU before the first step is an input, as a batch copied there is.
+    data = [torch.empty(2048, 1024), torch.empty(2048, dtype=torch.int64)]
+    assert run["by_role"]["inputs"] >= allocator_bytes(data), run["by_role"]
+
+
 KEPT_STATE_GENERATION = """
     import torch
     from torch import nn

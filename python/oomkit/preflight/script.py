@@ -186,6 +186,8 @@ class _Session:
                 for owner, name, value in self.fixer.stand_ins()
             ],
             on_optimizer_made=self._optimizer_made,
+            # Weights moved to the GPU are weights, whether or not their module's forward runs.
+            on_module_moved=lambda tensors: self.known.add_params(self.rec, tensors),
         )
         self.world.__enter__()
         # Modules built without a device are built on meta (never allocated),
@@ -287,6 +289,7 @@ class _Session:
             self._alloc_conf_fixed = True
         # The first forward begins the step: what the script built and still holds is on the GPU now.
         self.rec.begin()
+        self.known.step_begins(self.rec)
         # A forward is the forward phase, in a loop without an optimizer (which labels its own
         # update "optimizer" until then) and inside an optimizer's step too: the closure it
         # calls (Lightning's automatic optimization, LBFGS) runs the step's forward and backward.
@@ -329,6 +332,7 @@ class _Session:
             # (A step inside a container's is part of the container's.)
             self.in_step = True
             self.rec.begin()
+            self.known.step_begins(self.rec)
             self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
         self.known.add_params(self.rec, params)

@@ -822,6 +822,11 @@ class Recorder(TorchDispatchMode):
         known = self._index.get(t.untyped_storage())
         return None if known is None else int(known)
 
+    def index_of_storage(self, st: Any) -> int | None:
+        """The allocation index of storage ``st``, if recorded."""
+        known = self._index.get(st)
+        return None if known is None else int(known)
+
     def _freed_callback(self, index: int, key: int) -> Callable[[Any], None]:
         def freed(_ref: Any) -> None:
             self._index.forget(key, index)

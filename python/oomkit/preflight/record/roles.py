@@ -11,6 +11,7 @@ activations, and everything else temporaries.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -28,9 +29,11 @@ class Known:
         self.grads: set[int] = set()
         self.state: set[int] = set()
         self._watched: set[int] = set()
+        # Storages told before the step began, with the set each belongs in: the set-up's
+        # allocations are recorded only as the step begins (Recorder.begin), and known then.
+        self._before_step: list[tuple[weakref.ref[Any], set[int]]] = []
 
-    @staticmethod
-    def _add(rec: Recorder, into: set[int], tensors: Any) -> None:
+    def _add(self, rec: Recorder, into: set[int], tensors: Any) -> None:
         leaves = [p for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
         for t in leaves:
             if not on_meta(t):
@@ -38,6 +41,18 @@ class Known:
             i = rec.index_of(t)
             if i is None:
                 i = rec.track(t)
+            if i is not None:
+                into.add(i)
+            elif not rec.begun:
+                # (A weak reference to the storage: one to the tensor would stop PyTorch swapping it.)
+                self._before_step.append((weakref.ref(t.untyped_storage()), into))
+
+    def step_begins(self, rec: Recorder) -> None:
+        """Gives the storages told before the step began their roles, now that ``rec`` has begun and allocated them."""
+        told, self._before_step = self._before_step, []
+        for ref, into in told:
+            st = ref()
+            i = rec.index_of_storage(st) if st is not None else None
             if i is not None:
                 into.add(i)
 

@@ -65,15 +65,17 @@ class AbsentStateDict(dict[Any, Any]):
     """A state dict standing for a checkpoint that is not there: empty, and any key read from it is
     another, kept in it as a loaded file keeps what it holds."""
 
-    def __init__(self, source: str, gpu: Any = None) -> None:
+    def __init__(self, source: str, gpu: Any = None, uploaded: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         #: The file or URL it stands for.
         self.source = source
         #: The GPU its tensors would have been loaded onto, or None.
         self.gpu = gpu
+        # Told of each tensor held on the GPU: a copy from the host, as the file's would have been.
+        self._uploaded = uploaded
 
     def __missing__(self, key: Any) -> AbsentStateDict:
-        part = AbsentStateDict(self.source, self.gpu)
+        part = AbsentStateDict(self.source, self.gpu, self._uploaded)
         self[key] = part
         return part
 
@@ -84,6 +86,8 @@ class AbsentStateDict(dict[Any, Any]):
         with torch.no_grad():
             for name, tensor in module.state_dict().items():
                 self[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.gpu)
+                if self._uploaded is not None:
+                    self._uploaded(self[name])
 
     def __repr__(self) -> str:
         return f"AbsentStateDict({self.source!r})"
@@ -117,8 +121,10 @@ class _AbsentSafeOpen:
 class AbsentCheckpoints:
     """The stand-ins of one preflight run for checkpoints that are not there, and what they note."""
 
-    def __init__(self, notes: Notes) -> None:
+    def __init__(self, notes: Notes, uploaded: Callable[[torch.Tensor], None] | None = None) -> None:
         self.notes = notes
+        # Told of each tensor a checkpoint bound for the GPU holds there (an input: a copy from the host).
+        self._uploaded = uploaded
         #: Whether a checkpoint was stood in for in this run.
         self.seen = False
         # Where a hub would have written what it did not download: noted by URL or file, not by folder.
@@ -139,7 +145,7 @@ class AbsentCheckpoints:
         self.seen = True
         if is_cuda(device):
             self.notes.add(GPU_BOUND_NOTE)
-        return AbsentStateDict(path, device if is_cuda(device) else None)
+        return AbsentStateDict(path, device if is_cuda(device) else None, self._uploaded)
 
     def _loaded_from_absent(self, state_dict: Any) -> bool:
         """Whether ``state_dict`` stands for a checkpoint that is not there, or is an empty one made from one."""

@@ -663,14 +663,16 @@ def wrapper_subclass_stand_in() -> list[tuple[Any, str, Any]]:
     return [(torch.Tensor, "_make_wrapper_subclass", staticmethod(on_fake_gpu))]
 
 
-def moved_in_place_stand_in() -> list[tuple[Any, str, Any]]:
+def moved_in_place_stand_in(moved: Callable[[list[torch.Tensor]], None] | None = None) -> list[tuple[Any, str, Any]]:
     """``nn.Module._apply`` that keeps each parameter's object as a module moves from the host to
     the fake GPU, for the ledger. On CUDA, ``model.cuda()`` changes a host parameter in place
     (``param.data = ...``: host and CUDA tensors are of one kind), so tied weights stay one
     parameter and an optimizer made before the move still holds the model's parameters. A host
     tensor and a ``meta`` one are not of one kind, so ``_apply`` makes a new parameter for each
     module that holds it: a loaded model's tied embedding became two, each with its gradient
-    and optimizer state. The new parameter's contents are swapped into the old object instead."""
+    and optimizer state. The new parameter's contents are swapped into the old object instead.
+    ``moved`` is told each module's own parameters and buffers once moved: they are weights,
+    whether or not that module's forward ever runs (a VAE's decoder in a training step)."""
     apply = torch.nn.Module._apply
 
     def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> Any:
@@ -687,6 +689,8 @@ def moved_in_place_stand_in() -> list[tuple[Any, str, Any]]:
             except RuntimeError:
                 continue  # A tensor PyTorch will not swap keeps the new object, as before.
             self._parameters[key] = old
+        if moved is not None:
+            moved([t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None])
         return out
 
     return [(torch.nn.Module, "_apply", _apply)]

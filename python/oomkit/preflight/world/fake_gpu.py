@@ -126,7 +126,8 @@ class FakeGpu:
     that mark phases), registered and removed with the rest, and
     ``stand_ins`` its own replacements (a fix tried: the optimizer made 8-bit);
     ``on_optimizer_made`` is told whenever a ``torch.optim`` optimizer is
-    made. ``start_process_group`` makes the fake process group at once
+    made, and ``on_module_moved`` of each module's own parameters and buffers
+    once it is moved (``.to``, ``.cuda``). ``start_process_group`` makes the fake process group at once
     (``oomkit.preflight(gpus=N)``) rather than when the script asks for one;
     ``torchrun_environment`` gives the process rank 0's environment under
     torchrun (``RANK``, ``WORLD_SIZE``) when there are several GPUs.
@@ -146,6 +147,7 @@ class FakeGpu:
         hooks: list[Hook] | None = None,
         stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[], None] | None = None,
+        on_module_moved: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.recorder, self.memory = recorder, memory
@@ -158,6 +160,7 @@ class FakeGpu:
         self.extra_hooks = hooks or []
         self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
+        self.on_module_moved = on_module_moved
         self._stack: ExitStack | None = None
         #: The longest sequence the script says it keeps (a tokenizer's, a trainer's or a recipe's).
         self.bounds = SequenceBounds()
@@ -180,7 +183,7 @@ class FakeGpu:
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
         attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
-        absent = AbsentCheckpoints(self.notes)
+        absent = AbsentCheckpoints(self.notes, self.functions.on_upload)
         fake_load = absent.torch_load(load_stand_in(rec.placement, rec.values))
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
@@ -209,7 +212,7 @@ class FakeGpu:
         attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
-        for owner, name, value in moved_in_place_stand_in():
+        for owner, name, value in moved_in_place_stand_in(self.on_module_moved):
             entries.append(StandIn("a module moved to the GPU keeps its parameters' objects, as on CUDA", owner, name, value))
         for owner, name, value in wrapper_subclass_stand_in():
             entries.append(StandIn("tensor subclasses wrapping the fake GPU's tensors are on it too", owner, name, value))
