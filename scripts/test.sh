@@ -86,6 +86,10 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   [ -d .venv/torchtitan-site/torchtitan ] || python -m pip install -q --no-deps --target .venv/torchtitan-site \
     "torchtitan==0.3.0" "tyro==1.0.17" "typeguard==4.6.1" "shtab==1.13.0" "einops==0.8.2" "spmd_types==0.2.3" \
     "torch_checkpointing==0.1.1" "torchdata==0.11.0" "tensorboard==2.21.0" "protobuf==7.36.2" "absl-py==2.5.1"
+  # diffusers (test_preflight_diffusers.py), with Pillow and importlib_metadata, in a folder of its own
+  # for the same reason: Pillow found by transformers would change what the other tests run.
+  [ -d .venv/diffusers-site/diffusers ] || python -m pip install -q --no-deps --target .venv/diffusers-site \
+    "diffusers==0.42.1" "pillow==13.0.0" "importlib_metadata==10.2.0" "zipp==4.1.2"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

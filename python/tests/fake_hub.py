@@ -20,7 +20,7 @@ COMMIT = "5" * 40
 
 
 class FakeHub:
-    """Serves ``folder`` as the repository ``repo`` until ``close()``; ``log`` holds (method, path) of each request."""
+    """Serves ``folder`` (its subfolders too) as the repository ``repo`` until ``close()``; ``log`` holds (method, path) of each request."""
 
     def __init__(self, folder: Path, repo: str) -> None:
         self.folder, self.repo = folder, repo
@@ -57,7 +57,8 @@ class FakeHub:
     def _answer(self, request: BaseHTTPRequestHandler, head: bool) -> None:
         path = request.path.split("?")[0]
         self.log.append((request.command, path))
-        files = sorted(p.name for p in self.folder.iterdir() if p.is_file())
+        # Every file, in subfolders too (a diffusers repository keeps each model in one), by its path in the repository.
+        files = sorted(p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*") if p.is_file())
         body, headers, code = b"", {}, 404
         if path.startswith(f"/api/models/{self.repo}/revision/"):
             code = 200

@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.diffusers import DIFFUSERS_MODELING, DiffusersWeightsFromConfig
 from oomkit.preflight.frameworks.huggingface import LITGPT_DATA, LITGPT_MODEL, TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
 from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
@@ -237,6 +238,9 @@ class FakeGpu:
         weights = WeightsFromConfig(self.notes).stand_ins
         from_config = "transformers' from_pretrained builds from the config, reading no weight file"
         entries.append(Hook(from_config, when_imported(MODELING), weights))
+        diffusion = DiffusersWeightsFromConfig(self.notes).stand_ins
+        diffusers_from_config = "diffusers' from_pretrained builds from the config, reading no weight file"
+        entries.append(Hook(diffusers_from_config, when_imported(DIFFUSERS_MODELING), diffusion))
         lit = CheckpointWithoutWeights(self.notes).stand_ins
         entries.append(Hook("a LitGPT checkpoint folder without its weights is built from its config", when_imported(LITGPT_UTILS), lit))
         adapters = AdapterWithoutWeights(self.notes).stand_ins

@@ -1,0 +1,221 @@
+"""diffusers under preflight: a diffusion model's ``from_pretrained`` reads no weight file.
+
+A diffusion fine-tune or generation loads its UNet, VAE and text encoder
+from one repository's subfolders. Under preflight each is built from its
+config alone: from a folder holding only the configs, from one whose weight
+files are not even readable, and from a hub repository whose weight files
+are never asked for, with the figures of the same run with the weights
+present, and the parameters and optimizer state counted by hand from the
+models' own tensors. diffusers and what it imports (Pillow,
+importlib_metadata) are installed by scripts/test.sh into their own
+folder, `.venv/diffusers-site`, so that the other tests' libraries do not
+find Pillow and change what they run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from preflight_cli import OOMKIT, allocator_bytes
+
+SITE = Path(sys.prefix) / "diffusers-site"
+
+pytestmark = pytest.mark.skipif(
+    not (SITE / "diffusers").is_dir(), reason=f"diffusers is not installed in {SITE} (scripts/test.sh installs it)"
+)
+
+#: Builds a small Stable Diffusion of the real architecture (a UNet with cross-attention, a VAE,
+#: CLIP's text encoder and tokenizer, a DDPM scheduler), saves it as a pipeline three ways, and
+#: prints the bytes of each model's tensors as the scripts below hold them on the GPU.
+MAKE = r"""
+import json, os, sys, torch
+from pathlib import Path
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+unet = UNet2DConditionModel(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32, attention_head_dim=2, norm_num_groups=8,
+)
+vae = AutoencoderKL(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(32, 64), latent_channels=4, norm_num_groups=8, sample_size=64,
+)
+text = CLIPTextModel(CLIPTextConfig(
+    vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+))
+# CLIP's byte-level tokenizer with no merges: each byte a token, as the model's vocabulary allows.
+(out / "tok").mkdir(parents=True)
+vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+for b in range(33, 127):
+    vocab[chr(b)] = len(vocab)
+    vocab[chr(b) + "</w>"] = len(vocab)
+(out / "tok" / "vocab.json").write_text(json.dumps(vocab))
+(out / "tok" / "merges.txt").write_text("#version: 0.2\n")
+tokenizer = CLIPTokenizer(str(out / "tok" / "vocab.json"), str(out / "tok" / "merges.txt"), model_max_length=77)
+pipe = StableDiffusionPipeline(
+    vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=DDPMScheduler(num_train_timesteps=1000),
+    safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+)
+pipe.save_pretrained(out / "full")
+weights = [p for p in (out / "full").rglob("*") if p.suffix in (".safetensors", ".bin")]
+assert len(weights) == 3, weights
+# The same repository before its weights are fetched, and with weight files that cannot be read.
+for name in ("bare", "garbage"):
+    for p in (out / "full").rglob("*"):
+        if p.is_file() and p not in weights:
+            (out / name / p.relative_to(out / "full")).parent.mkdir(parents=True, exist_ok=True)
+            (out / name / p.relative_to(out / "full")).write_bytes(p.read_bytes())
+for p in weights:
+    (out / "garbage" / p.relative_to(out / "full")).write_bytes(b"not a checkpoint")
+
+def held(model, dtype=None):
+    # What .to("cuda", dtype) leaves on the GPU: floating tensors in dtype, the others as they are.
+    return [t.numel() * (t.element_size() if dtype is None or not t.is_floating_point() else dtype.itemsize)
+            for t in [*model.parameters(), *model.buffers()]]
+
+print(json.dumps({
+    "unet": held(unet), "unet_params": [p.numel() * p.element_size() for p in unet.parameters()],
+    "unet_fp16": held(unet, torch.float16), "vae_fp16": held(vae, torch.float16), "text_fp16": held(text, torch.float16),
+    "tensors": {"unet": len(unet.state_dict()), "vae": len(vae.state_dict()), "text_encoder": len(text.state_dict())},
+}))
+"""
+
+#: A text-to-image fine-tune in the pattern of diffusers' training examples, in this project's
+#: words: the VAE and text encoder frozen in fp16, the UNet trained in fp32 on the noise it predicts.
+TRAIN = r"""
+import sys, torch, torch.nn.functional as F
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextModel
+
+model = sys.argv[1]
+scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler")
+text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder")
+vae = AutoencoderKL.from_pretrained(model, subfolder="vae")
+unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
+vae.requires_grad_(False)
+text_encoder.requires_grad_(False)
+vae.to("cuda", dtype=torch.float16)
+text_encoder.to("cuda", dtype=torch.float16)
+unet.to("cuda")
+optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+for step in range(3):
+    pixels = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float16)
+    ids = torch.randint(0, 190, (4, 77), device="cuda")
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+        context = text_encoder(ids)[0]
+    noise = torch.randn_like(latents)
+    t = torch.randint(0, scheduler.config.num_train_timesteps, (4,), device="cuda")
+    noisy = scheduler.add_noise(latents, noise, t)
+    predicted = unet(noisy.float(), t, context.float()).sample
+    F.mse_loss(predicted, noise.float()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+#: Generation through the pipeline, in fp16, saved as an image.
+GENERATE = r"""
+import sys, torch
+from diffusers import StableDiffusionPipeline
+
+pipe = StableDiffusionPipeline.from_pretrained(sys.argv[1], torch_dtype=torch.float16).to("cuda")
+images = pipe(["a red square", "a blue circle"], num_inference_steps=3, height=64, width=64).images
+images[0].save("out.png")
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(SITE)) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The saved pipeline's folder (``full``, ``bare``, ``garbage``) and its models' tensors' bytes."""
+    out = tmp_path_factory.mktemp("diffusers")
+    p = subprocess.run([sys.executable, "-c", MAKE, str(out)], capture_output=True, text=True, timeout=300, env=_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _preflight(folder: Path, script: str, model: str, **env: str) -> dict[str, Any]:
+    (folder / "script.py").write_text(script)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--capacity", "H100", "--", sys.executable, "script.py", model],
+        capture_output=True, text=True, timeout=300, cwd=folder, env=_env(**env),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout)["run"]
+
+
+def _bytes(sizes: list[int]) -> int:
+    return allocator_bytes(SimpleNamespace(nbytes=n) for n in sizes)
+
+
+def _built_from_config(run: dict[str, Any], counts: dict[str, int]) -> None:
+    for cls, name in (("UNet2DConditionModel", "unet"), ("AutoencoderKL", "vae"), ("CLIPTextModel", "text_encoder")):
+        note = f"{cls} was built from its config; no weight file was read (its {counts[name]} tensors,"
+        assert any(n.startswith(note) for n in run["notes"]), (note, run["notes"])
+
+
+def test_a_diffusion_fine_tune_needs_only_its_configs(pipeline: tuple[Path, dict[str, Any]]) -> None:
+    out, sizes = pipeline
+    runs = {name: _preflight(out, TRAIN, name) for name in ("full", "bare", "garbage")}
+    for name, run in runs.items():
+        # The weight files are never read: present, absent or unreadable, the same run.
+        assert (run["peak_allocated_bytes"], run["by_role"]) == (runs["full"]["peak_allocated_bytes"], runs["full"]["by_role"]), name
+        _built_from_config(run, sizes["tensors"])
+    run = runs["bare"]
+    assert run["steps"] == 2, run
+    # The UNet in fp32, the frozen VAE and text encoder in fp16 (their integer buffers as they are).
+    expected = _bytes(sizes["unet"]) + _bytes(sizes["vae_fp16"]) + _bytes(sizes["text_fp16"])
+    assert run["by_role"]["parameters"] == expected, (run["by_role"], expected)
+    # AdamW's two moments of the UNet's weights (its step counts are on the host).
+    assert run["by_role"]["optimizer_state"] == 2 * _bytes(sizes["unet_params"]), run["by_role"]
+
+
+def test_a_diffusion_pipeline_generates_from_its_configs_alone(pipeline: tuple[Path, dict[str, Any]]) -> None:
+    out, sizes = pipeline
+    full, bare = _preflight(out, GENERATE, "full"), _preflight(out, GENERATE, "bare")
+    assert (bare["peak_allocated_bytes"], bare["by_role"]) == (full["peak_allocated_bytes"], full["by_role"])
+    assert bare["mode"] == "inference", bare
+    _built_from_config(bare, sizes["tensors"])
+    # Every model in fp16, as torch_dtype says, on the GPU for the whole run.
+    expected = _bytes(sizes["unet_fp16"]) + _bytes(sizes["vae_fp16"]) + _bytes(sizes["text_fp16"])
+    assert bare["by_role"]["parameters"] == expected, (bare["by_role"], expected)
+    assert (out / "out.png").is_file()
+
+
+def test_a_hub_repository_is_fetched_without_its_weight_files(pipeline: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    from fake_hub import FakeHub
+
+    out, sizes = pipeline
+    hub = FakeHub(out / "full", "someorg/tiny-diffusion")
+    try:
+        run = _preflight(
+            out, TRAIN, "someorg/tiny-diffusion",
+            HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf"),
+        )  # fmt: skip
+    finally:
+        hub.close()
+    asked = [path for _, path in hub.log]
+    for name in ("unet", "vae", "text_encoder"):
+        # (By the revision or by its commit: diffusers asks for the first, transformers for the second.)
+        assert any(path.endswith(f"/{name}/config.json") for path in asked), asked
+    weights = [path for path in asked if path.endswith((".safetensors", ".bin"))]
+    assert weights == [], weights
+    assert list((tmp_path / "hf").rglob("*.safetensors")) == [], "a weight file was downloaded"
+    _built_from_config(run, sizes["tensors"])
+    assert run["by_role"]["parameters"] == _bytes(sizes["unet"]) + _bytes(sizes["vae_fp16"]) + _bytes(sizes["text_fp16"])
