@@ -85,7 +85,19 @@ def held(model, dtype=None):
     return [t.numel() * (t.element_size() if dtype is None or not t.is_floating_point() else dtype.itemsize)
             for t in [*model.parameters(), *model.buffers()]]
 
+# The UNet in 4-bit NF4, as diffusers' bitsandbytes quantizer makes it: every linear layer's weight
+# packed two to a byte with a float32 scale per 64 and a 16-value code book, the rest in bf16; and
+# LoRA adapters of rank 4 (bf16, as the layers' compute dtype) on the attention projections.
+linear = [m for m in unet.modules() if isinstance(m, torch.nn.Linear)]
+weights = {id(m.weight) for m in linear}
+adapted = [m for n, m in unet.named_modules() if n.endswith(("to_q", "to_k", "to_v", "to_out.0"))]
 print(json.dumps({
+    "unet_linear": [m.weight.numel() for m in linear],
+    "unet_rest_bf16": [
+        t.numel() * (2 if t.is_floating_point() else t.element_size())
+        for t in [*unet.parameters(), *unet.buffers()] if id(t) not in weights
+    ],
+    "unet_lora": [n * 2 for m in adapted for n in (4 * m.in_features, m.out_features * 4)],
     "unet": held(unet), "unet_params": [p.numel() * p.element_size() for p in unet.parameters()],
     "unet_fp16": held(unet, torch.float16), "vae_fp16": held(vae, torch.float16), "text_fp16": held(text, torch.float16),
     "tensors": {"unet": len(unet.state_dict()), "vae": len(vae.state_dict()), "text_encoder": len(text.state_dict())},
@@ -196,6 +208,42 @@ def test_a_diffusion_pipeline_generates_from_its_configs_alone(pipeline: tuple[P
     expected = _bytes(sizes["unet_fp16"]) + _bytes(sizes["vae_fp16"]) + _bytes(sizes["text_fp16"])
     assert bare["by_role"]["parameters"] == expected, (bare["by_role"], expected)
     assert (out / "out.png").is_file()
+
+
+#: A QLoRA fine-tune of the UNet, as diffusers' 4-bit training examples do: loaded in NF4 by
+#: bitsandbytes, frozen, LoRA adapters added through PEFT and trained with AdamW.
+QLORA = r"""
+import sys, torch, torch.nn.functional as F
+from diffusers import BitsAndBytesConfig, UNet2DConditionModel
+from peft import LoraConfig
+
+nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+unet = UNet2DConditionModel.from_pretrained(sys.argv[1], subfolder="unet", quantization_config=nf4, torch_dtype=torch.bfloat16)
+unet.requires_grad_(False)
+unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4)
+for step in range(3):
+    latents = torch.randn(2, 4, 32, 32, device="cuda", dtype=torch.bfloat16)
+    context = torch.randn(2, 77, 32, device="cuda", dtype=torch.bfloat16)
+    predicted = unet(latents, torch.tensor([10, 20], device="cuda"), context).sample
+    F.mse_loss(predicted.float(), torch.randn_like(predicted).float()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_4bit_unet_fine_tuned_with_lora_from_its_configs(pipeline: tuple[Path, dict[str, Any]]) -> None:
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed for this Python")
+    pytest.importorskip("peft", reason="peft is not installed for this Python")
+    out, sizes = pipeline
+    full, bare = _preflight(out, QLORA, "full"), _preflight(out, QLORA, "bare")
+    assert (bare["peak_allocated_bytes"], bare["by_role"]) == (full["peak_allocated_bytes"], full["by_role"])
+    assert bare["steps"] == 2, bare
+    # Half a byte a weight, rounded to the allocator's blocks, a float32 scale per 64 weights and a code book of each.
+    nf4 = sum(_bytes([n // 2]) + _bytes([n // 64 * 4]) + _bytes([16 * 4]) for n in sizes["unet_linear"])
+    adapters = _bytes(sizes["unet_lora"])
+    assert bare["by_role"]["parameters"] == nf4 + _bytes(sizes["unet_rest_bf16"]) + adapters, bare["by_role"]
+    assert bare["by_role"]["optimizer_state"] == 2 * adapters, bare["by_role"]
 
 
 def test_a_hub_repository_is_fetched_without_its_weight_files(pipeline: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

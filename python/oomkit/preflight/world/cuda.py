@@ -309,6 +309,30 @@ _GETTER = type(torch.Tensor.device.__get__)
 _WHERE: dict[Any, Any] = {torch.Tensor.device: GPU, torch.Tensor.is_cuda: True, torch.Tensor.is_meta: False}
 
 
+#: A tensor's ``data`` attribute, whose setter swaps a tensor's contents in place.
+_DATA = torch.Tensor.data
+
+
+def _host_to_gpu(args: tuple[Any, ...]) -> bool:
+    """Whether ``args`` of ``data``'s setter are a host tensor and a tensor on the fake GPU."""
+    return (
+        len(args) == 2
+        and isinstance(args[0], torch.Tensor)
+        and isinstance(args[1], torch.Tensor)
+        and args[0].device.type == "cpu"
+        and args[1].device.type == FAKE_DEVICE
+    )
+
+
+def _set_data_onto_gpu(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.data = value`` where ``t`` is on the host and ``value`` on the fake GPU, done as CUDA does
+    it: ``t`` keeps its object, class and attributes and holds ``value``'s storage. A host tensor and
+    a ``meta`` one are not of one kind (``set_data`` refuses them), so their contents are swapped."""
+    moved = torch.Tensor._make_subclass(type(t), value.detach(), t.requires_grad)
+    moved.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, moved)
+
+
 def _asked(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Where the call puts what it makes, where it says: the GPU, the script's meta, or None (where its inputs are)."""
     device = kwargs.get("device")
@@ -402,6 +426,10 @@ class CudaFunctions(TorchFunctionMode):
                 # Where a tensor lives: the fake GPU's say cuda:0, as on the GPU (torchtune's RoPE,
                 # Fabric, FlexAttention and DataParallel check), the script's own meta ones meta.
                 return _WHERE[owner] if self._told(args[0]) else func(*args)
+            if owner is _DATA and func.__name__ == "__set__" and _host_to_gpu(args):
+                # ``t.data = gpu_tensor`` of a host tensor (bitsandbytes' 4-bit weights quantize so as they
+                # move): on CUDA host and GPU tensors are of one kind and ``t`` becomes a GPU tensor in place.
+                return _set_data_onto_gpu(args[0], args[1])
             # Any other attribute read or set (``shape``, ``grad``, ``data``) is the same on CUDA.
             return func(*args)
         if func in _AS_ON_META:
