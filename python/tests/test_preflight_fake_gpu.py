@@ -181,6 +181,32 @@ def test_a_tensor_sent_from_the_gpu_to_meta_gives_its_memory_back(tmp_path: Path
     preflight_run(script, "--steps", "1", cwd=tmp_path)
 
 
+def test_a_host_tensors_data_set_to_a_gpu_tensor_moves_it_in_place(tmp_path: Path) -> None:
+    # bitsandbytes quantizes a weight as it moves and sets ``param.data`` to the packed result: on
+    # CUDA a host tensor may take a GPU tensor's data, and stays the same object, class and attributes.
+    script = _script(
+        tmp_path,
+        "set_data.py",
+        """
+        import torch
+
+        class Packed(torch.nn.Parameter):
+            pass
+
+        weight = Packed(torch.zeros(256, 256), requires_grad=False)
+        weight.blocksize = 64
+        same = weight
+        weight.data = torch.empty(256 * 128, dtype=torch.uint8, device="cuda")
+        assert same is weight and type(weight) is Packed and weight.blocksize == 64 and not weight.requires_grad
+        assert weight.is_cuda and weight.shape == (256 * 128,) and weight.dtype == torch.uint8
+        assert torch.cuda.memory_allocated() == 256 * 128
+        model = torch.nn.Linear(64, 64).cuda()
+        model(torch.randn(2, 64, device="cuda")).sum().backward()
+        """,
+    )
+    preflight_run(script, "--steps", "1", cwd=tmp_path)
+
+
 def test_a_cache_built_only_off_meta_is_built_on_the_fake_gpu(tmp_path: Path) -> None:
     # A rotary table built lazily, skipped while the module is on meta (torchtune's RoPE
     # does this, and stops at its forward if the table was never built).

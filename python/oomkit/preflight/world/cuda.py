@@ -324,13 +324,18 @@ def _host_to_gpu(args: tuple[Any, ...]) -> bool:
     )
 
 
-def _set_data_onto_gpu(t: torch.Tensor, value: torch.Tensor) -> None:
+def _set_data_onto_gpu(t: torch.Tensor, value: torch.Tensor) -> bool:
     """``t.data = value`` where ``t`` is on the host and ``value`` on the fake GPU, done as CUDA does
     it: ``t`` keeps its object, class and attributes and holds ``value``'s storage. A host tensor and
-    a ``meta`` one are not of one kind (``set_data`` refuses them), so their contents are swapped."""
+    a ``meta`` one are not of one kind (``set_data`` refuses them), so their contents are swapped.
+    False where PyTorch will not swap ``t`` (a weak reference to it): the setter then says why."""
     moved = torch.Tensor._make_subclass(type(t), value.detach(), t.requires_grad)
     moved.__dict__.update(t.__dict__)
-    torch.utils.swap_tensors(t, moved)
+    try:
+        torch.utils.swap_tensors(t, moved)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _asked(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -426,10 +431,10 @@ class CudaFunctions(TorchFunctionMode):
                 # Where a tensor lives: the fake GPU's say cuda:0, as on the GPU (torchtune's RoPE,
                 # Fabric, FlexAttention and DataParallel check), the script's own meta ones meta.
                 return _WHERE[owner] if self._told(args[0]) else func(*args)
-            if owner is _DATA and func.__name__ == "__set__" and _host_to_gpu(args):
+            if owner is _DATA and func.__name__ == "__set__" and _host_to_gpu(args) and _set_data_onto_gpu(args[0], args[1]):
                 # ``t.data = gpu_tensor`` of a host tensor (bitsandbytes' 4-bit weights quantize so as they
                 # move): on CUDA host and GPU tensors are of one kind and ``t`` becomes a GPU tensor in place.
-                return _set_data_onto_gpu(args[0], args[1])
+                return None
             # Any other attribute read or set (``shape``, ``grad``, ``data``) is the same on CUDA.
             return func(*args)
         if func in _AS_ON_META:
