@@ -5,7 +5,8 @@
 # torchtitan 0.3.0 computes the loss in chunks of the sequence; the benchmark (December 2024)
 # computed it over the whole vocabulary at once, so each row runs a config of this script's own
 # (a module of three functions, written below) that takes torchtitan's and sets that loss.
-# The rows with Float8 in the table run without it (torchao's float8 is not modelled here), and
+# The rows with Float8 in the table run without it (torchtitan's float8 converter imports torchao's
+# MoE Triton kernels, which no torchao in the registry defines under this PyTorch's Triton), and
 # without the CUDA graphs 0.3.0 adds by default (the table's torchtitan had none).
 # Stand-ins for the downloads: a word-level tokenizer and generated text, in the folders torchtitan's
 # `c4_test` data set names. Needs torchtitan 0.3.0 importable (scripts/test.sh installs it into

@@ -14,10 +14,12 @@ questions); the script asks them inside a preflight.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
-from preflight_cli import BLOCK, preflight_run
+from preflight_cli import BLOCK, OOMKIT, preflight_run
 
 #: nn.Linear(1024, 1024)'s weight and bias in float32, as the allocator rounds them.
 LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4
@@ -205,6 +207,36 @@ def test_a_host_tensors_data_set_to_a_gpu_tensor_moves_it_in_place(tmp_path: Pat
         """,
     )
     preflight_run(script, "--steps", "1", cwd=tmp_path)
+
+
+FLOAT8_STEP = """
+    import torch
+
+    # Float8 training's matrix multiply, as torchao's Float8Linear makes it: float8 operands, scales, bf16 out.
+    model = torch.nn.Linear(256, 256).cuda()
+    a = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(256, 256, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device="cuda")
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    assert out.shape == (128, 256) and out.dtype == torch.bfloat16
+    model(out.float()).sum().backward()
+"""
+
+
+def test_a_float8_multiply_runs_where_the_gpu_has_float8_and_stops_where_it_has_none(tmp_path: Path) -> None:
+    script = _script(tmp_path, "float8.py", FLOAT8_STEP)
+    # Hopper and Ada (an L40S, capability 8.9) multiply in float8.
+    for capacity in ("H100", "L40S"):
+        preflight_run(script, "--steps", "1", "--capacity", capacity, cwd=tmp_path)
+    # An A100 (8.0) has no float8 tensor cores: the step stops there, with CUDA's own message.
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--steps", "1", "--capacity", "A100", "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9" in last, last
+    assert "float8.py:9" in last, last
 
 
 def test_a_cache_built_only_off_meta_is_built_on_the_fake_gpu(tmp_path: Path) -> None:

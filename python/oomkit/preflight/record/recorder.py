@@ -267,6 +267,8 @@ class Recorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._stack_ids: dict[tuple[tuple[str, int, str], ...], int] = {}
         self._cublas_workspace = cublas_workspace
+        #: The matrix multiplies the GPU cannot run, by operator name, each with the error CUDA raises there.
+        self.refused: dict[str, str] = {}
         #: Bytes of the storages alive now, and the most so far (unrounded).
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -515,6 +517,8 @@ class Recorder(TorchDispatchMode):
             if known is not None and known.values.shape == args[0].shape:
                 args[0].copy_(known.values)
             return args[0]
+        if self.refused and _multiplies(func) and func.overloadpacket.__name__ in self.refused:
+            raise RuntimeError(self.refused[func.overloadpacket.__name__])
         if func in _SET_STORAGE and self.placement.deciding and isinstance(args[1], torch.UntypedStorage):
             self.placement.set_storage(args[0], args[1])
         try:

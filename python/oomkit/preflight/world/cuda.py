@@ -133,6 +133,30 @@ def stream_stand_ins() -> dict[str, Any]:
 #: Compute capability reported for the GPU: Hopper, unless the capacity names an older GPU.
 HOPPER = (9, 0)
 AMPERE = (8, 0)
+#: The first capability with float8 matrix multiplies (Ada); ``torch._scaled_mm`` refuses any before it.
+FLOAT8_GEMM = (8, 9)
+#: What CUDA's ``torch._scaled_mm`` says on a GPU before ``FLOAT8_GEMM`` (``aten/src/ATen/native/cuda/Blas.cpp``).
+SCALED_MM_REFUSED = "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9, or ROCm MI300+"
+
+
+def refused_kernels(capacity: str | None) -> dict[str, str]:
+    """The operators the GPU a capacity names cannot run, by name, each with CUDA's message: float8
+    training's matrix multiply (torchao's ``Float8Linear``) before Ada stops there, as on that GPU."""
+    return {"_scaled_mm": SCALED_MM_REFUSED} if capability(capacity) < FLOAT8_GEMM else {}
+
+
+def refusing_stand_ins(refused: dict[str, str]) -> list[tuple[Any, str, Any]]:
+    """``torch.<name>`` for each refused operator, raising CUDA's error, for the ledger. A tensor
+    subclass (torchao's float8 tensors) calls ``torch._scaled_mm`` from its own dispatch, below
+    the recorder, which sees only the ``mm`` it was asked for."""
+
+    def refusing(message: str) -> Any:
+        def refuse(*_: Any, **__: Any) -> Any:
+            raise RuntimeError(message)
+
+        return refuse
+
+    return [(torch, name, refusing(message)) for name, message in refused.items() if hasattr(torch, name)]
 
 
 class _DeviceContext:

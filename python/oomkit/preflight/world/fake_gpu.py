@@ -51,6 +51,8 @@ from oomkit.preflight.world.cuda import (
     foreach_stand_ins,
     moved_in_place_stand_in,
     no_graph_capture,
+    refused_kernels,
+    refusing_stand_ins,
     saved_tensor_hooks_in_mode,
     wrapper_subclass_stand_in,
 )
@@ -153,6 +155,8 @@ class FakeGpu:
         self.settings = settings
         self.recorder, self.memory = recorder, memory
         self.autocast, self.functions = autocast, functions
+        # What the GPU cannot run stops the script, as it would there: no figure for a step that cannot run.
+        recorder.refused = refused_kernels(settings.capacity)
         # Autocast's cached weight casts are told to the recorder: copies of weights, not a cache.
         autocast.on_cached = recorder.weight_cast
         self.notes = notes
@@ -211,6 +215,8 @@ class FakeGpu:
         # Fake CUDA tensors (DTensor's sharding propagation, autocast's questions) would start the
         # CUDA that torch.cuda.is_available() says is there: there is none to start.
         attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
+        for owner, name, value in refusing_stand_ins(rec.refused):
+            entries.append(StandIn("what the GPU cannot run stops the script, as on that GPU", owner, name, value))
         for owner, name, value in foreach_stand_ins():
             entries.append(StandIn("foreach kernels chosen for meta tensors, as for CUDA ones", owner, name, value))
         for owner, name, value in moved_in_place_stand_in(self.on_module_moved):
