@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from preflight_cli import BLOCK, OOMKIT, preflight_run
 
 #: nn.Linear(1024, 1024)'s weight and bias in float32, as the allocator rounds them.
@@ -223,8 +224,10 @@ FLOAT8_STEP = """
 """
 
 
-def test_a_float8_multiply_runs_where_the_gpu_has_float8_and_stops_where_it_has_none(tmp_path: Path) -> None:
-    script = _script(tmp_path, "float8.py", FLOAT8_STEP)
+@pytest.mark.parametrize("call", ["torch._scaled_mm", "torch.ops.aten._scaled_mm.default"])
+def test_a_float8_multiply_runs_where_the_gpu_has_float8_and_stops_where_it_has_none(tmp_path: Path, call: str) -> None:
+    # Called by name (torchao's float8 tensors, from their own dispatch), or as the ATen operator (a compiled graph's).
+    script = _script(tmp_path, "float8.py", FLOAT8_STEP.replace("torch._scaled_mm", call))
     # Hopper and Ada (an L40S, capability 8.9) multiply in float8.
     for capacity in ("H100", "L40S"):
         preflight_run(script, "--steps", "1", "--capacity", capacity, cwd=tmp_path)

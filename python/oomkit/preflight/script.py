@@ -243,6 +243,11 @@ class _Session:
 
     # ---- during the script ----
 
+    def _begin_step(self) -> None:
+        """The step begins: the set-up's storages are allocated, and those told before get their roles."""
+        self.rec.begin()
+        self.known.step_begins(self.rec)
+
     def _upload(self, t: torch.Tensor) -> None:
         self.known.add_inputs(self.rec, t)
 
@@ -288,8 +293,7 @@ class _Session:
             self.allocator_settings()
             self._alloc_conf_fixed = True
         # The first forward begins the step: what the script built and still holds is on the GPU now.
-        self.rec.begin()
-        self.known.step_begins(self.rec)
+        self._begin_step()
         # A forward is the forward phase, in a loop without an optimizer (which labels its own
         # update "optimizer" until then) and inside an optimizer's step too: the closure it
         # calls (Lightning's automatic optimization, LBFGS) runs the step's forward and backward.
@@ -331,8 +335,7 @@ class _Session:
         elif self._step_depth == 1:
             # (A step inside a container's is part of the container's.)
             self.in_step = True
-            self.rec.begin()
-            self.known.step_begins(self.rec)
+            self._begin_step()
             self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
         self.known.add_params(self.rec, params)

@@ -517,8 +517,10 @@ class Recorder(TorchDispatchMode):
             if known is not None and known.values.shape == args[0].shape:
                 args[0].copy_(known.values)
             return args[0]
-        if self.refused and _multiplies(func) and func.overloadpacket.__name__ in self.refused:
-            raise RuntimeError(self.refused[func.overloadpacket.__name__])
+        if self.refused and _multiplies(func):
+            refusal = self.refused.get(func.overloadpacket.__name__)
+            if refusal is not None:
+                raise RuntimeError(refusal)
         if func in _SET_STORAGE and self.placement.deciding and isinstance(args[1], torch.UntypedStorage):
             self.placement.set_storage(args[0], args[1])
         try:
@@ -823,8 +825,7 @@ class Recorder(TorchDispatchMode):
         if is_traceable_wrapper_subclass(t):
             found = [self.index_of(inner) for inner in plain_tensors(t)]
             return next((i for i in found if i is not None), None)
-        known = self._index.get(t.untyped_storage())
-        return None if known is None else int(known)
+        return self.index_of_storage(t.untyped_storage())
 
     def index_of_storage(self, st: Any) -> int | None:
         """The allocation index of storage ``st``, if recorded."""
