@@ -37,7 +37,7 @@ timed() { /usr/bin/time -o "$work/time" -f "  wall %e s, peak RSS %M KB" "$@"; }
 peaks='import json,sys; r=json.load(sys.stdin)["run"]; print("  peak allocated %.2f GiB, reserved %.2f GiB" % (r["peak_allocated_bytes"]/2**30, r["peak_reserved_bytes"]/2**30))'
 echo "== Stable Diffusion 1.5's shapes, 1 x 512 x 512, fp32 UNet with AdamW"
 echo "oomkit preflight (A10G)"
-HF_HUB_OFFLINE=1 timed oomkit preflight --json --capacity A10G -- "$py" "$here/from_config/sd15_finetune.py" "$work/sd15" 1 2>/dev/null | "$py" -c "$peaks"
+HF_HUB_OFFLINE=1 timed oomkit preflight --json --capacity A10G -- "$py" "$here/from_config/text_to_image_finetune.py" "$work/sd15" 1 2>/dev/null | "$py" -c "$peaks"
 cat "$work/time"
 echo "the calculators' arithmetic on the configs"
 timed "$py" - "$work/sd15" <<'PY' 2>/dev/null

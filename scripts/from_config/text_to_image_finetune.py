@@ -1,6 +1,8 @@
-"""A text-to-image fine-tune of a Stable Diffusion repository, in the pattern of diffusers' training
+"""A text-to-image fine-tune of a diffusers repository, in the pattern of diffusers' training
 examples (this project's words): the VAE and text encoder frozen in fp16, the UNet trained in fp32
-with AdamW on the noise it predicts, at 512 x 512. Usage: python sd15_finetune.py REPO [BATCH]."""
+with AdamW on the noise it predicts. BENCHMARKS.md runs it on Stable Diffusion 1.5's shapes, and
+test_preflight_diffusers.py on a small model. Usage: python text_to_image_finetune.py REPO [BATCH] [SIZE]
+(SIZE: the images' side in pixels, 512 unless given)."""
 
 import sys
 
@@ -9,7 +11,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextModel
 
-repo, batch = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+repo = sys.argv[1]
+batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+size = int(sys.argv[3]) if len(sys.argv) > 3 else 512
 scheduler = DDPMScheduler.from_pretrained(repo, subfolder="scheduler")
 text_encoder = CLIPTextModel.from_pretrained(repo, subfolder="text_encoder")
 vae = AutoencoderKL.from_pretrained(repo, subfolder="vae")
@@ -21,7 +25,7 @@ text_encoder.to("cuda", dtype=torch.float16)
 unet.to("cuda")
 optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5)
 for _ in range(3):
-    pixels = torch.randn(batch, 3, 512, 512, device="cuda", dtype=torch.float16)
+    pixels = torch.randn(batch, 3, size, size, device="cuda", dtype=torch.float16)
     ids = torch.randint(0, text_encoder.config.vocab_size, (batch, 77), device="cuda")
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
