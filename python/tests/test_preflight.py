@@ -433,7 +433,7 @@ def test_a_scripts_own_memory_queries_get_the_allocators_figures(tmp_path) -> No
     half = preflight_run(script, "--capacity", "1GiB", args=(str(seen_path), str(dump), "0.5"))
     assert half["capacity_bytes"] == 512 * mib and run["capacity_bytes"] == 1024 * mib
     assert any("set_per_process_memory_fraction(0.5)" in n for n in half["notes"])
-    tight = cli("--json", "--capacity", "1GiB", "--", sys.executable, str(script), str(seen_path), str(dump), "0.05")
+    tight = cli("--json", "--no-fixes", "--capacity", "1GiB", "--", sys.executable, str(script), str(seen_path), str(dump), "0.05")
     assert tight.returncode == 5, tight.stderr
     assert json.loads(tight.stdout)["run"]["fits"] is False
     # The script's own counters saw the 128 MiB fail, after releasing the cache and retrying.
@@ -562,6 +562,9 @@ def test_the_scripts_own_allocator_settings_are_modelled(tmp_path) -> None:
 def test_the_cli_says_when_it_does_not_fit_and_when_it_cannot_answer(tmp_path) -> None:
     p = cli("--capacity", "20MiB", "--", sys.executable, EXAMPLE, "--batch-size", "4", *SMALL)
     assert p.returncode == 5 and "does NOT fit 20MiB" in p.stdout
+    # What would make it fit follows, as a table of the changes each run on the script.
+    assert "What would make it fit, each change run on the script (peaks against 20.0 MiB):" in p.stdout, p.stdout
+    assert "\n  all of the above " in p.stdout, p.stdout
     never = tmp_path / "never.py"
     never.write_text("import torch\nx = torch.zeros(4, device='cuda')\nprint('no training here')\n")
     p = cli("--", sys.executable, str(never))

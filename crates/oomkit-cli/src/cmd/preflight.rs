@@ -108,6 +108,10 @@ pub(crate) struct Args {
     /// it does not fit, and with this flag when it does.
     #[arg(long)]
     fixes: bool,
+    /// Give the answer alone, one run, even when it does not fit: the fixes
+    /// run the script again once for each change.
+    #[arg(long, conflicts_with = "fixes")]
+    no_fixes: bool,
     /// Stop the script after this many seconds on tensors without data: a
     /// loop that waits on a value the step does not have would never end.
     #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = positive_seconds)]
@@ -225,7 +229,7 @@ pub(crate) fn run(mut a: Args) -> u8 {
         &Variant {
             knob,
             snapshot: a.snapshot.as_deref(),
-            replay: Some((&replay_conf, a.fixes)),
+            replay: (!a.no_fixes).then_some((&replay_conf, a.fixes)),
             ..base
         },
     ) {
@@ -280,7 +284,7 @@ pub(crate) fn run(mut a: Args) -> u8 {
             Err(f) => return failed(f),
         }
     }
-    if a.fixes || !report.run.fits {
+    if a.fixes || (!report.run.fits && !a.no_fixes) {
         let replayed = report.run.replayed.take();
         let script = AsWritten {
             accumulation: report.run.grad_accum.unwrap_or(1),
