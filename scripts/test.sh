@@ -3,7 +3,7 @@
 # It needs the Rust toolchain (cargo) and python3; cargo fetches the crates,
 # and pip installs maturin, pytest (with pytest-xdist), mypy (its stubtest checks the stub), ruff, expecttest
 # (which PyTorch's autocast test lists import), PyTorch (CPU use), transformers, accelerate,
-# lightning, bitsandbytes, litgpt (without its pins), TRL, torchtune and torchtitan into .venv, which
+# lightning, bitsandbytes, litgpt (without its pins), TRL, torchtune, torchtitan, diffusers, torchvision and timm into .venv, which
 # sees packages already installed system-wide, so torch is fetched only once.
 # The Rust tests check oomkit's figures against CPython's own pickle module;
 # the Python tests run the installed package with real PyTorch, and load
@@ -90,6 +90,10 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # for the same reason: Pillow found by transformers would change what the other tests run.
   [ -d .venv/diffusers-site/diffusers ] || python -m pip install -q --no-deps --target .venv/diffusers-site \
     "diffusers==0.42.1" "pillow==13.0.0" "importlib_metadata==10.2.0" "zipp==4.1.2"
+  # torchvision and timm (test_preflight_vision.py: weights by URL and from the hub), with Pillow, in a folder
+  # of their own for the same reason. No dependencies: torch and huggingface_hub are above.
+  [ -d .venv/vision-site/timm ] || python -m pip install -q --no-deps --target .venv/vision-site \
+    "torchvision==0.29.2" "timm==1.0.31" "pillow==13.0.0"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi

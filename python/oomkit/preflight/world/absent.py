@@ -17,7 +17,9 @@ from it, with a copy of each of the module's tensors there, and holds them
 as long as the script holds it, as the loaded file would.
 
 Nothing that holds weights is downloaded: a URL that is not in torch's hub
-cache is not fetched, and a weight file asked of the Hugging Face hub
+cache is not fetched (nor announced as being fetched, nor given a folder
+there: ``load_state_dict_from_url`` stands in for it at once, wherever
+torchvision or timm hold it under their own name), and a weight file asked of the Hugging Face hub
 (``hf_hub_download``, as timm's ``pretrained=True`` does) is read from the
 hub's cache where it is there, and otherwise given a path that is not
 there, which loads as a stand-in. A note names the folder, the URL or the
@@ -27,6 +29,7 @@ repository's file, so the answer says what its figures stand on.
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -45,6 +48,10 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".msgpa
 
 #: safetensors' modules: the package (``safe_open``) and its PyTorch side (``load_file``, ``safe_open`` as it imported it).
 SAFETENSORS = ("safetensors", "safetensors.torch")
+
+#: The modules that hold ``torch.hub.load_state_dict_from_url`` under their own name, bound when they
+#: were imported: torchvision's weights' ``get_state_dict`` and timm's loading of weights by URL.
+URL_LOADERS = ("torchvision.models._api", "timm.models._builder")
 
 
 #: Said where a checkpoint that is not there would have been loaded onto the GPU: only what a
@@ -197,6 +204,26 @@ class AbsentCheckpoints:
             (torch.optim.Optimizer, "load_state_dict", load_into_optimizer),
             (torch.hub, "download_url_to_file", not_downloaded),
         ]
+
+    def url_stand_ins(self, module: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        """``load_state_dict_from_url``, as ``module`` holds it, that loads a URL not in torch's hub
+        cache as a stand-in, and does not say it is downloading it (torch.hub says so first)."""
+        import torch.hub
+
+        load_url = getattr(module, "load_state_dict_from_url", None)
+        if load_url is None:
+            return []
+
+        def from_url_or_absent(url: str, model_dir: Any = None, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            name = kwargs.get("file_name") or os.path.basename(urllib.parse.urlparse(str(url)).path)
+            cached = os.path.join(os.fspath(model_dir or os.path.join(torch.hub.get_dir(), "checkpoints")), name)
+            if not str(url).startswith(("http://", "https://")) or os.path.exists(cached):
+                return load_url(url, model_dir, map_location, *args, **kwargs)
+            self._not_downloaded.add(cached)
+            self.notes.add(f"{url} was not downloaded; {_keeps('it', 'its own')}")
+            return self.stand_in(cached, map_location)
+
+        return [(module, "load_state_dict_from_url", from_url_or_absent)]
 
     def safetensors_stand_ins(self, module: ModuleType) -> Sequence[tuple[Any, str, Any]]:
         """safetensors' ``safe_open`` (of the package, or of ``safetensors.torch``) and ``load_file``

@@ -40,7 +40,7 @@ from oomkit.preflight.frameworks.torchtune import CHECKPOINT_UTILS, CHECKPOINTER
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.recorder import FAKE_DEVICE, Recorder
 from oomkit.preflight.settings import Settings
-from oomkit.preflight.world.absent import HUB, SAFETENSORS, AbsentCheckpoints
+from oomkit.preflight.world.absent import HUB, SAFETENSORS, URL_LOADERS, AbsentCheckpoints
 from oomkit.preflight.world.autocast import Autocast, autocast_stand_ins
 from oomkit.preflight.world.checkpoints import load_stand_in
 from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
@@ -199,6 +199,8 @@ class FakeGpu:
             entries.append(Hook(not_there, when_imported(module), absent.safetensors_stand_ins))
         for module in HUB:
             entries.append(Hook("a weight file the script asks of the hub is not downloaded", when_imported(module), absent.hub_stand_ins))
+        for module in ("torch.hub", *URL_LOADERS):
+            entries.append(Hook("weights by URL not in torch's hub cache are not downloaded", when_imported(module), absent.url_stand_ins))
         attrs(
             "torch.cuda.memory's queries answered from the allocator model",
             torch.cuda.memory,
