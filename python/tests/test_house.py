@@ -337,6 +337,18 @@ def test_a_stand_in_for_a_module_imported_later_is_set_at_its_import_and_taken_b
         assert module.kernel() == "again"
         handle.remove()
         assert module.kernel() == "native"
+        # Two hooks waiting for one module (bitsandbytes.functional's paged buffers and its 8-bit
+        # layers' outliers): each finder leaves the finding to the others, so neither asks the
+        # other without end, and both sets of stand-ins are set at its import and taken back.
+        sys.modules.pop("later_lib")
+        first = when_imported("later_lib")(lambda m: [(m, "kernel", lambda: "first")])
+        second = when_imported("later_lib")(lambda m: [(m, "extra", 2)])
+        module = importlib.import_module("later_lib")
+        assert module.kernel() == "first" and module.extra == 2
+        first.remove()
+        second.remove()
+        assert module.kernel() == "native" and not hasattr(module, "extra")
+        assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("later_lib", None)

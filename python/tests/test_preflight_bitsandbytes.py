@@ -168,6 +168,30 @@ def test_a_script_with_4bit_layers_is_measured_quantized(tmp_path: Path) -> None
     assert not any("bitsandbytes" in line.split(", in ")[0] for line in lines), lines
 
 
+INT8 = """
+import bitsandbytes as bnb
+import torch
+from torch import nn
+
+# LLM.int8 inference: 8-bit weights, the input's outlier columns (above 6.0) held back in 16 bits.
+model = nn.Sequential(bnb.nn.Linear8bitLt(1024, 4096, has_fp16_weights=False, threshold=6.0),
+                      bnb.nn.Linear8bitLt(4096, 1024, has_fp16_weights=False, threshold=6.0)).half().cuda()
+with torch.no_grad():
+    out = model(torch.randn(8, 256, 1024, device="cuda", dtype=torch.float16))
+print(float(out.float().abs().mean()))
+"""
+
+
+def test_8bit_layers_with_outlier_columns_run_and_say_the_outliers_are_taken_as_none(tmp_path: Path) -> None:
+    script = tmp_path / "int8.py"
+    script.write_text(INT8)
+    run = preflight_run(script, "--capacity", "8GiB", cwd=tmp_path)
+    assert run["mode"] == "inference", run["mode"]
+    # Moved to the GPU, each layer's weight is quantized to a byte a weight beside its fp16 bias, as CUDA holds them.
+    assert run["by_role"]["parameters"] == 2 * r512(1024 * 4096) + r512(2 * 4096) + r512(2 * 1024), run["by_role"]
+    assert any(n.startswith("bitsandbytes' 8-bit layers (LLM.int8, threshold above 0) hold back the input's outlier columns") for n in run["notes"]), run["notes"]
+
+
 PAGED = """
 import bitsandbytes as bnb
 import torch

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from oomkit._native import PreflightError
+from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.host import HostMemory, host_zeros
+from oomkit.preflight.record.placement import on_meta
 
 #: The module whose paged buffers are stood in for, once the script imports it.
 FUNCTIONAL = "bitsandbytes.functional"
@@ -102,5 +104,48 @@ def paged_stand_ins(host: HostMemory) -> Any:
             (functional, "prefetch_tensor", prefetch_tensor),
             (functional, "elementwise_func", elementwise_func),
         ]
+
+    return make
+
+
+#: Said where an 8-bit layer's outlier columns were taken as none.
+OUTLIERS_NOTE = (
+    "bitsandbytes' 8-bit layers (LLM.int8, threshold above 0) hold back the input's outlier columns, whose number "
+    "depends on the activations' values: taken as none (each would add a 16-bit copy of that column of the input)"
+)
+
+
+def outlier_stand_ins(notes: Notes) -> Any:
+    """What to set on ``bitsandbytes.functional`` once imported: the quantization of an 8-bit
+    layer's input on the fake GPU, with its outlier columns (a count that only values give)
+    taken as none, instead of a fake kernel that cannot size them without values."""
+
+    def make(functional: ModuleType) -> Sequence[tuple[Any, str, Any]]:
+        quant = getattr(functional, "int8_vectorwise_quant", None)
+        if quant is None:
+            return []
+
+        def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> Any:
+            if not threshold or not on_meta(A):
+                return quant(A, threshold)
+            out_row, row_stats, _ = quant(A, 0.0)
+            notes.add(OUTLIERS_NOTE)
+            return out_row, row_stats, torch.empty(0, dtype=torch.int64, device=A.device)
+
+        ops = torch.ops.bitsandbytes
+        mixed = getattr(ops, "int8_mixed_scaled_mm", None)
+        scaled = getattr(ops, "int8_scaled_mm", None)
+        found: list[tuple[Any, str, Any]] = [(functional, "int8_vectorwise_quant", int8_vectorwise_quant)]
+        if mixed is None or scaled is None:
+            return found
+
+        def int8_mixed_scaled_mm(A: torch.Tensor, CA: Any, CB: Any, SCA: Any, SCB: Any, outlier_cols: Any = None, bias: Any = None) -> Any:
+            if not on_meta(A) or outlier_cols is None or outlier_cols.numel():
+                return mixed(A, CA, CB, SCA, SCB, outlier_cols, bias)
+            # No outlier columns: the int8 multiply alone, and an empty 16-bit part, as its CUDA kernel gives.
+            return scaled.default(CA, CB, SCA, SCB, bias=bias, dtype=A.dtype), torch.empty(0, device=A.device, dtype=A.dtype)
+
+        # bitsandbytes' 8-bit layers call the operator by its name in PyTorch's namespace, at each call.
+        return [*found, (ops, "int8_mixed_scaled_mm", int8_mixed_scaled_mm)]
 
     return make

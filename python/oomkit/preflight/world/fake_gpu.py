@@ -30,7 +30,7 @@ from typing import Any, Union
 
 import torch
 
-from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, paged_stand_ins
+from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, outlier_stand_ins, paged_stand_ins
 from oomkit.preflight.frameworks.diffusers import DIFFUSERS_MODELING, DiffusersWeightsFromConfig
 from oomkit.preflight.frameworks.huggingface import LITGPT_DATA, LITGPT_MODEL, TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
@@ -255,6 +255,8 @@ class FakeGpu:
         entries.append(Hook("a PEFT adapter folder without weights is built from its config", when_imported(PEFT_MODEL), adapters))
         paged = paged_stand_ins(rec.host)
         entries.append(Hook("bitsandbytes' paged buffers are host memory, counted as paged", when_imported(FUNCTIONAL), paged))
+        outliers = outlier_stand_ins(self.notes)
+        entries.append(Hook("bitsandbytes' 8-bit layers' outlier columns taken as none", when_imported(FUNCTIONAL), outliers))
         for owner, name, value in _fused_on_meta():
             entries.append(StandIn("fused optimizers take meta parameters, as CUDA ones", owner, name, value))
         compiler = Compiler(self.notes, rec, self.autocast)

@@ -81,31 +81,39 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != self.setter.module_name:
             return None
-        # The other finders, not this one, find the module (it is first on the path).
+        # The finders that find modules find it (this one is first on the path); the others of
+        # this kind find nothing, and those waiting for the same module have their stand-ins set
+        # with these (asked to find it, each would ask the other again, without end).
+        setters = [self.setter]
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if isinstance(finder, _Finder):
+                if finder is not self and finder.setter.module_name == fullname:
+                    setters.append(finder.setter)
+                continue
+            if not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, self.setter)
+                    spec.loader = _Loader(spec.loader, setters)
                 return spec
         return None
 
 
 class _Loader(importlib.abc.Loader):
-    """The real loader, and then the stand-ins set on the module it made."""
+    """The real loader, and then the stand-ins of each hook waiting for it set on the module it made."""
 
-    def __init__(self, loader: Any, setter: _Setter) -> None:
+    def __init__(self, loader: Any, setters: list[_Setter]) -> None:
         self.loader = loader
-        self.setter = setter
+        self.setters = setters
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.setter.set_on(module)
+        for setter in self.setters:
+            setter.set_on(module)
 
     def __getattr__(self, name: str) -> Any:
         # What else the real loader offers (get_source, is_package: tracebacks and pkgutil read them).
