@@ -44,25 +44,8 @@ cat > "$dev/scheduler/scheduler_config.json" <<'JSON'
  "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": true}
 JSON
 # Stand-in tokenizers: CLIP's byte by byte, T5's a few words; T5 pads every prompt to 512 tokens and CLIP to 77 either way.
-"$py" - "$dev" <<'PY'
-import json, sys
-from pathlib import Path
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import CLIPTokenizer, T5TokenizerFast
-out = Path(sys.argv[1])
-(out / "tokenizer").mkdir()
-vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-for b in range(33, 127):
-    vocab[chr(b)] = len(vocab)
-    vocab[chr(b) + "</w>"] = len(vocab)
-(out / "tokenizer" / "vocab.json").write_text(json.dumps(vocab))
-(out / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
-CLIPTokenizer(str(out / "tokenizer" / "vocab.json"), str(out / "tokenizer" / "merges.txt"), model_max_length=77).save_pretrained(out / "tokenizer")
-pieces = ["<pad>", "</s>", "<unk>", *"a photo of an astronaut riding horse on mars".split()]
-t5 = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=2))
-t5.pre_tokenizer = pre_tokenizers.Whitespace()
-T5TokenizerFast(tokenizer_object=t5, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0, model_max_length=512).save_pretrained(out / "tokenizer_2")
-PY
+"$py" "$here/from_config/stand_in_tokenizers.py" clip "$dev/tokenizer"
+"$py" "$here/from_config/stand_in_tokenizers.py" t5 "$dev/tokenizer_2" a photo of an astronaut riding horse on mars
 for q in bf16 nf4 int8; do
   echo "== Flux.1-dev, $q"
   HF_HUB_OFFLINE=1 oomkit preflight --json --capacity H100 -- "$py" "$here/from_config/flux_generate.py" "$dev" "$q" 2>"$work/err" >"$work/out.json" \

@@ -27,6 +27,9 @@ from preflight_cli import OOMKIT, allocator_bytes
 
 SITE = Path(sys.prefix) / "diffusers-site"
 
+#: The scripts that run pipelines from configs, and their stand-in tokenizers.
+FROM_CONFIG = Path(__file__).resolve().parents[2] / "scripts" / "from_config"
+
 pytestmark = pytest.mark.skipif(
     not (SITE / "diffusers").is_dir(), reason=f"diffusers is not installed in {SITE} (scripts/test.sh installs it)"
 )
@@ -38,9 +41,11 @@ MAKE = r"""
 import json, os, sys, torch
 from pathlib import Path
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel
 
 out = Path(sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from stand_in_tokenizers import clip_bytes
 torch.manual_seed(0)
 unet = UNet2DConditionModel(
     sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
@@ -56,14 +61,7 @@ text = CLIPTextModel(CLIPTextConfig(
     max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
 ))
 # CLIP's byte-level tokenizer with no merges: each byte a token, as the model's vocabulary allows.
-(out / "tok").mkdir(parents=True)
-vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-for b in range(33, 127):
-    vocab[chr(b)] = len(vocab)
-    vocab[chr(b) + "</w>"] = len(vocab)
-(out / "tok" / "vocab.json").write_text(json.dumps(vocab))
-(out / "tok" / "merges.txt").write_text("#version: 0.2\n")
-tokenizer = CLIPTokenizer(str(out / "tok" / "vocab.json"), str(out / "tok" / "merges.txt"), model_max_length=77)
+tokenizer = clip_bytes(out / "tok")
 pipe = StableDiffusionPipeline(
     vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=DDPMScheduler(num_train_timesteps=1000),
     safety_checker=None, feature_extractor=None, requires_safety_checker=False,
@@ -130,7 +128,7 @@ def _env(**extra: str) -> dict[str, str]:
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """The saved pipeline's folder (``full``, ``bare``, ``garbage``) and its models' tensors' bytes."""
     out = tmp_path_factory.mktemp("diffusers")
-    p = subprocess.run([sys.executable, "-c", MAKE, str(out)], capture_output=True, text=True, timeout=300, env=_env())
+    p = subprocess.run([sys.executable, "-c", MAKE, str(out), str(FROM_CONFIG)], capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 0, p.stderr[-3000:]
     return out, json.loads(p.stdout.strip().splitlines()[-1])
 
