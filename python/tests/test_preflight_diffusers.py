@@ -238,3 +238,70 @@ def test_a_hub_repository_is_fetched_without_its_weight_files(pipeline: tuple[Pa
     assert list((tmp_path / "hf").rglob("*.safetensors")) == [], "a weight file was downloaded"
     _built_from_config(run, sizes["tensors"])
     assert run["by_role"]["parameters"] == _bytes(sizes["unet"]) + _bytes(sizes["vae_fp16"]) + _bytes(sizes["text_fp16"])
+
+
+#: A Flux pipeline of the real architecture, small (a transformer of one double and one single
+#: block, a VAE of four levels, CLIP's and T5's text encoders), saved as configs alone with stand-in
+#: tokenizers, as scripts/flux_table.sh saves FLUX.1-dev's; it prints the bytes its models' tensors
+#: hold on the GPU in bf16.
+MAKE_FLUX = r"""
+import json, sys, torch
+from pathlib import Path
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+out = Path(sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from stand_in_tokenizers import clip_bytes, t5_words
+
+transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                     num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+                                     axes_dims_rope=(4, 6, 6))
+vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                    block_out_channels=(8, 8, 16, 16), latent_channels=4, norm_num_groups=4, layers_per_block=1,
+                    use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1, scaling_factor=0.4)
+clip = CLIPTextModel(CLIPTextConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    max_position_embeddings=77, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+t5 = T5EncoderModel(T5Config(vocab_size=100, d_model=32, d_ff=64, d_kv=16, num_heads=2, num_layers=2, feed_forward_proj="gated-gelu",
+                             is_encoder_decoder=False))
+pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae, text_encoder=clip,
+                    tokenizer=clip_bytes(out / "tok"), text_encoder_2=t5, tokenizer_2=t5_words(out / "tok2", ["a", "photo"]),
+                    transformer=transformer)
+pipe.save_pretrained(out / "flux")
+for p in (out / "flux").rglob("*"):
+    if p.suffix == ".safetensors":
+        p.unlink()
+
+def held(model):
+    # Each tensor once (T5's embedding is tied), its buffers too (CLIP's position ids, int64, outside the
+    # state dict), floating ones in bf16, each in the allocator's blocks of 512 bytes.
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    return sum(-(-t.numel() * (2 if t.is_floating_point() else t.element_size()) // 512) * 512 for t in tensors)
+
+print(json.dumps({"bf16": sum(held(m) for m in (transformer, vae, clip, t5))}))
+"""
+
+
+def test_a_flux_pipeline_generates_from_its_configs_alone_in_bf16_and_int8(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-c", MAKE_FLUX, str(tmp_path), str(FROM_CONFIG)], capture_output=True, text=True, timeout=300, env=_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    held = json.loads(p.stdout.strip().splitlines()[-1])
+    script = FROM_CONFIG / "flux_generate.py"
+    for kind in ("bf16", "int8"):
+        run = subprocess.run(
+            [OOMKIT, "preflight", "--json", "--capacity", "H100", "--", sys.executable, str(script), str(tmp_path / "flux"), kind],
+            capture_output=True, text=True, timeout=300, env=_env(),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        doc = json.loads(run.stdout)["run"]
+        # The script's own reading after loading: what the allocator holds, the models' tensors.
+        loaded = int(next(line for line in run.stderr.splitlines() if line.startswith("after loading:")).split("(")[1].split()[0])
+        assert all(n.endswith("stand as zeros of their shapes and dtypes)") for n in doc["notes"] if "was built from its config" in n)
+        assert sum("was built from its config" in n for n in doc["notes"]) == 4, doc["notes"]
+        if kind == "bf16":
+            assert loaded == held["bf16"], (held, loaded)
+        else:
+            # The transformer's and T5's linear layers in a byte a weight: less than in bf16, and the outliers said.
+            assert loaded < held["bf16"], (held, loaded)
+            assert any("outlier columns" in n for n in doc["notes"]), doc["notes"]
+        assert doc["mode"] == "inference" and doc["peak_allocated_bytes"] > loaded

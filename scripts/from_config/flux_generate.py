@@ -20,7 +20,9 @@ if len(sys.argv) > 2 and sys.argv[2] != "bf16":
         quant_backend=backend, quant_kwargs=bits[sys.argv[2]], components_to_quantize=["transformer", "text_encoder_2"])
 pipe = FluxPipeline.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16, **kwargs)
 pipe.to("cuda")
-print(f"after loading: {torch.cuda.memory_allocated() / 2**30:.3f} GiB", file=sys.stderr)
+loaded = torch.cuda.memory_allocated()
+print(f"after loading: {loaded / 2**30:.3f} GiB ({loaded} bytes)", file=sys.stderr)
 image = pipe("a photo of an astronaut riding a horse on mars", num_inference_steps=2, guidance_scale=3.5, height=1024, width=1024,
              generator=torch.Generator("cpu").manual_seed(0)).images[0]
-print(f"peak: {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB", file=sys.stderr)
+peak = torch.cuda.max_memory_allocated()
+print(f"peak: {peak / 2**30:.3f} GiB ({peak} bytes)", file=sys.stderr)
