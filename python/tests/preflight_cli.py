@@ -16,6 +16,15 @@ OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 #: The caching allocator's rounding of a request (``kMinBlockSize``).
 BLOCK = 512
 
+#: Where scripts/test.sh installs torchvision and timm, apart from the other tests' libraries.
+VISION_SITE = Path(sys.prefix) / "vision-site"
+
+
+def pythonpath_with(*folders: Path | str) -> str:
+    """The ``PYTHONPATH`` the tests run with, then ``folders``: for a child that needs a library
+    installed in a folder of its own, which this process must not see."""
+    return os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *map(str, folders)) if p)
+
 
 def allocator_bytes(tensors: Iterable[Any]) -> int:
     """What the allocator hands out for these tensors, each rounded up to its 512-byte blocks."""

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from preflight_cli import OOMKIT, allocator_bytes
+from preflight_cli import OOMKIT, allocator_bytes, pythonpath_with
 
 SITE = Path(sys.prefix) / "diffusers-site"
 
@@ -120,8 +120,7 @@ images[0].save("out.png")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(SITE)) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
+    return {**os.environ, "PYTHONPATH": pythonpath_with(SITE), "HF_HUB_OFFLINE": "1", **extra}
 
 
 @pytest.fixture(scope="module")

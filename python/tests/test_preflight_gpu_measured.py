@@ -15,15 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from preflight_cli import VISION_SITE, pythonpath_with
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = json.loads((Path(__file__).with_name("gpu_h200_preflight.json")).read_text())
 
 #: The largest error allowed on a peak (the largest seen: +2.9%, gpt2-medium's reserved at micro-batch 4).
 TOLERANCE = 0.035
-
-#: Where torchvision is installed (scripts/test.sh: `.venv/vision-site`, beside the other tests' libraries, not among them).
-VISION_SITE = Path(sys.prefix) / "vision-site"
 
 #: Runs one case's predictions (each measured row, then the search) and prints them as JSON.
 PREDICT = """
@@ -51,7 +49,7 @@ def _needs(case: str) -> list[str]:
 @pytest.mark.parametrize("measured", MEASURED["cases"], ids=lambda c: c["case"])
 def test_preflight_lands_within_tolerance_of_the_gpu(measured):
     # Each case in a process of its own, with its libraries' folders on the path and nothing else's.
-    path = os.pathsep.join([str(ROOT / "scripts"), *_needs(measured["case"]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = pythonpath_with(ROOT / "scripts", *_needs(measured["case"]))
     p = subprocess.run(
         [sys.executable, "-c", PREDICT, json.dumps(measured)], capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path}
     )

@@ -23,13 +23,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from preflight_cli import OOMKIT, allocator_bytes
-
-SITE = Path(sys.prefix) / "vision-site"
+from preflight_cli import OOMKIT, VISION_SITE, allocator_bytes, pythonpath_with
 
 pytestmark = pytest.mark.skipif(
-    not (SITE / "torchvision").is_dir() or not (SITE / "timm").is_dir(),
-    reason=f"torchvision and timm are not installed in {SITE} (scripts/test.sh installs them)",
+    not (VISION_SITE / "torchvision").is_dir() or not (VISION_SITE / "timm").is_dir(),
+    reason=f"torchvision and timm are not installed in {VISION_SITE} (scripts/test.sh installs them)",
 )
 
 #: A fine-tune in the pattern of the image trainers: pretrained weights (torchvision's or timm's,
@@ -65,7 +63,7 @@ for step in range(3):
 
 
 def _env(home: Path) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(SITE)) if p)
+    path = pythonpath_with(VISION_SITE)
     # Empty caches of torch's hub and of the Hugging Face hub; no request leaves the machine.
     refused = "http://127.0.0.1:9"
     return {

@@ -49,6 +49,9 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".msgpa
 #: safetensors' modules: the package (``safe_open``) and its PyTorch side (``load_file``, ``safe_open`` as it imported it).
 SAFETENSORS = ("safetensors", "safetensors.torch")
 
+#: The URLs a hub would fetch over the network, and not here.
+REMOTE = ("http://", "https://")
+
 #: The modules that hold ``torch.hub.load_state_dict_from_url`` under their own name, bound when they
 #: were imported: torchvision's weights' ``get_state_dict`` and timm's loading of weights by URL.
 URL_LOADERS = ("torchvision.models._api", "timm.models._builder")
@@ -141,6 +144,12 @@ class AbsentCheckpoints:
         """Whether ``path`` names a file (not an open one) that is not there."""
         return isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path))
 
+    def _not_fetched(self, what: str, path: str) -> None:
+        """Notes the file ``what`` (a URL, a hub repository's file) as not downloaded to ``path``, whose
+        stand-in then says no more of its folder."""
+        self._not_downloaded.add(path)
+        self.notes.add(f"{what} was not downloaded; {_keeps('it', 'its own')}")
+
     def stand_in(self, path: Any, device: Any = None) -> AbsentStateDict:
         """The stand-in of the file ``path`` loaded onto ``device``, noted once per folder."""
         path = os.fspath(path)
@@ -192,12 +201,11 @@ class AbsentCheckpoints:
                 optimizer_load(optimizer, state_dict)
 
         def not_downloaded(url: str, dst: str, *args: Any, **kwargs: Any) -> None:
-            if not str(url).startswith(("http://", "https://")):
+            if not str(url).startswith(REMOTE):
                 download(url, dst, *args, **kwargs)
                 return
             # torch.hub then loads the file it would have written, which is not there: a stand-in.
-            self._not_downloaded.add(os.fspath(dst))
-            self.notes.add(f"{url} was not downloaded; {_keeps('it', 'its own')}")
+            self._not_fetched(str(url), os.fspath(dst))
 
         return [
             (torch.nn.Module, "load_state_dict", load_into_module),
@@ -217,10 +225,9 @@ class AbsentCheckpoints:
         def from_url_or_absent(url: str, model_dir: Any = None, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
             name = kwargs.get("file_name") or os.path.basename(urllib.parse.urlparse(str(url)).path)
             cached = os.path.join(os.fspath(model_dir or os.path.join(torch.hub.get_dir(), "checkpoints")), name)
-            if not str(url).startswith(("http://", "https://")) or os.path.exists(cached):
+            if not str(url).startswith(REMOTE) or os.path.exists(cached):
                 return load_url(url, model_dir, map_location, *args, **kwargs)
-            self._not_downloaded.add(cached)
-            self.notes.add(f"{url} was not downloaded; {_keeps('it', 'its own')}")
+            self._not_fetched(str(url), cached)
             return self.stand_in(cached, map_location)
 
         return [(module, "load_state_dict_from_url", from_url_or_absent)]
@@ -270,8 +277,7 @@ class AbsentCheckpoints:
                 os.fspath(kwargs.get("cache_dir") or _hub_cache()), "models--" + repo_id.replace("/", "--"), "not-downloaded"
             )
             path = os.path.join(os.fspath(where), name)
-            self._not_downloaded.add(path)
-            self.notes.add(f"{repo_id}/{name} was not downloaded; {_keeps('it', 'its own')}")
+            self._not_fetched(f"{repo_id}/{name}", path)
             return path
 
         return [(module, "hf_hub_download", hf_hub_download)]
