@@ -23,22 +23,48 @@ pytest.importorskip("lightning", reason="lightning is not installed for this Pyt
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "gpu_validate.py")
 
 
-def test_every_section_runs_on_cpu_and_reports(tmp_path):
+# The sections in three runs, so that the suite's two workers share them.
+GROUPS = {
+    "preflight's side": ["preflight", "scripts", "boundary", "fixes"],
+    "runs": ["allocator", "warm", "workspaces", "oom", "overhead", "gpus", "estimate", "big"],
+    "planted": ["planted"],
+}
+
+
+def _run_sections(tmp_path: Path, sections: list[str]) -> tuple[Path, dict[str, Any]]:
+    """Runs the script on CPU, quick, with these sections only; returns its folder and its sections' results."""
     out = tmp_path / "v"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     p = subprocess.run(
-        [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), "--budget", "900"],
+        [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), "--budget", "900", "--only", ",".join(sections)],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["VALIDATION-draft.md", "artifacts.tar.gz", "results.json", "snapshots.tar.gz"]
-    r = json.loads((out / "results.json").read_text())
-    s = r["sections"]
-    assert {k: d["status"] for k, d in s.items()} == {
-        "allocator": "ok", "preflight": "ok", "scripts": "ok", "boundary": "ok", "fixes": "ok", "warm": "ok", "workspaces": "ok", "planted": "ok", "oom": "ok",
-        "overhead": "ok", "estimate": "ok", "gpus": "ok", "big": "ok"
-    }, {k: d.get("error") for k, d in s.items()}
-    assert s["allocator"]["skipped"] and s["warm"]["skipped"] and s["workspaces"]["skipped"]
+    s = json.loads((out / "results.json").read_text())["sections"]
+    assert {k: d["status"] for k, d in s.items()} == dict.fromkeys(sections, "ok"), {k: d.get("error") for k, d in s.items()}
+    return out, s
+
+
+def test_the_sections_together_are_every_section_of_the_script() -> None:
+    text = Path(SCRIPT).read_text()
+    plan = text[text.index("plan = [") : text.index("]\n", text.index("plan = ["))]
+    named = [part.split('"')[1] for part in plan.split("(")[1:]]
+    assert sorted(named) == sorted(name for group in GROUPS.values() for name in group), named
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_every_section_runs_on_cpu_and_reports(tmp_path: Path, group: str) -> None:
+    out, s = _run_sections(tmp_path, GROUPS[group])
+    if group == "preflight's side":
+        _check_preflight_side(s)
+    elif group == "runs":
+        _check_runs(s)
+    else:
+        _check_planted(out, s)
+
+
+def _check_preflight_side(s: dict[str, Any]) -> None:
     # Preflight's side runs anywhere: each case's predictions and its search.
     cases = {c["case"]: c for c in s["preflight"]["cases"]}
     assert cases["gpt-100m"]["predicted_largest_micro_batch"] == 11, cases["gpt-100m"]
@@ -64,19 +90,9 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert fixes["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"]["predicted_allocated_bytes"] > 0
 
-    rows = {row["case"]: row for row in s["planted"]["rows"]}
-    assert len(rows) == 2 * 5 + 2
-    assert all(row["rc"] == 0 for row in rows.values()), rows
-    # What CPU can show: the language model's kept outputs (1 MiB a step) are a
-    # leak; the small CNN's (1.25 KiB a step) are lost in the resident set's noise.
-    assert rows["gpt-leak"]["named"], rows["gpt-leak"]
-    # The stale copy is named in both models; a clean run gets no finding.
-    assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
-    # An eval that keeps its outputs, though the resident set never gives the memory back.
-    assert rows["gpt-eval_keeps_outputs"]["named"] and rows["cnn-eval_keeps_outputs"]["named"]
-    assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
-    assert rows["hf-callback"]["log_findings"] == [] and rows["lightning-callback"]["log_findings"] == []
 
+def _check_runs(s: dict[str, Any]) -> None:
+    assert s["allocator"]["skipped"] and s["warm"]["skipped"] and s["workspaces"]["skipped"]
     oom = s["oom"]
     assert oom["capture"]["rc"] == 1 and oom["capture"]["diagnosis_printed"]
     [captured] = oom["capture"]["log_ooms"]
@@ -93,6 +109,21 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path):
     assert len(s["estimate"]["rows"]) == 2 and all(row["estimated_bytes"] for row in s["estimate"]["rows"])
     assert s["gpus"]["oomkit_rc"] == 3  # no GPU here
     assert s["big"]["skipped"]
+
+
+def _check_planted(out: Path, s: dict[str, Any]) -> None:
+    rows = {row["case"]: row for row in s["planted"]["rows"]}
+    # Quick: every bug in the language model, a clean run and the stale copy in the CNN, the two callbacks.
+    assert len(rows) == 5 + 2 + 2, sorted(rows)
+    assert all(row["rc"] == 0 for row in rows.values()), rows
+    # What CPU can show: the language model's kept outputs (1 MiB a step) are a leak.
+    assert rows["gpt-leak"]["named"], rows["gpt-leak"]
+    # The stale copy is named in both models; a clean run gets no finding.
+    assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
+    # An eval that keeps its outputs, though the resident set never gives the memory back.
+    assert rows["gpt-eval_keeps_outputs"]["named"]
+    assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
+    assert rows["hf-callback"]["log_findings"] == [] and rows["lightning-callback"]["log_findings"] == []
 
     draft = (out / "VALIDATION-draft.md").read_text()
     assert "| gpt-stale_copy | duplicate_copy |" in draft
