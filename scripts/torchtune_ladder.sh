@@ -45,10 +45,20 @@ lora_row() {
 }
 run_recipe() {
   local name=$1 recipe=$2 config=$3; shift 3
+  rm -rf "$work/out/logs"
   HF_DATASETS_OFFLINE=1 oomkit preflight --json --capacity A100 --steps 2 -- \
     tune run "$recipe" --config "$config" "${common[@]}" "$@" > "$work/row.json" 2> "$work/row.err" \
     || { echo "$name: no answer (see $work/row.err)"; return; }
-  python -c "import json,sys; r=json.load(open(sys.argv[1]))['run']; G=2**30; print('%-28s peak allocated %6.2f GiB, paged %5.2f GiB' % (sys.argv[2], r['peak_allocated_bytes']/G, r['host_paged_peak_bytes']/G))" "$work/row.json" "$name"
+  # Beside the run's peak, the first step's "peak_memory_active" as the recipe itself logs it
+  # (torchtune resets the peak at each log, and preflight answers memory_stats() from its model).
+  python - "$work/row.json" "$name" "$work/out/logs" <<'PY'
+import glob, json, re, sys
+r = json.load(open(sys.argv[1]))["run"]
+G = 2**30
+logged = [m.group(1) for f in glob.glob(sys.argv[3] + "/*.txt") for m in re.finditer(r"Step 1 \|.*?peak_memory_active:([0-9.]+)", open(f).read())]
+step1 = "%6.2f GiB" % float(logged[0]) if logged else "   (none)"
+print("%-28s peak allocated %6.2f GiB, paged %5.2f GiB, step 1 logged %s" % (sys.argv[2], r["peak_allocated_bytes"] / G, r["host_paged_peak_bytes"] / G, step1))
+PY
 }
 chunked=loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss
 row "+ packed (60.0)"
