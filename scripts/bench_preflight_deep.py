@@ -3,6 +3,11 @@ case of preflight's speed (BENCHMARKS.md). Run under preflight:
 
     oomkit preflight --json -- python scripts/bench_preflight_deep.py [BLOCKS]
 
+and, for what a user would otherwise wait for, the same steps run by PyTorch itself on this
+machine's CPU or on the meta device (sizes only, PyTorch's own meta kernels):
+
+    python scripts/bench_preflight_deep.py BLOCKS cpu 2
+
 400 blocks of two 3x3 convolutions and batch norms, each block checkpointed, micro-batch 8 at
 32 x 32: about 73,000 operations a step, most of them on tensors of a few thousand elements.
 """
@@ -44,10 +49,14 @@ class Net(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-model = Net(int(sys.argv[1]) if len(sys.argv) > 1 else 400).cuda()
+blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
+# Preflight stops after its --steps optimizer steps (2); a run elsewhere takes the number given.
+steps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+model = Net(blocks).to(device)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-for _ in range(3):
-    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+for _ in range(steps):
+    x, y = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     opt.zero_grad()
