@@ -228,8 +228,9 @@ def test_any_placeholder_is_searched_by_the_one_search(tmp_path: Path) -> None:
     assert [v for v, _ in doc["tried"]] == sorted(tried)
     # The run reported is the one at the smallest value; the boundary is what a run there says.
     assert doc["run"]["mode"] == "inference" and doc["run"]["forwards"] == 1
+    # Each value alone, as a user would check it (the answer only: no fixes for the one that does not fit).
     for steps, fits in ((best, True), (best + 1, False)):
-        one = preflight("--", sys.executable, str(script), str(steps))
+        one = preflight("--no-fixes", "--", sys.executable, str(script), str(steps))
         assert json.loads(one.stdout)["run"]["fits"] is fits, (steps, one.stdout[-500:])
 
 
