@@ -20,8 +20,9 @@ runs):
   limit against a bisection of real steps (scripts/gpu_preflight_check.py);
 - scripts: `oomkit preflight -- python SCRIPT` (the command, on unchanged
   scripts with bfloat16 autocast: the README's GPT at two micro-batches,
-  the FSDP GPT under torchrun, the GPT compiled, and `generate()` with a
-  dynamic and a static cache) beside the same scripts run on the GPU
+  the FSDP GPT under torchrun, the GPT compiled, `generate()` with a
+  dynamic and a static cache, and a latent diffusion model's image decoder
+  at 1024 x 1024) beside the same scripts run on the GPU
   (scripts/measure_script.py);
 - boundary: the longest context of the README's GPT that `oomkit
   preflight --search ctx=...` finds fits 24 GiB, and the next it tried,
@@ -515,13 +516,16 @@ SCRIPT_CASES = (
     ("compiled.py b8", "preflight/compiled.py", ["--batch-size", "8", "--steps", "2"], False),
     ("generate.py dynamic", "preflight/generate.py", ["--max-new-tokens", "256"], False),
     ("generate.py static", "preflight/generate.py", ["--max-new-tokens", "256", "--cache", "static"], False),
+    # A latent diffusion pipeline's image decoder at 1024 x 1024 (convolutions' workspaces, a 512-wide attention head).
+    ("decode.py 1024", "preflight/decode.py", ["--size", "1024"], False),
 )
 
 #: The same scripts, small, where nothing is measured (CPU).
 QUICK_SCRIPT_ARGS = {"preflight/train.py": ["--ctx", "256", "--dim", "128", "--heads", "4", "--layers", "2"],
                      "preflight/fsdp_train.py": ["--seq", "256", "--dim", "128", "--layers", "2"],
                      "preflight/compiled.py": ["--ctx", "256", "--layers", "2"],
-                     "preflight/generate.py": ["--layers", "2", "--prompt", "16", "--max-new-tokens", "8"]}
+                     "preflight/generate.py": ["--layers", "2", "--prompt", "16", "--max-new-tokens", "8"],
+                     "preflight/decode.py": ["--size", "64"]}
 
 
 def scripts(v: Validation) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def _check_preflight_side(s: dict[str, Any]) -> None:
     # The command's side of the scripts: each unchanged script answered (measured only on a GPU).
     scripts = s["scripts"]["cases"]
     assert [c["case"] for c in scripts] == [
-        "train.py b4", "train.py b12", "fsdp_train.py", "compiled.py b8", "generate.py dynamic", "generate.py static"
+        "train.py b4", "train.py b12", "fsdp_train.py", "compiled.py b8", "generate.py dynamic", "generate.py static", "decode.py 1024"
     ]  # fmt: skip
     assert all(c["preflight_rc"] == 0 and c["predicted_reserved_bytes"] >= c["predicted_allocated_bytes"] > 0 for c in scripts), scripts
     assert scripts[0]["predicted_allocated_bytes"] < scripts[1]["predicted_allocated_bytes"]

@@ -287,3 +287,29 @@ def test_the_generation_example_holds_its_weights_as_parameters_and_the_prompts_
     assert run["by_role"]["parameters"] == allocator_bytes(held), run["by_role"]
     # At the prompt's forward: layers x (keys, values) x batch x key-value heads x 128 tokens x head size, bf16.
     assert run["by_role"]["kv_cache"] == 4 * 2 * 4 * 4 * 128 * 64 * 2, run["by_role"]
+
+
+def test_an_image_decoder_peaks_at_its_last_stage_as_counted_by_hand(tmp_path: Path) -> None:
+    """examples/preflight/decode.py (a latent diffusion model's image decoder, bf16, no gradients): its peak
+    is the weights, cuBLAS's workspace and, as the last stage's first block narrows 256 channels to 128 at
+    the image's full side, three tensors of 256 channels there: its input, its normalisation and its SiLU."""
+    import torch
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "preflight" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_example", example)
+    assert spec is not None and spec.loader is not None
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    with torch.device("meta"):
+        params = list(decode.Decoder(16).to(torch.bfloat16).parameters())
+    weights = allocator_bytes(params)
+    # A block of more than 1 MiB is not split when less than 1 MiB of its segment would be left: the
+    # allocator counts that remainder as allocated (CUDACachingAllocator.cpp, should_split).
+    remainders = sum(1 for p in params if p.nbytes > 1 << 20) << 20
+    side = 256
+    run = preflight_run(example, "--capacity", "H100", args=("--size", str(side)), cwd=tmp_path)
+    assert run["mode"] == "inference" and weights <= run["by_role"]["parameters"] < weights + remainders, run["by_role"]
+    wide = side * side * decode.STAGES[-2] * 2
+    cublas_workspace = 32 << 20  # one, on an H100, made at the attention's first projection
+    latent = allocator_bytes([torch.empty(1, 16, side // 8, side // 8, dtype=torch.bfloat16, device="meta")])
+    assert run["peak_allocated_bytes"] == run["by_role"]["parameters"] + 3 * wide + cublas_workspace + latent, run["by_line"]
