@@ -313,3 +313,32 @@ def test_an_image_decoder_peaks_at_its_last_stage_as_counted_by_hand(tmp_path: P
     cublas_workspace = 32 << 20  # one, on an H100, made at the attention's first projection
     latent = allocator_bytes([torch.empty(1, 16, side // 8, side // 8, dtype=torch.bfloat16, device="meta")])
     assert run["peak_allocated_bytes"] == run["by_role"]["parameters"] + 3 * wide + cublas_workspace + latent, run["by_line"]
+
+
+ADAM_STEPS = """
+    import torch
+
+    model = torch.nn.Linear(1024, 1024, bias=False).cuda()  # 4 MiB of weights
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(3):
+        x = torch.randn(16384, 1024, device="cuda")  # 64 MiB: the forward and backward peak, not the optimizer's step
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_each_steps_own_peak_and_the_first_lacks_the_optimizers_state(tmp_path: Path) -> None:
+    script = tmp_path / "adam.py"
+    script.write_text(textwrap.dedent(ADAM_STEPS))
+    run = preflight_run(script, "--steps", "3", "--capacity", "H100", cwd=tmp_path)
+    first, second, third = run["step_peaks"]
+    # AdamW makes its two moments (2 x 4 MiB) at the first step, after that step's backward, and
+    # autograd's thread makes its cuBLAS workspace (32 MiB on an H100) at its first matrix multiply,
+    # after the first backward's peak: every later step's backward runs beside both, and is
+    # otherwise the same.
+    assert run["by_role"]["optimizer_state"] == 2 * (4 << 20), run["by_role"]
+    backward_thread_workspace = 32 << 20
+    assert second - first == run["by_role"]["optimizer_state"] + backward_thread_workspace, run["step_peaks"]
+    assert third == second == run["peak_allocated_bytes"], run["step_peaks"]
+    assert max(run["phase_peaks"][p] for p in ("forward", "backward")) == run["peak_allocated_bytes"], run["phase_peaks"]

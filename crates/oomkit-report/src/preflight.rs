@@ -48,6 +48,9 @@ pub struct PreflightRun {
     /// The most allocated while each phase ran (`eval`: forwards without gradients in a script that trains).
     #[serde(default)]
     pub phase_peaks: BTreeMap<String, u64>,
+    /// The most allocated during each optimizer step, set-up left out of the first.
+    #[serde(default)]
+    pub step_peaks: Vec<u64>,
     /// The most host memory the script held for the GPU at once (pinned buffers, copies of
     /// GPU tensors), outside the GPU's figures.
     #[serde(default)]

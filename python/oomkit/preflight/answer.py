@@ -60,6 +60,7 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         mode=recording.mode,
         forwards=rec.forwards,
         phase_peaks=_phase_peaks(tr, realized[3][0]),
+        step_peaks=_step_peaks(tr, realized[3][0]),
         host_peak_bytes=rec.host.peak_bytes,
         host_pinned_peak_bytes=rec.host.pinned_peak_bytes,
         host_paged_peak_bytes=rec.host.paged_peak_bytes,
@@ -147,6 +148,23 @@ def _phase_peaks(tr: Trace, allocated_after: list[int]) -> dict[str, int]:
     for phase, allocated in zip(tr.phases, allocated_after):
         if allocated > peaks.get(phase, -1):
             peaks[phase] = allocated
+    return peaks
+
+
+def _step_peaks(tr: Trace, allocated_after: list[int]) -> list[int]:
+    """The most allocated during each optimizer step, set-up left out of the first.
+
+    A step's own peak, as a script that resets the peak at each step logs
+    it (``reset_peak_memory_stats()``; torchtune does): the first often runs
+    without the optimizer's state, which the later ones hold throughout.
+    """
+    start = next((i for i, phase in enumerate(tr.phases) if phase != "setup"), len(tr.phases))
+    peaks = []
+    for end in tr.step_ends:
+        # What was allocated as the step began counts, if nothing in it went higher.
+        held = allocated_after[start - 1] if start else 0
+        peaks.append(max(allocated_after[start:end], default=held))
+        start = end
     return peaks
 
 

@@ -68,6 +68,10 @@ class Preflight:
     #: ``backward``, ``optimizer``, and ``eval``: forwards without gradients in a
     #: script that trains), in the allocator's blocks.
     phase_peaks: dict[str, int] = field(default_factory=dict)
+    #: The most allocated during each optimizer step (set-up left out of the first), in the
+    #: allocator's blocks: the first often runs without the optimizer's state. Empty where
+    #: no optimizer stepped (inference, or backward passes alone).
+    step_peaks: list[int] = field(default_factory=list)
     #: The most host memory the script held for the GPU at once: pinned buffers and copies
     #: of GPU tensors (offloads), outside the GPU's figures.
     host_peak_bytes: int = 0

@@ -98,6 +98,7 @@ pub fn preflight(r: &PreflightReport) -> String {
             )
         );
     }
+    steps(&mut out, run);
     roles(&mut out, run);
     if !run.by_line.is_empty() {
         let _ = writeln!(out, "\n  Lines holding the most at the peak");
@@ -185,6 +186,21 @@ fn fixes(out: &mut String, r: &PreflightReport) {
     }
 }
 
+/// Each step's own peak, where they differ: the figure a script that resets the peak at every
+/// step logs (the first usually runs without the optimizer's state).
+fn steps(out: &mut String, run: &crate::preflight::PreflightRun) {
+    let peaks = &run.step_peaks;
+    if peaks.len() < 2 || peaks.iter().all(|&p| p == peaks[0]) {
+        return;
+    }
+    let each: Vec<String> = peaks
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| format!("step {} {}", i + 1, human_bytes(p)))
+        .collect();
+    let _ = writeln!(out, "  peak allocated step by step: {}", each.join(", "));
+}
+
 /// What held the peak by role, as shares of the peak allocated they add up to.
 fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
     let total: u64 = run.by_role.values().sum();
@@ -268,6 +284,30 @@ mod tests {
             "{}",
             preflight(&both)
         );
+    }
+
+    #[test]
+    fn each_steps_peak_is_shown_only_where_the_steps_differ() {
+        let gib = 1u64 << 30;
+        let report = |step_peaks: Vec<u64>| PreflightReport {
+            run: PreflightRun {
+                steps: step_peaks.len() as u64,
+                capacity: "24GiB".into(),
+                capacity_bytes: 24 * gib,
+                fits: true,
+                step_peaks,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let text = preflight(&report(vec![4 * gib, 5 * gib]));
+        assert!(
+            text.contains("peak allocated step by step: step 1 4.00 GiB, step 2 5.00 GiB"),
+            "{text}"
+        );
+        for same in [vec![5 * gib, 5 * gib], vec![5 * gib], vec![]] {
+            assert!(!preflight(&report(same)).contains("step by step"));
+        }
     }
 
     #[test]

@@ -219,6 +219,9 @@ class Trace:
     stacks: list[tuple[tuple[str, int, str], ...]] = field(default_factory=list)
     #: The phase each allocation was freed in, by allocation index.
     freed_in: dict[int, str] = field(default_factory=dict)
+    #: The operations recorded when each optimizer step ended: step k is the operations
+    #: from the end of step k-1 (or the end of set-up) up to its own end.
+    step_ends: list[int] = field(default_factory=list)
     #: Allocations the CUDA libraries make (the cuBLAS workspace).
     library: set[int] = field(default_factory=set)
     #: Values read from tensors that have none, taken as zero: (operation, where).
