@@ -104,6 +104,9 @@ def test_roles_are_known_exactly() -> None:
     assert 2 * params <= r.by_role["optimizer_state"] <= 2 * params + 512 * 128
     assert r.by_role["activations"] > r.by_role["temporaries"]
     assert r.by_line and r.by_line[0]["line"].startswith(os.path.relpath(__file__))
+    # Each step's own peak: the second holds AdamW's moments, which the first makes only at its end.
+    first, second = r.step_peaks
+    assert second == r.peak_allocated_bytes and second - first >= 2 * params, r.step_peaks
 
 
 def test_the_snapshot_is_pytorchs_format_and_the_allocator_replay_agrees(tmp_path) -> None:

@@ -119,6 +119,9 @@ def _run(s: Settings, rec: Recorder, known: Known, notes: Notes) -> None:
                 opt.zero_grad(set_to_none=s.set_to_none)
             if opt is not None:
                 known.add_state(rec, opt, model)
+            if opt is not None or s.step is not None:
+                # One optimizer step ends here: the answer gives each step's own peak.
+                rec.trace.step_ends.append(len(rec.trace.kinds))
             rec.phase = "forward"
 
 
