@@ -120,8 +120,7 @@ def _run(s: Settings, rec: Recorder, known: Known, notes: Notes) -> None:
             if opt is not None:
                 known.add_state(rec, opt, model)
             if opt is not None or s.step is not None:
-                # One optimizer step ends here: the answer gives each step's own peak.
-                rec.trace.step_ends.append(len(rec.trace.kinds))
+                rec.step_ended()
             rec.phase = "forward"
 
 

@@ -352,7 +352,7 @@ class _Session:
     def _step_done(self) -> None:
         """A training step ended: counted, and the script stopped after the steps asked for."""
         self.steps_done += 1
-        self.rec.trace.step_ends.append(len(self.rec.trace.kinds))
+        self.rec.step_ended()
         self.rec.phase = "inputs"
         if self.steps_done >= self.settings.steps:
             self._stop()

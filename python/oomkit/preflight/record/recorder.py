@@ -767,6 +767,10 @@ class Recorder(TorchDispatchMode):
             self._allocate(st, st.nbytes(), stack_id)
         self.forward_open = open_now
 
+    def step_ended(self) -> None:
+        """An optimizer step ends here: the answer gives each step's own peak (``Trace.step_ends``)."""
+        self.trace.step_ends.append(len(self.trace.kinds))
+
     def held_before_step(self) -> list[int]:
         """Before the step begins: the sizes of the set-up's storages still alive (on the GPU now); after, none."""
         if not self._deferred:
