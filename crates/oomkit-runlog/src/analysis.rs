@@ -48,6 +48,11 @@ const LEAK_MIN_GROWTH_SHARE: f64 = 0.01;
 /// grows and trims its heap by a few MiB on its own, and a loaded machine's
 /// resident set drifts by about as much over a short run.
 const LEAK_MIN_GROWTH_BYTES_RSS: u64 = 4 * MIB;
+/// Parts of the window that must each end higher than the one before: a leak
+/// keeps growing, where a heap that rose in a few jumps and then stayed has
+/// settled (a clean loop's resident set, measured on a loaded machine, rose
+/// 8 MiB in three jumps between steps 18 and 27 of 40, steady enough to fit a line).
+const LEAK_GROWING_PARTS: usize = 3;
 
 fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
     let steps: Vec<(u64, u64)> = run
@@ -83,6 +88,7 @@ fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
                 LEAK_MIN_GROWTH_BYTES_RSS
             }
         || (growth as f64) < LEAK_MIN_GROWTH_SHARE * level as f64
+        || !grows_in_every_part(window)
     {
         return None;
     }
@@ -99,6 +105,15 @@ fn leak(run: &Run, capacity: Option<u64>, cuda: bool) -> Option<Leak> {
         end_bytes: last.1,
         full_at_step,
     })
+}
+
+/// Whether each of [`LEAK_GROWING_PARTS`] consecutive parts of the window ends above where the one before ended.
+fn grows_in_every_part(window: &[(u64, u64)]) -> bool {
+    let last = window.len() - 1;
+    let ends: Vec<u64> = (0..=LEAK_GROWING_PARTS)
+        .map(|k| window[k * last / LEAK_GROWING_PARTS].1)
+        .collect();
+    ends.windows(2).all(|w| w[1] > w[0])
 }
 
 fn stage_table(run: &Run) -> Vec<StageStats> {
@@ -688,6 +703,36 @@ mod tests {
         assert!(analyze(&Run::parse(log(&ends).as_bytes()).unwrap())
             .leak
             .is_some());
+    }
+
+    #[test]
+    fn a_resident_set_that_rose_in_jumps_and_stayed_is_not_a_leak() {
+        // A clean 40-step loop on a loaded machine, as its log read (KiB):
+        // flat, three jumps of 1, 3 and 4 MiB between steps 18 and 27, flat again.
+        let kib: Vec<u64> = (0..40)
+            .map(|i| match i {
+                0..=17 => 1_220_556,
+                18..=22 => 1_221_580,
+                23..=26 => 1_224_652,
+                _ => 1_228_748,
+            })
+            .collect();
+        let ends: Vec<u64> = kib.iter().map(|k| k * 1024).collect();
+        let cpu = log(&ends).replace(
+            r#""device":"cuda:0","capacity_bytes":1073741824"#,
+            r#""device":"cpu""#,
+        );
+        let a = analyze(&Run::parse(cpu.as_bytes()).unwrap());
+        assert!(a.leak.is_none(), "{:?}", a.leak);
+        // The same 8 MiB kept a step at a time, to the last step, is one.
+        let ends: Vec<u64> = (0..40)
+            .map(|i| 1_220_556 * 1024 + i * 8 * MIB / 40)
+            .collect();
+        let cpu = log(&ends).replace(
+            r#""device":"cuda:0","capacity_bytes":1073741824"#,
+            r#""device":"cpu""#,
+        );
+        assert!(analyze(&Run::parse(cpu.as_bytes()).unwrap()).leak.is_some());
     }
 
     #[test]
