@@ -927,3 +927,48 @@ def test_a_cuda_graph_captures_into_its_own_pool_and_replays_without_allocating(
     # The capture's freed 64 MiB stays in the graph's pool: the eager one after it takes a segment
     # of its own, reserved beside the peak allocated (one pool for both would reuse the block).
     assert run["peak_reserved_bytes"] - run["peak_allocated_bytes"] >= 64 * (1 << 20), run
+
+
+#: Three copies of the weights kept in step with them after each optimizer step, as three
+#: well-known ways of keeping an EMA do it: an averaged model (PyTorch's own, a deep copy
+#: updated with a multi-tensor lerp), a list of shadow tensors updated by subtracting a share
+#: of the difference, and a deep copy updated with ``_foreach_lerp_`` and evaluated without
+#: gradients. Beside them, a frozen teacher whose forward only reads its weights, and a copy
+#: of the best weights cloned anew each step: neither is kept in step.
+EMA_COPIES = """
+    import copy
+    import torch
+    from torch import nn
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = nn.Linear(1024, 1024).cuda()
+    teacher = nn.Linear(1024, 1024).cuda().requires_grad_(False)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    shadow = [p.detach().clone() for p in model.parameters()]
+    kept = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(3):
+        x = torch.randn(64, 1024, device="cuda")
+        with torch.no_grad():
+            target = teacher(x)
+        nn.functional.mse_loss(model(x), target).backward()
+        opt.step()
+        opt.zero_grad()
+        averaged.update_parameters(model)
+        with torch.no_grad():
+            for s, p in zip(shadow, model.parameters()):
+                s.sub_(0.001 * (s - p))
+            torch._foreach_lerp_(list(kept.parameters()), list(model.parameters()), 0.001)
+            kept(x)
+        best = [p.detach().clone() for p in model.parameters()]
+"""
+
+
+def test_copies_of_the_weights_kept_in_step_with_them_are_the_ema(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, EMA_COPIES), "--no-fixes", cwd=tmp_path)
+    # The three copies, each the Linear's weight and bias; not the teacher nor the clones.
+    assert run["by_role"]["ema"] == 3 * LINEAR_1024, run["by_role"]
+    # The model and its teacher are the weights; the copies evaluated without gradients are not.
+    assert run["by_role"]["parameters"] == 2 * LINEAR_1024, run["by_role"]
+    assert run["by_role"]["optimizer_state"] == 2 * LINEAR_1024, run["by_role"]
+    assert any(n.startswith("an EMA of the weights") for n in run["notes"]), run["notes"]

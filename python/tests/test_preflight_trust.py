@@ -107,12 +107,23 @@ LOOPS = """
                 y = y * 2
             except Exception:  # a script's own handler cannot swallow the stop
                 pass
+    # Made from data on the host straight onto the GPU, and in a module's constructor (a counter
+    # a buffer keeps, as an averaged model's): their values, and what they ask for, as given.
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.tensor(0, dtype=torch.long))
+
+    made = torch.tensor([3, 1, 2], device="cuda")
+    leaf = torch.tensor([1.0, 2.0], device="cuda", requires_grad=True)
+    print("MADE", made.sort().values.tolist(), bool(Counter().n == 0), leaf.is_leaf, leaf.requires_grad)
 """
 
 
 def test_a_loop_on_values_the_script_makes_runs_as_on_a_gpu(tmp_path: Path) -> None:
     p = preflight_cmd(tmp_path, LOOPS, args=("count",))
     assert "COUNTED 10 10.0 [0, 1, 2, 3]" in p.stderr, p.stderr[-2000:]
+    assert "MADE [1, 2, 3] True True True" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_loop_that_never_ends_is_stopped_by_the_time_limit_with_one_line(tmp_path: Path) -> None:

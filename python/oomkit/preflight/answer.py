@@ -42,6 +42,12 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
     fits = not capped[2][4]
     by_role, by_line = _at_peak(tr, roles, realized[3][0])
     notes = _notes(tr, known, recording.mode) + recording.notes
+    if by_role.get("ema"):
+        notes.append(
+            "an EMA of the weights (a copy the script keeps in step with them between steps) is on the GPU at the peak "
+            "(role ema); kept on the CPU, as AveragedModel(model, device='cpu') or timm's ModelEmaV3(model, device='cpu') "
+            "keep it, it would take that off, for a copy from the GPU at each update"
+        )
     result = Preflight(
         micro_batch=settings.micro_batch,
         grad_accum=settings.grad_accum,

@@ -15,8 +15,10 @@ from typing import Any
 from oomkit import _native
 
 #: The roles an answer tells memory by, in the order a report lists them (docs/roles.md;
-#: ``kv_cache``: held across the forwards of one generation and read by a later one: its cache).
-ROLES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries", "inputs", "other")
+#: ``ema``: a copy of the weights the script keeps in step with them between steps, an EMA
+#: or averaged model; ``kv_cache``: held across the forwards of one generation and read by a
+#: later one: its cache).
+ROLES = ("parameters", "gradients", "optimizer_state", "ema", "activations", "kv_cache", "temporaries", "inputs", "other")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Preflight:
     #: The capacity less the peak reserved (negative when it does not fit).
     margin_bytes: int
     #: Bytes live at the allocated peak, by role (``parameters``, ``gradients``,
-    #: ``optimizer_state``, ``activations``, ``kv_cache``, ``temporaries``, ``inputs``, ``other``).
+    #: ``optimizer_state``, ``ema``, ``activations``, ``kv_cache``, ``temporaries``, ``inputs``, ``other``).
     by_role: dict[str, int]
     #: The user's lines holding the most at the allocated peak: ``{"line", "bytes", "role"}``.
     by_line: list[dict[str, Any]]

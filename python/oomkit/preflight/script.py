@@ -143,6 +143,7 @@ class _Session:
         # The top-level modules whose later training batches are padded to the longest sequence kept.
         self._padded_modules: set[int] = set()
         self._seen_modules: set[int] = set()
+        self._trained_modules: set[int] = set()
         self.fixer = Fixer(list(launch.fixes), self.autocast, self.notes, s.gpus, skip_what_cannot=launch.fixes_skip)
         #: What the script already does of those changes, seen where it runs as written.
         self.in_script = InScript()
@@ -312,12 +313,16 @@ class _Session:
                 module.register_forward_pre_hook(self.world.bounds.pad_to_longest, with_kwargs=True, prepend=True)
         else:
             self.in_script.inner_forward(self.autocast)
-        if id(module) not in self._seen_modules:
+        training = torch.is_grad_enabled()
+        if id(module) not in self._seen_modules or (training and id(module) not in self._trained_modules):
             self._seen_modules.add(id(module))
+            if training:
+                # Its weights are trained, not a copy kept beside them (an EMA's, evaluated without gradients).
+                self._trained_modules.add(id(module))
             # A compiled module runs its submodules inside its graph, their own forwards unseen.
             whole = isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
             own = list(module.parameters(recurse=whole))
-            self.known.add_params(self.rec, own + list(module.buffers(recurse=whole)))
+            self.known.add_params(self.rec, own + list(module.buffers(recurse=whole)), trained=training)
             self.known.watch_grads(self.rec, own)
 
     def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
@@ -338,7 +343,7 @@ class _Session:
             self._begin_step()
             self.rec.phase = "optimizer"
         params = [p for g in opt.param_groups for p in g["params"]]
-        self.known.add_params(self.rec, params)
+        self.known.add_params(self.rec, params, trained=True)
         self.known.add_grad_tensors(self.rec, [p.grad for p in params if p.grad is not None])
 
     def _after_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:

@@ -201,6 +201,9 @@ fn steps(out: &mut String, run: &crate::preflight::PreflightRun) {
     let _ = writeln!(out, "  peak allocated step by step: {}", each.join(", "));
 }
 
+/// Preflight's role for a copy of the weights kept in step with them (an EMA, an averaged model).
+const PREFLIGHT_EMA: &str = "ema";
+
 /// What held the peak by role, as shares of the peak allocated they add up to.
 fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
     let total: u64 = run.by_role.values().sum();
@@ -209,14 +212,18 @@ fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
         // allocation counted as the block the allocator handed it).
         let whole = run.peak_allocated_bytes.max(1);
         let _ = writeln!(out, "\n  By role at the peak");
-        // The vocabulary's roles in their order, then any only preflight
-        // tells (a generation's cache), after the activations.
+        // The vocabulary's roles in their order, with those only preflight
+        // tells where they belong (an EMA after the optimizer's state), and
+        // any other after the activations (a generation's cache).
         let mut order: Vec<(&str, String)> = Vec::new();
         for role in Role::ALL {
             order.push((role.key(), role.words().to_string()));
+            if role == Role::OptimizerState {
+                order.push((PREFLIGHT_EMA, "EMA".to_string()));
+            }
             if role == Role::Activations {
                 for key in run.by_role.keys() {
-                    if Role::ALL.iter().all(|r| r.key() != key) {
+                    if key != PREFLIGHT_EMA && Role::ALL.iter().all(|r| r.key() != key) {
                         order.push((key, key.replace('_', " ")));
                     }
                 }
@@ -323,7 +330,9 @@ mod tests {
             fits: false,
             margin_bytes: -(4 * gib as i64),
             by_role: [
-                ("activations".to_string(), 50 * gib),
+                ("activations".to_string(), 40 * gib),
+                ("kv_cache".to_string(), 5 * gib),
+                ("ema".to_string(), 5 * gib),
                 ("parameters".to_string(), 20 * gib),
             ]
             .into(),
@@ -349,6 +358,12 @@ mod tests {
         );
         assert!(
             t.find("parameters").unwrap() < t.find("activations").unwrap(),
+            "{t}"
+        );
+        // Preflight's own roles where they belong: the EMA beside the weights, the cache after the activations.
+        let at = |s: &str| t.find(s).unwrap();
+        assert!(
+            at("    EMA ") < at("activations") && at("activations") < at("kv cache"),
             "{t}"
         );
         assert!(

@@ -111,6 +111,14 @@ _SKIP_ONE_HOP = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _FUNCTION_MODES = torch._C._len_torch_function_stack
 
 
+#: Operations whose result holds none of their inputs' values, only their shapes: a
+#: buffer made ``zeros_like`` a weight (an optimizer's new state) is no copy of it.
+_NO_DATA_FROM_INPUTS = frozenset(
+    {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+     "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", "zero_", "fill_", "normal_", "uniform_"}
+)  # fmt: skip
+
+
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)`` as CUDA's dispatcher runs it at this point, below autograd.
 
@@ -236,6 +244,11 @@ class Trace:
     #: The private pool of each allocation made while a CUDA graph captured (1 on), by
     #: allocation index; every other allocation is in the default pools.
     pools: dict[int, int] = field(default_factory=dict)
+    #: The operations between forwards and backwards (an optimizer's step, and what the
+    #: script does after it), each as (what it wrote in place or made, what else it read,
+    #: whether it wrote in place), by allocation index: where a copy of the weights that
+    #: the script keeps in step with them (an EMA) is found (``roles.Known.roles``).
+    updates: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = field(default_factory=list)
 
     def streams(self) -> list[int]:
         """Each operation's pool as the allocator model takes it (its stream): a CUDA graph's
@@ -583,13 +596,12 @@ class Recorder(TorchDispatchMode):
             for t in tensors_in(out):
                 if on_meta(t):
                     self.track(t)
-        if (
-            not self.forward_open
-            and self.forwards
-            and isinstance(out, torch.Tensor)
-            and torch._C._current_graph_task_id() == -1  # backward's copies feed no forward
-        ):
-            self._carry_forward_origin(args, out)
+        if not self.forward_open and torch._C._current_graph_task_id() == -1:
+            if self.forwards and isinstance(out, torch.Tensor):
+                # (Backward's copies feed no forward.)
+                self._carry_forward_origin(args, out)
+            if not self._deferred:
+                self._note_update(func, args, kwargs, out)
         self.values.after(func, args, kwargs, out)
         if self._cublas_workspace > 0 and not self._deferred and _multiplies(func):
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
@@ -616,6 +628,24 @@ class Recorder(TorchDispatchMode):
             # A view of an input, or the input itself (``.to("meta")`` of a tensor already there), keeps its place.
             if id(st) not in made_from and st not in self._index:
                 self.placement.mark(st)
+
+    def _note_update(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Notes an operation run between forwards and backwards: what it wrote in place (its
+        first argument, or ``out=``) or made, and which allocations it read besides."""
+        name = func.overloadpacket.__name__
+        if name in _NO_DATA_FROM_INPUTS:
+            return
+        if "out" in kwargs:
+            written, in_place = tensors_in(kwargs["out"]), True
+        elif name.endswith("_") and args:
+            written, in_place = tensors_in(args[0]), True
+        else:
+            written, in_place = tensors_in(out), False
+        index = self._index
+        made = {int(i) for t in written if on_meta(t) and (i := index.get(t.untyped_storage())) is not None}
+        read = {int(i) for t in tensors_in(args, kwargs) if on_meta(t) and (i := index.get(t.untyped_storage())) is not None} - made
+        if made and read:
+            self.trace.updates.append((tuple(made), tuple(read), in_place))
 
     def _carry_forward_origin(self, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Gives a tensor made between forwards, as a whole rearranged copy of one a forward

@@ -28,6 +28,8 @@ class Known:
         self.inputs: set[int] = set()
         self.grads: set[int] = set()
         self.state: set[int] = set()
+        # The weights being trained: an optimizer's, and those a forward with gradients reads.
+        self.trained: set[int] = set()
         self._watched: set[int] = set()
         # Storages told before the step began, with the set each belongs in: the set-up's
         # allocations are recorded only as the step begins (Recorder.begin), and known then.
@@ -57,13 +59,18 @@ class Known:
                 into.add(i)
 
     def add_model(self, rec: Recorder, model: torch.nn.Module) -> None:
-        self.add_params(rec, list(model.parameters()) + list(model.buffers()))
+        self.add_params(rec, list(model.parameters()) + list(model.buffers()), trained=True)
 
-    def add_params(self, rec: Recorder, tensors: list[torch.Tensor]) -> None:
+    def add_params(self, rec: Recorder, tensors: list[torch.Tensor], trained: bool = False) -> None:
+        """Tells weights (``trained``: of the model being trained, an optimizer's or read by a
+        forward with gradients, never a copy kept beside it)."""
         # Their storages are read as they are: a detach of each would be an operation run and
         # recorded, on every forward of a module first seen and every optimizer step.
         # A quantized weight's scales are the weight's too, however the script found it.
-        self._add(rec, self.params, tensors + [t for p in tensors for t in _attached(p)])
+        tensors = tensors + [t for p in tensors for t in _attached(p)]
+        self._add(rec, self.params, tensors)
+        if trained:
+            self._add(rec, self.trained, tensors)
 
     def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
         self._add(rec, self.grads, grads)
@@ -85,7 +92,7 @@ class Known:
             kept = [v for k, v in vars(holder).items() if k not in _OPTIMIZER_OWN]
             self._add(rec, self.state, [t for t in tensors_kept(kept) if id(t) not in params])
         # An optimizer may give parameters new tensors inside its step.
-        self.add_params(rec, [p for g in opt.param_groups for p in g["params"]])
+        self.add_params(rec, [p for g in opt.param_groups for p in g["params"]], trained=True)
 
     def add_inputs(self, rec: Recorder, data: Any) -> None:
         self._add(rec, self.inputs, data)
@@ -100,6 +107,7 @@ class Known:
     def roles(self, tr: Trace) -> dict[int, str]:
         """The role of every allocation, by its index."""
         out: dict[int, str] = {}
+        ema = self.weight_copies(tr)
         for i, kind in enumerate(tr.kinds):
             if kind != 0:
                 continue
@@ -109,6 +117,8 @@ class Known:
                 # Held across the forwards of one generation and read by a later one: its
                 # cache, even where a model keeps it in buffers of its own (gpt-fast's).
                 role = "kv_cache"
+            elif i in ema:
+                role = "ema"
             elif i in self.params or i in tr.module_state:
                 role = "parameters"
             elif i in self.state:
@@ -128,6 +138,23 @@ class Known:
                 role = "temporaries"
             out[i] = role
         return out
+
+
+    def weight_copies(self, tr: Trace) -> set[int]:
+        """The allocations the script keeps in step with the weights it trains, outside any
+        forward or backward (an EMA, an averaged model): written in place from the weights or
+        from what was computed from them, and neither trained weights, gradients, optimizer
+        state nor the batch. A copy of the weights that is only ever read (a frozen teacher)
+        or made anew (a checkpoint's clone) is no such copy."""
+        from_weights = set(self.params)
+        found: set[int] = set()
+        for made, read, in_place in tr.updates:
+            if from_weights.isdisjoint(read):
+                continue
+            from_weights.update(made)
+            if in_place:
+                found.update(made)
+        return found - self.trained - self.state - self.grads - self.inputs - tr.library
 
 
 #: FSDP's functions that allocate a gathered (unsharded) parameter, and

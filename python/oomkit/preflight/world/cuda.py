@@ -311,6 +311,17 @@ def _cuda_by_default() -> bool:
     return is_cuda(getattr(_default_device, "CURRENT_DEVICE", None))
 
 
+def _made_on_host_and_moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``torch.tensor(data, device="cuda")``, made on the host and moved, as its data is there
+    already: made on meta, it would hold none, and a counter a script tests (an averaged model's
+    ``n_averaged == 0``) would read as zero whatever it was made with."""
+    device = kwargs.pop("device")
+    requires_grad = bool(kwargs.pop("requires_grad", False))
+    moved = func(*args, device="cpu", **kwargs).to(device)
+    # (Asked for gradients on the host, the move would be no leaf.)
+    return moved.requires_grad_() if requires_grad else moved
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
@@ -541,16 +552,21 @@ class CudaFunctions(TorchFunctionMode):
             if self.on_upload is not None and uploaded:
                 self.on_upload(moved)
             return moved
+        named_gpu = is_cuda(kwargs.get("device"))
         if kwargs.get("device") is None and func in _default_device._device_constructors() and _cuda_by_default():
             # torch.set_default_device("cuda") (or `with torch.device("cuda")`)
             # puts its mode below this one, where it would add a real CUDA device.
             kwargs["device"] = FAKE_DEVICE
+            named_gpu = True
         if kwargs.get("device") is not None:
             kwargs["device"] = _to_meta(kwargs["device"])
         elif self.build_on_meta and name in _FACTORIES and _building_module():
             # A module's weights made without a device would be made on the
             # CPU and moved; on meta they are never allocated at all.
             kwargs["device"] = FAKE_DEVICE
+            named_gpu = True
+        if name == "tensor" and named_gpu:
+            return _made_on_host_and_moved(func, args, kwargs)
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
         policy = UNTOUCHED
