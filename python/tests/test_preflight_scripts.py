@@ -972,3 +972,46 @@ def test_copies_of_the_weights_kept_in_step_with_them_are_the_ema(tmp_path: Path
     assert run["by_role"]["parameters"] == 2 * LINEAR_1024, run["by_role"]
     assert run["by_role"]["optimizer_state"] == 2 * LINEAR_1024, run["by_role"]
     assert any(n.startswith("an EMA of the weights") for n in run["notes"]), run["notes"]
+
+
+#: Mixed precision with a loss scaler, a gradient norm clipped, and the step skipped where that
+#: norm is not finite (as many training scripts guard against a divergence): the norm comes from
+#: data the step does not have, and must not read as NaN, which would skip every step; nor may
+#: the loss, a value taken as zero, be unequal to itself (``isnan`` asks ``loss != loss``).
+SKIPS_A_NON_FINITE_NORM = """
+    import sys
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)
+    ).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    for step in range(4):
+        x, y = torch.randn(64, 3, 32, 32).cuda(), torch.randint(0, 10, (64,)).cuda()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if torch.isnan(loss) or not torch.isfinite(norm):
+            print("SKIPPED", float(loss), float(norm), file=sys.stderr)
+            opt.zero_grad()
+            continue
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+"""
+
+
+def test_a_norm_from_data_the_step_lacks_is_finite_and_the_step_is_taken(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(_script(tmp_path, SKIPS_A_NON_FINITE_NORM))],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0 and "SKIPPED" not in p.stderr, p.stderr[-2000:]
+    run = json.loads(p.stdout)["run"]
+    # Two steps taken, each keeping SGD's momentum: one buffer per weight.
+    weights = sum(t.numel() * 4 for t in (torch.empty(64, 3, 3, 3), torch.empty(64), torch.empty(64), torch.empty(64), torch.empty(10, 64), torch.empty(10)))
+    assert run["steps"] == 2 and run["by_role"]["optimizer_state"] >= weights, run
