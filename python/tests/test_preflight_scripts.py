@@ -1015,3 +1015,45 @@ def test_a_norm_from_data_the_step_lacks_is_finite_and_the_step_is_taken(tmp_pat
     # Two steps taken, each keeping SGD's momentum: one buffer per weight.
     weights = sum(t.numel() * 4 for t in (torch.empty(64, 3, 3, 3), torch.empty(64), torch.empty(64), torch.empty(64), torch.empty(10, 64), torch.empty(10)))
     assert run["steps"] == 2 and run["by_role"]["optimizer_state"] >= weights, run
+
+
+#: Selections whose size the data decides, on data the step does not have (a layer's output):
+#: the script reads the allocator's count around each, as a user checking them on a GPU would.
+DATA_SIZED = """
+    import sys
+    import torch
+    from torch import nn
+
+    model = nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        h = model(torch.randn(256, 1024, device="cuda"))
+        keep = h > 0
+        sizes = []
+        for select in (lambda: torch.nonzero(keep), lambda: h[keep], lambda: torch.unique(h.detach())):
+            before = torch.cuda.memory_allocated()
+            made = select()
+            sizes.append((tuple(made.shape), torch.cuda.memory_allocated() - before))
+            del made
+        print("SIZES", sizes, file=sys.stderr)
+        (h[keep].sum() + h.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_selection_the_data_sizes_is_made_at_its_largest_and_noted(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(_script(tmp_path, DATA_SIZED))],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    n = 256 * 1024
+    # Every element selected: its two coordinates (int64), its value (float32), every value distinct.
+    want = [((n, 2), n * 2 * 8), ((n,), n * 4), ((n,), n * 4)]
+    assert f"SIZES {want}" in p.stderr, p.stderr[-2000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2
+    said = [note for note in run["notes"] if "sized at their largest" in note]
+    # Four a step (the loss's selection too), in both steps, the first at the first selection's line.
+    assert said and said[0].startswith("8 operation(s)") and "nonzero at train.py:12 (<lambda>)" in said[0], run["notes"]

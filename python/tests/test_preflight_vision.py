@@ -140,3 +140,50 @@ def test_timm_pretrained_weights_are_not_downloaded_from_the_hub_and_change_no_f
     params, buffers, large = _model_bytes(tmp_path, "timm")
     assert pretrained["by_role"]["parameters"] == params + buffers
     assert _momentum_fits(pretrained["by_role"]["optimizer_state"], params, large), (pretrained["by_role"], params)
+
+
+#: An object detector's training step, as torchvision's detection reference trains one: the
+#: proposals it keeps, the boxes non-maximum suppression keeps and the samples its heads score
+#: are chosen by the data. Given a file, it writes its parameters' and buffers' sizes instead.
+DETECTOR = r"""
+import json, sys, torch
+from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+model = fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None, num_classes=5)
+if len(sys.argv) > 1:
+    json.dump([[t.nbytes for t in ts] for ts in (model.parameters(), model.buffers())], open(sys.argv[1], "w"))
+    sys.exit(0)
+model = model.cuda().train()
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+for step in range(3):
+    images = [torch.rand(3, 480, 640, device="cuda") for _ in range(2)]
+    boxes = torch.tensor([[10.0, 20.0, 200.0, 220.0], [50.0, 60.0, 300.0, 400.0]], device="cuda")
+    targets = [{"boxes": boxes, "labels": torch.tensor([1, 3], device="cuda")} for _ in range(2)]
+    loss = sum(model(images, targets).values())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_an_object_detectors_step_runs_with_its_selections_at_their_largest(tmp_path: Path) -> None:
+    script = tmp_path / "detect.py"
+    script.write_text(DETECTOR)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(tmp_path),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2, run
+    said = [n for n in run["notes"] if "sized at their largest" in n]
+    assert said and said[0].split("(first ")[1].startswith("nonzero at ") and "torchvision/ops/boxes.py:" in said[0], run["notes"]
+    sizes = tmp_path / "sizes.json"
+    subprocess.run([sys.executable, str(script), str(sizes)], check=True, timeout=300, env=_env(tmp_path))
+    params, buffers = json.loads(sizes.read_text())
+    weights = allocator_bytes(SimpleNamespace(nbytes=n) for n in params)
+    # The weights and batch norm's statistics (a large weight's block may keep a remainder under
+    # 1 MiB unsplit, _momentum_fits says), and a gradient for every weight (none frozen, as none is pretrained).
+    held = weights + allocator_bytes(SimpleNamespace(nbytes=n) for n in buffers)
+    assert _momentum_fits(run["by_role"]["parameters"], held, sum(n > 1 << 20 for n in params)), (held, run["by_role"])
+    assert run["by_role"]["gradients"] == weights, run["by_role"]

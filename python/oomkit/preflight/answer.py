@@ -192,6 +192,13 @@ def _notes(tr: Trace, known: Known, mode: str) -> list[str]:
             f"{len(tr.assumed)} value(s) read from tensors without data were taken as 0 "
             f"(first at {where[0]}); a step whose memory depends on data may differ"
         )
+    if tr.worst_sized:
+        first_op, first_at = tr.worst_sized[0]
+        notes.append(
+            f"{len(tr.worst_sized)} operation(s) whose result's size depends on data the step does not have were sized "
+            f"at their largest: every element selected, every box kept (first {first_op} at {first_at}); "
+            "a step on real data holds at most that there"
+        )
     if not known.grads and mode == TRAINING:
         notes.append("no parameter received a gradient: nothing was trained")
     return notes

@@ -29,6 +29,7 @@ from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.placement import Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
+from oomkit.preflight.record.worst import worst_case
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
@@ -234,6 +235,9 @@ class Trace:
     library: set[int] = field(default_factory=set)
     #: Values read from tensors that have none, taken as zero: (operation, where).
     assumed: list[tuple[str, str]] = field(default_factory=list)
+    #: Operations whose result's size depends on data the step does not have, made at
+    #: their largest (``worst.worst_case``): (operator, where).
+    worst_sized: list[tuple[str, str]] = field(default_factory=list)
     #: Allocations held across forwards of one generation and read by a later one (its key-value cache).
     kv_cache: set[int] = field(default_factory=set)
     #: Allocations a module keeps as its own state, made in set-up or in a forward before the
@@ -549,6 +553,11 @@ class Recorder(TorchDispatchMode):
             if by_position is not None:
                 # Indexed by a mask whose values are known (labels' positions): by the positions it selects.
                 computed = func(*by_position, **kwargs)
+            if computed is None:
+                # Sized by data the step does not have: at its largest, noted.
+                computed = worst_case(func, args, kwargs)
+                if computed is not None:
+                    self.trace.worst_sized.append((func.overloadpacket.__name__, _where(self._stack())))
             if computed is not None:
                 for t in tree_leaves(computed):
                     if on_meta(t):
