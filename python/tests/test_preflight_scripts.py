@@ -1057,3 +1057,47 @@ def test_a_selection_the_data_sizes_is_made_at_its_largest_and_noted(tmp_path: P
     said = [note for note in run["notes"] if "sized at their largest" in note]
     # Four a step (the loss's selection too), in both steps, the first at the first selection's line.
     assert said and said[0].startswith("8 operation(s)") and "nonzero at train.py:12 (<lambda>)" in said[0], run["notes"]
+
+
+#: An adversarial loop with two optimizers, each stepped every iteration, the critic ``N_CRITIC``
+#: times to the generator's once (as a Wasserstein GAN trains): a training step is one iteration.
+ADVERSARIAL = """
+    import sys
+    import torch
+    from torch import nn
+
+    n_critic = int(sys.argv[1])
+    G = nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 784)).cuda()
+    D = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1)).cuda()
+    opt_g = torch.optim.Adam(G.parameters())
+    opt_d = torch.optim.Adam(D.parameters())
+    for step in range(4):
+        for _ in range(n_critic):
+            real = torch.randn(256, 784, device="cuda")
+            fake = G(torch.randn(256, 128, device="cuda")).detach()
+            loss_d = D(fake).mean() - D(real).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+        loss_g = -D(G(torch.randn(256, 128, device="cuda"))).mean()
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+"""
+
+
+@pytest.mark.parametrize("n_critic", [1, 3])
+def test_a_loop_of_two_optimizers_steps_each_of_them_in_each_step(tmp_path: Path, n_critic: int) -> None:
+    run = preflight_run(_script(tmp_path, ADVERSARIAL), "--no-fixes", args=(str(n_critic),), cwd=tmp_path)
+    # Two whole iterations: the critic's three forwards per step and the generator's two.
+    assert run["steps"] == 2 and run["forwards"] == 2 * (3 * n_critic + 2), run
+    assert len(run["step_peaks"]) == 2, run["step_peaks"]
+    g = allocator_bytes([*nn_sizes(128, 1024, 784)])
+    d = allocator_bytes([*nn_sizes(784, 1024, 1)])
+    # Both optimizers' moments, two per weight.
+    assert run["by_role"]["optimizer_state"] >= 2 * (g + d), (g, d, run["by_role"])
+
+
+def nn_sizes(n_in: int, hidden: int, n_out: int) -> list[torch.Tensor]:
+    """The weights of a two-layer perceptron, as tensors of their sizes (never filled)."""
+    return [torch.empty(hidden, n_in), torch.empty(hidden), torch.empty(n_out, hidden), torch.empty(n_out)]

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +51,11 @@ CHILD_ENV = "OOMKIT_PREFLIGHT_CHILD"
 
 #: PyTorch's allocator settings, which a script may set for itself.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+#: Steps of the other optimizers after which one that has not stepped is no part of every
+#: training step (one made and never used, one stepped every few epochs): a loop's step is
+#: each of its optimizers stepped once more (a GAN's two, a critic's five to its generator's one).
+OPTIMIZER_LAG = 8
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,12 @@ class _Session:
         # How deep in optimizers' steps the script is: a container's step (torchtitan's
         # OptimizersContainer) runs each of its optimizers' steps inside its own, one step.
         self._step_depth = 0
+        # The optimizers the script made and holds, each one's steps (at the loop's level, not
+        # inside another's step or in backward) and the most any had taken when it last stepped.
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._inner_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._optimizer_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._optimizer_seen_at: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # Whether optimizers stepped inside the backward running now (an optimizer per parameter,
         # stepped from its gradient hook: torchtune's optimizer_in_bwd): that backward's step.
         self._stepped_in_backward = False
@@ -262,8 +274,9 @@ class _Session:
                 self.alloc_conf = theirs
         return self.alloc_conf
 
-    def _optimizer_made(self) -> None:
+    def _optimizer_made(self, opt: torch.optim.Optimizer) -> None:
         self.has_optimizer = True
+        self._optimizers.add(opt)
 
     def _after_backward(self) -> None:
         self.backwards_done += 1
@@ -334,6 +347,9 @@ class _Session:
         self._step_depth += 1
         self.in_script.optimizer_steps(opt)
         in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward or self._step_depth > 1:
+            # Stepped by a gradient hook or by another optimizer: part of a step, never one itself.
+            self._inner_optimizers.add(opt)
         if in_backward:
             # Stepped from a gradient hook, inside backward: part of that backward's step.
             self._stepped_in_backward = True
@@ -352,7 +368,24 @@ class _Session:
         if torch._C._current_graph_task_id() != -1 or self._step_depth > 0:
             return
         self.in_step = False
-        self._step_done()
+        self.rec.phase = "inputs"
+        if self._completes_a_step(opt):
+            self._step_done()
+
+    def _completes_a_step(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether this optimizer's step completes a training step of the loop: every optimizer
+        it steps (but one left behind by ``OPTIMIZER_LAG`` steps) has stepped once more."""
+        steps, seen_at = self._optimizer_steps, self._optimizer_seen_at
+        if opt not in steps and self.steps_done == 1 and max(steps.values(), default=0) == 1:
+            # Another optimizer of the loop's first step: that step ends with it.
+            self.rec.step_ended(later=True)
+        steps[opt] = steps.get(opt, 0) + 1
+        most = max(steps.values())
+        seen_at[opt] = most
+        if most <= OPTIMIZER_LAG and any(o not in steps and o not in self._inner_optimizers for o in self._optimizers):
+            # An optimizer the script made has yet to step: the loop's step goes on to it.
+            return False
+        return min(n for o, n in steps.items() if most - seen_at[o] <= OPTIMIZER_LAG) > self.steps_done
 
     def _step_done(self) -> None:
         """A training step ended: counted, and the script stopped after the steps asked for."""

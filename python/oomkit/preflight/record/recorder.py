@@ -806,8 +806,12 @@ class Recorder(TorchDispatchMode):
             self._allocate(st, st.nbytes(), stack_id)
         self.forward_open = open_now
 
-    def step_ended(self) -> None:
-        """An optimizer step ends here: the answer gives each step's own peak (``Trace.step_ends``)."""
+    def step_ended(self, later: bool = False) -> None:
+        """An optimizer step ends here: the answer gives each step's own peak (``Trace.step_ends``);
+        ``later``: the step that seemed to end before does here instead (a second optimizer's step
+        is part of the loop's first)."""
+        if later and self.trace.step_ends:
+            self.trace.step_ends.pop()
         self.trace.step_ends.append(len(self.trace.kinds))
 
     def held_before_step(self) -> list[int]:

@@ -149,7 +149,7 @@ class FakeGpu:
         torchrun_environment: bool = True,
         hooks: list[Hook] | None = None,
         stand_ins: list[StandIn] | None = None,
-        on_optimizer_made: Callable[[], None] | None = None,
+        on_optimizer_made: Callable[[torch.optim.Optimizer], None] | None = None,
         on_module_moved: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -418,12 +418,12 @@ def _in_world(functions: CudaFunctions, recorder: Recorder) -> Any:
     return bootstrap
 
 
-def _told_when_made(told: Callable[[], None]) -> Any:
-    """``Optimizer.__init__`` that calls ``told()`` first, whenever a ``torch.optim`` optimizer is made."""
+def _told_when_made(told: Callable[[torch.optim.Optimizer], None]) -> Any:
+    """``Optimizer.__init__`` that calls ``told(optimizer)`` first, whenever a ``torch.optim`` optimizer is made."""
     init = torch.optim.Optimizer.__init__
 
     def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        told()
+        told(self)
         init(self, *args, **kwargs)
 
     return new_init
