@@ -342,3 +342,35 @@ def test_a_tensor_subclass_wrapping_a_gpu_tensor_is_on_the_fake_gpu(tmp_path: Pa
     assert run["steps"] == 2, run
     # The wrapped weight is held once, as the model's parameters with the head's (and its bias).
     assert run["by_role"]["parameters"] == 256 * 256 * 4 + 8 * 256 * 4 + BLOCK, run["by_role"]
+
+
+#: Random draws seeded on a CUDA generator, as diffusers' pipelines and timm's EMA make one: a real
+#: one would start CUDA. The draws land on the GPU with their sizes; a generator is still one.
+CUDA_GENERATOR = """
+import sys
+import torch
+
+g = torch.Generator("cuda").manual_seed(0)
+print("GENERATOR", isinstance(g, torch.Generator), isinstance(torch.default_generator, torch.Generator), g.initial_seed())
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    noise = torch.randn(256, 1024, device="cuda", generator=g)
+    keep = torch.rand(256, 1024, generator=torch.Generator(device=torch.device("cuda", 0)), device="cuda")
+    (model(noise) * keep).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_cuda_random_generator_draws_onto_the_fake_gpu(tmp_path: Path) -> None:
+    script = tmp_path / "draws.py"
+    script.write_text(CUDA_GENERATOR)
+    p = subprocess.run([OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # (Under --json the script's own output goes to standard error.)
+    assert "GENERATOR True True 0" in p.stderr, p.stderr[-2000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2
+    # The weights, the batch of noise and the mask (each 256 x 1024 float32) drawn on the GPU, held in forward.
+    assert run["phase_peaks"]["forward"] >= LINEAR_1024 + 2 * 256 * 1024 * 4, run["phase_peaks"]

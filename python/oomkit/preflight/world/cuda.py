@@ -322,6 +322,29 @@ def _made_on_host_and_moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return moved.requires_grad_() if requires_grad else moved
 
 
+#: PyTorch's own random generator class, which ``torch.Generator`` names outside preflight.
+_GENERATOR = torch.Generator
+
+
+class _GeneratorClass(type):
+    """``torch.Generator`` as the script sees it: a CUDA generator (``torch.Generator("cuda")``,
+    diffusers' seeded pipelines, timm's EMA) is a host one, whose draws tensors without data
+    take as CUDA's would, since a real one would start CUDA; every generator is still one."""
+
+    def __call__(cls, device: Any = "cpu") -> Any:
+        return _GENERATOR("cpu" if is_cuda(device) else device)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _GENERATOR)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _GENERATOR)
+
+
+class CudaGenerator(metaclass=_GeneratorClass):
+    """What ``torch.Generator`` names under preflight (``_GeneratorClass``)."""
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 

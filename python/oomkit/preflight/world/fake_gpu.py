@@ -46,6 +46,7 @@ from oomkit.preflight.world.checkpoints import load_stand_in
 from oomkit.preflight.world.compile import Compiler, checkpoint_stand_in
 from oomkit.preflight.world.cuda import (
     CudaFunctions,
+    CudaGenerator,
     accelerator_answers,
     device_answers,
     foreach_stand_ins,
@@ -188,6 +189,7 @@ class FakeGpu:
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
         attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
+        attrs("a CUDA random generator is a host one, which tensors without data draw from", torch, {"Generator": CudaGenerator})
         absent = AbsentCheckpoints(self.notes, self.functions.on_upload)
         fake_load = absent.torch_load(load_stand_in(rec.placement, rec.values))
         for home in (torch, torch.serialization):
