@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1005,13 +1006,20 @@ SKIPS_A_NON_FINITE_NORM = """
 """
 
 
-def test_a_norm_from_data_the_step_lacks_is_finite_and_the_step_is_taken(tmp_path: Path) -> None:
+def _answer_and_output(tmp_path: Path, body: str) -> tuple[dict[str, Any], str]:
+    """The answer of ``oomkit preflight --json --no-fixes`` on a script of ``body``, and what the
+    script printed (its output goes to standard error under --json)."""
     p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(_script(tmp_path, SKIPS_A_NON_FINITE_NORM))],
+        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(_script(tmp_path, body))],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
-    assert p.returncode == 0 and "SKIPPED" not in p.stderr, p.stderr[-2000:]
-    run = json.loads(p.stdout)["run"]
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)["run"], p.stderr
+
+
+def test_a_norm_from_data_the_step_lacks_is_finite_and_the_step_is_taken(tmp_path: Path) -> None:
+    run, printed = _answer_and_output(tmp_path, SKIPS_A_NON_FINITE_NORM)
+    assert "SKIPPED" not in printed, printed[-2000:]
     # Two steps taken, each keeping SGD's momentum: one buffer per weight.
     weights = sum(t.numel() * 4 for t in (torch.empty(64, 3, 3, 3), torch.empty(64), torch.empty(64), torch.empty(64), torch.empty(10, 64), torch.empty(10)))
     assert run["steps"] == 2 and run["by_role"]["optimizer_state"] >= weights, run
@@ -1043,16 +1051,11 @@ DATA_SIZED = """
 
 
 def test_a_selection_the_data_sizes_is_made_at_its_largest_and_noted(tmp_path: Path) -> None:
-    p = subprocess.run(
-        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(_script(tmp_path, DATA_SIZED))],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr[-2000:]
+    run, printed = _answer_and_output(tmp_path, DATA_SIZED)
     n = 256 * 1024
     # Every element selected: its two coordinates (int64), its value (float32), every value distinct.
     want = [((n, 2), n * 2 * 8), ((n,), n * 4), ((n,), n * 4)]
-    assert f"SIZES {want}" in p.stderr, p.stderr[-2000:]
-    run = json.loads(p.stdout)["run"]
+    assert f"SIZES {want}" in printed, printed[-2000:]
     assert run["steps"] == 2
     said = [note for note in run["notes"] if "sized at their largest" in note]
     # Four a step (the loss's selection too), in both steps, the first at the first selection's line.
