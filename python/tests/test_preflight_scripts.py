@@ -1104,3 +1104,33 @@ def test_a_loop_of_two_optimizers_steps_each_of_them_in_each_step(tmp_path: Path
 def nn_sizes(n_in: int, hidden: int, n_out: int) -> list[torch.Tensor]:
     """The weights of a two-layer perceptron, as tensors of their sizes (never filled)."""
     return [torch.empty(hidden, n_in), torch.empty(hidden), torch.empty(n_out, hidden), torch.empty(n_out)]
+
+
+#: A router's top-2 choices among 4 experts for 4,096 tokens, each expert's tokens found as a
+#: mixture of experts finds them (``torch.where(idx == i)``, or the slices of a one-hot), beside
+#: a threshold on the routing weights: all on data the step does not have.
+ROUTED = """
+    import sys
+    import torch
+    from torch import nn
+
+    router = nn.Linear(64, 4).cuda()
+    opt = torch.optim.SGD(router.parameters(), lr=0.1)
+    for step in range(3):
+        w, idx = router(torch.randn(4096, 64, device="cuda")).softmax(-1).topk(2, dim=-1)
+        by_equality = [int(torch.where(idx == i)[0].shape[0]) for i in range(4)]
+        one_hot = nn.functional.one_hot(idx, 4).permute(2, 1, 0)
+        by_one_hot = [int(torch.where(one_hot[i])[0].shape[0]) for i in range(4)]
+        print("ROWS", by_equality, by_one_hot, int(torch.nonzero(w > 0.3).shape[0]), file=sys.stderr)
+        w.sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_masks_that_split_one_tensor_share_its_elements_at_their_largest(tmp_path: Path) -> None:
+    _, printed = _answer_and_output(tmp_path, ROUTED)
+    # The experts' tokens add up to the router's 8,192 choices (the first takes them all, as
+    # unevenly as routing can go), where each alone at its largest would take them all again;
+    # a threshold's selection is every element.
+    assert printed.count("ROWS [8192, 0, 0, 0] [8192, 0, 0, 0] 8192") == 2, printed[-2000:]

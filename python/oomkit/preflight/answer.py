@@ -196,7 +196,8 @@ def _notes(tr: Trace, known: Known, mode: str) -> list[str]:
         first_op, first_at = tr.worst_sized[0]
         notes.append(
             f"{len(tr.worst_sized)} operation(s) whose result's size depends on data the step does not have were sized "
-            f"at their largest: every element selected, every box kept (first {first_op} at {first_at}); "
+            f"at their largest: every element selected, every box kept, masks that split one tensor (a router's idx == i) "
+            f"sharing its elements (first {first_op} at {first_at}); "
             "a step on real data holds at most that there"
         )
     if not known.grads and mode == TRAINING:

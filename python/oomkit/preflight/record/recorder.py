@@ -29,7 +29,7 @@ from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.placement import Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
-from oomkit.preflight.record.worst import worst_case
+from oomkit.preflight.record.worst import PARTITIONING, Selections
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
@@ -273,6 +273,7 @@ class Recorder(TorchDispatchMode):
         self.trace = Trace()
         #: The values of small tensors, where the step makes them known.
         self.values = Values()
+        self.selections = Selections(self.index_of)
         #: The host memory the script holds for the GPU (pinned, and copies from it).
         self.host = HostMemory()
         #: Which tensors without data are the fake GPU's and which the script's own meta tensors.
@@ -555,7 +556,7 @@ class Recorder(TorchDispatchMode):
                 computed = func(*by_position, **kwargs)
             if computed is None:
                 # Sized by data the step does not have: at its largest, noted.
-                computed = worst_case(func, args, kwargs)
+                computed = self.selections.worst_case(func, args, kwargs)
                 if computed is not None:
                     self.trace.worst_sized.append((func.overloadpacket.__name__, _where(self._stack())))
             if computed is not None:
@@ -612,6 +613,8 @@ class Recorder(TorchDispatchMode):
             if not self._deferred:
                 self._note_update(func, args, kwargs, out)
         self.values.after(func, args, kwargs, out)
+        if func in PARTITIONING:
+            self.selections.made(func, args, out)
         if self._cublas_workspace > 0 and not self._deferred and _multiplies(func):
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
             # A multiply of the script's own meta tensors (Lightning's measure_flops runs a
