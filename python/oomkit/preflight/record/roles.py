@@ -117,7 +117,8 @@ class Known:
                 # Held across the forwards of one generation and read by a later one: its
                 # cache, even where a model keeps it in buffers of its own (gpt-fast's).
                 role = "kv_cache"
-            elif i in ema:
+            elif i in ema and _parallel_role(tr.stacks[tr.stack_of[i]]) is None:
+                # (FSDP's gathered weights are copied from the weights too, as each forward begins: its own.)
                 role = "ema"
             elif i in self.params or i in tr.module_state:
                 role = "parameters"
