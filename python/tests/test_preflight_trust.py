@@ -116,14 +116,16 @@ LOOPS = """
 
     made = torch.tensor([3, 1, 2], device="cuda")
     leaf = torch.tensor([1.0, 2.0], device="cuda", requires_grad=True)
-    print("MADE", made.sort().values.tolist(), bool(Counter().n == 0), leaf.is_leaf, leaf.requires_grad)
+    # And from a list of 0-d GPU tensors (torchtune's rotary scaling builds its table so).
+    listed = torch.tensor([v * 2 for v in torch.arange(3, device="cuda")], device="cuda")
+    print("MADE", made.sort().values.tolist(), bool(Counter().n == 0), leaf.is_leaf, leaf.requires_grad, listed.shape[0])
 """
 
 
 def test_a_loop_on_values_the_script_makes_runs_as_on_a_gpu(tmp_path: Path) -> None:
     p = preflight_cmd(tmp_path, LOOPS, args=("count",))
     assert "COUNTED 10 10.0 [0, 1, 2, 3]" in p.stderr, p.stderr[-2000:]
-    assert "MADE [1, 2, 3] True True True" in p.stderr, p.stderr[-2000:]
+    assert "MADE [1, 2, 3] True True True 3" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_loop_that_never_ends_is_stopped_by_the_time_limit_with_one_line(tmp_path: Path) -> None:

@@ -345,6 +345,16 @@ class CudaGenerator(metaclass=_GeneratorClass):
     """What ``torch.Generator`` names under preflight (``_GeneratorClass``)."""
 
 
+def _holds_tensors(data: Any) -> bool:
+    """Whether ``torch.tensor``'s data holds tensors (a list of 0-d ones, as torchtune's rotary
+    scaling builds): those on the fake GPU have no values a host tensor could be made of."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return any(_holds_tensors(d) for d in data)
+    return False
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
@@ -588,7 +598,7 @@ class CudaFunctions(TorchFunctionMode):
             # CPU and moved; on meta they are never allocated at all.
             kwargs["device"] = FAKE_DEVICE
             named_gpu = True
-        if name == "tensor" and named_gpu:
+        if name == "tensor" and named_gpu and args and not _holds_tensors(args[0]):
             return _made_on_host_and_moved(func, args, kwargs)
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
