@@ -140,7 +140,6 @@ class Known:
             out[i] = role
         return out
 
-
     def weight_copies(self, tr: Trace) -> set[int]:
         """The allocations the script keeps in step with the weights it trains, outside any
         forward or backward (an EMA, an averaged model): written in place from the weights or
