@@ -653,9 +653,8 @@ class Recorder(TorchDispatchMode):
             written, in_place = tensors_in(args[0]), True
         else:
             written, in_place = tensors_in(out), False
-        index = self._index
-        made = {int(i) for t in written if on_meta(t) and (i := index.get(t.untyped_storage())) is not None}
-        read = {int(i) for t in tensors_in(args, kwargs) if on_meta(t) and (i := index.get(t.untyped_storage())) is not None} - made
+        made = {i for t in written if (i := self.index_of(t)) is not None}
+        read = {i for t in tensors_in(args, kwargs) if (i := self.index_of(t)) is not None} - made
         if made and read:
             self.trace.updates.append((tuple(made), tuple(read), in_place))
 

@@ -157,7 +157,7 @@ class Selections:
                     self._source_of[made] = key
             return
         if func in _EQUALITY:
-            source, total = args[0], args[0].numel() if isinstance(args[0], torch.Tensor) else 0
+            source, total = args[0], args[0].numel()
         elif func is _ONE_HOT:
             source, total = out, args[0].numel()
         else:

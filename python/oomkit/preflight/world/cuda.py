@@ -44,6 +44,7 @@ from oomkit import _native
 from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.placement import ASKED_GPU, ASKED_META, Placement
 from oomkit.preflight.record.recorder import FAKE_DEVICE
+from oomkit.preflight.record.values import tensors_in
 from oomkit.preflight.world.autocast import UNTOUCHED, Autocast
 from oomkit.preflight.world.memory import MemoryQueries, rng_answers
 
@@ -345,16 +346,6 @@ class CudaGenerator(metaclass=_GeneratorClass):
     """What ``torch.Generator`` names under preflight (``_GeneratorClass``)."""
 
 
-def _holds_tensors(data: Any) -> bool:
-    """Whether ``torch.tensor``'s data holds tensors (a list of 0-d ones, as torchtune's rotary
-    scaling builds): those on the fake GPU have no values a host tensor could be made of."""
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, (list, tuple)):
-        return any(_holds_tensors(d) for d in data)
-    return False
-
-
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
@@ -598,7 +589,9 @@ class CudaFunctions(TorchFunctionMode):
             # CPU and moved; on meta they are never allocated at all.
             kwargs["device"] = FAKE_DEVICE
             named_gpu = True
-        if name == "tensor" and named_gpu and args and not _holds_tensors(args[0]):
+        if name == "tensor" and named_gpu and args and next(tensors_in(args[0]), None) is None:
+            # (Data holding tensors, a list of 0-d ones as torchtune's rotary scaling builds, has no
+            # values on the host: it is made on the fake GPU as it is.)
             return _made_on_host_and_moved(func, args, kwargs)
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
