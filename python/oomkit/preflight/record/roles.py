@@ -209,6 +209,7 @@ def inner_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
 #: What every torch.optim.Optimizer keeps that is not state of its own making: read elsewhere, or no tensors.
 _OPTIMIZER_OWN = frozenset({"state", "param_groups", "defaults", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"})
 
+
 def _attached(p: torch.Tensor) -> list[torch.Tensor]:
     """Tensors a quantized parameter carries beside its data (bitsandbytes' ``quant_state``: scales, code book)."""
     state = getattr(p, "quant_state", None)

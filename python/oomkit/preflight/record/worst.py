@@ -49,8 +49,7 @@ def _masked_select(count: Count, x: torch.Tensor, mask: torch.Tensor, *_: Any, *
 
 
 def _unique2(
-    _count: Count,
-    x: torch.Tensor, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False, **_: Any
+    _count: Count, x: torch.Tensor, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False, **_: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Every value distinct.
     n = x.numel()
@@ -60,8 +59,7 @@ def _unique2(
 
 
 def _unique_dim(
-    _count: Count,
-    x: torch.Tensor, dim: int, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False, **_: Any
+    _count: Count, x: torch.Tensor, dim: int, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False, **_: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = x.shape[dim]
     inverse = _empty((n,) if return_inverse else (0,), torch.long, x)
