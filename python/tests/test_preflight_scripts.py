@@ -975,10 +975,10 @@ def test_copies_of_the_weights_kept_in_step_with_them_are_the_ema(tmp_path: Path
     assert any(n.startswith("an EMA of the weights") for n in run["notes"]), run["notes"]
 
 
-#: Mixed precision with a loss scaler, a gradient norm clipped, and the step skipped where the
-#: loss is not finite (as many training scripts guard against a divergence): the loss comes from
-#: data the step does not have, and a value taken as zero must not be unequal to itself
-#: (``isnan`` asks ``loss != loss``, ``isfinite`` ``loss == loss``), which would skip every step.
+#: Mixed precision with a loss scaler, a gradient norm clipped, and the step skipped where that
+#: norm is not finite (as many training scripts guard against a divergence): the norm comes from
+#: data the step does not have, and must not read as NaN, which would skip every step; nor may
+#: the loss, a value taken as zero, be unequal to itself (``isnan`` asks ``loss != loss``).
 SKIPS_A_NON_FINITE_NORM = """
     import sys
     import torch
@@ -996,7 +996,7 @@ SKIPS_A_NON_FINITE_NORM = """
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if torch.isnan(loss) or not torch.isfinite(loss):
+        if torch.isnan(loss) or not torch.isfinite(norm):
             print("SKIPPED", float(loss), float(norm), file=sys.stderr)
             opt.zero_grad()
             continue

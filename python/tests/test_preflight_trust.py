@@ -10,6 +10,7 @@ import named as scripts without an optimizer step.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -19,12 +20,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import oomkit
 import pytest
 import torch
 from oomkit.preflight.record.frames import LIBRARY, RUNTIME, TORCH, USER, classify, user_line
+from oomkit.preflight.record.garbage import ALLOCATIONS_BEFORE_PYTHON_COLLECTS, COLLECT_EVERY_OPS, Collector
 from oomkit.preflight.record.values import SHADOW_MAX_ELEMENTS
 from preflight_cli import OOMKIT, preflight_run
 
@@ -230,6 +233,94 @@ def test_a_forward_that_raised_holds_nothing_once_its_exception_is_gone(tmp_path
     assert 512 << 20 <= run["peak_allocated_bytes"] < 768 << 20, run["peak_allocated_bytes"]
 
 
+#: Tensors only a reference cycle holds, freed when Python's cyclic collector runs, with as many
+#: other Python objects made between the step's operations as JUNK says: a progress bar formats
+#: its line only when enough time has passed, so a real script's count varies from run to run.
+CYCLES = """
+    import os
+    import torch
+    from torch import nn
+
+    junk_per_tensor = int(os.environ["JUNK"])
+    model = nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        for _ in range(32):
+            holder = {"t": torch.empty(256 << 10, device="cuda")}  # 1 MiB
+            holder["self"] = holder
+            del holder
+            junk = [[] for _ in range(junk_per_tensor)]
+        model(torch.randn(64, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_garbage_in_reference_cycles_is_freed_at_the_same_points_in_every_run(tmp_path: Path) -> None:
+    # Python's own trigger counts allocations, so the 1 MiB tensors alive at the peak (and the
+    # answer) would change with the objects made between operations: 0 and 100 read 104 MiB,
+    # 700 86 MiB and 3000 72 MiB before the recorder collected at fixed operations.
+    peaks = set()
+    for junk in ("0", "700", "3000"):
+        path = tmp_path / "cycles.py"
+        path.write_text(textwrap.dedent(CYCLES))
+        p = subprocess.run(
+            [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(path)],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, JUNK=junk),
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        peaks.add(json.loads(p.stdout)["run"]["peak_allocated_bytes"])
+    assert len(peaks) == 1, peaks
+    # Collected all the same: the 192 tensors the six steps drop are not all alive at once.
+    assert peaks.pop() < 192 << 20
+
+
+def test_the_recorder_gives_pythons_collector_back_as_it_found_it() -> None:
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    collector = Collector()
+    collector.install()
+    try:
+        assert gc.get_threshold()[0] == ALLOCATIONS_BEFORE_PYTHON_COLLECTS
+        node = Node()
+        node.me = node  # type: ignore[attr-defined]
+        alive = weakref.ref(node)
+        del node
+        kept: list[list[int]] = [[] for _ in range(5000)]  # Python's own trigger (700) would have collected it
+        assert alive() is not None and kept
+        collector.after_op(COLLECT_EVERY_OPS - 1)
+        assert alive() is not None
+        collector.after_op(COLLECT_EVERY_OPS)
+        assert alive() is None
+        # The step's first operation restarts the schedule (after a whole collection): a set-up
+        # of more or fewer operations moves none of the step's collections.
+        collector.restart(5)
+        node = Node()
+        node.me = node  # type: ignore[attr-defined]
+        alive = weakref.ref(node)
+        del node
+        collector.after_op(2 * COLLECT_EVERY_OPS)
+        assert alive() is not None
+        collector.after_op(5 + 2 * COLLECT_EVERY_OPS)
+        assert alive() is None
+        # A script that turns collection off (to collect at its own steps) is obeyed.
+        gc.disable()
+        try:
+            node = Node()
+            node.me = node  # type: ignore[attr-defined]
+            alive = weakref.ref(node)
+            del node
+            collector.after_op(2 * COLLECT_EVERY_OPS)
+            assert alive() is not None
+        finally:
+            gc.enable()
+    finally:
+        collector.uninstall()
+    assert gc.get_threshold() == before
+
+
 def test_checkpointing_recomputes_in_backward_without_a_forward_of_its_own(tmp_path: Path) -> None:
     # Checkpointing reruns each block's forward in backward and stops it early by raising:
     # nothing it reads is a cache held across forwards, and what it held is freed with it.
@@ -391,7 +482,9 @@ def test_a_module_run_with_dash_m_reads_its_installed_metadata(tmp_path: Path) -
             """
         )
     )
-    p = subprocess.run([OOMKIT, "preflight", "--json", "--", sys.executable, "-m", "mypkg2.train"], capture_output=True, text=True, cwd=tmp_path)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--", sys.executable, "-m", "mypkg2.train"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stderr
     assert "VERSION 0.1" in p.stderr
     assert json.loads(p.stdout)["run"]["steps"] == 2
@@ -399,8 +492,13 @@ def test_a_module_run_with_dash_m_reads_its_installed_metadata(tmp_path: Path) -
 
 def test_a_script_that_exits_with_an_error_is_named_as_such(tmp_path: Path) -> None:
     p = preflight_cmd(tmp_path, 'import sys, torch\nsys.exit("bad config: no data")\n')
-    assert p.stderr.strip().splitlines()[-1] == "oomkit: preflight: the script exited with 'bad config: no data' before its first optimizer step"
-    p = preflight_cmd(tmp_path, "import argparse, torch\np = argparse.ArgumentParser()\np.add_argument('--n', required=True)\np.parse_args()\n")
+    assert (
+        p.stderr.strip().splitlines()[-1]
+        == "oomkit: preflight: the script exited with 'bad config: no data' before its first optimizer step"
+    )
+    p = preflight_cmd(
+        tmp_path, "import argparse, torch\np = argparse.ArgumentParser()\np.add_argument('--n', required=True)\np.parse_args()\n"
+    )
     assert p.stderr.strip().splitlines()[-1] == "oomkit: preflight: the script exited with code 2 before its first optimizer step"
 
 

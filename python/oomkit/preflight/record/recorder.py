@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.garbage import Collector
 from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.placement import Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
@@ -280,6 +281,8 @@ class Recorder(TorchDispatchMode):
         self.placement = Placement()
         #: Operations run so far, and when the run must stop (None: never).
         self.ops = 0
+        # Python's cyclic garbage collected at fixed operations, not after allocations that vary by run.
+        self._garbage = Collector()
         self.time_limit = time_limit
         self._started = time.monotonic()
         self._stopped: PreflightStopped | None = None
@@ -502,6 +505,20 @@ class Recorder(TorchDispatchMode):
 
     # ---- what the step does ----
 
+    def __enter__(self) -> Recorder:
+        self._garbage.install()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._garbage.uninstall()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._garbage.uninstall()
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -511,6 +528,7 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
+        self._garbage.after_op(self.ops)
         if not self.ops % TIME_CHECK_EVERY:
             self._check_time()
         if self.capturing:
@@ -798,6 +816,7 @@ class Recorder(TorchDispatchMode):
         """The step begins: what the set-up made and still holds is allocated now, in the order it was made."""
         if not self._deferred:
             return
+        self._garbage.restart(self.ops)
         alive = self._alive_pending()
         self._deferred = False
         self._pending = []

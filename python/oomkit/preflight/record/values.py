@@ -92,6 +92,16 @@ class Shadow:
         return self._values
 
 
+def _finite(c: Any) -> Any:
+    """Values resting on zeros taken for data the step does not have, without the infinities
+    and NaNs that arithmetic on those zeros makes (a gradient clipped by a norm taken as zero,
+    a loss scaled past float16's range), which the data would not: taken as zero too. A script
+    that skips a step on a non-finite norm, or GradScaler's check, would otherwise skip it."""
+    if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex()):
+        return torch.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0)
+    return c
+
+
 def _is_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == _META
 
@@ -200,6 +210,8 @@ class Values:
                 self._set(t, Shadow(None, True, True, zeros_of=t))
             return
         values, assumed, opaque = computed
+        if assumed:
+            values = tree_map(_finite, values)
         if name in _NO_MATCH and isinstance(values, torch.Tensor):
             # (A value is itself: ``x != x``, ``x == x``, are how ``isnan`` and ``isfinite`` ask.)
             if opaque and not (len(args) > 1 and args[1] is args[0]):
