@@ -1062,6 +1062,47 @@ def test_a_selection_the_data_sizes_is_made_at_its_largest_and_noted(tmp_path: P
     assert said and said[0].startswith("8 operation(s)") and "nonzero at train.py:12 (<lambda>)" in said[0], run["notes"]
 
 
+#: Masks a contrastive loss builds from values it knows, larger than the values kept for any
+#: small tensor (512 x 512): the pairs off the diagonal of a batch's similarities, selected and
+#: reshaped to one row per sample, as NT-Xent losses do; beside them a mask made on the host and
+#: uploaded, one written in place through a view, and one written with data the step lacks.
+KNOWN_MASKS = """
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    n = 512
+    encoder = nn.Linear(256, 128).cuda()
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    for step in range(2):
+        z = F.normalize(encoder(torch.randn(n, 256, device="cuda")), dim=1)
+        sim = z @ z.t()
+        off = ~torch.eye(n, device="cuda").bool()
+        logits = sim[off].reshape(n, n - 1)
+        uploaded = torch.eye(n, dtype=torch.bool).cuda()
+        keep = torch.ones(n, n, device="cuda")
+        keep[0].zero_()
+        written = torch.zeros(n, n, dtype=torch.bool, device="cuda")
+        written |= sim > 0
+        print("SHAPES", tuple(logits.shape), tuple(sim[~uploaded].shape), tuple(sim[keep.bool()].shape), tuple(sim[written].shape), file=sys.stderr)
+        target = torch.cat([torch.arange(n // 2, n, device="cuda") - 1, torch.arange(n // 2, device="cuda")])
+        F.cross_entropy(logits, target).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_masks_the_script_builds_from_values_it_knows_select_what_they_select_on_a_gpu(tmp_path: Path) -> None:
+    run, printed = _answer_and_output(tmp_path, KNOWN_MASKS)
+    n = 512
+    shapes = [line for line in printed.splitlines() if line.startswith("SHAPES")]
+    # The mask written with the step's own similarities is not known: it selects every pair.
+    assert shapes == [f"SHAPES ({n}, {n - 1}) ({n * (n - 1)},) ({n * (n - 1)},) ({n * n},)"] * 2, printed[-2000:]
+    said = [note for note in run["notes"] if "sized at their largest" in note]
+    assert said and said[0].startswith("2 operation(s)"), run["notes"]
+
+
 #: An adversarial loop with two optimizers, each stepped every iteration, the critic ``N_CRITIC``
 #: times to the generator's once (as a Wasserstein GAN trains): a training step is one iteration.
 ADVERSARIAL = """

@@ -34,6 +34,13 @@ from torch.utils._pytree import tree_map
 #: and weights are far too large to compute twice.
 SHADOW_MAX_ELEMENTS = 4096
 
+#: A larger result still gets a shadow, up to this size, where the script builds it from values
+#: it knows: a mask (``~torch.eye(n).bool()``, a contrastive loss's pairs, indexing a batch's
+#: similarities, ``sim[~mask].view(n, n - 1)``) or a table made from no tensor (``torch.eye``,
+#: ``torch.ones``), made when first read. Never an upload from the host: weights copied to the
+#: GPU would then be copied again on the CPU, and a forward on them computed there twice.
+LARGE_SHADOW_MAX_BYTES = 16 << 20
+
 #: The device tensors without data live on (as ``recorder.FAKE_DEVICE``).
 _META = "meta"
 
@@ -65,16 +72,40 @@ _INDEXING = frozenset(
 )
 
 
+def _factories() -> frozenset[Any]:
+    """The operators that make a tensor from no tensor, whose values their arguments decide."""
+    names = ("eye", "ones", "zeros", "full", "arange", "linspace", "logspace", "scalar_tensor", "tril_indices", "triu_indices")
+    found: set[Any] = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            found.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(found)
+
+
+#: Factories whose large results get a shadow made when first read (``LARGE_SHADOW_MAX_BYTES``).
+_FACTORIES = _factories()
+
+
 class Shadow:
     """A small meta tensor's values on the CPU, and how far they are known."""
 
-    __slots__ = ("_values", "_zeros_of", "assumed", "opaque")
+    __slots__ = ("_make", "_values", "_zeros_of", "assumed", "opaque")
 
-    def __init__(self, values: torch.Tensor | None, assumed: bool, opaque: bool, zeros_of: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor | None,
+        assumed: bool,
+        opaque: bool,
+        zeros_of: torch.Tensor | None = None,
+        make: Callable[[], Any] | None = None,
+    ) -> None:
         # The values, or (for values taken as zero) the tensor whose shape and dtype the zeros
-        # take, made when first read: most of a step's small results are never read.
+        # take, or the call that makes them, made when first read: most of a step's small
+        # results, and the tables it builds, are never read.
         self._values = values
         self._zeros_of = (tuple(zeros_of.shape), zeros_of.dtype) if zeros_of is not None else None
+        self._make = make
         #: They rest on a value taken as zero: reading them is noted.
         self.assumed = assumed
         #: They stand for data the step does not have (zeros in its place,
@@ -88,6 +119,8 @@ class Shadow:
         if self._values is None and self._zeros_of is not None:
             shape, dtype = self._zeros_of
             self._values = torch.zeros(shape, dtype=dtype)
+        if self._values is None and self._make is not None:
+            self._values, self._make = self._make(), None
         assert self._values is not None
         return self._values
 
@@ -108,6 +141,19 @@ def _is_meta(t: Any) -> bool:
 
 def _small(t: torch.Tensor) -> bool:
     return t.numel() <= SHADOW_MAX_ELEMENTS
+
+
+def _on_host(a: Any) -> Any:
+    """A factory's argument with the device it makes on the CPU in place of ``meta``."""
+    return torch.device("cpu") if isinstance(a, torch.device) and a.type == _META else a
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """The id of ``t``'s storage, or None for a wrapper without one of its own (a DTensor)."""
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def tensors_in(*values: Any) -> Iterator[torch.Tensor]:
@@ -164,6 +210,9 @@ class Values:
         self._shadows: dict[int, tuple[int, tuple[Any, ...], Shadow]] = {}
         # By a storage's id: the weak reference that drops its shadows, and the ids of the tensors shadowed.
         self._storages: dict[int, tuple[weakref.ref[Any], set[int]]] = {}
+        # The ids of the storages a shadow larger than ``SHADOW_MAX_ELEMENTS`` is kept for: a view
+        # of them, or one written in place, is computed too, so that their values stay true.
+        self._large: set[int] = set()
 
     def get(self, t: torch.Tensor) -> Shadow | None:
         """The shadow of ``t``, if it has one."""
@@ -181,10 +230,15 @@ class Values:
 
     def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Gives the small meta tensors ``func`` returned their shadows."""
+        large = False
         if isinstance(out, torch.Tensor):
             # Most operations return one tensor, most of them large: checked without a walk.
-            if out.device.type != _META or out.numel() > SHADOW_MAX_ELEMENTS:
+            if out.device.type != _META:
                 return
+            if out.numel() > SHADOW_MAX_ELEMENTS:
+                if not self._large_kept(func, args, kwargs, out):
+                    return
+                large = True
             outs = [out]
         else:
             outs = [t for t in tensors_in(out) if _is_meta(t) and _small(t)]
@@ -203,6 +257,10 @@ class Values:
             self._set(out, Shadow(None, False, False, zeros_of=out))
             return
         computed = None if self._some_input_unknown(args, kwargs) else self._on_cpu(func, args, kwargs)
+        if computed is None and large:
+            # A large result of values not known keeps no shadow, and those of its storage go.
+            self._forget_storage_of(out)
+            return
         if computed is None:
             # Some input has no values here (a large tensor, data the step
             # does not have): the result is taken as zero, and marked so.
@@ -224,14 +282,48 @@ class Values:
         if len(meta_leaves) != len(cpu_leaves):
             return
         for m, c in zip(meta_leaves, cpu_leaves):
-            if _is_meta(m) and _small(m) and isinstance(c, torch.Tensor) and c.shape == m.shape:
+            if _is_meta(m) and (large or _small(m)) and isinstance(c, torch.Tensor) and c.shape == m.shape:
                 self._set(m, Shadow(c, assumed, opaque))
+
+    def _large_kept(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> bool:
+        """Whether a result larger than ``SHADOW_MAX_ELEMENTS`` is shadowed all the same: a mask,
+        a factory's table (given its shadow here, made when read), or a view or in-place write of
+        a storage that has one; else the storage's shadows go, where its values change unknown."""
+        aliased = bool(self._large) and _storage_id(out) in self._large
+        if not (aliased or out.dtype is torch.bool or func in _FACTORIES):
+            return False
+        if out.numel() * out.element_size() > LARGE_SHADOW_MAX_BYTES:
+            if aliased:
+                self._forget_storage_of(out)
+            return False
+        if func in _FACTORIES:
+            cpu_args, cpu_kwargs = _mapped(_on_host, args), _mapped(_on_host, kwargs)
+            self._set(out, Shadow(None, False, False, make=lambda: func(*cpu_args, **cpu_kwargs)))
+            return False
+        return True
+
+    def _forget_storage_of(self, t: torch.Tensor) -> None:
+        """Drops the shadows of every tensor of ``t``'s storage: its values are no longer known."""
+        key = _storage_id(t)
+        held = self._storages.get(key) if key is not None else None
+        if key is None or held is None:
+            return
+        for tensor in held[1]:
+            entry = self._shadows.get(tensor)
+            if entry is not None and entry[0] == key:
+                del self._shadows[tensor]
+        held[1].clear()
+        self._large.discard(key)
 
     def _some_input_unknown(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether an input on meta has no values here, told without pytree's walk (which costs
         more than the rest of recording an operation): a batch norm's small statistics of a
         large input, most small results of a step, are known at once to be unknown."""
-        return any(t.device.type == _META and (t.numel() > SHADOW_MAX_ELEMENTS or self.get(t) is None) for t in tensors_in(args, kwargs))
+        large = bool(self._large)
+        return any(
+            t.device.type == _META and ((not large and t.numel() > SHADOW_MAX_ELEMENTS) or self.get(t) is None)
+            for t in tensors_in(args, kwargs)
+        )
 
     def run_on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
         """An operation whose result's shape depends on values (``nonzero``), run on the
@@ -325,13 +417,16 @@ class Values:
             return
         key = id(st)
         self._shadows[id(t)] = (key, (t.storage_offset(), t.shape, t.dtype), s)
+        if not _small(t):
+            self._large.add(key)
         held = self._storages.get(key)
         if held is not None:
             held[1].add(id(t))
             return
-        shadows, storages = self._shadows, self._storages
+        shadows, storages, large = self._shadows, self._storages, self._large
 
         def gone(_ref: Any) -> None:
+            large.discard(key)
             for tensor in storages.pop(key, (None, set()))[1]:
                 entry = shadows.get(tensor)
                 if entry is not None and entry[0] == key:
