@@ -275,19 +275,24 @@ def test_garbage_in_reference_cycles_is_freed_at_the_same_points_in_every_run(tm
     assert peaks.pop() < 192 << 20
 
 
-def test_the_recorder_gives_pythons_collector_back_as_it_found_it() -> None:
-    class Node:
-        pass
+class _Node:
+    """An object only a reference cycle (itself) holds."""
 
+
+def _garbage() -> weakref.ref[_Node]:
+    """A weak reference to a new object in a reference cycle, dropped: alive until collected."""
+    node = _Node()
+    node.me = node  # type: ignore[attr-defined]
+    return weakref.ref(node)
+
+
+def test_the_recorder_gives_pythons_collector_back_as_it_found_it() -> None:
     before = gc.get_threshold()
     collector = Collector()
     collector.install()
     try:
         assert gc.get_threshold()[0] == ALLOCATIONS_BEFORE_PYTHON_COLLECTS
-        node = Node()
-        node.me = node  # type: ignore[attr-defined]
-        alive = weakref.ref(node)
-        del node
+        alive = _garbage()
         kept: list[list[int]] = [[] for _ in range(5000)]  # Python's own trigger (700) would have collected it
         assert alive() is not None and kept
         collector.after_op(COLLECT_EVERY_OPS - 1)
@@ -297,10 +302,7 @@ def test_the_recorder_gives_pythons_collector_back_as_it_found_it() -> None:
         # The step's first operation restarts the schedule (after a whole collection): a set-up
         # of more or fewer operations moves none of the step's collections.
         collector.restart(5)
-        node = Node()
-        node.me = node  # type: ignore[attr-defined]
-        alive = weakref.ref(node)
-        del node
+        alive = _garbage()
         collector.after_op(2 * COLLECT_EVERY_OPS)
         assert alive() is not None
         collector.after_op(5 + 2 * COLLECT_EVERY_OPS)
@@ -308,10 +310,7 @@ def test_the_recorder_gives_pythons_collector_back_as_it_found_it() -> None:
         # A script that turns collection off (to collect at its own steps) is obeyed.
         gc.disable()
         try:
-            node = Node()
-            node.me = node  # type: ignore[attr-defined]
-            alive = weakref.ref(node)
-            del node
+            alive = _garbage()
             collector.after_op(2 * COLLECT_EVERY_OPS)
             assert alive() is not None
         finally:
