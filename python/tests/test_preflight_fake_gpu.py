@@ -38,6 +38,7 @@ opt.step()
 state = opt.state[model.weight]
 with torch.device("meta"):
     meta = nn.Linear(4, 4)
+host = nn.Linear(4, 4)
 said = {
     "device": str(x.device),
     "is_cuda": x.is_cuda,
@@ -65,6 +66,17 @@ said = {
     "made from data on meta": str(torch.tensor(0, device="meta").device),
     "made from data on the gpu": str(torch.tensor([1, 2], device="cuda").device),
     "to_empty": str(meta.to_empty(device="cuda").weight.device),
+    "host parameter": str(host.weight.device),
+    "host is_cuda": host.weight.is_cuda,
+    "host is_cpu": host.weight.is_cpu,
+    "host is_meta": host.weight.is_meta,
+    "host get_device": host.weight.get_device(),
+    "host output": str(host(torch.randn(2, 4)).device),
+    "host to cpu": str(host.weight.cpu().device),
+    "host half": str(host.weight.to("cpu", torch.float16).device),
+    "host to another's device": str(nn.Linear(4, 4).weight.to(x).device),
+    "host as_tensor": str(torch.as_tensor(nn.Linear(4, 4).weight, device="cuda").device),
+    "host moved": str(host.cuda().weight.device),
     "current_device": torch.cuda.current_device(),
 }
 with torch.device("cuda"):
@@ -109,6 +121,18 @@ EXPECTED = {
     "made from data on meta": "meta",
     "made from data on the gpu": "cuda:0",
     "to_empty": "cuda:0",
+    # A module built without a device is on the host, until it is moved.
+    "host parameter": "cpu",
+    "host is_cuda": False,
+    "host is_cpu": True,
+    "host is_meta": False,
+    "host get_device": -1,
+    "host output": "cpu",
+    "host to cpu": "cpu",
+    "host half": "cpu",
+    "host to another's device": "cuda:0",
+    "host as_tensor": "cuda:0",
+    "host moved": "cuda:0",
     "current_device": 0,
     "default in a device context": "cuda:0",
     "made in a device context": "cuda:0",
@@ -162,6 +186,54 @@ def test_a_model_initialised_on_meta_holds_no_memory_until_it_is_made_on_the_gpu
     assert run["by_role"]["gradients"] == 4 * LINEAR_1024
     # Nothing from the meta model's line: it never held memory.
     assert not [line for line in run["by_line"] if line["line"].startswith("meta_init.py:5 ")], run["by_line"]
+
+
+#: A feature extractor left on the host (as a data pipeline keeps one: a window and a projection,
+#: 16 MiB of weights) beside a head trained on the GPU, fed the features the host computes.
+HOST_FEATURES = """
+import sys
+import torch
+from torch import nn
+
+class Features(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(4096))
+        self.proj = nn.Linear(4096, 1024)
+
+    def forward(self, x):
+        return self.proj(x * self.window)
+
+features = Features()
+head = nn.Linear(1024, 1024)
+head.cuda()
+opt = torch.optim.SGD(head.parameters(), lr=0.1)
+for step in range(3):
+    with torch.no_grad():
+        f = features(torch.randn(64, 4096))
+    print("FEATURES", f.device, file=sys.stderr)
+    head(f.cuda()).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_module_left_on_the_host_holds_no_gpu_memory_and_one_moved_is_its_layers(tmp_path: Path) -> None:
+    script = _script(tmp_path, "features.py", HOST_FEATURES)
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--no-fixes", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr.count("FEATURES cpu") == 2, p.stderr[-2000:]
+    run = json.loads(p.stdout)["run"]
+    # The head's weights and gradients alone (the features' 16 MiB are the host's), the batch of
+    # features uploaded, and cuBLAS's two workspaces: the host's multiply takes none.
+    assert run["by_role"]["parameters"] == LINEAR_1024 and run["by_role"]["gradients"] == LINEAR_1024, run["by_role"]
+    assert run["by_role"]["inputs"] == 64 * 1024 * 4, run["by_role"]
+    assert run["by_role"]["other"] == 2 * (32 << 20), run["by_role"]
+    # The head's weights were made by its constructor on the host and moved: said to be made where the layer is.
+    params = [x for x in run["by_line"] if x["role"] == "parameters"]
+    assert params and params[0]["line"].endswith("features.py:16 (<module>)"), run["by_line"]
 
 
 def test_a_tensor_sent_from_the_gpu_to_meta_gives_its_memory_back(tmp_path: Path) -> None:

@@ -57,6 +57,12 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 #: each of its optimizers stepped once more (a GAN's two, a critic's five to its generator's one).
 OPTIMIZER_LAG = 8
 
+#: What a script that trains on the CPU is told.
+ON_THE_CPU = (
+    'no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device="cpu"?); '
+    "preflight measures what a script puts on the GPU"
+)
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -233,6 +239,10 @@ class _Session:
                 if self._measured_a_step():
                     # What the whole steps before it measured stands; the failure is said beside it.
                     self.finish(failed=f"{where}: {error}")
+                elif self.rec.trains_on_host and not self.rec.forwards:
+                    # Training on the host of a model without data fails where autograd meets the batch's
+                    # real tensors; what it was doing is the answer.
+                    self._write({"error": ON_THE_CPU})
                 else:
                     self._write({"error": f"the script failed under preflight after {self.steps_done} optimizer step(s){where}: {error}"})
             self.finished = True
@@ -476,7 +486,7 @@ class _Session:
                     failed_at = "did not complete a step (the failure above): the figures are at the data's own lengths"
                     notes.append(f"a training batch padded to {kept} {failed_at}")
         if not self.known.params:
-            self._write({"error": "no parameter of the model is on the GPU: the script trains on the CPU (use_cpu=True, device=\"cpu\"?); preflight measures what a script puts on the GPU"})  # noqa: E501
+            self._write({"error": ON_THE_CPU})
             return
         if os.path.isdir(os.path.join(self.run_dir, PREFLIGHT_LOGS)):
             notes.append("oomkit.Tracker measured the step from the allocator model; its run log was not kept, since nothing ran on a GPU")

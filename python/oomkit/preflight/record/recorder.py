@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.garbage import Collector
 from oomkit.preflight.record.host import HostMemory, host_zeros
-from oomkit.preflight.record.placement import Placement, on_meta, plain_tensors
+from oomkit.preflight.record.placement import ASKED_HOST, Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
 from oomkit.preflight.record.worst import PARTITIONING, Selections
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
@@ -336,6 +336,8 @@ class Recorder(TorchDispatchMode):
         self.forward_open = 0
         #: Whether the module call running now, outermost, works on the host alone (a data transform).
         self.on_host = False
+        #: Whether a forward with gradients ran on the host of a module whose weights are the host's and trained.
+        self.trains_on_host = False
         # The generation each forward belongs to: forwards without gradients and with no
         # backward between them are one generation, and only there is what one forward
         # keeps for the next a cache; a training step's forwards are each their own.
@@ -402,6 +404,10 @@ class Recorder(TorchDispatchMode):
             self._drop_ended(call)
             if not self._modules:
                 self.on_host = not _touches_gpu(module, _args, self.placement.on_gpu)
+                if self.on_host and torch.is_grad_enabled() and not self.trains_on_host:
+                    # A model the script trains where it is, on the host (``use_cpu=True``).
+                    on_host = self.placement.on_host
+                    self.trains_on_host = any(p.requires_grad and on_host(p) for p in module.parameters())
                 if not self.on_host and module in self._inside_top and self.forwards:
                     # A part of a model seen (torchtitan's loss runs the output projection
                     # chunk by chunk after the model's forward): that forward, continued.
@@ -619,8 +625,9 @@ class Recorder(TorchDispatchMode):
             self._note_reads(func, args, kwargs)
         if not self.fusing:
             placement = self.placement
-            if placement.deciding and placement.made_as_meta(tensors_in(args, kwargs)):
-                self._script_meta(func, args, kwargs, out)
+            where = placement.made_where(tensors_in(args, kwargs)) if placement.deciding else None
+            if where is not None:
+                self._script_meta(func, args, kwargs, out, where)
             for t in tensors_in(out):
                 if on_meta(t):
                     self.track(t)
@@ -644,20 +651,24 @@ class Recorder(TorchDispatchMode):
                 if index is not None:
                     self.trace.library.add(index)
 
-    def _script_meta(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Notes the new storages of an operation's outputs as the script's own meta: no device memory."""
+    def _script_meta(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, where: str) -> None:
+        """Notes the new storages of an operation's outputs as the script's own meta, or the host's
+        (``where``): no device memory."""
         made_from = set()
         if func is not _LIFT_FRESH:
             # (``torch.tensor(..., device="meta")`` makes its tensor where no mode sees it, and
             # hands it to ``lift_fresh``, which returns it: new, though it is its input.)
             made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if on_meta(t) and not is_traceable_wrapper_subclass(t)}
+        # A module's weight made for the host in its constructor: the stack that made it, where its
+        # copy on the GPU is said to be made (the layer holding it, as if it had been built there).
+        born_at = self._stack_id() if where == ASKED_HOST and self.placement.asked == ASKED_HOST else None
         for t in tensors_in(out):
             if not on_meta(t) or is_traceable_wrapper_subclass(t):
                 continue
             st = t.untyped_storage()
             # A view of an input, or the input itself (``.to("meta")`` of a tensor already there), keeps its place.
             if id(st) not in made_from and st not in self._index:
-                self.placement.mark(st)
+                self.placement.mark(st, where, born_at)
 
     def _note_update(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Notes an operation run between forwards and backwards: what it wrote in place (its
@@ -870,10 +881,13 @@ class Recorder(TorchDispatchMode):
         if size == 0 or self.placement.holds(st):
             # Nothing held, or the script's own meta tensor: no device memory.
             return None
+        # (A copy of a host weight moved to the GPU is said to be made where the weight was.)
+        moving_from = self.placement.moving_from
+        stack_id = moving_from if moving_from is not None else self._stack_id()
         if self._deferred:
-            self._pending.append((weakref.ref(st), size, self._stack_id()))
+            self._pending.append((weakref.ref(st), size, stack_id))
             return None
-        return self._allocate(st, size, self._stack_id())
+        return self._allocate(st, size, stack_id)
 
     def _allocate(self, st: Any, size: int, stack_id: int) -> int:
         tr = self.trace

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit import _native
 from oomkit.preflight.record.host import HostMemory, host_zeros
-from oomkit.preflight.record.placement import ASKED_GPU, ASKED_META, Placement
+from oomkit.preflight.record.placement import ASKED_GPU, ASKED_HOST, ASKED_META, Placement
 from oomkit.preflight.record.recorder import FAKE_DEVICE
 from oomkit.preflight.record.values import tensors_in
 from oomkit.preflight.world.autocast import UNTOUCHED, Autocast
@@ -350,6 +350,13 @@ def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
 
+def _cpu_as_meta(value: Any) -> Any:
+    """``Tensor.to``'s argument with the CPU named as ``meta``, where the host's tensors without data are."""
+    if (isinstance(value, torch.device) and value.type == "cpu") or (isinstance(value, str) and value.split(":")[0] == "cpu"):
+        return FAKE_DEVICE
+    return value
+
+
 def _names_meta(device: Any) -> bool:
     """Whether ``device`` (a device or its name) is ``meta``, named by the script itself."""
     if isinstance(device, torch.device):
@@ -366,6 +373,15 @@ _GETTER = type(torch.Tensor.device.__get__)
 #: What a tensor on the fake GPU answers to the questions a script asks of where it lives
 #: (each property's descriptor, read through the mode as its ``__get__``), as on the GPU.
 _WHERE: dict[Any, Any] = {torch.Tensor.device: GPU, torch.Tensor.is_cuda: True, torch.Tensor.is_meta: False}
+
+#: What a tensor standing for the host's (a module's weight made without a device, not yet
+#: moved) answers to the same questions: as on the CPU, where it would be.
+_ON_HOST: dict[Any, Any] = {
+    torch.Tensor.device: torch.device("cpu"),
+    torch.Tensor.is_cuda: False,
+    torch.Tensor.is_meta: False,
+    torch.Tensor.is_cpu: True,
+}
 
 
 #: A tensor's ``data`` attribute, whose setter swaps a tensor's contents in place.
@@ -486,10 +502,12 @@ class CudaFunctions(TorchFunctionMode):
     ) -> Any:
         if type(func) is _GETTER:
             owner = getattr(func, "__self__", None)
-            if owner in _WHERE:
+            if owner in _ON_HOST:
                 # Where a tensor lives: the fake GPU's say cuda:0, as on the GPU (torchtune's RoPE,
-                # Fabric, FlexAttention and DataParallel check), the script's own meta ones meta.
-                return _WHERE[owner] if self._told(args[0]) else func(*args)
+                # Fabric, FlexAttention and DataParallel check), the host's cpu, the script's own meta ones meta.
+                if self._told(args[0]):
+                    return _WHERE.get(owner, False)
+                return _ON_HOST[owner] if self.placement.on_host(args[0]) else func(*args)
             if owner is _DATA and func.__name__ == "__set__" and _host_to_gpu(args) and _set_data_onto_gpu(args[0], args[1]):
                 # ``t.data = gpu_tensor`` of a host tensor (bitsandbytes' 4-bit weights quantize so as they
                 # move): on CUDA host and GPU tensors are of one kind and ``t`` becomes a GPU tensor in place.
@@ -499,10 +517,13 @@ class CudaFunctions(TorchFunctionMode):
         if func in _AS_ON_META:
             return func(*args, **(kwargs or {}))
         if func is _GET_DEVICE:
-            return 0 if self._told(args[0]) else func(*args)
+            return 0 if self._told(args[0]) else -1 if self.placement.on_host(args[0]) else func(*args)
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         asked = _asked(name, args, kwargs)
+        if asked is None and name == "to" and any(self.placement.on_gpu(a) for a in args[1:]):
+            # ``t.to(other)``: where ``other`` is, the GPU.
+            asked = ASKED_GPU
         if asked == ASKED_META and self.placement.compiled:
             # A compiled graph's own buffers, on the device its trace read: the GPU's.
             asked = None
@@ -515,6 +536,9 @@ class CudaFunctions(TorchFunctionMode):
             if asked == ASKED_META and name == "to" and out is args[0] and placement.on_gpu(out):
                 # A GPU tensor sent to meta is a new tensor there, and the GPU's memory goes when it does.
                 out = out.clone()
+            elif asked == ASKED_GPU and isinstance(out, torch.Tensor) and placement.on_host(out):
+                # The host's tensor put on the GPU another way (``torch.as_tensor(t, device="cuda")``).
+                out = self._moved_to_gpu(out)
         finally:
             placement.asked = before
         return out
@@ -524,8 +548,24 @@ class CudaFunctions(TorchFunctionMode):
         placement = self.placement
         return placement.telling and placement.on_gpu(t)
 
+    def _moved_to_gpu(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy on the fake GPU of ``t``, the host's: a new storage, said to be made where ``t`` was
+        made if a module's constructor made it (the layer holding the weight)."""
+        placement = self.placement
+        before = placement.asked, placement.moving_from
+        placement.asked, placement.moving_from = ASKED_GPU, placement.born_at(t)
+        try:
+            return t.clone()
+        finally:
+            placement.asked, placement.moving_from = before
+
     def _call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call, done as on CUDA."""
+        if name in ("cpu", "to") and self.placement.on_host(args[0]) and (name == "cpu" or _is_cpu(args[1:], kwargs)):
+            # The host's tensor is on the host already: itself, or (``.to("cpu", dtype)``) converted there.
+            if name == "cpu":
+                return args[0]
+            return func(*(_cpu_as_meta(a) for a in args), **{k: _cpu_as_meta(v) for k, v in kwargs.items()})
         reads_back = name in _READ_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE
         if reads_back and (name != "to" or _is_cpu(args[1:], kwargs)):
             # Values read back to the host (a loss logged, a metric, a
@@ -573,6 +613,11 @@ class CudaFunctions(TorchFunctionMode):
             else:
                 moved = func(*(_to_meta(a) for a in args), **{k: _to_meta(v) for k, v in kwargs.items()})
             uploaded = isinstance(source, torch.Tensor) and source.device.type == "cpu" and isinstance(moved, torch.Tensor)
+            if isinstance(moved, torch.Tensor) and self.placement.on_host(moved):
+                # The host's tensor (``to`` of a tensor on the device it is on returns it): its copy,
+                # an upload of data where it is no module's weight (features computed on the host).
+                uploaded = self.placement.born_at(moved) is None and not isinstance(moved, torch.nn.Parameter)
+                moved = self._moved_to_gpu(moved)
             if self.on_upload is not None and uploaded:
                 self.on_upload(moved)
             return moved
@@ -584,11 +629,17 @@ class CudaFunctions(TorchFunctionMode):
             named_gpu = True
         if kwargs.get("device") is not None:
             kwargs["device"] = _to_meta(kwargs["device"])
-        elif self.build_on_meta and name in _FACTORIES and _building_module():
-            # A module's weights made without a device would be made on the
-            # CPU and moved; on meta they are never allocated at all.
+        elif self.build_on_meta and name in _FACTORIES and name != "tensor" and _building_module():
+            # A module's weights made without a device would be made on the CPU and moved; on
+            # meta they are never allocated at all, and stand for the host's until they are moved.
+            # (``torch.tensor(data)``, data the module holds, is made on the host as it is.)
             kwargs["device"] = FAKE_DEVICE
-            named_gpu = True
+            placement = self.placement
+            before, placement.asked = placement.asked, ASKED_HOST
+            try:
+                return self._call(func, name, args, kwargs)
+            finally:
+                placement.asked = before
         if name == "tensor" and named_gpu and args and next(tensors_in(args[0]), None) is None:
             # (Data holding tensors, a list of 0-d ones as torchtune's rotary scaling builds, has no
             # values on the host: it is made on the fake GPU as it is.)
