@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -86,10 +86,7 @@ class Placement:
             return False
         if not self._script_meta and not self._host:
             return True
-        if is_traceable_wrapper_subclass(t):
-            return any(self.on_gpu(inner) for inner in plain_tensors(cast(torch.Tensor, t)))
-        key = id(t.untyped_storage())
-        return key not in self._script_meta and key not in self._host
+        return self._kind(t) is None
 
     def script_meta(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a tensor without data) is one the script made on ``meta`` itself."""

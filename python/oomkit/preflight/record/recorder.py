@@ -661,7 +661,7 @@ class Recorder(TorchDispatchMode):
             made_from = {id(t.untyped_storage()) for t in tensors_in(args, kwargs) if on_meta(t) and not is_traceable_wrapper_subclass(t)}
         # A module's weight made for the host in its constructor: the stack that made it, where its
         # copy on the GPU is said to be made (the layer holding it, as if it had been built there).
-        born_at = self._stack_id() if where == ASKED_HOST and self.placement.asked == ASKED_HOST else None
+        born_at = self._stack_id() if self.placement.asked == ASKED_HOST else None
         for t in tensors_in(out):
             if not on_meta(t) or is_traceable_wrapper_subclass(t):
                 continue

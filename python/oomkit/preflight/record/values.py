@@ -144,7 +144,7 @@ def _small(t: torch.Tensor) -> bool:
 
 
 def _on_host(a: Any) -> Any:
-    """A factory's argument with the device it makes on the CPU in place of ``meta``."""
+    """An operation's argument with the CPU in place of ``meta`` where it names a device (a factory's ``device=``)."""
     return torch.device("cpu") if isinstance(a, torch.device) and a.type == _META else a
 
 
@@ -219,11 +219,8 @@ class Values:
         entry = self._shadows.get(id(t))
         if entry is None:
             return None
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None
-        if entry[0] != id(st) or entry[1] != (t.storage_offset(), t.shape, t.dtype):
+        key = _storage_id(t)
+        if key is None or entry[0] != key or entry[1] != (t.storage_offset(), t.shape, t.dtype):
             # Another tensor's, whose id this one took.
             return None
         return entry[2]
@@ -387,9 +384,7 @@ class Values:
                 assumed = assumed or s.assumed
                 opaque = opaque or s.opaque
                 return s.values
-            if isinstance(a, torch.device) and a.type == _META:
-                return torch.device("cpu")
-            return a
+            return _on_host(a)
 
         cpu_args, cpu_kwargs = _mapped(to_cpu, args), _mapped(to_cpu, kwargs)
         if missing:

@@ -301,10 +301,12 @@ _READ_BACK = frozenset({"cpu", "to", "tolist", "numpy"})
 
 def _is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``Tensor.to``'s arguments name the CPU."""
-    for a in (*args, kwargs.get("device")):
-        if (isinstance(a, torch.device) and a.type == "cpu") or (isinstance(a, str) and a.split(":")[0] == "cpu"):
-            return True
-    return False
+    return any(_names_cpu(a) for a in (*args, kwargs.get("device")))
+
+
+def _names_cpu(device: Any) -> bool:
+    """Whether ``device`` (a device or its name) is the CPU."""
+    return (isinstance(device, torch.device) and device.type == "cpu") or (isinstance(device, str) and device.split(":")[0] == "cpu")
 
 
 def _cuda_by_default() -> bool:
@@ -352,9 +354,7 @@ def _to_meta(value: Any) -> Any:
 
 def _cpu_as_meta(value: Any) -> Any:
     """``Tensor.to``'s argument with the CPU named as ``meta``, where the host's tensors without data are."""
-    if (isinstance(value, torch.device) and value.type == "cpu") or (isinstance(value, str) and value.split(":")[0] == "cpu"):
-        return FAKE_DEVICE
-    return value
+    return FAKE_DEVICE if _names_cpu(value) else value
 
 
 def _names_meta(device: Any) -> bool:
