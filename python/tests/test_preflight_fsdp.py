@@ -196,3 +196,67 @@ def test_a_model_built_on_meta_and_sharded_is_made_on_the_gpu_with_to_empty(tmp_
     # Each GPU holds a quarter of each weight and bias; AdamW keeps two moments of that shard.
     shard = 4 * (1024 * 1024 * 4 // 4 + 1024)
     assert run["by_role"]["optimizer_state"] == 2 * shard, run["by_role"]
+
+
+#: FSDP's first API (the wrapper class, as accelerate's and Lightning's FSDP strategies run it):
+#: each block its own unit, bf16 mixed precision, with the original parameters or flat ones.
+FSDP1 = """import functools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(512)
+        self.up, self.down = nn.Linear(512, 2048), nn.Linear(2048, 512)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(512, 512)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+model = FullyShardedDataParallel(Net(), auto_wrap_policy=wrap, mixed_precision=bf16,
+                                 device_id=torch.cuda.current_device(), use_orig_params=sys.argv[1] == "orig")
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(4, 256, 512, device="cuda")).float().square().mean().backward()
+    model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("params", ["orig", "flat"])
+def test_fsdp_wrapper_class_with_mixed_precision_keeps_a_shard_on_each_gpu(tmp_path: Path, params: str) -> None:
+    script = tmp_path / "fsdp1.py"
+    script.write_text(FSDP1)
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "4")
+    run = preflight_run(script, args=(params,), launcher=launcher)
+    assert run["steps"] == 2, run
+    # Each block (a norm, 512 x 2048 and 2048 x 512 with biases) and the root (the head) flattened
+    # and split four ways, in float32: a quarter of every weight on this GPU.
+    block = 2 * 512 + 512 * 2048 + 2048 + 2048 * 512 + 512
+    shard = (4 * block + 512 * 512 + 512) // 4 * 4  # a quarter of the elements, 4 bytes each
+    assert run["by_role"]["parameters"] == shard, run["by_role"]
+    # AdamW's two moments of the shard; a moment served from a larger cached block counts that
+    # block, as CUDA's allocator does (a remainder under 1 MiB is not split off).
+    assert 2 * shard <= run["by_role"]["optimizer_state"] < 2 * shard + (1 << 20), run["by_role"]

@@ -235,3 +235,28 @@ def test_a_convolution_that_cannot_run_fails_as_pytorchs_kernel_fails() -> None:
                 assert "kernels.py" not in str(e)
             else:
                 raise AssertionError(f"a convolution of {[getattr(a, 'shape', a) for a in args]} ran")
+
+
+def test_sync_batch_norms_cuda_only_operators_are_sized_as_cuda_allocates_them() -> None:
+    # PyTorch has no meta kernel for SyncBatchNorm's operators at all: CUDA's, in
+    # aten/src/ATen/native/cuda/Normalization.cu, keep statistics in float32 for a
+    # half-precision input and make the elementwise results like the input.
+    m = torch.device("meta")
+    x = torch.empty(8, 16, 10, 10, device=m, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    weight = torch.empty(16, device=m, dtype=torch.bfloat16)
+    with native_meta_kernels_current():
+        mean, invstd = torch.batch_norm_stats(x, 1e-5)
+        assert (mean.shape, mean.dtype, invstd.shape, invstd.dtype) == ((16,), torch.float32, (16,), torch.float32)
+        gathered = torch.empty(4, 16, device=m)
+        counts = torch.empty(4, device=m)
+        g_mean, g_invstd = torch.batch_norm_gather_stats_with_counts(x, gathered, gathered, None, None, 0.1, 1e-5, counts)
+        assert (g_mean.shape, g_invstd.shape, g_mean.dtype) == ((16,), (16,), torch.float32)
+        out = torch.batch_norm_elemt(x, weight, weight, g_mean, g_invstd, 1e-5)
+        assert (out.shape, out.dtype, out.stride()) == (x.shape, x.dtype, x.stride())
+        sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(x, x, g_mean, g_invstd, weight, True, True, False)
+        assert (sum_dy.shape, sum_dy_xmu.dtype, grad_w.shape, grad_w.dtype) == ((16,), torch.float32, (16,), torch.bfloat16)
+        assert grad_b is None
+        grad = torch.batch_norm_backward_elemt(x, x, g_mean, g_invstd, weight, sum_dy, sum_dy_xmu, counts.int())
+        assert (grad.shape, grad.dtype, grad.stride()) == (x.shape, x.dtype, x.stride())
+    # Outside a preflight the operators are PyTorch's again: CUDA's alone.
+    assert "Meta:" not in torch._C._dispatch_dump("aten::batch_norm_stats")

@@ -204,3 +204,117 @@ def test_pipeline_schedules_keep_the_micro_batches_they_hold_in_flight(tmp_path:
     assert 4 * kept <= one_f_one_b["activations"] <= 2.2 * 4 * kept, one_f_one_b
     # The interleaved schedule's second stage on rank 0 takes its inputs' shapes from what rank 0 sent.
     assert any("pipeline stage 2's inputs are taken" in n for n in runs["interleaved"]["notes"]), runs["interleaved"]["notes"]
+
+
+#: DDP started by the script itself, one process per GPU, as PyTorch's DDP tutorials do.
+SPAWNED = """
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+def work(rank, world, steps):
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", "12355")
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    net = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024)).to(rank)
+    net = DistributedDataParallel(net, device_ids=[rank])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad()
+        net(torch.randn(16, 1024, device=rank)).square().mean().backward()
+        opt.step()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(2, 3), nprocs=2, join=True)
+"""
+
+
+def test_processes_the_script_spawns_itself_run_rank_zero_here(tmp_path: Path) -> None:
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    run = preflight_run(script, "--gpus", "2")
+    weights = (1024 * 2048 + 2048 + 2048 * 1024 + 1024) * 4
+    assert run["steps"] == 2, run
+    # DDP keeps the whole model on each GPU: the weights, their gradients and SGD's momentum.
+    assert run["by_role"]["parameters"] == weights, run["by_role"]
+    assert run["by_role"]["optimizer_state"] == weights, run["by_role"]
+    assert any("starts 2 process(es) with torch.multiprocessing" in n and "rank 0 of 2" in n for n in run["notes"]), run["notes"]
+
+
+#: Lightning's own DDP over the machine's GPUs: it counts them, and gives the loader a distributed sampler.
+LIGHTNING_DDP = """
+import torch
+import lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(1024, 1024)
+
+    def training_step(self, batch, _):
+        (x,) = batch
+        return self.body(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+if __name__ == "__main__":
+    data = DataLoader(TensorDataset(torch.randn(256, 1024)), batch_size=32)
+    trainer = L.Trainer(accelerator="gpu", devices=4, strategy="ddp", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Net(), data)
+"""
+
+
+def test_lightning_ddp_over_the_machines_gpus_runs_as_rank_zero(tmp_path: Path) -> None:
+    script = tmp_path / "lightning_ddp.py"
+    script.write_text(LIGHTNING_DDP)
+    run = preflight_run(script, "--gpus", "4")
+    weights = (1024 * 1024 + 1024) * 4
+    assert run["steps"] == 2, run
+    assert run["by_role"]["parameters"] == weights, run["by_role"]
+    # AdamW's two moments (its step counts on the host); each rank's batch is the loader's 32 rows.
+    assert run["by_role"]["optimizer_state"] == 2 * weights, run["by_role"]
+    assert run["by_role"]["inputs"] == 32 * 1024 * 4, run["by_role"]
+    assert any("rank 0 of 4 GPUs" in n for n in run["notes"]), run["notes"]
+
+
+#: Batch norm synchronised across the GPUs (``--sync-bn`` in detection and segmentation trainers).
+SYNC_BATCH_NORM = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16))
+net = DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(net).cuda(), device_ids=[rank])
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for _ in range(3):
+    net(torch.randn(8, 3, 32, 32, device="cuda")).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_batch_norm_synchronised_across_gpus_runs_its_cuda_only_operators(tmp_path: Path) -> None:
+    script = tmp_path / "sync_bn.py"
+    script.write_text(SYNC_BATCH_NORM)
+    run = preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert run["steps"] == 2, run
+    # Blocks of 512 bytes: the convolution's 16 x 3 x 3 x 3 floats (1,728 bytes) in four; batch
+    # norm's weight, bias, running mean and variance and its count of batches in one each.
+    assert run["by_role"]["parameters"] == 4 * 512 + 5 * 512, run["by_role"]
+    # The convolution's output, which the synchronised batch norm keeps for its backward.
+    conv_out = 8 * 16 * 32 * 32 * 4
+    assert conv_out <= run["by_role"]["activations"] < conv_out + 4096, run["by_role"]

@@ -1175,3 +1175,71 @@ def test_masks_that_split_one_tensor_share_its_elements_at_their_largest(tmp_pat
     # unevenly as routing can go), where each alone at its largest would take them all again;
     # a threshold's selection is every element.
     assert printed.count("ROWS [8192, 0, 0, 0] [8192, 0, 0, 0] 8192") == 2, printed[-2000:]
+
+
+def test_checkpoints_the_script_saves_leave_the_users_files_as_they_were(tmp_path: Path) -> None:
+    # A script that saves as it trains, over the checkpoints a user already has: torch.save of the
+    # optimizer, safetensors of a weight, save_pretrained of the model, each loaded back as a
+    # resuming or evaluating script does.
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = {name: f"the user's own {name}\n" for name in ("model.safetensors", "optimizer.pt", "head.safetensors", "best.pt")}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        from safetensors.torch import load_file, save_file
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)).cuda()
+        # As on a GPU, each storage has an address of its own, and tied weights share one.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        assert params["lm_head.weight"].data_ptr() == params["transformer.wte.weight"].data_ptr()
+        assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
+        assert all(p.data_ptr() != 0 for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, 512, (2, 32), device="cuda")
+        for _ in range(3):
+            # What a Trainer saves beside the model: CUDA's random state, asked of torch.cuda.random.
+            torch.save({"cuda": torch.cuda.random.get_rng_state_all()}, "out/rng_state.pth")
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.save_pretrained("out")
+            torch.save(opt.state_dict(), "out/optimizer.pt")
+            torch.save(model.state_dict(), "out/best.pt")
+            save_file({"head": model.lm_head.weight.detach()}, "out/head.safetensors")
+            opt.load_state_dict(torch.load("out/optimizer.pt"))
+            model.load_state_dict(torch.load("out/best.pt", map_location="cuda"))
+            assert load_file("out/head.safetensors", device="cuda")["head"].shape == (512, 64)
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    assert run["steps"] == 2, run
+    assert {name: (out / name).read_text() for name in theirs} == theirs
+    assert any("were not written where it says (the first: out/rng_state.pth)" in n for n in run["notes"]), run["notes"]
+
+
+def test_a_failure_after_a_checkpointed_backward_names_no_forward(tmp_path: Path) -> None:
+    # Checkpointing's recomputation stops early by raising past its modules' forward hooks; once
+    # the backward is over, none of them is running, whatever fails next.
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        from torch.utils.checkpoint import checkpoint_sequential
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(8, 256, device="cuda", requires_grad=True)
+            checkpoint_sequential(model, 2, x, use_reentrant=False).sum().backward()
+            opt.step()
+            if step:
+                raise ValueError("a bug in the script's logging")
+        """,
+    )
+    run = preflight_run(script, "--steps", "3")
+    failed = [n for n in run["notes"] if "a bug in the script's logging" in n]
+    assert failed and "forward" not in failed[0], run["notes"]

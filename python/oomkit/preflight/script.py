@@ -193,6 +193,7 @@ class _Session:
             # The fix that shards the model needs the process group before the model moves.
             start_process_group="fsdp" in self.launch.fixes,
             torchrun_environment=self.launch.torchrun,
+            save_dir=self.run_dir,
             hooks=[
                 Hook("the optimizer's step begins its phase", register_optimizer_step_pre_hook, self._before_step),
                 Hook("the optimizer's step ends a training step", register_optimizer_step_post_hook, self._after_step),

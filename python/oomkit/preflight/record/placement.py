@@ -140,6 +140,10 @@ class Placement:
                 found = kind if found in (None, kind) else ASKED_META
         return found
 
+    def holds_script_meta(self, st: Any) -> bool:
+        """Whether storage ``st`` is one the script made on ``meta`` itself."""
+        return bool(self._script_meta) and id(st) in self._script_meta
+
     def holds(self, st: Any) -> bool:
         """Whether storage ``st`` is the script's meta or the host's: no device memory."""
         return (bool(self._script_meta) and id(st) in self._script_meta) or (bool(self._host) and id(st) in self._host)

@@ -501,12 +501,20 @@ class Recorder(TorchDispatchMode):
     @property
     def module_depth(self) -> int:
         """How many modules' forwards are running now, one inside the other (1: a top-level forward)."""
-        return len(self._modules) + len(self._recomputing)
+        return len(self._modules) + len(self._live_recomputing())
+
+    def _live_recomputing(self) -> list[tuple[int, str]]:
+        """The recomputed forwards running: none once the backward is over (a recomputation that
+        stopped early, by raising past its forward hooks, is left on the list until the next forward)."""
+        if self._recomputing and torch._C._current_graph_task_id() == -1:
+            self._recomputing.clear()
+        return self._recomputing
 
     def innermost_module(self) -> str | None:
         """The class of the innermost module whose forward is running (or was, when an error left it), if any."""
-        if self._recomputing:
-            return self._recomputing[-1][1]
+        recomputing = self._live_recomputing()
+        if recomputing:
+            return recomputing[-1][1]
         return self._modules[-1] if self._modules else None
 
     # ---- what the step does ----

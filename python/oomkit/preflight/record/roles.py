@@ -79,7 +79,9 @@ class Known:
         """Every tensor that becomes a parameter's ``.grad`` is a gradient, even one replaced
         later in the same backward (a weight used twice, as tied embeddings are)."""
         for p in params:
-            if p.requires_grad and id(p) not in self._watched:
+            # A module's parameter that is a view during its forward (FSDP1's of its flat parameter, with
+            # use_orig_params) gets no gradient of its own: the flat parameter does, and is watched.
+            if p.requires_grad and p.is_leaf and id(p) not in self._watched:
                 self._watched.add(id(p))
                 p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
 

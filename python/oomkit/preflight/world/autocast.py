@@ -20,6 +20,7 @@ PyTorch's own error, as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -320,7 +321,11 @@ def _asking() -> Iterator[Any]:
     # only autocast's switches kept as they are.
     keep = torch._C._dispatch_tls_local_exclude_set() & _AUTOCAST_KEYS
     clean = torch._C._ForceDispatchKeyGuard(_PLAIN_INCLUDE, keep)
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher(), clean:
+    # The question is preflight's own: what PyTorch warns while answering it (why a fake CUDA
+    # tensor cannot take flash attention, where the script allows no other) is not the script's.
+    quiet = warnings.catch_warnings()
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher(), clean, quiet:
+        warnings.simplefilter("ignore")
         yield FakeTensorMode(allow_non_fake_inputs=True)
 
 

@@ -39,6 +39,7 @@ from typing import Any, cast
 import torch
 import torch.utils._device as _default_device
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from oomkit import _native
 from oomkit.preflight.record.host import HostMemory, host_zeros
@@ -131,6 +132,25 @@ def stream_stand_ins() -> dict[str, Any]:
     }
 
 
+def record_stream_stand_in() -> list[tuple[Any, str, Any]]:
+    """``Tensor.record_stream`` that does nothing for a tensor without data, as (owner, name, value).
+
+    A buffer used on a side stream is recorded on it so that the allocator
+    keeps it until that stream is done (FSDP's mixed precision frees its
+    low-precision shards so); with one stream there is nothing to keep, and
+    the stream given is one of ``stream_stand_ins``, which PyTorch's own
+    method refuses ("unknown parameter type").
+    """
+    record = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if self.device.type in ("cuda", FAKE_DEVICE) and isinstance(stream, _Stream):
+            return None
+        return record(self, stream)
+
+    return [(torch.Tensor, "record_stream", record_stream)]
+
+
 #: Compute capability reported for the GPU: Hopper, unless the capacity names an older GPU.
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -179,8 +199,13 @@ def capability(capacity: str | None) -> tuple[int, int]:
     return found if found is not None else HOPPER
 
 
-def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries) -> dict[str, Any]:
-    """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's (through ``memory``)."""
+def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries, gpus: int = 1) -> dict[str, Any]:
+    """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's (through ``memory``).
+
+    The machine has ``gpus`` of them (``--gpus``), as a script that chooses its
+    devices counts them (Lightning's ``devices=4``, ``mp.spawn(nprocs=device_count())``);
+    the script runs as rank 0 on the first, the one measured.
+    """
     major, minor = capability(capacity)
 
     def properties(*_: Any, **__: Any) -> Any:
@@ -194,7 +219,7 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
 
     return {
         "is_available": lambda: True,
-        "device_count": lambda: 1,
+        "device_count": lambda: gpus,
         "current_device": lambda: 0,
         "set_device": nothing(),
         "synchronize": nothing(),
@@ -216,8 +241,8 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
     }
 
 
-def accelerator_answers(rec: Any, memory: MemoryQueries) -> dict[str, Any]:
-    """What ``torch.accelerator`` (PyTorch's device-agnostic API) answers under preflight: CUDA, one GPU, as ``torch.cuda`` does.
+def accelerator_answers(rec: Any, memory: MemoryQueries, gpus: int = 1) -> dict[str, Any]:
+    """What ``torch.accelerator`` (PyTorch's device-agnostic API) answers under preflight: CUDA, ``gpus`` GPUs, as ``torch.cuda`` does.
 
     Without these a PyTorch built for the CPU has no accelerator at all, and
     a script written for ``torch.accelerator`` would train on the CPU.
@@ -227,7 +252,7 @@ def accelerator_answers(rec: Any, memory: MemoryQueries) -> dict[str, Any]:
     return {
         "current_accelerator": lambda *_, **__: torch.device("cuda"),
         "is_available": lambda: True,
-        "device_count": lambda: 1,
+        "device_count": lambda: gpus,
         "current_device_index": lambda: 0,
         "current_device_idx": lambda: 0,
         "set_device_index": lambda *_, **__: None,
@@ -434,6 +459,40 @@ def _asked(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | No
 #: ``Tensor.get_device``, as the function mode receives it: a fake GPU tensor's is 0.
 _GET_DEVICE = torch.Tensor.get_device
 
+#: ``Tensor.data_ptr``, as the function mode receives it: a fake GPU tensor's is an address of its own.
+_DATA_PTR = torch.Tensor.data_ptr
+
+#: The alignment of the addresses given to storages without data: the CUDA caching
+#: allocator's block size, which kernels' alignment checks (16 bytes and more) pass.
+ADDRESS_ALIGNMENT_BITS = 9
+
+#: ``UntypedStorage.data_ptr`` as PyTorch has it (a meta storage's is 0).
+_STORAGE_DATA_PTR = torch.UntypedStorage.data_ptr
+
+
+def _address(st: Any) -> int:
+    """The address a storage without data is given: its own while it lives, shared by its views, never 0.
+
+    On a GPU every storage has its own address, and code tells shared
+    weights apart by it (transformers' tied weights check before saving,
+    safetensors' shared tensors, a tracker's count of unique storages); a
+    ``meta`` storage's is 0, so every tensor would look like one. The
+    storage's C++ object is unique while it lives, as an address is.
+    """
+    return int(st._cdata) << ADDRESS_ALIGNMENT_BITS
+
+
+def storage_address_stand_in(placement: Placement) -> list[tuple[Any, str, Any]]:
+    """``UntypedStorage.data_ptr`` giving the fake GPU's and the host's storages without data an
+    address each, as (owner, name, value); the script's own meta storages keep 0, as PyTorch gives."""
+
+    def data_ptr(self: Any) -> int:
+        if self.device.type != FAKE_DEVICE or self.nbytes() == 0 or placement.holds_script_meta(self):
+            return int(_STORAGE_DATA_PTR(self))
+        return _address(self)
+
+    return [(torch.UntypedStorage, "data_ptr", data_ptr)]
+
 #: Calls that CUDA does as ``meta`` does: they ask a tensor about itself, or set a flag, and
 #: make nothing a device, autocast or a read back could change. Most calls that reach the
 #: mode are these (PyTorch's own Python reads ``untyped_storage()``, ``dim()``, ``size()``
@@ -518,6 +577,15 @@ class CudaFunctions(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if func is _GET_DEVICE:
             return 0 if self._told(args[0]) else -1 if self.placement.on_host(args[0]) else func(*args)
+        if func is _DATA_PTR:
+            t = args[0]
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
+                st = t.untyped_storage()
+                placement = self.placement
+                if placement.telling and st.device.type == FAKE_DEVICE and t.numel() and not placement.holds_script_meta(st):
+                    # As on the GPU: the storage's address, past the tensor's offset into it.
+                    return _address(st) + t.storage_offset() * t.element_size()
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         asked = _asked(name, args, kwargs)

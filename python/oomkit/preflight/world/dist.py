@@ -89,7 +89,58 @@ def rank_zero_note(world_size: int) -> str:
 def parallel_stand_ins(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:
     """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, and
     ``nn.DataParallel`` as its first GPU, as (owner, attributes) to set."""
-    return fsdp_on_meta() + ddp_on_one_rank(notes) + data_parallel_on_first_gpu(notes, world_size) + dtensor_random_on_shards()
+    return (
+        fsdp_on_meta()
+        + ddp_on_one_rank(notes)
+        + data_parallel_on_first_gpu(notes, world_size)
+        + dtensor_random_on_shards()
+        + spawned_ranks_in_process(notes, world_size)
+    )
+
+
+class _RanksRunHere:
+    """What ``torch.multiprocessing.spawn(..., join=False)`` returns when rank 0 has already run
+    in this process: a context whose processes have all ended well."""
+
+    def __init__(self) -> None:
+        self.processes: list[Any] = []
+        self.error_files: list[str] = []
+
+    def pids(self) -> list[int]:
+        """The processes' ids: this one, where rank 0 ran."""
+        return [os.getpid()]
+
+    def join(self, *_: Any, **__: Any) -> bool:
+        """Whether every process has ended: each has."""
+        return True
+
+
+def spawned_ranks_in_process(notes: Notes, world_size: int = 1) -> list[tuple[Any, dict[str, Any]]]:
+    """``torch.multiprocessing.spawn`` and ``start_processes`` run rank 0's function in this
+    process, as (owner, attributes) to set.
+
+    A script that starts one process per GPU itself (the pattern of PyTorch's
+    DDP tutorials and Lightning's ``ddp_spawn``) gives each a fresh
+    interpreter, where the fake GPU is not: its ``init_process_group("nccl")``
+    would find no GPU. Each rank holds what rank 0 holds, so rank 0's
+    function runs here, with the script's arguments, on the fake GPU and in
+    the fake process group of ``--gpus`` ranks; the others are not started.
+    """
+    import torch.multiprocessing as mp
+
+    def start_processes(fn: Any, args: Any = (), nprocs: int = 1, join: bool = True, *_: Any, **__: Any) -> Any:
+        if nprocs > 1 or world_size > 1:
+            differs = nprocs > 1 and nprocs != world_size
+            notes.add(
+                f"the script starts {nprocs} process(es) with torch.multiprocessing: rank 0's function ran in the script's "
+                f"process, as rank 0 of {world_size} GPU(s)" + (f" (--gpus {nprocs} measures it as one of {nprocs})" if differs else "")
+            )
+        fn(0, *args)
+        return None if join else _RanksRunHere()
+
+    spawn_module = sys.modules.get("torch.multiprocessing.spawn")
+    values = {"spawn": start_processes, "start_processes": start_processes}
+    return [(owner, values) for owner in (mp, spawn_module) if owner is not None]
 
 
 def dtensor_random_on_shards() -> list[tuple[Any, dict[str, Any]]]:

@@ -20,6 +20,7 @@ process. Adding a stand-in is one entry in :meth:`FakeGpu.ledger`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -52,9 +53,11 @@ from oomkit.preflight.world.cuda import (
     foreach_stand_ins,
     moved_in_place_stand_in,
     no_graph_capture,
+    record_stream_stand_in,
     refused_kernels,
     refusing_stand_ins,
     saved_tensor_hooks_in_mode,
+    storage_address_stand_in,
     wrapper_subclass_stand_in,
 )
 from oomkit.preflight.world.dist import (
@@ -70,7 +73,8 @@ from oomkit.preflight.world.flex import device_check_stand_in, flex_rules
 from oomkit.preflight.world.graphs import CudaGraphs
 from oomkit.preflight.world.imports import replaced, when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
-from oomkit.preflight.world.memory import MemoryQueries
+from oomkit.preflight.world.memory import MemoryQueries, rng_answers
+from oomkit.preflight.world.saves import SavedAside
 from oomkit.preflight.world.triton import launch_stand_ins
 
 #: PyTorch's module wrapping a module in activation checkpointing (``checkpoint_wrapper``).
@@ -152,6 +156,7 @@ class FakeGpu:
         stand_ins: list[StandIn] | None = None,
         on_optimizer_made: Callable[[torch.optim.Optimizer], None] | None = None,
         on_module_moved: Callable[[list[torch.Tensor]], None] | None = None,
+        save_dir: str | None = None,
     ) -> None:
         self.settings = settings
         self.recorder, self.memory = recorder, memory
@@ -174,6 +179,10 @@ class FakeGpu:
         self.recipe = RecipeSeen(on_bound=self.bounds.said_by_recipe)
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
+        #: The folder the script's saves are kept in (this run's own), or None for a temporary one.
+        self.save_dir = save_dir
+        #: Where the checkpoints the script saves went, once the ledger is made.
+        self.saves: SavedAside | None = None
 
     # ----- the ledger ---------------------------------------------------------
 
@@ -188,17 +197,31 @@ class FakeGpu:
         # Every operation runs a meta kernel: the C++ ones are about a hundred times faster than the Python ones.
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
-        attrs("torch.cuda answers as one GPU of the capacity", torch.cuda, device_answers(s.capacity, s.capacity_bytes, rec, memory))
+        gpus = device_answers(s.capacity, s.capacity_bytes, rec, memory, s.gpus)
+        attrs("torch.cuda answers as a machine of --gpus GPUs of the capacity, the script on the first", torch.cuda, gpus)
         attrs("a CUDA random generator is a host one, which tensors without data draw from", torch, {"Generator": CudaGenerator})
+        # cuDNN would copy a recurrent layer's weights into one buffer of the same size, views of it
+        # taking their place; its kernel needs a GPU, so the weights stay as they are.
+        unflattened = {"_use_cudnn_rnn_flatten_weight": lambda: False}
+        attrs("a recurrent layer's weights are not gathered into cuDNN's one buffer", torch, unflattened)
+        # A Trainer saving a checkpoint asks torch.cuda.random itself for the state.
+        cuda_random = sys.modules.get("torch.cuda.random")
+        states = {k: v for k, v in rng_answers().items() if hasattr(cuda_random, k)}
+        attrs("CUDA's random state answered without a GPU", cuda_random, states)
         absent = AbsentCheckpoints(self.notes, self.functions.on_upload)
-        fake_load = absent.torch_load(load_stand_in(rec.placement, rec.values))
+        saves = self.saves = SavedAside(self.notes, self.save_dir)
+        fake_load = saves.torch_load(absent.torch_load(load_stand_in(rec.placement, rec.values)))
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
+        kept_aside = "checkpoints the script saves are kept in preflight's own folder, never written where it says"
+        attrs(kept_aside, torch, {"save": saves.torch_save(torch.serialization.save)})
+        attrs(kept_aside, torch.serialization, {"save": saves.torch_save(torch.serialization.save)})
         not_there = "a checkpoint that is not there loads as a stand-in; what it is loaded into keeps its tensors"
         for owner, name, value in absent.torch_stand_ins():
             entries.append(StandIn(not_there, owner, name, value))
         for module in SAFETENSORS:
             entries.append(Hook(not_there, when_imported(module), absent.safetensors_stand_ins))
+            entries.append(Hook(kept_aside, when_imported(module), saves.safetensors_stand_ins))
         for module in HUB:
             entries.append(Hook("a weight file the script asks of the hub is not downloaded", when_imported(module), absent.hub_stand_ins))
         for module in ("torch.hub", *URL_LOADERS):
@@ -208,7 +231,7 @@ class FakeGpu:
             torch.cuda.memory,
             {**memory.cuda_answers(), **memory.history_answers()},
         )
-        accelerator = accelerator_answers(rec, memory)
+        accelerator = accelerator_answers(rec, memory, s.gpus)
         device_api = getattr(torch, "accelerator", None)
         for owner in (device_api, getattr(device_api, "memory", None)):
             attrs("torch.accelerator answers as CUDA", owner, {k: v for k, v in accelerator.items() if hasattr(owner, k)})
@@ -219,6 +242,10 @@ class FakeGpu:
         # Fake CUDA tensors (DTensor's sharding propagation, autocast's questions) would start the
         # CUDA that torch.cuda.is_available() says is there: there is none to start.
         attrs("fake CUDA tensors start no CUDA", _fake_tensor_mode(), {"avoid_device_init": property(lambda self: True)})
+        for owner, name, value in record_stream_stand_in():
+            entries.append(StandIn("a buffer recorded on a side stream: one stream, nothing to keep", owner, name, value))
+        for owner, name, value in storage_address_stand_in(rec.placement):
+            entries.append(StandIn("storages without data have addresses of their own, as on the GPU", owner, name, value))
         for owner, name, value in refusing_stand_ins(rec.refused):
             entries.append(StandIn("what the GPU cannot run stops the script, as on that GPU", owner, name, value))
         for owner, name, value in foreach_stand_ins():
@@ -321,7 +348,10 @@ class FakeGpu:
     def __enter__(self) -> FakeGpu:
         stack = ExitStack()
         try:
-            for entry in self.ledger():
+            entries = self.ledger()
+            if self.saves is not None:
+                stack.callback(self.saves.close)
+            for entry in entries:
                 if isinstance(entry, StandIn):
                     stack.enter_context(replaced(entry.owner, {entry.name: entry.value}))
                 else:
@@ -389,6 +419,8 @@ def _one_process_loader(notes: Notes) -> Any:
     meta tensors between processes; the batch is the same."""
     init = torch.utils.data.DataLoader.__init__
 
+    # Its signature stays DataLoader's: Lightning reads it to make the loader again with a distributed sampler.
+    @functools.wraps(init)
     def new_init(self: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("num_workers", 0):
             kwargs["num_workers"] = 0

@@ -59,6 +59,9 @@ class NativeMetaKernels:
         for name, fn in kernels:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, META):
                 self.kept.impl(name, META, SIZES_ONLY.get(name, fn), False)
+        for name, fn in CUDA_ONLY.items():
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(name, META):
+                self.kept.impl(name, META, fn, False)
         return self
 
     def remove(self) -> None:
@@ -119,6 +122,78 @@ def _batch_norm_backward(
         input.new_empty((input.shape[1],), dtype=dtype) if output_mask[1] else None,
         input.new_empty((input.shape[1],), dtype=dtype) if output_mask[2] else None,
     )
+
+
+def _accumulated(dtype: torch.dtype) -> torch.dtype:
+    """The type CUDA's batch norm kernels keep statistics in (``at::toAccumulateType`` on CUDA)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _sync_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_norm_stats`` (SyncBatchNorm's local statistics): a mean and an inverse
+    deviation per channel, in the accumulation type, as CUDA's kernel makes them."""
+    channels = input.shape[1]
+    acc = _accumulated(input.dtype)
+    return input.new_empty((channels,), dtype=acc), input.new_empty((channels,), dtype=acc)
+
+
+def _sync_gather(
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_norm_gather_stats_with_counts``: every rank's statistics (one row each) made
+    one per channel, like the gathered ones; the running statistics updated in place."""
+    channels = mean.shape[-1]
+    return mean.new_empty((channels,)), mean.new_empty((channels,))
+
+
+def _sync_elementwise(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``batch_norm_elemt``: the normalised output, like the input."""
+    return torch.empty_like(input)
+
+
+def _sync_backward_reduce(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    input_g: bool,
+    weight_g: bool,
+    bias_g: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``batch_norm_backward_reduce``: the sums the input's gradient needs, like the mean, and
+    the weight's and bias's gradients, one per channel; each only where asked for."""
+    channels = input.shape[1]
+    dtype = weight.dtype if weight is not None else input.dtype
+    return (
+        torch.empty_like(mean) if input_g else None,
+        torch.empty_like(mean) if input_g else None,
+        input.new_empty((channels,), dtype=dtype) if weight_g else None,
+        input.new_empty((channels,), dtype=dtype) if bias_g else None,
+    )
+
+
+def _sync_backward_elementwise(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    sum_dy: torch.Tensor,
+    sum_dy_xmu: torch.Tensor,
+    count: torch.Tensor,
+) -> torch.Tensor:
+    """``batch_norm_backward_elemt``: the input's gradient, like the input."""
+    return torch.empty_like(input)
 
 
 def _layer_norm(
@@ -292,6 +367,18 @@ SIZES_ONLY: dict[str, Any] = {
     "aten::ones_like": _factory_like("aten::ones_like"),
     "aten::fill.Scalar": _fill,
     "aten::mean": _mean,
+}
+
+
+#: CUDA operators PyTorch has no meta kernel for at all, each given one that makes its
+#: outputs' sizes as CUDA's kernel allocates them: SyncBatchNorm's (detection and
+#: segmentation trainers' ``--sync-bn``), which would otherwise stop the step.
+CUDA_ONLY: dict[str, Any] = {
+    "aten::batch_norm_stats": _sync_stats,
+    "aten::batch_norm_gather_stats_with_counts": _sync_gather,
+    "aten::batch_norm_elemt": _sync_elementwise,
+    "aten::batch_norm_backward_reduce": _sync_backward_reduce,
+    "aten::batch_norm_backward_elemt": _sync_backward_elementwise,
 }
 
 
