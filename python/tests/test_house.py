@@ -72,6 +72,8 @@ def _owners() -> list[Any]:
         torch.cuda.random,
         torch.multiprocessing,
         sys.modules["torch.multiprocessing.spawn"],
+        torch.profiler,
+        sys.modules["torch.profiler.profiler"],
         autocast_mode.autocast,
         dist,
         ddp,

@@ -1243,3 +1243,33 @@ def test_a_failure_after_a_checkpointed_backward_names_no_forward(tmp_path: Path
     run = preflight_run(script, "--steps", "3")
     failed = [n for n in run["notes"] if "a bug in the script's logging" in n]
     assert failed and "forward" not in failed[0], run["notes"]
+
+
+def test_a_profiled_step_traces_the_host_alone_and_says_so(tmp_path: Path) -> None:
+    # A benchmarking script profiling its steps on CPU and CUDA: tracing CUDA needs the
+    # driver, and each operation would log a C++ backtrace around the answer.
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function, schedule
+        model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=2), profile_memory=True) as prof:
+            for _ in range(4):
+                with record_function("step"):
+                    model(torch.randn(32, 512, device="cuda")).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                prof.step()
+        """,
+    )
+    p = subprocess.run(
+        [OOMKIT, "preflight", "--json", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert p.returncode == 0, p.stderr
+    assert "Failed to record CUDA event" not in p.stderr, p.stderr[-2000:]
+    run = json.loads(p.stdout)["run"]
+    assert run["steps"] == 2 and run["by_role"]["parameters"] == 2 * 512 * 2048 * 4 + 2048 * 4 + 512 * 4, run
+    assert any("profiler traced the host alone" in n for n in run["notes"]), run["notes"]

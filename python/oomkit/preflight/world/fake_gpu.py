@@ -74,6 +74,7 @@ from oomkit.preflight.world.graphs import CudaGraphs
 from oomkit.preflight.world.imports import replaced, when_imported
 from oomkit.preflight.world.kernels import native_meta_kernels
 from oomkit.preflight.world.memory import MemoryQueries, rng_answers
+from oomkit.preflight.world.profiler import PROFILER, HostOnlyProfiler
 from oomkit.preflight.world.saves import SavedAside
 from oomkit.preflight.world.triton import launch_stand_ins
 
@@ -260,6 +261,8 @@ class FakeGpu:
             entries.append(StandIn("torch.autocast('cuda') emulated on meta tensors", owner, name, value))
         for owner, name, value in launch_stand_ins(self.notes):
             entries.append(StandIn("the script's own Triton kernels launched as nothing", owner, name, value))
+        traced = HostOnlyProfiler(self.notes).stand_ins
+        entries.append(Hook("the script's profiler traces the host alone", when_imported(PROFILER), traced))
         entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
         bounded = "the longest sequence the script keeps, as its tokenizer or trainer says it"
         entries.append(Hook(bounded, when_imported(TOKENIZER_BASE), self.bounds.tokenizer_stand_ins))
