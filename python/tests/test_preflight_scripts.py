@@ -1273,3 +1273,32 @@ def test_a_profiled_step_traces_the_host_alone_and_says_so(tmp_path: Path) -> No
     run = json.loads(p.stdout)["run"]
     assert run["steps"] == 2 and run["by_role"]["parameters"] == 2 * 512 * 2048 * 4 + 2048 * 4 + 512 * 4, run
     assert any("profiler traced the host alone" in n for n in run["notes"]), run["notes"]
+
+
+EVALUATED = """
+import torch
+import torch.nn.functional as F
+body = torch.nn.Linear(256, 256).cuda()
+head = torch.nn.Linear(256, 32000).cuda()
+with torch.{mode}():
+    for _ in range(2):
+        hidden = body(torch.randn(8, 128, 256, device="cuda"))
+        # The log-probabilities over the vocabulary, a temporary inside cross_entropy.
+        loss = F.cross_entropy(head(hidden).flatten(0, 1), torch.zeros(8 * 128, dtype=torch.long, device="cuda"))
+        print(f"{{loss.item():.3f}}")
+"""
+
+
+def test_an_evaluation_under_inference_mode_holds_what_it_holds_under_no_grad(tmp_path: Path) -> None:
+    # Under torch.inference_mode() (Lightning's validation, many generation scripts) autograd is
+    # left out, and with it the decomposition of composite operators: item() reached preflight
+    # undecomposed and stopped the script, and the log-probabilities inside cross_entropy went
+    # unseen. Both evaluations hold the same memory, as on a GPU.
+    runs = {}
+    for mode in ("no_grad", "inference_mode"):
+        script = tmp_path / f"{mode}.py"
+        script.write_text(EVALUATED.format(mode=mode))
+        runs[mode] = preflight_run(script, cwd=tmp_path)
+    assert runs["inference_mode"]["peak_allocated_bytes"] == runs["no_grad"]["peak_allocated_bytes"], runs
+    # The logits and the log-probabilities of 8 x 128 tokens over 32,000 words, in float32, at once.
+    assert runs["inference_mode"]["peak_allocated_bytes"] >= 2 * 8 * 128 * 32000 * 4, runs["inference_mode"]

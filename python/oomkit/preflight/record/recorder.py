@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from oomkit.preflight.record.frames import user_line
@@ -87,12 +87,33 @@ def _multiplies(func: Any) -> bool:
     return found
 
 
+#: By operator: whether it has a decomposition autograd runs (a CompositeImplicitAutograd kernel).
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def _composite(func: Any) -> bool:
+    """Whether ``func`` decomposes into other operators above autograd, looked up once per operator."""
+    found = _COMPOSITE.get(func)
+    if found is None:
+        found = False
+        if isinstance(func, torch._ops.OpOverload) and func.namespace == "aten":
+            try:
+                found = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+            except RuntimeError:
+                # An operator the dispatcher does not list by name (TorchScript's prim:: ones).
+                found = False
+        _COMPOSITE[func] = found
+    return found
+
+
 #: ``detach``, whose result shares its input's storage.
 _DETACH = torch.ops.aten.detach.default
 
 #: Operators the recorder answers itself, below Python's functions.
 _PIN_MEMORY = torch.ops.aten._pin_memory.default
-_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+#: A scalar read back (``Tensor.item()``): ``_local_scalar_dense`` where autograd decomposes
+#: ``item``, and ``item`` itself under ``torch.inference_mode()``, where autograd is left out.
+_LOCAL_SCALAR_DENSE = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
 _COPY = torch.ops.aten.copy_.default
 
 #: What ``torch.tensor(data)`` dispatches: the tensor it made out of the modes' sight.
@@ -547,6 +568,17 @@ class Recorder(TorchDispatchMode):
             self._check_time()
         if self.capturing:
             return func(*args, **kwargs)
+        if _composite(func):
+            # Reached undecomposed only where autograd is left out (``torch.inference_mode()``,
+            # Lightning's validation): its pieces are recorded one by one, as in every other
+            # step, so that a temporary inside it (``cross_entropy``'s log-probabilities) counts.
+            _push_mode(self)
+            try:
+                out = func.decompose(*args, **kwargs)
+            finally:
+                _pop_mode()
+            if out is not NotImplemented:
+                return out
         if kwargs.get("pin_memory"):
             # Pinned host memory asked below Python's functions (activations saved to the
             # host by autograd's hooks): plain host memory here, counted as pinned.
@@ -558,7 +590,7 @@ class Recorder(TorchDispatchMode):
             # stands for its pinned copy, counted as such (``HostMemory``).
             self.host.hold(args[0], pinned=True)
             return args[0]
-        if func is _LOCAL_SCALAR_DENSE and on_meta(args[0]):
+        if func in _LOCAL_SCALAR_DENSE and on_meta(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
         if func is _COPY and not on_meta(args[0]) and on_meta(args[1]):
             # A copy back to the host made below Python (DDP's bucket indices
