@@ -1302,3 +1302,36 @@ def test_an_evaluation_under_inference_mode_holds_what_it_holds_under_no_grad(tm
     assert runs["inference_mode"]["peak_allocated_bytes"] == runs["no_grad"]["peak_allocated_bytes"], runs
     # The logits and the log-probabilities of 8 x 128 tokens over 32,000 words, in float32, at once.
     assert runs["inference_mode"]["peak_allocated_bytes"] >= 2 * 8 * 128 * 32000 * 4, runs["inference_mode"]
+
+
+def test_big_model_inference_built_empty_and_dispatched_from_its_checkpoint(tmp_path: Path) -> None:
+    # accelerate's big model inference: the model made without memory (init_empty_weights sends
+    # each new weight to meta), its checkpoint loaded and dispatched in float16, then a generation
+    # under inference_mode. The tied embedding must be the loaded one, as on a GPU.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "ckpt")
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("ckpt"))
+        assert model.transformer.wte.weight.is_meta
+        model.tie_weights()
+        model = load_checkpoint_and_dispatch(model, "ckpt", device_map="auto", no_split_module_classes=["GPT2Block"], dtype=torch.float16)
+        assert model.lm_head.weight.dtype == torch.float16 and model.lm_head.weight.is_cuda
+        with torch.inference_mode():
+            model.generate(torch.randint(0, 512, (2, 16), device="cuda"), max_new_tokens=32, do_sample=False)
+        """,
+    )
+    run = preflight_run(script, cwd=tmp_path)
+    # Every weight once in float16 (the output layer is the embedding), in 512-byte blocks.
+    # Each block: attention's fused projection and output (weights, biases), the MLP's two layers,
+    # two norms; the embeddings of words and positions and the final norm beside them.
+    block = (3 * 256 * 256, 3 * 256, 256 * 256, 256, 4 * 256 * 256, 4 * 256, 4 * 256 * 256, 256, 256, 256, 256, 256)
+    weights = [512 * 256, 128 * 256, *(n for _ in range(4) for n in block), 256, 256]
+    assert run["mode"] == "inference" and run["forwards"] == 32, run
+    assert run["by_role"]["parameters"] == sum(-(-n * 2 // 512) * 512 for n in weights), run["by_role"]

@@ -601,8 +601,9 @@ class CudaFunctions(TorchFunctionMode):
         before, placement.asked = placement.asked, asked
         try:
             out = self._call(func, name, args, kwargs)
-            if asked == ASKED_META and name == "to" and out is args[0] and placement.on_gpu(out):
-                # A GPU tensor sent to meta is a new tensor there, and the GPU's memory goes when it does.
+            if asked == ASKED_META and name == "to" and out is args[0] and (placement.on_gpu(out) or placement.on_host(out)):
+                # A GPU tensor sent to meta is a new tensor there, and the GPU's memory goes when it does;
+                # so is the host's (accelerate's init_empty_weights sends each new weight there).
                 out = out.clone()
             elif asked == ASKED_GPU and isinstance(out, torch.Tensor) and placement.on_host(out):
                 # The host's tensor put on the GPU another way (``torch.as_tensor(t, device="cuda")``).
