@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -360,3 +361,32 @@ def test_a_stand_in_for_a_module_imported_later_is_set_at_its_import_and_taken_b
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("later_lib", None)
+
+
+def test_names_a_library_imported_during_a_preflight_do_as_they_did_after_it(tmp_path: Path) -> None:
+    # A library imported while a preflight runs in the user's process keeps the stand-ins under
+    # the names it imported them by (transformers' ``from safetensors.torch import save_file as
+    # safe_save_file``, ``from huggingface_hub import hf_hub_download``). After the preflight, a
+    # save through such a name must write, and a load of a missing file must fail as it would.
+    (tmp_path / "binds.py").write_text(
+        "from safetensors.torch import load_file, save_file\nimport torch\nsave, load = torch.save, torch.load\n"
+    )
+    code = f"""
+import sys, torch, oomkit
+sys.path.insert(0, {str(tmp_path)!r})
+def net():
+    import binds  # imported under the preflight, as a script's libraries are
+    return torch.nn.Linear(8, 8)
+oomkit.preflight(net, lambda b: torch.zeros(b, 8), micro_batch=2)
+import binds
+binds.save_file({{"w": torch.ones(2)}}, {str(tmp_path / "w.safetensors")!r})
+binds.save({{"w": torch.ones(2)}}, {str(tmp_path / "w.pt")!r})
+assert binds.load_file({str(tmp_path / "w.safetensors")!r})["w"].sum() == 2
+assert binds.load({str(tmp_path / "w.pt")!r})["w"].sum() == 2
+try:
+    binds.load_file({str(tmp_path / "missing.safetensors")!r})
+except FileNotFoundError:
+    print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

@@ -1335,3 +1335,40 @@ def test_big_model_inference_built_empty_and_dispatched_from_its_checkpoint(tmp_
     weights = [512 * 256, 128 * 256, *(n for _ in range(4) for n in block), 256, 256]
     assert run["mode"] == "inference" and run["forwards"] == 32, run
     assert run["by_role"]["parameters"] == sum(-(-n * 2 // 512) * 512 for n in weights), run["by_role"]
+
+
+def test_a_step_calling_its_modules_one_by_one_keeps_no_cache(tmp_path: Path) -> None:
+    # Lightning's validation_step calls the body and the head itself, each a forward of its own:
+    # the head reading the body's output is one step's pipeline, not a cache kept for the next.
+    script = _script(
+        tmp_path,
+        """
+        import lightning as L
+        import torch
+        import torch.nn.functional as F
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.body, self.head = torch.nn.Linear(256, 256), torch.nn.Linear(256, 8000)
+
+            def training_step(self, batch, _):
+                return F.cross_entropy(self.head(self.body(batch[0])), batch[1])
+
+            def validation_step(self, batch, _):
+                self.log("val", F.cross_entropy(self.head(self.body(batch[0])), batch[1]))
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        data = TensorDataset(torch.randn(1024, 256), torch.randint(0, 8000, (1024,)))
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=4, val_check_interval=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Net(), DataLoader(data, batch_size=128), DataLoader(data, batch_size=1024))
+        """,
+    )
+    run = preflight_run(script, "--steps", "3", cwd=tmp_path)
+    assert run["by_role"]["kv_cache"] == 0, run["by_role"]
+    # The validation's logits and log-probabilities of 1,024 rows over 8,000 classes, at once.
+    assert run["by_role"]["temporaries"] >= 2 * 1024 * 8000 * 4, run["by_role"]

@@ -364,6 +364,11 @@ class Recorder(TorchDispatchMode):
         # keeps for the next a cache; a training step's forwards are each their own.
         self._generation_of: dict[int, int] = {}
         self._generation = 0
+        # The module each forward ran (by forward), and whether two such modules are one model (by
+        # their ids): a forward reading what another model made (a head reading a body's output,
+        # each called by a step of its own, as Lightning's validation_step does) keeps no cache.
+        self._module_of: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self._one_model: dict[tuple[int, int], bool] = {}
         self._last_forward_grad = True
         self._backward_seen = False
         #: Whether any backward has run: a run without one reads a loop with gradients on as a generation too.
@@ -469,6 +474,7 @@ class Recorder(TorchDispatchMode):
         if grad or self._last_forward_grad or self._backward_seen:
             self._generation += 1
         self._generation_of[self.forwards] = self._generation
+        self._module_of[self.forwards] = weakref.ref(module)
         self._last_forward_grad = grad
         self._backward_seen = False
 
@@ -770,7 +776,7 @@ class Recorder(TorchDispatchMode):
                     # Made outside the forwards and never written by one: an input they
                     # read again (a prompt each sample starts from), not what they keep.
                     earlier = None
-            if earlier is None:
+            if earlier is None or not self._of_one_model(earlier, now):
                 continue
             if int(index) in self._weight_casts:
                 # Read again by a later forward because autocast's region keeps it, not
@@ -782,6 +788,19 @@ class Recorder(TorchDispatchMode):
                 # Forwards with gradients on and no backward yet: a generation loop that
                 # forgot no_grad, unless a backward comes later and makes it training.
                 self._held_across(int(index), until_backward=True)
+
+    def _of_one_model(self, earlier: int, now: int) -> bool:
+        """Whether forwards ``earlier`` and ``now`` ran one model: the same module, or one inside the
+        other (a generation's encoder, called on its own before the model's steps)."""
+        first, second = self._module_of.get(earlier), self._module_of.get(now)
+        a, b = first() if first is not None else None, second() if second is not None else None
+        if a is None or b is None or a is b:
+            return True
+        key = (id(a), id(b))
+        found = self._one_model.get(key)
+        if found is None:
+            found = self._one_model[key] = any(m is a for m in b.modules()) or any(m is b for m in a.modules())
+        return found
 
     def weight_cast(self, t: torch.Tensor) -> None:
         """Notes ``t`` as autocast's cached cast of a weight (kept for the region, not by a forward)."""

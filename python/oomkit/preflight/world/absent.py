@@ -139,10 +139,18 @@ class AbsentCheckpoints:
         self.seen = False
         # Where a hub would have written what it did not download: noted by URL or file, not by folder.
         self._not_downloaded: set[str] = set()
+        #: Whether the preflight is running. A library imported during it keeps the stand-ins under
+        #: the names it imported (transformers' ``hf_hub_download``), so after it each one does what
+        #: it stands in for again: a download after an in-process preflight downloads.
+        self.active = True
+
+    def close(self) -> None:
+        """Ends the stand-ins: each does what it stands in for from now on."""
+        self.active = False
 
     def _absent(self, path: Any) -> bool:
-        """Whether ``path`` names a file (not an open one) that is not there."""
-        return isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path))
+        """Whether ``path`` names a file (not an open one) that is not there, while the preflight runs."""
+        return self.active and isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path))
 
     def _not_fetched(self, what: str, path: str) -> None:
         """Notes the file ``what`` (a URL, a hub repository's file) as not downloaded to ``path``, whose
@@ -201,7 +209,7 @@ class AbsentCheckpoints:
                 optimizer_load(optimizer, state_dict)
 
         def not_downloaded(url: str, dst: str, *args: Any, **kwargs: Any) -> None:
-            if not str(url).startswith(REMOTE):
+            if not self.active or not str(url).startswith(REMOTE):
                 download(url, dst, *args, **kwargs)
                 return
             # torch.hub then loads the file it would have written, which is not there: a stand-in.
@@ -225,7 +233,7 @@ class AbsentCheckpoints:
         def from_url_or_absent(url: str, model_dir: Any = None, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
             name = kwargs.get("file_name") or os.path.basename(urllib.parse.urlparse(str(url)).path)
             cached = os.path.join(os.fspath(model_dir or os.path.join(torch.hub.get_dir(), "checkpoints")), name)
-            if not str(url).startswith(REMOTE) or os.path.exists(cached):
+            if not self.active or not str(url).startswith(REMOTE) or os.path.exists(cached):
                 return load_url(url, model_dir, map_location, *args, **kwargs)
             self._not_fetched(str(url), cached)
             return self.stand_in(cached, map_location)
@@ -266,7 +274,7 @@ class AbsentCheckpoints:
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         def hf_hub_download(repo_id: str, filename: str, *args: Any, **kwargs: Any) -> Any:
-            if not str(filename).endswith(WEIGHT_FILES) or kwargs.get("dry_run"):
+            if not self.active or not str(filename).endswith(WEIGHT_FILES) or kwargs.get("dry_run"):
                 return download(repo_id, filename, *args, **kwargs)
             try:
                 return download(repo_id, filename, *args, **{**kwargs, "local_files_only": True})

@@ -184,6 +184,8 @@ class FakeGpu:
         self.save_dir = save_dir
         #: Where the checkpoints the script saves went, once the ledger is made.
         self.saves: SavedAside | None = None
+        #: The stand-ins for checkpoints and downloads that are not there, once the ledger is made.
+        self.absent: AbsentCheckpoints | None = None
 
     # ----- the ledger ---------------------------------------------------------
 
@@ -209,7 +211,7 @@ class FakeGpu:
         cuda_random = sys.modules.get("torch.cuda.random")
         states = {k: v for k, v in rng_answers().items() if hasattr(cuda_random, k)}
         attrs("CUDA's random state answered without a GPU", cuda_random, states)
-        absent = AbsentCheckpoints(self.notes, self.functions.on_upload)
+        absent = self.absent = AbsentCheckpoints(self.notes, self.functions.on_upload)
         saves = self.saves = SavedAside(self.notes, self.save_dir)
         fake_load = saves.torch_load(absent.torch_load(load_stand_in(rec.placement, rec.values)))
         for home in (torch, torch.serialization):
@@ -352,8 +354,11 @@ class FakeGpu:
         stack = ExitStack()
         try:
             entries = self.ledger()
+            # Stand-ins a library imported under its own names outlive the run: they end with it.
             if self.saves is not None:
                 stack.callback(self.saves.close)
+            if self.absent is not None:
+                stack.callback(self.absent.close)
             for entry in entries:
                 if isinstance(entry, StandIn):
                     stack.enter_context(replaced(entry.owner, {entry.name: entry.value}))

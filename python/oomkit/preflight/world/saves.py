@@ -93,9 +93,14 @@ class SavedAside:
         # torch.save and torch.load as the ledger has them, for the files kept.
         self._save: Callable[..., Any] = torch.serialization.save
         self._load: Callable[..., Any] = torch.serialization.load
+        #: Whether the preflight is running. A library imported during it keeps the stand-ins under
+        #: the names it imported (transformers' ``safe_save_file``), so after it each one is the
+        #: function it stands in for again: a save after an in-process preflight is written.
+        self.active = True
 
     def close(self) -> None:
-        """Removes a temporary folder of saves (a run's own folder is removed with the run)."""
+        """Ends the stand-ins, and removes a temporary folder of saves (a run's own folder is removed with the run)."""
+        self.active = False
         if self._temporary is not None:
             self._temporary.cleanup()
             self._temporary = None
@@ -134,7 +139,7 @@ class SavedAside:
         self._save = save
 
         def save_aside(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-            if not isinstance(f, (str, os.PathLike)):
+            if not self.active or not isinstance(f, (str, os.PathLike)):
                 save(obj, f, *args, **kwargs)
                 return
             self._keep(obj, f, *args, **kwargs)
@@ -145,6 +150,8 @@ class SavedAside:
         """``torch.load`` (``load``: the ledger's) that reads a path the script saved to from where it was kept."""
 
         def load_kept(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return torch.serialization.load(f, *args, **kwargs)
             return load(self._kept(f) or f, *args, **kwargs)
 
         self._load = load_kept
@@ -154,25 +161,33 @@ class SavedAside:
         """safetensors' savers (of ``safetensors.torch``) that keep what they are given, and its
         loaders (of the package or ``safetensors.torch``) that read what was kept."""
         found: list[tuple[Any, str, Any]] = []
-        if hasattr(module, "save_file"):
+        save_file_as_is = getattr(module, "save_file", None)
+        if save_file_as_is is not None:
 
             def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
+                if not self.active:
+                    return save_file_as_is(tensors, filename, metadata)
                 key = self._keep(dict(tensors), filename)
                 self._safetensors[key] = metadata
+                return None
 
             found.append((module, "save_file", save_file))
-        if hasattr(module, "save_model"):
+        save_model_as_is = getattr(module, "save_model", None)
+        if save_model_as_is is not None:
 
-            def save_model(model: torch.nn.Module, filename: Any, metadata: dict[str, str] | None = None, *_: Any, **__: Any) -> None:
+            def save_model(model: torch.nn.Module, filename: Any, metadata: dict[str, str] | None = None, *args: Any, **kwargs: Any) -> Any:
+                if not self.active:
+                    return save_model_as_is(model, filename, metadata, *args, **kwargs)
                 key = self._keep(dict(model.state_dict()), filename)
                 self._safetensors[key] = metadata
+                return None
 
             found.append((module, "save_model", save_model))
         load_file = getattr(module, "load_file", None)
         if load_file is not None:
 
             def load_file_kept(filename: Any, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
-                kept = self._kept(filename)
+                kept = self._kept(filename) if self.active else None
                 if kept is None:
                     return load_file(filename, device, *args, **kwargs)
                 return self._load(kept, map_location=_location(device))
@@ -182,7 +197,7 @@ class SavedAside:
         if safe_open is not None:
 
             def safe_open_kept(filename: Any, framework: Any = "pt", device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
-                kept = self._kept(filename)
+                kept = self._kept(filename) if self.active else None
                 if kept is None:
                     return safe_open(filename, framework, device, *args, **kwargs)
                 key = os.path.abspath(os.fspath(filename))
