@@ -6,6 +6,7 @@ project's own; each answer is checked against sizes worked out by hand."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from preflight_cli import preflight_run
 
@@ -38,11 +39,16 @@ for _ in range(2):
 """
 
 
+def _under_torchrun(tmp_path: Path, name: str, text: str) -> dict[str, Any]:
+    """The answer for the script ``text``, written as ``name``, launched as a user types it: torchrun's
+    own command line, which decides the world (2 GPUs)."""
+    script = tmp_path / name
+    script.write_text(text)
+    return preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+
+
 def test_tensor_parallel_keeps_a_slice_of_each_weight_launched_by_torchrun(tmp_path: Path) -> None:
-    script = tmp_path / "tp.py"
-    script.write_text(TENSOR_PARALLEL)
-    # As a user types it: torchrun's own command line, which decides the world (2 GPUs).
-    run = preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    run = _under_torchrun(tmp_path, "tp.py", TENSOR_PARALLEL)
     weights = 2 * 1024 * 4096 * 4
     assert run["steps"] == 2, run
     # Each GPU keeps half of each weight (up's rows, down's columns), and AdamW's two moments of that half.
@@ -308,9 +314,7 @@ for _ in range(3):
 
 
 def test_batch_norm_synchronised_across_gpus_runs_its_cuda_only_operators(tmp_path: Path) -> None:
-    script = tmp_path / "sync_bn.py"
-    script.write_text(SYNC_BATCH_NORM)
-    run = preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    run = _under_torchrun(tmp_path, "sync_bn.py", SYNC_BATCH_NORM)
     assert run["steps"] == 2, run
     # Blocks of 512 bytes: the convolution's 16 x 3 x 3 x 3 floats (1,728 bytes) in four; batch
     # norm's weight, bias, running mean and variance and its count of batches in one each.
