@@ -146,7 +146,7 @@ class Placement:
 
     def holds(self, st: Any) -> bool:
         """Whether storage ``st`` is the script's meta or the host's: no device memory."""
-        return (bool(self._script_meta) and id(st) in self._script_meta) or (bool(self._host) and id(st) in self._host)
+        return self.holds_script_meta(st) or (bool(self._host) and id(st) in self._host)
 
     def mark(self, st: Any, kind: str = ASKED_META, born_at: int | None = None) -> None:
         """Notes storage ``st`` as the script's meta or (``ASKED_HOST``) the host's, for as long as it

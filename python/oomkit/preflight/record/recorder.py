@@ -100,8 +100,7 @@ def _composite(func: Any) -> bool:
             try:
                 found = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
             except RuntimeError:
-                # An operator the dispatcher does not list by name (TorchScript's prim:: ones).
-                found = False
+                pass  # An operator the dispatcher does not list by name (TorchScript's prim:: ones).
         _COMPOSITE[func] = found
     return found
 
@@ -111,9 +110,9 @@ _DETACH = torch.ops.aten.detach.default
 
 #: Operators the recorder answers itself, below Python's functions.
 _PIN_MEMORY = torch.ops.aten._pin_memory.default
-#: A scalar read back (``Tensor.item()``): ``_local_scalar_dense`` where autograd decomposes
-#: ``item``, and ``item`` itself under ``torch.inference_mode()``, where autograd is left out.
-_LOCAL_SCALAR_DENSE = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
+#: A scalar read back (``Tensor.item()``, decomposed into this by autograd, or by the recorder
+#: itself under ``torch.inference_mode()``).
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _COPY = torch.ops.aten.copy_.default
 
 #: What ``torch.tensor(data)`` dispatches: the tensor it made out of the modes' sight.
@@ -596,7 +595,7 @@ class Recorder(TorchDispatchMode):
             # stands for its pinned copy, counted as such (``HostMemory``).
             self.host.hold(args[0], pinned=True)
             return args[0]
-        if func in _LOCAL_SCALAR_DENSE and on_meta(args[0]):
+        if func is _LOCAL_SCALAR_DENSE and on_meta(args[0]):
             return self.read_back(args[0], "Tensor.item()").item()
         if func is _COPY and not on_meta(args[0]) and on_meta(args[1]):
             # A copy back to the host made below Python (DDP's bucket indices

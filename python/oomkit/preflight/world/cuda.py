@@ -482,14 +482,21 @@ def _address(st: Any) -> int:
     return int(st._cdata) << ADDRESS_ALIGNMENT_BITS
 
 
+def _given_address(st: Any, placement: Placement) -> int | None:
+    """The address ``st`` is given, if it is a storage without data of the fake GPU's or the host's
+    that holds bytes; None for any other (the script's own meta storages keep PyTorch's 0)."""
+    if st.device.type != FAKE_DEVICE or st.nbytes() == 0 or placement.holds_script_meta(st):
+        return None
+    return _address(st)
+
+
 def storage_address_stand_in(placement: Placement) -> list[tuple[Any, str, Any]]:
     """``UntypedStorage.data_ptr`` giving the fake GPU's and the host's storages without data an
-    address each, as (owner, name, value); the script's own meta storages keep 0, as PyTorch gives."""
+    address each, as (owner, name, value)."""
 
     def data_ptr(self: Any) -> int:
-        if self.device.type != FAKE_DEVICE or self.nbytes() == 0 or placement.holds_script_meta(self):
-            return int(_STORAGE_DATA_PTR(self))
-        return _address(self)
+        given = _given_address(self, placement)
+        return int(_STORAGE_DATA_PTR(self)) if given is None else given
 
     return [(torch.UntypedStorage, "data_ptr", data_ptr)]
 
@@ -579,12 +586,11 @@ class CudaFunctions(TorchFunctionMode):
             return 0 if self._told(args[0]) else -1 if self.placement.on_host(args[0]) else func(*args)
         if func is _DATA_PTR:
             t = args[0]
-            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
-                st = t.untyped_storage()
-                placement = self.placement
-                if placement.telling and st.device.type == FAKE_DEVICE and t.numel() and not placement.holds_script_meta(st):
+            if self.placement.telling and isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t) and t.numel():
+                given = _given_address(t.untyped_storage(), self.placement)
+                if given is not None:
                     # As on the GPU: the storage's address, past the tensor's offset into it.
-                    return _address(st) + t.storage_offset() * t.element_size()
+                    return given + t.storage_offset() * t.element_size()
             return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")

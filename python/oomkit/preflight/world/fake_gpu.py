@@ -217,8 +217,9 @@ class FakeGpu:
         for home in (torch, torch.serialization):
             attrs("a checkpoint bound for the GPU loads onto the fake GPU, its data unread", home, {"load": fake_load})
         kept_aside = "checkpoints the script saves are kept in preflight's own folder, never written where it says"
-        attrs(kept_aside, torch, {"save": saves.torch_save(torch.serialization.save)})
-        attrs(kept_aside, torch.serialization, {"save": saves.torch_save(torch.serialization.save)})
+        save_aside = saves.torch_save(torch.serialization.save)
+        for home in (torch, torch.serialization):
+            attrs(kept_aside, home, {"save": save_aside})
         not_there = "a checkpoint that is not there loads as a stand-in; what it is loaded into keeps its tensors"
         for owner, name, value in absent.torch_stand_ins():
             entries.append(StandIn(not_there, owner, name, value))
