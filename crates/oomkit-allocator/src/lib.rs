@@ -53,7 +53,9 @@ mod tests;
 
 pub use config::AllocatorConfig;
 pub use error::AllocatorError;
-pub use realize::{realize, EndBlock, EndSegment, Entry, Op, Realized, FIRST_SEGMENT_ADDRESS};
+pub use realize::{
+    realize, EndBlock, EndSegment, Entry, Op, Realized, Refusal, Server, FIRST_SEGMENT_ADDRESS,
+};
 pub use replay::{what_if, Options, AS_RECORDED, FRESH_BASELINE};
 pub use report::{
     Agreement, DeviceWhatIf, Divergence, OomOut, RecordedOom, ScenarioOut, SegmentOut, StartKind,

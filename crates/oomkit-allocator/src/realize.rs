@@ -29,6 +29,15 @@ pub enum Op {
     },
     /// `torch.cuda.empty_cache()`.
     EmptyCache,
+    /// An allocation of `size` bytes on `stream` that failed for the memory
+    /// the program was run against, which the program caught and went on
+    /// from: the allocator released its cache and held nothing.
+    Refused {
+        /// The bytes asked for.
+        size: u64,
+        /// The stream it was asked on.
+        stream: u16,
+    },
 }
 
 /// One entry of the realized trace, as `_dump_snapshot` writes it.
@@ -108,67 +117,188 @@ pub struct Realized {
 /// real allocator makes); a failed allocation is recorded as an `oom`
 /// entry and its later free is ignored, so the rest still runs.
 pub fn realize(ops: &[Op], config: AllocatorConfig, capacity: Option<u64>) -> Realized {
-    let mut m = Allocator::new(config, capacity);
-    m.addresses.fresh = FIRST_SEGMENT_ADDRESS;
-    let mut held: Vec<Option<BlockId>> = vec![None; ops.len()];
-    let mut out = Realized::default();
-    for (i, op) in ops.iter().enumerate() {
+    let mut server = Server::new(config, capacity);
+    for &op in ops {
+        server.push(op);
+    }
+    server.finish()
+}
+
+/// Why the allocator refused an allocation: the figures PyTorch's
+/// out-of-memory message gives, after the cache was released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The segment it needed (`Tried to allocate`).
+    pub alloc_size: u64,
+    /// Reserved by the allocator when it gave up.
+    pub reserved: u64,
+    /// Handed out to tensors then.
+    pub allocated: u64,
+}
+
+/// Operations served one at a time, as a running program makes them: what
+/// [`realize`] does for a whole list, kept open so that a program run
+/// without a GPU can ask after each allocation whether the GPU had room.
+pub struct Server {
+    m: Allocator,
+    capacity: Option<u64>,
+    /// Each operation's bytes, for an allocation (the size its free reports).
+    sizes: Vec<Option<u64>>,
+    /// The block each allocation holds until it is freed.
+    held: Vec<Option<BlockId>>,
+    /// Whether the trace entries and per-operation figures are kept (a lean
+    /// server, asked only whether allocations fit, keeps neither).
+    keep: bool,
+    out: Realized,
+}
+
+impl Server {
+    /// A server that keeps everything [`realize`] returns.
+    pub fn new(config: AllocatorConfig, capacity: Option<u64>) -> Server {
+        let mut m = Allocator::new(config, capacity);
+        m.addresses.fresh = FIRST_SEGMENT_ADDRESS;
+        Server {
+            m,
+            capacity,
+            sizes: Vec::new(),
+            held: Vec::new(),
+            keep: true,
+            out: Realized::default(),
+        }
+    }
+
+    /// A server that keeps no trace and no per-operation figures: only whether each allocation fits.
+    pub fn lean(config: AllocatorConfig, capacity: Option<u64>) -> Server {
+        Server {
+            keep: false,
+            ..Server::new(config, capacity)
+        }
+    }
+
+    /// Operations served so far.
+    pub fn len(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// Whether no operation was served yet.
+    pub fn is_empty(&self) -> bool {
+        self.sizes.is_empty()
+    }
+
+    /// Limits what the allocator may hold from the next operation on (a
+    /// program that caps itself with `set_per_process_memory_fraction`).
+    pub fn set_capacity(&mut self, capacity: Option<u64>) {
+        self.capacity = capacity;
+        self.m.capacity = capacity;
+    }
+
+    /// Serves the next operation; an allocation the capacity cannot hold is
+    /// refused, with what the allocator saw then. A free of an operation
+    /// that is not an allocation still held is ignored.
+    pub fn push(&mut self, op: Op) -> Option<Refusal> {
+        let i = self.sizes.len();
+        let m = &mut self.m;
         m.entry = i;
         let before = m.events.len();
+        let mut refused = None;
         // Segment entries come before the entry they served, as in PyTorch's trace.
         let mut tail = None;
-        match *op {
+        match op {
             Op::Alloc { size, stream } => match m.malloc(size, stream, 0) {
                 Ok(id) => {
                     m.bm(id).key = i as u64;
-                    held[i] = Some(id);
+                    self.held.push(Some(id));
                     tail = Some((Action::Alloc, m.b(id).addr, size, stream));
                 }
                 Err(f) => {
-                    out.ooms.push(i);
-                    // The `oom` entry's address is the driver's free memory.
-                    let free = capacity.unwrap_or(0).saturating_sub(f.reserved);
-                    tail = Some((Action::Oom, free, size, stream));
+                    self.held.push(None);
+                    refused = Some(Refusal {
+                        alloc_size: f.alloc_size,
+                        reserved: f.reserved,
+                        allocated: m.totals.allocated,
+                    });
+                    tail = Some(self.oom(f.reserved, size, stream));
                 }
             },
+            Op::Refused { size, stream } => {
+                // The program saw this allocation fail and went on: the GPU's allocator had
+                // released its cache and retried before it gave up.
+                self.held.push(None);
+                m.release_cached_blocks();
+                m.totals.alloc_retries += 1;
+                let reserved = m.totals.reserved;
+                tail = Some(self.oom(reserved, size, stream));
+            }
             Op::Free { alloc } => {
-                if let Some(id) = held.get_mut(alloc).and_then(Option::take) {
+                self.held.push(None);
+                if let Some(id) = self.held.get_mut(alloc).and_then(Option::take) {
                     let (addr, stream) = (m.b(id).addr, m.b(id).stream);
-                    let Op::Alloc { size, .. } = ops[alloc] else {
-                        unreachable!("only allocations are held")
-                    };
-                    out.entries
-                        .push(entry(Action::FreeRequested, addr, size, stream, i));
+                    let size = self.sizes[alloc].unwrap_or(0);
+                    if self.keep {
+                        self.out
+                            .entries
+                            .push(entry(Action::FreeRequested, addr, size, stream, i));
+                    }
                     m.free_requested(id);
                     m.free_completed(id);
                     tail = Some((Action::FreeCompleted, addr, size, stream));
                 }
             }
-            Op::EmptyCache => m.empty_cache(),
+            Op::EmptyCache => {
+                self.held.push(None);
+                m.empty_cache();
+            }
         }
-        for e in &m.events[before..] {
-            let action = match e.op {
-                SegmentOp::Alloc => Action::SegmentAlloc,
-                SegmentOp::Free => Action::SegmentFree,
-                SegmentOp::Map => Action::SegmentMap,
-                SegmentOp::Unmap => Action::SegmentUnmap,
-            };
-            out.entries.push(entry(action, e.addr, e.size, e.stream, i));
+        self.sizes.push(match op {
+            Op::Alloc { size, .. } => Some(size),
+            _ => None,
+        });
+        let m = &mut self.m;
+        if self.keep {
+            for e in &m.events[before..] {
+                let action = match e.op {
+                    SegmentOp::Alloc => Action::SegmentAlloc,
+                    SegmentOp::Free => Action::SegmentFree,
+                    SegmentOp::Map => Action::SegmentMap,
+                    SegmentOp::Unmap => Action::SegmentUnmap,
+                };
+                self.out
+                    .entries
+                    .push(entry(action, e.addr, e.size, e.stream, i));
+            }
+            if let Some((action, addr, size, stream)) = tail {
+                self.out.entries.push(entry(action, addr, size, stream, i));
+            }
+            self.out.allocated_after.push(m.totals.allocated);
+            self.out.reserved_after.push(m.totals.reserved);
+            self.out.retries_after.push(m.totals.alloc_retries);
+        } else {
+            // Only the trace reads the segment events; a lean server would keep them all.
+            m.events.clear();
         }
-        if let Some((action, addr, size, stream)) = tail {
-            out.entries.push(entry(action, addr, size, stream, i));
-        }
-        out.allocated_after.push(m.totals.allocated);
-        out.reserved_after.push(m.totals.reserved);
-        out.retries_after.push(m.totals.alloc_retries);
+        refused
     }
-    m.settle_peak();
-    out.peak_reserved = m.totals.peak_reserved;
-    out.peak_allocated = m.totals.peak_allocated;
-    out.peak_op = m.totals.peak_entry;
-    out.free_at_peak = m.totals.free_at_peak;
-    out.segments = end_segments(&m, &held, ops);
-    out
+
+    /// Records an allocation that failed at operation `len()`; returns its `oom` entry's
+    /// fields (the address is the driver's free memory).
+    fn oom(&mut self, reserved: u64, size: u64, stream: u16) -> (Action, u64, u64, u16) {
+        self.out.ooms.push(self.sizes.len());
+        let free = self.capacity.unwrap_or(0).saturating_sub(reserved);
+        (Action::Oom, free, size, stream)
+    }
+
+    /// The peaks, the state at the end and, where kept, the trace.
+    pub fn finish(mut self) -> Realized {
+        let m = &mut self.m;
+        m.settle_peak();
+        let mut out = self.out;
+        out.peak_reserved = m.totals.peak_reserved;
+        out.peak_allocated = m.totals.peak_allocated;
+        out.peak_op = m.totals.peak_entry;
+        out.free_at_peak = m.totals.free_at_peak;
+        out.segments = end_segments(m, &self.held, &self.sizes);
+        out
+    }
 }
 
 fn entry(action: Action, addr: u64, size: u64, stream: u16, op: usize) -> Entry {
@@ -183,7 +313,7 @@ fn entry(action: Action, addr: u64, size: u64, stream: u16, op: usize) -> Entry 
 
 /// The segments held at the end with their blocks: every live block is
 /// handed out (in `held`) or cached, mapped or not, in its pool.
-fn end_segments(m: &Allocator, held: &[Option<BlockId>], ops: &[Op]) -> Vec<EndSegment> {
+fn end_segments(m: &Allocator, held: &[Option<BlockId>], sizes: &[Option<u64>]) -> Vec<EndSegment> {
     let mut by_segment: BTreeMap<u32, Vec<(BlockId, Option<usize>)>> = BTreeMap::new();
     for (i, id) in held.iter().enumerate() {
         if let Some(id) = *id {
@@ -221,10 +351,7 @@ fn end_segments(m: &Allocator, held: &[Option<BlockId>], ops: &[Op]) -> Vec<EndS
                 out.extend(current.take());
                 continue;
             }
-            let requested = op.map_or(0, |i| match ops[i] {
-                Op::Alloc { size, .. } => size,
-                _ => 0,
-            });
+            let requested = op.and_then(|i| sizes[i]).unwrap_or(0);
             let block = EndBlock {
                 addr: b.addr,
                 size: b.size,
@@ -285,6 +412,81 @@ mod tests {
         let held: u64 = r.segments.iter().map(|s| s.size).sum();
         assert_eq!(r.reserved_after.last(), Some(&held));
         assert_eq!(r.retries_after, [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_lean_server_refuses_where_the_whole_list_fails_and_says_what_it_saw() {
+        let alloc = |size| Op::Alloc { size, stream: 0 };
+        // Within 60 MiB: 24 MiB and 24 MiB fit; a third 24 MiB does not.
+        let ops = [alloc(24 * MIB), alloc(24 * MIB), alloc(24 * MIB)];
+        let whole = realize(&ops, AllocatorConfig::default(), Some(60 * MIB));
+        assert_eq!(whole.ooms, [2]);
+        let mut lean = Server::lean(AllocatorConfig::default(), Some(60 * MIB));
+        let said: Vec<_> = ops.iter().map(|&op| lean.push(op)).collect();
+        assert_eq!(
+            said,
+            [
+                None,
+                None,
+                Some(Refusal {
+                    alloc_size: 24 * MIB,
+                    reserved: 48 * MIB,
+                    allocated: 48 * MIB,
+                })
+            ]
+        );
+        assert_eq!(lean.len(), 3);
+        // A lean server keeps no trace; its peaks are those of the whole list.
+        let r = lean.finish();
+        assert!(r.entries.is_empty() && r.allocated_after.is_empty());
+        assert_eq!(r.peak_reserved, whole.peak_reserved);
+        // Capped lower from the next operation on, the same list fails sooner.
+        let mut capped = Server::lean(AllocatorConfig::default(), Some(60 * MIB));
+        assert_eq!(capped.push(ops[0]), None);
+        capped.set_capacity(Some(30 * MIB));
+        assert!(capped.push(ops[1]).is_some());
+    }
+
+    #[test]
+    fn a_refused_allocation_holds_nothing_and_releases_the_cache_as_the_gpu_did() {
+        let alloc = |size| Op::Alloc { size, stream: 0 };
+        // 24 MiB freed (cached), then 50 MiB refused at the capacity the
+        // program ran against, then 10 MiB: the program went on.
+        let ops = [
+            alloc(24 * MIB),
+            Op::Free { alloc: 0 },
+            Op::Refused {
+                size: 50 * MIB,
+                stream: 0,
+            },
+            alloc(10 * MIB),
+        ];
+        for capacity in [None, Some(60 * MIB)] {
+            let r = realize(&ops, AllocatorConfig::default(), capacity);
+            // The cached segment went back before the failure; nothing was held for it.
+            assert_eq!(r.reserved_after, [24 * MIB, 24 * MIB, 0, 10 * MIB]);
+            assert_eq!(r.allocated_after, [24 * MIB, 0, 0, 10 * MIB]);
+            assert_eq!(r.retries_after, [0, 0, 1, 1]);
+            assert_eq!(r.ooms, [2]);
+            use Action::*;
+            assert_eq!(
+                actions(&r),
+                [
+                    SegmentAlloc,
+                    Alloc,
+                    FreeRequested,
+                    FreeCompleted,
+                    SegmentFree,
+                    Oom,
+                    SegmentAlloc,
+                    Alloc
+                ]
+            );
+            // The `oom` entry's address is what the driver had free.
+            let oom = r.entries.iter().find(|e| e.action == Oom).unwrap();
+            assert_eq!(oom.addr, capacity.unwrap_or(0));
+            assert_eq!(r.peak_allocated, 24 * MIB);
+        }
     }
 
     #[test]

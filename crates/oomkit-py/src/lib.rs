@@ -338,33 +338,16 @@ fn realize_ops(
     (u64, u64, Option<usize>, u64, Vec<usize>),
     (Vec<u64>, Vec<u64>, Vec<u64>),
 )> {
-    use oomkit_allocator::{realize, AllocatorConfig, Op, PoolKind};
+    use oomkit_allocator::{realize, PoolKind};
     if kinds.len() != a.len() || kinds.len() != b.len() {
         return Err(PreflightError::new_err(
             "realize_ops: the three lists differ in length",
         ));
     }
-    let mut config = AllocatorConfig::default();
-    if let Some(conf) = alloc_conf {
-        config
-            .apply(conf)
-            .map_err(|e| PreflightError::new_err(e.to_string()))?;
-    }
+    let config = allocator_config(alloc_conf)?;
     let mut ops = Vec::with_capacity(kinds.len());
     for (i, ((&k, &x), &y)) in kinds.iter().zip(&a).zip(&b).enumerate() {
-        ops.push(match k {
-            0 => Op::Alloc {
-                size: x,
-                stream: u16::try_from(y).unwrap_or(u16::MAX),
-            },
-            1 if (x as usize) < i && kinds[x as usize] == 0 => Op::Free { alloc: x as usize },
-            2 => Op::EmptyCache,
-            _ => {
-                return Err(PreflightError::new_err(format!(
-                    "realize_ops: operation {i} ({k}, {x}) is neither an allocation, the free of an earlier one, nor empty_cache"
-                )))
-            }
-        });
+        ops.push(to_op("realize_ops", i, k, x, y, &kinds)?);
     }
     let r = realize(&ops, config, capacity);
     let mut lists: EntryLists = Default::default();
@@ -404,6 +387,104 @@ fn realize_ops(
         ),
         (r.allocated_after, r.reserved_after, r.retries_after),
     ))
+}
+
+/// The allocator's settings as `PYTORCH_CUDA_ALLOC_CONF` writes them (the defaults for None).
+fn allocator_config(alloc_conf: Option<&str>) -> PyResult<oomkit_allocator::AllocatorConfig> {
+    let mut config = oomkit_allocator::AllocatorConfig::default();
+    if let Some(conf) = alloc_conf {
+        config
+            .apply(conf)
+            .map_err(|e| PreflightError::new_err(e.to_string()))?;
+    }
+    Ok(config)
+}
+
+/// Operation `i` of a recorded run, `(k, x, y)` as preflight's trace keeps
+/// it: 0 an allocation of `x` bytes on stream `y`, 1 the free of operation
+/// `x` (an earlier allocation: `kinds` holds the kinds before it), 2
+/// `empty_cache`, 3 an allocation of `x` bytes on stream `y` refused.
+fn to_op(
+    caller: &str,
+    i: usize,
+    k: u8,
+    x: u64,
+    y: u64,
+    kinds: &[u8],
+) -> PyResult<oomkit_allocator::Op> {
+    use oomkit_allocator::Op;
+    let stream = u16::try_from(y).unwrap_or(u16::MAX);
+    Ok(match k {
+        0 => Op::Alloc { size: x, stream },
+        1 if (x as usize) < i && kinds.get(x as usize) == Some(&0) => Op::Free { alloc: x as usize },
+        2 => Op::EmptyCache,
+        3 => Op::Refused { size: x, stream },
+        _ => {
+            return Err(PreflightError::new_err(format!(
+                "{caller}: operation {i} ({k}, {x}) is neither an allocation, the free of an earlier one, empty_cache nor a refused allocation"
+            )))
+        }
+    })
+}
+
+/// A run's allocations served as they are made, against what the GPU
+/// may hold: preflight asks after each allocation whether the GPU had
+/// room, so that the script sees CUDA's out-of-memory error where a GPU
+/// of that capacity would raise it.
+#[pyclass(module = "oomkit._native", unsendable)]
+struct AllocatorRun {
+    server: oomkit_allocator::Server,
+    /// Each operation's kind as served (a refused allocation's is 3), for the frees that follow.
+    kinds: Vec<u8>,
+}
+
+#[pymethods]
+impl AllocatorRun {
+    /// Starts serving with the allocator's settings and the bytes it may hold.
+    #[new]
+    #[pyo3(signature = (alloc_conf, capacity))]
+    fn new(alloc_conf: Option<&str>, capacity: u64) -> PyResult<Self> {
+        Ok(AllocatorRun {
+            server: oomkit_allocator::Server::lean(allocator_config(alloc_conf)?, Some(capacity)),
+            kinds: Vec::new(),
+        })
+    }
+
+    /// Serves the next operations (kinds, sizes or the allocation freed, streams); returns
+    /// each allocation refused as (its index, the segment it needed, reserved, allocated).
+    fn feed(
+        &mut self,
+        kinds: Vec<u8>,
+        a: Vec<u64>,
+        b: Vec<u64>,
+    ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        if kinds.len() != a.len() || kinds.len() != b.len() {
+            return Err(PreflightError::new_err(
+                "AllocatorRun.feed: the three lists differ in length",
+            ));
+        }
+        let mut refused = Vec::new();
+        for ((&k, &x), &y) in kinds.iter().zip(&a).zip(&b) {
+            let i = self.kinds.len();
+            let op = to_op("AllocatorRun.feed", i, k, x, y, &self.kinds)?;
+            let said = self.server.push(op);
+            self.kinds.push(if said.is_some() { 3 } else { k });
+            if let Some(r) = said {
+                refused.push((i, r.alloc_size, r.reserved, r.allocated));
+            }
+        }
+        Ok(refused)
+    }
+
+    /// Operations served so far.
+    fn __len__(&self) -> usize {
+        self.server.len()
+    }
+
+    /// Limits what the allocator may hold from the next operation on.
+    fn set_capacity(&mut self, capacity: u64) {
+        self.server.set_capacity(Some(capacity));
+    }
 }
 
 /// Reads a capacity, a size (`80GiB`) or a GPU's name (`H100`, its total
@@ -476,6 +557,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RunLogError", m.py().get_type::<RunLogError>())?;
     m.add("PreflightError", m.py().get_type::<PreflightError>())?;
     m.add_class::<RunLog>()?;
+    m.add_class::<AllocatorRun>()?;
     m.add_function(wrap_pyfunction!(analyze_run_json, m)?)?;
     m.add_function(wrap_pyfunction!(analyze_run_text, m)?)?;
     m.add_function(wrap_pyfunction!(process_rss, m)?)?;
