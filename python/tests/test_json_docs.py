@@ -52,6 +52,8 @@ COMMANDS = {
         *(sys.executable, str(EX / "preflight" / "train.py"), "--batch-size", "{batch}"),
         *("--ctx", "128", "--dim", "64", "--heads", "4", "--layers", "1", "--steps", "3"),
     ],
+    # The first run raises CUDA's error where the GPU runs out, and the script halves its batch.
+    "preflight (the GPU runs out)": ["preflight", "--json", "--capacity", "2GiB", "--", sys.executable, str(EX / "preflight" / "halving.py")],
     "find-batch": ["find-batch", "--json", "--effective", "256", "--", "sh", str(EX / "find_batch_standin.sh"), "{batch_size}"],
 }
 

@@ -35,7 +35,9 @@ pub use error::ReportError;
 pub use html::{html_report, PAGE_MAX_POINTS};
 pub use output::{Needs, Output};
 pub use perfetto::{run_trace, snapshot_trace, trace, Trace, TRACE_MAX_POINTS};
-pub use preflight::{FixRow, LineBytes, PreflightReport, PreflightRun, Recipe, Replayed};
+pub use preflight::{
+    FixRow, LineBytes, OutOfMemory, PreflightReport, PreflightRun, Recipe, Replayed,
+};
 
 use oomkit_compare::{Diff, Job};
 use oomkit_estimate::calibrate::Calibration;

@@ -62,6 +62,11 @@ pub struct PreflightRun {
     /// outside PyTorch's allocator: in neither the GPU's figures nor `host_peak_bytes`.
     #[serde(default)]
     pub host_paged_peak_bytes: u64,
+    /// Where the GPU ran out as the script ran (`oomkit preflight`'s first run raises CUDA's
+    /// out-of-memory error in the script where the allocator model refuses an allocation);
+    /// None where it never did.
+    #[serde(default)]
+    pub out_of_memory: Option<OutOfMemory>,
     /// The same recorded step replayed by the allocator model under other
     /// settings (`oomkit preflight`'s expandable-segments fix), where asked:
     /// read by the command, not part of the run's answer.
@@ -81,6 +86,25 @@ pub struct PreflightRun {
     /// config sets: read by the command, whose changes are then the recipe's own switches.
     #[serde(default, skip_serializing)]
     pub recipe: Option<Recipe>,
+}
+
+/// Where the GPU of the capacity ran out as the script ran, and what the script did then.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// CUDA out-of-memory errors raised in the script.
+    pub raised: u64,
+    /// The bytes the first tried to allocate (the segment it needed).
+    pub first_bytes: u64,
+    /// The script's line where the first was raised.
+    pub first_at: String,
+    /// Whether the script completed a step after the last (caught them and went on, at a
+    /// smaller batch or past a skipped one): the figures are of what it ran after. Else
+    /// the figures are of the script run again with nothing refused.
+    pub went_on: bool,
+    /// How the script ended after the last, where it did not go on and ended other than
+    /// by that error (another error, or catching error after error without a step).
+    #[serde(default)]
+    pub ended: Option<String>,
 }
 
 /// A framework's recipe as its run read it: which, and the settings its config gave.

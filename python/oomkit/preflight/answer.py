@@ -19,6 +19,7 @@ import torch
 from oomkit import _native
 from oomkit._native import PreflightError
 from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.out_of_memory import REFUSED
 from oomkit.preflight.record.recorder import StepUnsupportedError, Trace
 from oomkit.preflight.record.recording import TRAINING, Recording
 from oomkit.preflight.record.roles import Known
@@ -38,9 +39,26 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
     tr = rec.trace
     roles = known.roles(tr)
     realized, capped = _served(tr, recording.alloc_conf, recording.capacity_bytes)
+    fits = _fits(tr, capped)
+    if fits:
+        # Served within the capacity, as the GPU serves it: where it came close, the allocator
+        # released its cache and retried (and where the script caught an error, it ran out),
+        # which the model without a limit never does; the two agree everywhere else.
+        realized = capped
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
-    fits = not capped[2][4]
-    by_role, by_line = _at_peak(tr, roles, realized[3][0])
+    allocated_after = since = realized[3][0]
+    went_on_from = _after_last_refusal(tr)
+    if not 0 < went_on_from < len(allocated_after):
+        went_on_from = 0
+    else:
+        # The script caught the GPU's error and went on (a smaller batch): its figures are of
+        # what it ran after, not of the attempts that ran out.
+        reserved_after = realized[3][1]
+        at = max(range(went_on_from, len(reserved_after)), key=reserved_after.__getitem__)
+        peak_reserved, free_at_peak = reserved_after[at], reserved_after[at] - allocated_after[at]
+        since = [0] * went_on_from + allocated_after[went_on_from:]
+        peak_allocated = max(since)
+    by_role, by_line = _at_peak(tr, roles, allocated_after, went_on_from)
     notes = _notes(tr, known, recording.mode) + recording.notes
     if by_role.get("ema"):
         notes.append(
@@ -65,8 +83,9 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         notes=notes,
         mode=recording.mode,
         forwards=rec.forwards,
-        phase_peaks=_phase_peaks(tr, realized[3][0]),
-        step_peaks=_step_peaks(tr, realized[3][0]),
+        phase_peaks=_phase_peaks(tr, since),
+        # (A step that completed before the GPU ran out is what it was.)
+        step_peaks=_step_peaks(tr, allocated_after, went_on_from),
         host_peak_bytes=rec.host.peak_bytes,
         host_pinned_peak_bytes=rec.host.pinned_peak_bytes,
         host_paged_peak_bytes=rec.host.paged_peak_bytes,
@@ -94,14 +113,33 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
 def replayed(recording: Recording, alloc_conf: str) -> dict[str, Any]:
     """The recorded step served through the allocator model again under ``alloc_conf``
     (the same capacity): what a run with those settings measures, without the run."""
-    realized, capped = _served(recording.recorder.trace, alloc_conf, recording.capacity_bytes)
-    peak_reserved, peak_allocated = realized[2][0], realized[2][1]
+    tr = recording.recorder.trace
+    realized, capped = _served(tr, alloc_conf, recording.capacity_bytes)
+    fits = _fits(tr, capped)
+    # (Within the capacity where it fits, as the answer's own figures are.)
+    peak_reserved, peak_allocated = (capped if fits else realized)[2][:2]
     return {
         "alloc_conf": alloc_conf,
         "peak_allocated_bytes": peak_allocated,
         "peak_reserved_bytes": peak_reserved,
-        "fits": not capped[2][4],
+        "fits": fits,
     }
+
+
+def _after_last_refusal(tr: Trace) -> int:
+    """The first allocation after the last one refused as the step ran (0 where none was): the
+    script went on from there, once the attempt that ran out had let go of its tensors."""
+    try:
+        last = len(tr.kinds) - 1 - tr.kinds[::-1].index(REFUSED)
+    except ValueError:
+        return 0
+    return next((i for i in range(last + 1, len(tr.kinds)) if tr.kinds[i] == 0), len(tr.kinds))
+
+
+def _fits(tr: Trace, capped: Any) -> bool:
+    """Whether no allocation failed at the capacity, but those the script saw fail and went on from
+    (``record/out_of_memory.py``: refused as the step ran, kind 3)."""
+    return all(tr.kinds[i] == REFUSED for i in capped[2][4])
 
 
 def _served(tr: Trace, alloc_conf: str | None, capacity_bytes: int) -> tuple[Any, Any]:
@@ -123,16 +161,17 @@ def unsupported(e: StepUnsupportedError) -> PreflightError:
     )
 
 
-def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int], since: int = 0) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """Bytes live at the allocated peak, by role and by the user's line, in the allocator's blocks.
 
     ``allocated_after`` is the allocator model's allocated bytes after each
     operation: the peak is where it is highest (the headline's figure), and
     each allocation counts the block it was handed (the request rounded,
     plus a remainder too small to split off), so the roles add up to the
-    peak allocated exactly, as ``max_memory_allocated`` counts it.
+    peak allocated exactly, as ``max_memory_allocated`` counts it. The peak
+    is looked for from operation ``since`` on (after the GPU last ran out).
     """
-    peak_at = max(range(len(allocated_after)), key=allocated_after.__getitem__, default=-1)
+    peak_at = max(range(since, len(allocated_after)), key=allocated_after.__getitem__, default=-1)
     freed_by = {arg: i for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)) if kind == 1}
     by_role = dict.fromkeys(ROLES, 0)
     lines: dict[tuple[str, str], int] = {}
@@ -157,16 +196,20 @@ def _phase_peaks(tr: Trace, allocated_after: list[int]) -> dict[str, int]:
     return peaks
 
 
-def _step_peaks(tr: Trace, allocated_after: list[int]) -> list[int]:
+def _step_peaks(tr: Trace, allocated_after: list[int], went_on_from: int = 0) -> list[int]:
     """The most allocated during each optimizer step, set-up left out of the first.
 
     A step's own peak, as a script that resets the peak at each step logs
     it (``reset_peak_memory_stats()``; torchtune does): the first often runs
-    without the optimizer's state, which the later ones hold throughout.
+    without the optimizer's state, which the later ones hold throughout. The
+    step in which the script went on after the GPU last ran out counts from
+    there (``went_on_from``), not its attempts that ran out.
     """
     start = next((i for i, phase in enumerate(tr.phases) if phase != "setup"), len(tr.phases))
     peaks = []
     for end in tr.step_ends:
+        if start < went_on_from < end:
+            start = went_on_from
         # What was allocated as the step began counts, if nothing in it went higher.
         held = allocated_after[start - 1] if start else 0
         peaks.append(max(allocated_after[start:end], default=held))

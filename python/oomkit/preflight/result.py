@@ -83,6 +83,10 @@ class Preflight:
     #: GPU while there is room and on the host when not; outside PyTorch's allocator, so in
     #: neither the GPU's figures nor ``host_peak_bytes``.
     host_paged_peak_bytes: int = 0
+    #: Where the GPU ran out as the script ran and the script went on (a search that halves its
+    #: batch): ``{"raised", "first_bytes", "first_at", "went_on", "ended"}``; else None. Only
+    #: ``oomkit preflight``'s first run of a script raises CUDA's error where the GPU would.
+    out_of_memory: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as plain data (what ``json.dumps`` writes)."""

@@ -29,6 +29,7 @@ from oomkit.preflight.answer import answer, replayed, unsupported
 from oomkit.preflight.fixes import INSIDE, Fixer, InScript
 from oomkit.preflight.notes import Notes
 from oomkit.preflight.record.frames import user_line
+from oomkit.preflight.record.out_of_memory import OutOfMemory, Refused, raised_here
 from oomkit.preflight.record.recorder import PreflightStopped, Recorder, StepUnsupportedError
 from oomkit.preflight.record.recording import INFERENCE, TRAINING, Recording
 from oomkit.preflight.record.roles import Known
@@ -86,6 +87,10 @@ class Launch:
     #: Whether the script is launched as torchrun launches it (``--gpus``): its ranks' environment.
     #: A script sharded only by the fix runs as written for one GPU.
     torchrun: bool = False
+    #: Whether the step's allocations the GPU would refuse raise CUDA's error in the script
+    #: (``record/out_of_memory.py``): the command's first run; its searches and fixes measure
+    #: each setting whole, refusing nothing.
+    refuse: bool = False
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Launch:
@@ -108,6 +113,7 @@ class Launch:
             fixes_skip=bool(doc.get("fixes_skip")),
             replay=doc.get("replay"),
             torchrun=bool(doc.get("torchrun", gpus > 1)),
+            refuse=doc.get("out_of_memory") == "raise",
         )
 
 
@@ -138,6 +144,8 @@ class _Session:
         self.steps_done = 0
         #: Each training step's tokens (batch, sequence), read at its first embedding lookup.
         self.tokens: list[tuple[int, int]] = []
+        # The GPU's errors raised when the tokens were last read (an attempt that ran out is no step).
+        self._refusals_seen = 0
         #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).
         self.backwards_done = 0
@@ -176,6 +184,7 @@ class _Session:
     # ---- start ----
 
     def start(self) -> None:
+        s = self.settings
         # A tracker in the script measures meta as the GPU and logs into this run's folder.
         os.environ[PREFLIGHT_DIR_ENV] = self.run_dir
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -210,6 +219,12 @@ class _Session:
             on_module_moved=lambda tensors: self.known.add_params(self.rec, tensors),
         )
         self.world.__enter__()
+        if self.launch.refuse:
+            oom = OutOfMemory(
+                self.rec.trace, self.allocator_settings, self.memory.allowed_bytes, s.capacity_bytes, self.rec.allocation_refused
+            )
+            oom.give_up = self._gave_up
+            self.rec.out_of_memory = oom
         # Modules built without a device are built on meta (never allocated),
         # as if built on the CPU and moved; other tensors keep their device.
         self.functions.build_on_meta = True
@@ -217,6 +232,22 @@ class _Session:
         previous = sys.excepthook
 
         def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            refused = self._refused()
+            if refused is not None and not self.finished and not isinstance(value, (StepUnsupportedError, PreflightStopped)):
+                # The GPU ran out and the script stopped, with that error or another after it: the
+                # command runs it again refusing nothing, for the figures of the whole step.
+                if raised_here(value):
+                    self.finish()
+                    # Its traceback would run through preflight's own frames; where it stopped is the point.
+                    sys.stderr.write(
+                        f"oomkit preflight: the script stopped with CUDA out of memory{_at(tb)}; running it again with nothing refused\n"
+                    )
+                    return
+                said = _first_line(value)
+                refused.ended = (f"{kind.__name__}: {said}" if said else kind.__name__) + _at(tb)
+                self.finish()
+                previous(kind, value, tb)
+                return
             if isinstance(value, StepUnsupportedError):
                 self._write({"error": str(unsupported(value))})
             elif isinstance(value, PreflightStopped):
@@ -291,6 +322,9 @@ class _Session:
 
     def _after_backward(self) -> None:
         self.backwards_done += 1
+        if not self.has_optimizer and self.rec.out_of_memory is not None:
+            # (A loop without an optimizer: its step is a backward pass and the update after it.)
+            self.rec.out_of_memory.step_done()
         if self._stepped_in_backward:
             # The weights were updated as their gradients came: the step ends with its backward.
             self._stepped_in_backward = False
@@ -305,6 +339,11 @@ class _Session:
         if self.rec.on_host:
             # A data transform run on the host: no forward of the model.
             return
+        oom = self.rec.out_of_memory
+        if oom is not None and oom.refused is not None and oom.refused.raised != self._refusals_seen:
+            # An attempt that ran out is no step: the next forward's sequences are the step's.
+            self._refusals_seen = oom.refused.raised
+            del self.tokens[self.steps_done :]
         if isinstance(module, torch.nn.Embedding) and len(self.tokens) == self.steps_done and torch.is_grad_enabled():
             # A language model's step: its first lookup of token ids (batch x sequence) says how long its sequences are.
             ids = _args[0] if _args else None
@@ -353,6 +392,9 @@ class _Session:
         if not self.rec.forward_open:
             self.fixer.top_forward_ends()
             self.in_script.top_forward_ends()
+            if self.rec.out_of_memory is not None and not self.has_optimizer and self.backwards_done == 0:
+                # A run without backward (inference, evaluation) goes on with each whole forward.
+                self.rec.out_of_memory.step_done()
 
     def _before_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         self._step_depth += 1
@@ -401,10 +443,28 @@ class _Session:
     def _step_done(self) -> None:
         """A training step ended: counted, and the script stopped after the steps asked for."""
         self.steps_done += 1
+        steps = self.steps_done
+        oom = self.rec.out_of_memory
+        if oom is not None:
+            oom.step_done()
+            # After the GPU ran out, the steps asked for are those at the setting the script went on with.
+            steps = oom.steps_since(steps)
         self.rec.step_ended()
         self.rec.phase = "inputs"
-        if self.steps_done >= self.settings.steps:
+        if steps >= self.settings.steps:
             self._stop()
+
+    def _refused(self) -> Refused | None:
+        """The GPU's refusals where the script did not go on after the last (it must be run again)."""
+        oom = self.rec.out_of_memory
+        return oom.refused if oom is not None and oom.refused is not None and not oom.refused.went_on else None
+
+    def _gave_up(self) -> None:
+        """The script caught error after error without completing a step: it skips what does not fit."""
+        refused, oom = self._refused(), self.rec.out_of_memory
+        if refused is not None and oom is not None:
+            refused.ended = f"it caught {oom.in_a_row} in a row without completing a step (it skips what does not fit)"
+        self._stop()
 
     def _stop(self) -> None:
         self.finish()
@@ -442,6 +502,12 @@ class _Session:
             return
         self.finished = True
         self.rec.finish()
+        refused = self._refused()
+        if refused is not None:
+            # Figures of a run stopped by the GPU's limit are not the step's: oomkit preflight runs
+            # the script again, refusing nothing, and says where this one ran out.
+            self._write({"refused": refused.as_dict()})
+            return
         notes = self.notes.said()
         asked = self.settings.steps
         loop_without_optimizer = not self.has_optimizer and self.backwards_done
@@ -503,6 +569,10 @@ class _Session:
         recording = Recording(self.rec, self.known, notes, steps=self.steps_done, capacity_bytes=allowed, alloc_conf=conf, mode=mode)
         try:
             result = answer(recording, replace(self.settings, grad_accum=self._accumulation()), {"command": sys.argv})
+            oom = self.rec.out_of_memory
+            if oom is not None and oom.refused is not None:
+                # The script went on after each: the figures are of what it ran after.
+                result.out_of_memory = oom.refused.as_dict()
             out = result.as_dict()
             replay = self.launch.replay
             if replay and (replay.get("always") or not result.fits):

@@ -10,7 +10,7 @@
 use crate::args::FormatArgs;
 use crate::exit::{EXIT_INPUT, EXIT_NOTHING_FITS, EXIT_OK, EXIT_SPAWN};
 use crate::output::{print, say};
-use oomkit_report::{FixRow, PreflightReport, PreflightRun, Recipe, Replayed};
+use oomkit_report::{FixRow, OutOfMemory, PreflightReport, PreflightRun, Recipe, Replayed};
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -177,6 +177,9 @@ enum Failure {
     Spawn(String),
     /// It started and gave no answer; the line says why.
     NoAnswer(String),
+    /// The GPU ran out as it ran and the script stopped (a run that refuses what the GPU
+    /// would): its figures are of a run cut short; the same run refusing nothing answers.
+    Refused(OutOfMemory),
 }
 
 /// `oomkit preflight`.
@@ -224,16 +227,30 @@ pub(crate) fn run(mut a: Args) -> u8 {
     // The expandable-segments fix needs no run of its own: the first run's step
     // is replayed by the allocator model with those settings, where fixes will be wanted.
     let replay_conf = expandable_conf(alloc_conf.as_deref());
-    let first = match run_once(
-        &a,
-        &Variant {
-            knob,
-            snapshot: a.snapshot.as_deref(),
-            replay: (!a.no_fixes).then_some((&replay_conf, a.fixes)),
-            ..base
-        },
-    ) {
+    let first_run = Variant {
+        knob,
+        snapshot: a.snapshot.as_deref(),
+        replay: (!a.no_fixes).then_some((&replay_conf, a.fixes)),
+        // The script sees CUDA's error where the GPU would run out, and may act on it (halve
+        // its batch, skip one); a search runs each value it tries whole instead.
+        refuse: a.max_micro_batch.is_none() && a.search.is_none(),
+        ..base
+    };
+    let first = match run_once(&a, &first_run) {
         Ok(r) => r,
+        Err(Failure::Refused(oom)) => match run_once(
+            &a,
+            &Variant {
+                refuse: false,
+                ..first_run
+            },
+        ) {
+            Ok(mut r) => {
+                r.out_of_memory = Some(oom);
+                r
+            }
+            Err(f) => return failed(f),
+        },
         Err(f) => return failed(f),
     };
     let mut report = PreflightReport {
@@ -681,6 +698,8 @@ fn measure_change(
         // The script's output was shown by its own run; runs side by side would interleave it.
         quiet: true,
         replay: None,
+        // Each change is measured whole, as the script runs with it.
+        refuse: false,
         // Several changes at once skip what cannot be made, and say so.
         skip_what_cannot: c.inside.len() > 1,
     };
@@ -696,6 +715,10 @@ fn measure_change(
             c.change,
             m.trim_start_matches("preflight: ")
         )),
+        Err(Failure::Refused(o)) => Err(format!(
+            "{}: not measured: the script stopped when the GPU ran out at {}",
+            c.change, o.first_at
+        )),
     }
 }
 
@@ -707,6 +730,14 @@ fn failed(f: Failure) -> u8 {
         }
         Failure::NoAnswer(msg) => {
             say(&msg);
+            EXIT_INPUT
+        }
+        // (Only a run that refuses ends so, and it is run again refusing nothing.)
+        Failure::Refused(o) => {
+            say(&format!(
+                "preflight: the script stopped when the GPU ran out at {}",
+                o.first_at
+            ));
             EXIT_INPUT
         }
     }
@@ -752,6 +783,8 @@ struct Variant<'v> {
     replay: Option<(&'v str, bool)>,
     /// Changes inside the script that cannot be made are skipped and said, not the run's end.
     skip_what_cannot: bool,
+    /// The step's allocations the GPU would refuse raise CUDA's error in the script.
+    refuse: bool,
 }
 
 /// Runs the command once, as `v` says, and reads its answer.
@@ -795,6 +828,7 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         "fixes": v.fixes,
         "replay": v.replay.map(|(conf, always)| serde_json::json!({"alloc_conf": conf, "always": always})),
         "fixes_skip": v.skip_what_cannot,
+        "out_of_memory": if v.refuse { "raise" } else { "measure" },
     });
     let words: Vec<String> = a
         .command
@@ -843,9 +877,20 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
                 .map_or("a signal".to_string(), |c| format!("code {c}"))
         )));
     }
+    if let Some(oom) = refused(&result) {
+        return Err(Failure::Refused(oom));
+    }
     let mut run = read_answer(&result).map_err(|e| Failure::NoAnswer(format!("preflight: {e}")))?;
     run.micro_batch = batch;
     Ok(run)
+}
+
+/// Where the Python side said the GPU ran out and the script stopped (`{"refused": ...}`)
+/// instead of answering.
+fn refused(path: &Path) -> Option<OutOfMemory> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let doc: Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(doc.get("refused")?.clone()).ok()
 }
 
 /// The answer the Python side wrote: its result, or the one line it gave instead.

@@ -98,6 +98,7 @@ pub fn preflight(r: &PreflightReport) -> String {
             )
         );
     }
+    ran_out(&mut out, run);
     steps(&mut out, run);
     roles(&mut out, run);
     if !run.by_line.is_empty() {
@@ -186,6 +187,40 @@ fn fixes(out: &mut String, r: &PreflightReport) {
     }
 }
 
+/// Where the GPU ran out as the script ran: whether the figures are of what it ran after, or of
+/// a second run with nothing refused.
+fn ran_out(out: &mut String, run: &crate::preflight::PreflightRun) {
+    let Some(o) = &run.out_of_memory else {
+        return;
+    };
+    let first = format!(
+        "tried to allocate {} at {}",
+        human_bytes(o.first_bytes),
+        o.first_at
+    );
+    if o.went_on {
+        let _ = writeln!(
+            out,
+            "  the GPU ran out {} time(s) and the script caught it and went on (first: {first}): the figures are of what it ran after",
+            o.raised
+        );
+    } else {
+        let caught = if o.raised > 1 {
+            format!(", after catching {} and trying again", o.raised - 1)
+        } else {
+            String::new()
+        };
+        let ended = o
+            .ended
+            .as_deref()
+            .map_or(String::new(), |e| format!("; it then ended: {e}"));
+        let _ = writeln!(
+            out,
+            "  on this GPU the script stops with CUDA out of memory ({first}{caught}{ended}); the figures are of a second run with nothing refused"
+        );
+    }
+}
+
 /// Each step's own peak, where they differ: the figure a script that resets the peak at every
 /// step logs (the first usually runs without the optimizer's state).
 fn steps(out: &mut String, run: &crate::preflight::PreflightRun) {
@@ -255,7 +290,7 @@ fn roles(out: &mut String, run: &crate::preflight::PreflightRun) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::preflight::{LineBytes, PreflightRun};
+    use crate::preflight::{LineBytes, OutOfMemory, PreflightRun};
 
     #[test]
     fn a_knob_search_names_the_value_its_run_was_at() {
@@ -291,6 +326,44 @@ mod tests {
             "{}",
             preflight(&both)
         );
+    }
+
+    #[test]
+    fn where_the_gpu_ran_out_says_whether_the_figures_are_after_it_or_a_second_run() {
+        let gib = 1u64 << 30;
+        let report = |o: OutOfMemory| PreflightReport {
+            run: PreflightRun {
+                capacity: "2GiB".into(),
+                capacity_bytes: 2 * gib,
+                fits: o.went_on,
+                out_of_memory: Some(o),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let caught = OutOfMemory {
+            raised: 2,
+            first_bytes: gib,
+            first_at: "halving.py:27 (train_step)".into(),
+            went_on: true,
+            ended: None,
+        };
+        let text = preflight(&report(caught.clone()));
+        assert!(
+            text.contains("the GPU ran out 2 time(s) and the script caught it and went on (first: tried to allocate 1.00 GiB at halving.py:27 (train_step)): the figures are of what it ran after"),
+            "{text}"
+        );
+        let stopped = OutOfMemory {
+            went_on: false,
+            ended: Some("RuntimeError: no batch size fits (at train.py:9 (<module>))".into()),
+            ..caught
+        };
+        let text = preflight(&report(stopped));
+        assert!(
+            text.contains("on this GPU the script stops with CUDA out of memory (tried to allocate 1.00 GiB at halving.py:27 (train_step), after catching 1 and trying again; it then ended: RuntimeError: no batch size fits (at train.py:9 (<module>))); the figures are of a second run with nothing refused"),
+            "{text}"
+        );
+        assert!(!preflight(&PreflightReport::default()).contains("ran out"));
     }
 
     #[test]

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from oomkit.preflight.record.frames import user_line
 from oomkit.preflight.record.garbage import Collector
 from oomkit.preflight.record.host import HostMemory, host_zeros
+from oomkit.preflight.record.out_of_memory import OutOfMemory
 from oomkit.preflight.record.placement import ASKED_HOST, Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
 from oomkit.preflight.record.worst import PARTITIONING, Selections
@@ -313,6 +314,8 @@ class Recorder(TorchDispatchMode):
         self._cublas_workspace = cublas_workspace
         #: The matrix multiplies the GPU cannot run, by operator name, each with the error CUDA raises there.
         self.refused: dict[str, str] = {}
+        #: Where set (a script's first run), the step's allocations the GPU would refuse raise CUDA's error.
+        self.out_of_memory: OutOfMemory | None = None
         #: Bytes of the storages alive now, and the most so far (unrounded).
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -569,6 +572,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         self.ops += 1
         self._garbage.after_op(self.ops)
+        if self.out_of_memory is not None:
+            self.out_of_memory.before_op()
         if not self.ops % TIME_CHECK_EVERY:
             self._check_time()
         if self.capturing:
@@ -631,7 +636,7 @@ class Recorder(TorchDispatchMode):
             if computed is not None:
                 for t in tree_leaves(computed):
                     if on_meta(t):
-                        self.track(t)
+                        self.track(t, may_refuse=True)
                 return computed
             # Meta tensors raise NotImplementedError where an operation needs
             # the values (nonzero, unique) or has no meta kernel, and a custom
@@ -675,7 +680,7 @@ class Recorder(TorchDispatchMode):
                 self._script_meta(func, args, kwargs, out, where)
             for t in tensors_in(out):
                 if on_meta(t):
-                    self.track(t)
+                    self.track(t, may_refuse=True)
         if not self.forward_open and torch._C._current_graph_task_id() == -1:
             if self.forwards and isinstance(out, torch.Tensor):
                 # (Backward's copies feed no forward.)
@@ -692,7 +697,7 @@ class Recorder(TorchDispatchMode):
             if thread not in self._workspaces and any(self.placement.on_gpu(t) for t in tensors_in(args, kwargs)):
                 workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=FAKE_DEVICE)
                 self._workspaces[thread] = workspace
-                index = self.track(workspace)
+                index = self.track(workspace, may_refuse=True)
                 if index is not None:
                     self.trace.library.add(index)
 
@@ -925,11 +930,13 @@ class Recorder(TorchDispatchMode):
         """Whether the step has begun (allocations are recorded as they happen)."""
         return not self._deferred
 
-    def track(self, t: torch.Tensor) -> int | None:
-        """Records the storage of ``t`` if it is new; returns its allocation index."""
+    def track(self, t: torch.Tensor, may_refuse: bool = False) -> int | None:
+        """Records the storage of ``t`` if it is new; returns its allocation index. Where
+        ``may_refuse`` (an operation's new output), an allocation the GPU would refuse raises
+        CUDA's error (``out_of_memory``) and is recorded as refused, holding nothing."""
         if is_traceable_wrapper_subclass(t):
             # A wrapper (DTensor: a shard of a parameter) holds no memory of its own; what it wraps does.
-            found = [self.track(inner) for inner in plain_tensors(t)]
+            found = [self.track(inner, may_refuse) for inner in plain_tensors(t)]
             return next((i for i in found if i is not None), None)
         st = t.untyped_storage()
         known = self._index.get(st)
@@ -945,9 +952,9 @@ class Recorder(TorchDispatchMode):
         if self._deferred:
             self._pending.append((weakref.ref(st), size, stack_id))
             return None
-        return self._allocate(st, size, stack_id)
+        return self._allocate(st, size, stack_id, may_refuse)
 
-    def _allocate(self, st: Any, size: int, stack_id: int) -> int:
+    def _allocate(self, st: Any, size: int, stack_id: int, may_refuse: bool = False) -> int:
         tr = self.trace
         index = len(tr.kinds)
         self._append(0, size, stack_id)
@@ -959,7 +966,19 @@ class Recorder(TorchDispatchMode):
         self._refs[index] = weakref.ref(st, self._freed_callback(index, id(st)))
         if self.forward_open:
             self._made_in[index] = self.forward_open
+        if may_refuse and self.out_of_memory is not None:
+            self.out_of_memory.check(index, self.live_bytes)
         return index
+
+    def allocation_refused(self, index: int) -> None:
+        """The allocation at ``index`` was refused (CUDA's error is raised): it holds nothing, and
+        the death of its storage, which the script may still hold, frees nothing."""
+        ref = self._refs.pop(index, None)
+        st = ref() if ref is not None else None
+        if st is not None:
+            self._index.forget(id(st), index)
+        self.live_bytes -= self.trace.args[index]
+        self._made_in.pop(index, None)
 
     def index_of(self, t: torch.Tensor) -> int | None:
         """The allocation index of ``t``'s storage, if recorded."""
@@ -1004,10 +1023,13 @@ class Recorder(TorchDispatchMode):
             self._free(int(index))
             del self._index[st]
         if size > 0 and not self._deferred:
-            self._allocate(st, size, self._stack_id())
+            self._allocate(st, size, self._stack_id(), may_refuse=True)
 
     def empty_cache(self) -> None:
         """Records ``torch.cuda.empty_cache()``."""
+        if self.out_of_memory is not None:
+            # (What a failed attempt left in cycles goes back before the cache is emptied, as on a GPU.)
+            self.out_of_memory.before_op()
         if not self._deferred:
             self._append(2, 0)
 
