@@ -284,3 +284,51 @@ def test_oomkits_own_auto_batch_steps_down_from_the_errors_figures(tmp_path: Pat
     assert steps == [("32768", "2"), ("16384", "4")], p.stderr
     assert run["fits"] and run["out_of_memory"]["raised"] == 2 and run["out_of_memory"]["went_on"]
     assert run["grad_accum"] == 4
+
+
+TUNED = """
+import sys
+import torch, lightning as L
+from torch import nn
+from lightning.pytorch.tuner import Tuner
+
+class Classifier(L.LightningModule):
+    def __init__(self, batch_size=32):
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 10))
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(1 << 14, 1024), torch.randint(0, 10, (1 << 14,)))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+search = sys.argv[1] == "search"
+model = Classifier(32 if search else int(sys.argv[1]))
+trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[2])
+if search:
+    Tuner(trainer).scale_batch_size(model, mode="power")
+trainer.fit(model)
+"""
+
+
+def test_lightnings_batch_size_finder_runs_first_and_the_run_after_it_is_measured(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    script = tmp_path / "tuned.py"
+    script.write_text(TUNED)
+    # Against 256 MiB the search doubles from 2 and runs out at 4,096 (the forward's 64 MiB
+    # input and 64 MiB hidden layer beside the state); the run trains at 2,048.
+    tuned = preflight_run(script, "--capacity", "256MiB", args=("search", str(tmp_path / "t")))
+    assert any("batch-size search (Lightning's BatchSizeFinder) ran first and found 2048" in n for n in tuned["notes"]), tuned["notes"]
+    assert tuned["fits"] and tuned["steps"] == 2 and len(tuned["step_peaks"]) == 2
+    assert tuned["out_of_memory"]["went_on"] and tuned["out_of_memory"]["raised"] == 1
+    # The same figures as the run started at 2,048 without a search (to the blocks the allocator
+    # hands out, which depend on what the trials left cached).
+    direct = preflight_run(script, "--capacity", "256MiB", args=("2048", str(tmp_path / "d")))
+    assert direct["out_of_memory"] is None
+    assert tuned["peak_allocated_bytes"] == pytest.approx(direct["peak_allocated_bytes"], rel=0.005)
+    assert tuned["step_peaks"] == pytest.approx(direct["step_peaks"], rel=0.005)

@@ -47,12 +47,12 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         realized = capped
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     allocated_after = since = realized[3][0]
-    went_on_from = _after_last_refusal(tr)
+    went_on_from = max(_after_last_refusal(tr), tr.measured_from)
     if not 0 < went_on_from < len(allocated_after):
         went_on_from = 0
     else:
-        # The script caught the GPU's error and went on (a smaller batch): its figures are of
-        # what it ran after, not of the attempts that ran out.
+        # The script caught the GPU's error and went on (a smaller batch), or searched its batch
+        # size first: its figures are of what it ran after, not of the attempts.
         reserved_after = realized[3][1]
         at = max(range(went_on_from, len(reserved_after)), key=reserved_after.__getitem__)
         peak_reserved, free_at_peak = reserved_after[at], reserved_after[at] - allocated_after[at]
@@ -84,8 +84,8 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         mode=recording.mode,
         forwards=rec.forwards,
         phase_peaks=_phase_peaks(tr, since),
-        # (A step that completed before the GPU ran out is what it was.)
-        step_peaks=_step_peaks(tr, allocated_after, went_on_from),
+        # (A step that completed before the GPU ran out is what it was; a batch-size search's trials are none.)
+        step_peaks=_step_peaks(tr, allocated_after, went_on_from)[sum(1 for end in tr.step_ends if end <= tr.measured_from) :],
         host_peak_bytes=rec.host.peak_bytes,
         host_pinned_peak_bytes=rec.host.pinned_peak_bytes,
         host_paged_peak_bytes=rec.host.paged_peak_bytes,

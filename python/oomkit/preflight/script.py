@@ -142,6 +142,8 @@ class _Session:
             self.autocast, on_upload=self._upload, read_back=self.rec.read_back, host=self.rec.host, placement=self.rec.placement
         )
         self.steps_done = 0
+        # Steps taken before the run measured began: a batch-size search's trials (Lightning's finder).
+        self._steps_before = 0
         #: Each training step's tokens (batch, sequence), read at its first embedding lookup.
         self.tokens: list[tuple[int, int]] = []
         # The GPU's errors raised when the tokens were last read (an attempt that ran out is no step).
@@ -219,11 +221,13 @@ class _Session:
             on_module_moved=lambda tensors: self.known.add_params(self.rec, tensors),
         )
         self.world.__enter__()
+        self.world.batch_search.on_end = self._search_ended
         if self.launch.refuse:
             oom = OutOfMemory(
                 self.rec.trace, self.allocator_settings, self.memory.allowed_bytes, s.capacity_bytes, self.rec.allocation_refused
             )
             oom.give_up = self._gave_up
+            oom.on_refused = self._step_aborted
             self.rec.out_of_memory = oom
         # Modules built without a device are built on meta (never allocated),
         # as if built on the CPU and moved; other tensors keep their device.
@@ -343,8 +347,8 @@ class _Session:
         if oom is not None and oom.refused is not None and oom.refused.raised != self._refusals_seen:
             # An attempt that ran out is no step: the next forward's sequences are the step's.
             self._refusals_seen = oom.refused.raised
-            del self.tokens[self.steps_done :]
-        if isinstance(module, torch.nn.Embedding) and len(self.tokens) == self.steps_done and torch.is_grad_enabled():
+            del self.tokens[self._measured_steps() :]
+        if isinstance(module, torch.nn.Embedding) and len(self.tokens) == self._measured_steps() and torch.is_grad_enabled():
             # A language model's step: its first lookup of token ids (batch x sequence) says how long its sequences are.
             ids = _args[0] if _args else None
             if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
@@ -429,7 +433,7 @@ class _Session:
         """Whether this optimizer's step completes a training step of the loop: every optimizer
         it steps (but one left behind by ``OPTIMIZER_LAG`` steps) has stepped once more."""
         steps, seen_at = self._optimizer_steps, self._optimizer_seen_at
-        if opt not in steps and self.steps_done == 1 and max(steps.values(), default=0) == 1:
+        if opt not in steps and self._measured_steps() == 1 and max(steps.values(), default=0) == 1:
             # Another optimizer of the loop's first step: that step ends with it.
             self.rec.step_ended(later=True)
         steps[opt] = steps.get(opt, 0) + 1
@@ -438,21 +442,42 @@ class _Session:
         if most <= OPTIMIZER_LAG and any(o not in steps and o not in self._inner_optimizers for o in self._optimizers):
             # An optimizer the script made has yet to step: the loop's step goes on to it.
             return False
-        return min(n for o, n in steps.items() if most - seen_at[o] <= OPTIMIZER_LAG) > self.steps_done
+        return min(n for o, n in steps.items() if most - seen_at[o] <= OPTIMIZER_LAG) > self._measured_steps()
 
     def _step_done(self) -> None:
         """A training step ended: counted, and the script stopped after the steps asked for."""
         self.steps_done += 1
-        steps = self.steps_done
+        steps = self._measured_steps()
         oom = self.rec.out_of_memory
         if oom is not None:
             oom.step_done()
             # After the GPU ran out, the steps asked for are those at the setting the script went on with.
-            steps = oom.steps_since(steps)
+            steps = min(steps, oom.steps_since(self.steps_done))
         self.rec.step_ended()
         self.rec.phase = "inputs"
-        if steps >= self.settings.steps:
+        if steps >= self.settings.steps and not self.world.batch_search.depth:
+            # (A batch-size search's trials are not the run: it is measured after the search.)
             self._stop()
+
+    def _measured_steps(self) -> int:
+        """The optimizer steps of the run measured: those after the script's own batch-size search."""
+        return self.steps_done - self._steps_before
+
+    def _search_ended(self) -> None:
+        """The script's own batch-size search ended: the run measured begins here, at the batch it found."""
+        self._steps_before = self.steps_done
+        self.rec.trace.measured_from = len(self.rec.trace.kinds)
+        self.tokens.clear()
+        # The trials' optimizers are not the run's (a trainer makes its own again for the run).
+        self._optimizers = weakref.WeakSet()
+        self._optimizer_steps = weakref.WeakKeyDictionary()
+        self._optimizer_seen_at = weakref.WeakKeyDictionary()
+
+    def _step_aborted(self) -> None:
+        """The GPU ran out: an optimizer's step running (its closure's forward, Lightning's) ends with
+        the error, its post-hook never called; the next step the script takes is one of its loop."""
+        self._step_depth = 0
+        self.in_step = False
 
     def _refused(self) -> Refused | None:
         """The GPU's refusals where the script did not go on after the last (it must be run again)."""
@@ -539,12 +564,16 @@ class _Session:
                 )
             else:
                 notes.append(f"the script ended after {self.steps_done} optimizer step(s) of the {asked} asked for")
-        if mode == TRAINING and self.tokens[: self.steps_done]:
-            notes.append(_sequence_note(self.tokens[: self.steps_done], self.world.bounds.longest))
+        measured = self.steps_done - self._steps_before
+        searched = self.world.batch_search.note()
+        if searched is not None:
+            notes.append(searched)
+        if mode == TRAINING and self.tokens[:measured]:
+            notes.append(_sequence_note(self.tokens[:measured], self.world.bounds.longest))
             padded, bound = self.world.bounds.padded_longest(), self.world.bounds.longest
             if padded is not None and bound is not None:
                 kept = f"the longest sequence the script keeps ({bound[0]} tokens, {bound[1]})"
-                if max(t for _, t in self.tokens[: self.steps_done]) >= bound[0]:
+                if max(t for _, t in self.tokens[:measured]) >= bound[0]:
                     notes.append(
                         f"after the first forward, each training batch was padded to {kept}, "
                         f"where its data's own were up to {padded}: the peak is that of its longest batch"
@@ -566,7 +595,7 @@ class _Session:
         conf = self.allocator_settings()
         if not self.launch.alloc_conf_given and conf != self.settings.alloc_conf:
             notes.append(f"the script sets PYTORCH_CUDA_ALLOC_CONF={conf or ''}: the allocator is modelled with it")
-        recording = Recording(self.rec, self.known, notes, steps=self.steps_done, capacity_bytes=allowed, alloc_conf=conf, mode=mode)
+        recording = Recording(self.rec, self.known, notes, steps=measured, capacity_bytes=allowed, alloc_conf=conf, mode=mode)
         try:
             result = answer(recording, replace(self.settings, grad_accum=self._accumulation()), {"command": sys.argv})
             oom = self.rec.out_of_memory

@@ -115,6 +115,9 @@ class OutOfMemory:
         self._steps_at_refusal = 0
         #: Called when the script has caught ``GIVE_UP_AFTER`` errors in a row: it ends the run.
         self.give_up: Callable[[], None] | None = None
+        #: Called as each error is raised: what it leaves unfinished (an optimizer's step whose
+        #: closure ran out) ends with it.
+        self.on_refused: Callable[[], None] | None = None
 
     def check(self, index: int, live_bytes: int) -> None:
         """Serves the operations recorded up to the allocation at ``index`` (the last) and raises
@@ -152,6 +155,8 @@ class OutOfMemory:
         self._steps_at_refusal = self._steps
         if self.in_a_row > GIVE_UP_AFTER and self.give_up is not None:
             self.give_up()
+        if self.on_refused is not None:
+            self.on_refused()
         error = torch.OutOfMemoryError(self._message(alloc_size, reserved, allocated, allowed))
         setattr(error, MARK, True)
         try:

@@ -270,6 +270,9 @@ class Trace:
     #: The private pool of each allocation made while a CUDA graph captured (1 on), by
     #: allocation index; every other allocation is in the default pools.
     pools: dict[int, int] = field(default_factory=dict)
+    #: The first operation of the run the answer is of: after the script's own batch-size search
+    #: (Lightning's finder), whose trials are not the run; 0 where it ran none.
+    measured_from: int = 0
     #: The operations between forwards and backwards (an optimizer's step, and what the
     #: script does after it), each as (what it wrote in place or made, what else it read,
     #: whether it wrote in place), by allocation index: where a copy of the weights that

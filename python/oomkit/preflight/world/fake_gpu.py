@@ -34,6 +34,7 @@ import torch
 from oomkit.preflight.frameworks.bitsandbytes import FUNCTIONAL, outlier_stand_ins, paged_stand_ins
 from oomkit.preflight.frameworks.diffusers import DIFFUSERS_MODELING, DiffusersWeightsFromConfig
 from oomkit.preflight.frameworks.huggingface import LITGPT_DATA, LITGPT_MODEL, TOKENIZER_BASE, TORCHTUNE_DATA, TRAINER, SequenceBounds
+from oomkit.preflight.frameworks.lightning import BATCH_SIZE_FINDERS, BatchSizeSearch
 from oomkit.preflight.frameworks.litgpt import UTILS as LITGPT_UTILS
 from oomkit.preflight.frameworks.litgpt import CheckpointWithoutWeights
 from oomkit.preflight.frameworks.pretrained import MODELING, PEFT_MODEL, AdapterWithoutWeights, WeightsFromConfig
@@ -178,6 +179,8 @@ class FakeGpu:
         self.bounds = SequenceBounds()
         #: The framework recipe the script ran (torchtune's), once its config is read.
         self.recipe = RecipeSeen(on_bound=self.bounds.said_by_recipe)
+        #: The script's own batch-size search (Lightning's BatchSizeFinder), while it runs.
+        self.batch_search = BatchSizeSearch()
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
         #: The folder the script's saves are kept in (this run's own), or None for a temporary one.
@@ -267,6 +270,9 @@ class FakeGpu:
         traced = HostOnlyProfiler(self.notes).stand_ins
         entries.append(Hook("the script's profiler traces the host alone", when_imported(PROFILER), traced))
         entries.append(Hook("torchtune's recipe config read as the recipe logs it", when_imported(CONFIG), self.recipe.stand_ins))
+        for finder in BATCH_SIZE_FINDERS:
+            searched = "Lightning's batch-size finder runs before the steps measured"
+            entries.append(Hook(searched, when_imported(finder), self.batch_search.stand_ins))
         bounded = "the longest sequence the script keeps, as its tokenizer or trainer says it"
         entries.append(Hook(bounded, when_imported(TOKENIZER_BASE), self.bounds.tokenizer_stand_ins))
         entries.append(Hook(bounded, when_imported(TRAINER), self.bounds.trainer_stand_ins))
