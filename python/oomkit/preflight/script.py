@@ -146,8 +146,6 @@ class _Session:
         self._steps_before = 0
         #: Each training step's tokens (batch, sequence), read at its first embedding lookup.
         self.tokens: list[tuple[int, int]] = []
-        # The GPU's errors raised when the tokens were last read (an attempt that ran out is no step).
-        self._refusals_seen = 0
         #: Backward passes run, and whether the script made a torch.optim optimizer: without one,
         #: a step is a backward pass and the update after it (a loop that updates the weights itself).
         self.backwards_done = 0
@@ -227,7 +225,7 @@ class _Session:
                 self.rec.trace, self.allocator_settings, self.memory.allowed_bytes, s.capacity_bytes, self.rec.allocation_refused
             )
             oom.give_up = self._gave_up
-            oom.on_refused = self._step_aborted
+            oom.on_refused = self._attempt_ran_out
             self.rec.out_of_memory = oom
         # Modules built without a device are built on meta (never allocated),
         # as if built on the CPU and moved; other tensors keep their device.
@@ -247,8 +245,7 @@ class _Session:
                         f"oomkit preflight: the script stopped with CUDA out of memory{_at(tb)}; running it again with nothing refused\n"
                     )
                     return
-                said = _first_line(value)
-                refused.ended = (f"{kind.__name__}: {said}" if said else kind.__name__) + _at(tb)
+                refused.ended = _error_at(kind, value, tb)
                 self.finish()
                 previous(kind, value, tb)
                 return
@@ -270,8 +267,7 @@ class _Session:
                 # kernel's launcher) fails there, and that names the part.
                 module = self.rec.innermost_module()
                 where = f" in {module}'s forward" if module else ""
-                said = _first_line(value)
-                error = (f"{kind.__name__}: {said}" if said else kind.__name__) + _at(tb)
+                error = _error_at(kind, value, tb)
                 if self._measured_a_step():
                     # What the whole steps before it measured stands; the failure is said beside it.
                     self.finish(failed=f"{where}: {error}")
@@ -343,11 +339,6 @@ class _Session:
         if self.rec.on_host:
             # A data transform run on the host: no forward of the model.
             return
-        oom = self.rec.out_of_memory
-        if oom is not None and oom.refused is not None and oom.refused.raised != self._refusals_seen:
-            # An attempt that ran out is no step: the next forward's sequences are the step's.
-            self._refusals_seen = oom.refused.raised
-            del self.tokens[self._measured_steps() :]
         if isinstance(module, torch.nn.Embedding) and len(self.tokens) == self._measured_steps() and torch.is_grad_enabled():
             # A language model's step: its first lookup of token ids (batch x sequence) says how long its sequences are.
             ids = _args[0] if _args else None
@@ -473,11 +464,14 @@ class _Session:
         self._optimizer_steps = weakref.WeakKeyDictionary()
         self._optimizer_seen_at = weakref.WeakKeyDictionary()
 
-    def _step_aborted(self) -> None:
-        """The GPU ran out: an optimizer's step running (its closure's forward, Lightning's) ends with
-        the error, its post-hook never called; the next step the script takes is one of its loop."""
+    def _attempt_ran_out(self) -> None:
+        """The GPU ran out: the attempt is no step. An optimizer's step running (its closure's forward,
+        Lightning's) ends with the error, its post-hook never called; the next step the script takes
+        is one of its loop."""
         self._step_depth = 0
         self.in_step = False
+        # The next forward's sequences are the step's.
+        del self.tokens[self._measured_steps() :]
 
     def _refused(self) -> Refused | None:
         """The GPU's refusals where the script did not go on after the last (it must be run again)."""
@@ -675,6 +669,12 @@ def _exited_early(code: Any, handling: BaseException | None) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else ""
+
+
+def _error_at(kind: type[BaseException], value: BaseException, tb: Any) -> str:
+    """An error as one line: its class, its message's first line and the script's line it came from."""
+    said = _first_line(value)
+    return (f"{kind.__name__}: {said}" if said else kind.__name__) + _at(tb)
 
 
 def _a_script_of_its_own() -> bool:

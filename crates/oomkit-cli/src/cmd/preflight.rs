@@ -877,27 +877,29 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
                 .map_or("a signal".to_string(), |c| format!("code {c}"))
         )));
     }
-    if let Some(oom) = refused(&result) {
+    let no_answer = |e: String| Failure::NoAnswer(format!("preflight: {e}"));
+    let doc = answer_doc(&result).map_err(no_answer)?;
+    // The GPU ran out and the script stopped: the figures are of a run cut short.
+    if let Some(oom) = doc
+        .get("refused")
+        .and_then(|r| serde_json::from_value(r.clone()).ok())
+    {
         return Err(Failure::Refused(oom));
     }
-    let mut run = read_answer(&result).map_err(|e| Failure::NoAnswer(format!("preflight: {e}")))?;
+    let mut run = run_of(&doc).map_err(no_answer)?;
     run.micro_batch = batch;
     Ok(run)
 }
 
-/// Where the Python side said the GPU ran out and the script stopped (`{"refused": ...}`)
-/// instead of answering.
-fn refused(path: &Path) -> Option<OutOfMemory> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let doc: Value = serde_json::from_str(&text).ok()?;
-    serde_json::from_value(doc.get("refused")?.clone()).ok()
+/// The document the Python side wrote: `{"result"}`, `{"error"}`, or `{"refused"}` where the
+/// GPU ran out and the script stopped.
+fn answer_doc(path: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("no answer ({e})"))?;
+    serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e})"))
 }
 
-/// The answer the Python side wrote: its result, or the one line it gave instead.
-fn read_answer(path: &Path) -> Result<PreflightRun, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("no answer ({e})"))?;
-    let doc: Value =
-        serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e})"))?;
+/// The run an answer holds, or the one line it gave instead.
+fn run_of(doc: &Value) -> Result<PreflightRun, String> {
     if let Some(err) = doc.get("error").and_then(Value::as_str) {
         return Err(err.to_string());
     }
@@ -936,7 +938,7 @@ pub(crate) fn trace_config(mut settings: Value) -> Result<PreflightRun, String> 
             out.code().map_or("a signal".to_string(), |c| format!("code {c}"))
         ));
     }
-    read_answer(&result)
+    run_of(&answer_doc(&result)?)
 }
 
 /// A scratch folder removed when dropped.

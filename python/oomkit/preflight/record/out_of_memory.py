@@ -33,7 +33,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -75,13 +75,7 @@ class Refused:
 
     def as_dict(self) -> dict[str, Any]:
         """The answer's ``out_of_memory`` field (docs/commands.md)."""
-        return {
-            "raised": self.raised,
-            "first_bytes": self.first_bytes,
-            "first_at": self.first_at,
-            "went_on": self.went_on,
-            "ended": self.ended,
-        }
+        return asdict(self)
 
 
 class OutOfMemory:
