@@ -55,6 +55,8 @@ def test_tensor_parallel_keeps_a_slice_of_each_weight_launched_by_torchrun(tmp_p
     assert run["by_role"]["parameters"] == weights // 2, run["by_role"]
     assert run["by_role"]["optimizer_state"] == weights, run["by_role"]
     assert any("rank 0 of 2 GPUs" in n for n in run["notes"]), run["notes"]
+    # Its mesh made the process group: it ran as one GPU of two, and nothing says it ran on one alone.
+    assert not any("made no process group" in n or "in one process" in n for n in run["notes"]), run["notes"]
 
 
 def test_gpus_given_is_the_world_torchrun_starts_rank_zero_of(tmp_path: Path) -> None:
@@ -322,3 +324,61 @@ def test_batch_norm_synchronised_across_gpus_runs_its_cuda_only_operators(tmp_pa
     # The convolution's output, which the synchronised batch norm keeps for its backward.
     conv_out = 8 * 16 * 32 * 32 * 4
     assert conv_out <= run["by_role"]["activations"] < conv_out + 4096, run["by_role"]
+
+
+#: A model split by hand over two GPUs in one process (the pattern of ``device_map``'s
+#: placement and of the tutorials' model parallelism): each half on its GPU, the activation
+#: sent across between them. With ``--gpus 1`` the same script puts both halves on one GPU.
+SPREAD = """
+import sys
+import torch
+from torch import nn
+
+second = sys.argv[1]
+first_half = nn.Linear(1024, 1024, bias=False).to("cuda:0")
+second_half = nn.Linear(1024, 1024, bias=False).to(second)
+opt = torch.optim.SGD([*first_half.parameters(), *second_half.parameters()], lr=0.1)
+for _ in range(2):
+    x = torch.randn(64, 1024, device="cuda:0")
+    second_half(first_half(x).to(second)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+#: A script for one GPU, which never looks at how many there are.
+ONE_GPU = """
+import torch
+from torch import nn
+
+model = nn.Linear(1024, 1024, bias=False).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(64, 1024, device="cuda")).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_model_spread_over_gpus_in_one_process_is_said_to_be_measured_as_one(tmp_path: Path) -> None:
+    script = tmp_path / "spread.py"
+    script.write_text(SPREAD)
+    weights = 2 * 1024 * 1024 * 4
+    spread = preflight_run(script, "--gpus", "2", args=("cuda:1",))
+    # Both halves are held on the one fake GPU: the figures are the two GPUs' together, and the note says so.
+    assert spread["by_role"]["parameters"] == weights, spread["by_role"]
+    assert any(n.startswith("the script put tensors on cuda:0, cuda:1 in one process") for n in spread["notes"]), spread["notes"]
+    # No process group was made: nothing says it ran as rank 0.
+    assert not any("rank 0 of" in n for n in spread["notes"]), spread["notes"]
+    # The same figures as the script with both halves on one GPU, which gets no such note.
+    together = preflight_run(script, args=("cuda:0",))
+    assert together["peak_allocated_bytes"] == spread["peak_allocated_bytes"], (together, spread)
+    assert not any("in one process" in n for n in together["notes"]), together["notes"]
+
+
+def test_gpus_given_to_a_script_for_one_gpu_says_it_ran_on_one(tmp_path: Path) -> None:
+    script = tmp_path / "one.py"
+    script.write_text(ONE_GPU)
+    run = preflight_run(script, "--gpus", "4")
+    assert run["by_role"]["parameters"] == 1024 * 1024 * 4, run["by_role"]
+    assert "--gpus 4: the script made no process group and started no process per GPU, so it ran on one GPU, as measured" in run["notes"]
+    assert not any("rank 0 of" in n for n in run["notes"]), run["notes"]

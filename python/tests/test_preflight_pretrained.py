@@ -314,3 +314,30 @@ def test_estimate_traces_the_model_a_script_makes_from_the_same_config(tmp_path:
     assert any(n.startswith("LlamaForCausalLM was built from its config") for n in traced["notes"]), traced["notes"]
     # Nothing but the answer: no progress bar or deprecation warning of the libraries that built the model.
     assert p.stderr == "", p.stderr
+
+
+#: Inference with the model spread by accelerate over every GPU there is (``device_map="auto"``).
+SPREAD_BY_DEVICE_MAP = """
+import sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="auto")
+print("placed", sorted(set(getattr(model, "hf_device_map", {}).values())))
+with torch.no_grad():
+    model(input_ids=torch.randint(0, 4096, (2, 64), device="cuda"))
+"""
+
+
+def test_device_map_auto_over_several_gpus_is_said_to_be_measured_as_one(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, "llama", "llama", LLAMA, weights=False)
+    script = tmp_path / "spread.py"
+    script.write_text(SPREAD_BY_DEVICE_MAP)
+    # The model's weights in bf16, counted from the config: embedding and head, and each layer's
+    # attention (query and output 256 x 256, key and value 128 x 256), MLP (3 x 688 x 256) and two norms, and the final norm.
+    layer = 2 * 256 * 256 + 2 * 128 * 256 + 3 * 688 * 256 + 2 * 256
+    # Beside them, the rotary embedding's two buffers of inverse frequencies (32 float32 each), a 512-byte block each.
+    weights = 2 * (2 * 4096 * 256 + 2 * layer + 256) + 2 * 512
+    spread = preflight_run(script, "--gpus", "2", args=(str(folder),))
+    # accelerate put the layers on both GPUs; the one fake GPU holds all of them, and the note says so.
+    assert spread["by_role"]["parameters"] == weights, spread["by_role"]
+    assert any(n.startswith("the script put tensors on cuda:0, cuda:1 in one process") for n in spread["notes"]), spread["notes"]
+    alone = preflight_run(script, args=(str(folder),))
+    assert alone["by_role"]["parameters"] == weights and not any("in one process" in n for n in alone["notes"]), alone["notes"]

@@ -528,6 +528,9 @@ class _Session:
             self._write({"refused": refused.as_dict()})
             return
         notes = self.notes.said()
+        gpus = self.world.gpus_note()
+        if gpus is not None:
+            notes.append(gpus)
         asked = self.settings.steps
         loop_without_optimizer = not self.has_optimizer and self.backwards_done
         if loop_without_optimizer:

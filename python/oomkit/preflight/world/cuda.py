@@ -373,6 +373,19 @@ class CudaGenerator(metaclass=_GeneratorClass):
     """What ``torch.Generator`` names under preflight (``_GeneratorClass``)."""
 
 
+def gpu_index(device: Any) -> int | None:
+    """The index of the CUDA device ``device`` names (a device, a name, an index; the first where
+    it names none), or None where it names no CUDA device."""
+    if isinstance(device, torch.device):
+        return (device.index or 0) if device.type == "cuda" else None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        index = device.partition(":")[2]
+        return int(index) if index.isdigit() else 0
+    return None
+
+
 def _to_meta(value: Any) -> Any:
     return FAKE_DEVICE if is_cuda(value) else value
 
@@ -558,6 +571,8 @@ class CudaFunctions(TorchFunctionMode):
         self.build_on_meta = False
         #: Composites run with their check for a mode skipped, made once each (``_opened``).
         self._opened: dict[Any, FunctionType] = {}
+        #: The CUDA devices the script has put tensors on, by index: all of them stand on one fake GPU.
+        self.gpu_indices: set[int] = set()
 
     def __torch_function__(
         self,
@@ -603,6 +618,8 @@ class CudaFunctions(TorchFunctionMode):
             asked = None
         if asked is None:
             return self._call(func, name, args, kwargs)
+        if asked == ASKED_GPU:
+            self._named_gpu(name, args, kwargs)
         placement = self.placement
         before, placement.asked = placement.asked, asked
         try:
@@ -617,6 +634,12 @@ class CudaFunctions(TorchFunctionMode):
         finally:
             placement.asked = before
         return out
+
+    def _named_gpu(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Notes which GPU a call that puts its result on one names (``device=``, ``.to``, ``.cuda``)."""
+        named = (kwargs.get("device"), *(args[1:] if name in ("to", "cuda") else ()))
+        index = next((i for i in map(gpu_index, named) if i is not None), 0)
+        self.gpu_indices.add(index)
 
     def _told(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is told it is on the GPU: it is on the fake GPU, and no tracer is reading it as it is."""

@@ -64,6 +64,7 @@ from oomkit.preflight.world.cuda import (
 from oomkit.preflight.world.dist import (
     PIPELINE_SCHEDULES,
     PipelineOnOneRank,
+    Ranks,
     fake_process_group,
     modules_holding,
     parallel_stand_ins,
@@ -183,6 +184,8 @@ class FakeGpu:
         self.batch_search = BatchSizeSearch()
         #: PyTorch's own ``init_process_group``, before the ledger replaces it.
         self._init_process_group: Any = None
+        #: Whether the script ran as one GPU of ``--gpus``, or on one GPU alone.
+        self.ranks = Ranks()
         #: The folder the script's saves are kept in (this run's own), or None for a temporary one.
         self.save_dir = save_dir
         #: Where the checkpoints the script saves went, once the ledger is made.
@@ -340,6 +343,7 @@ class FakeGpu:
         def init_process_group(*_: Any, **__: Any) -> None:
             # Whatever backend the script asks for (nccl), rank 0 of the fake group answers.
             fake_process_group(world_size, init)
+            self._as_rank_zero(world_size)
 
         # DeviceMesh (``init_device_mesh`` with no group yet) calls its own imported name.
         import torch.distributed.device_mesh  # noqa: F401
@@ -348,7 +352,7 @@ class FakeGpu:
             StandIn("the script's init_process_group gets the fake process group", owner, "init_process_group", init_process_group)
             for owner in modules_holding("init_process_group", init)
         ]
-        for owner, values in parallel_stand_ins(self.notes, self.settings.gpus):
+        for owner, values in parallel_stand_ins(self.notes, self.settings.gpus, self.ranks):
             entries.extend(StandIn("FSDP and DDP run as rank 0 on meta tensors", owner, name, value) for name, value in values.items())
         pipeline = PipelineOnOneRank(self.notes).stand_ins
         shapes = "pipeline schedules run rank 0's stages, shapes from other ranks answered"
@@ -372,15 +376,14 @@ class FakeGpu:
                 else:
                     stack.callback(entry.register(entry.fn).remove)
             world_size = self.settings.gpus
-            if world_size > 1:
-                self.notes.add(rank_zero_note(world_size))
-                if self.torchrun_environment:
-                    stack.enter_context(environment(rank_zero_environment(world_size)))
+            if world_size > 1 and self.torchrun_environment:
+                stack.enter_context(environment(rank_zero_environment(world_size)))
             if self.start_process_group:
                 import torch.distributed as dist
 
                 if fake_process_group(world_size, self._init_process_group):
                     stack.callback(dist.destroy_process_group)
+                self._as_rank_zero(world_size)
             # The function mode above autograd, the recorder below it.
             stack.enter_context(self.functions)
             stack.enter_context(self.recorder)
@@ -389,6 +392,32 @@ class FakeGpu:
             raise
         self._stack = stack
         return self
+
+    def _as_rank_zero(self, world_size: int) -> None:
+        """The script runs in the fake process group of ``world_size`` ranks, as rank 0: said once there are several."""
+        self.ranks.used = True
+        if world_size > 1:
+            self.notes.add(rank_zero_note(world_size))
+
+    def gpus_note(self) -> str | None:
+        """What the answer says of the GPUs the script used where it is not one rank of
+        ``--gpus``: several named in one process (a model spread over them, as ``device_map``
+        spreads it), measured together; or ``--gpus`` given to a script that used one."""
+        if self.ranks.used:
+            return None
+        named = sorted(self.functions.gpu_indices)
+        if len(named) > 1:
+            gpus = ", ".join(f"cuda:{i}" for i in named)
+            return (
+                f"the script put tensors on {gpus} in one process (a model spread over its GPUs, as device_map does): "
+                "preflight holds them on one GPU, so the figures are those GPUs' together, where each holds its part"
+            )
+        if self.settings.gpus > 1:
+            return (
+                f"--gpus {self.settings.gpus}: the script made no process group and started no process per GPU, "
+                "so it ran on one GPU, as measured"
+            )
+        return None
 
     def __exit__(self, *exc: Any) -> None:
         stack, self._stack = self._stack, None
