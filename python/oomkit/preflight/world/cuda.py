@@ -290,13 +290,22 @@ def cublas_workspace(capacity: str | None) -> int:
     return CUBLAS_WORKSPACE_HOPPER if capability(capacity) >= HOPPER else CUBLAS_WORKSPACE_OLDER
 
 
+def gpu_index(device: Any) -> int | None:
+    """The index of the CUDA device ``device`` names (a device, a name, an index; the first where
+    it names none), or None where it names no CUDA device."""
+    if isinstance(device, torch.device):
+        return (device.index or 0) if device.type == "cuda" else None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        index = device.partition(":")[2]
+        return int(index) if index.isdigit() else 0
+    return None
+
+
 def is_cuda(device: Any) -> bool:
     """Whether ``device`` (a device, a name, an index) is a CUDA device."""
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    return isinstance(device, str) and device.split(":")[0] == "cuda"
+    return gpu_index(device) is not None
 
 
 #: Functions that make a tensor on the default device when given none.
@@ -371,19 +380,6 @@ class _GeneratorClass(type):
 
 class CudaGenerator(metaclass=_GeneratorClass):
     """What ``torch.Generator`` names under preflight (``_GeneratorClass``)."""
-
-
-def gpu_index(device: Any) -> int | None:
-    """The index of the CUDA device ``device`` names (a device, a name, an index; the first where
-    it names none), or None where it names no CUDA device."""
-    if isinstance(device, torch.device):
-        return (device.index or 0) if device.type == "cuda" else None
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device
-    if isinstance(device, str) and device.split(":")[0] == "cuda":
-        index = device.partition(":")[2]
-        return int(index) if index.isdigit() else 0
-    return None
 
 
 def _to_meta(value: Any) -> Any:

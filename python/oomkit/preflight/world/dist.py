@@ -96,11 +96,10 @@ class Ranks:
         self.used = False
 
 
-def parallel_stand_ins(notes: Notes, world_size: int = 1, ranks: Ranks | None = None) -> list[tuple[Any, dict[str, Any]]]:
+def parallel_stand_ins(notes: Notes, world_size: int, ranks: Ranks) -> list[tuple[Any, dict[str, Any]]]:
     """What lets FSDP and DDP run as rank 0 of the fake group on ``meta`` tensors, and
     ``nn.DataParallel`` as its first GPU, as (owner, attributes) to set; ``ranks`` is told
     when the script runs as one GPU of several."""
-    ranks = ranks or Ranks()
     return (
         fsdp_on_meta()
         + ddp_on_one_rank(notes)
@@ -127,7 +126,7 @@ class _RanksRunHere:
         return True
 
 
-def spawned_ranks_in_process(notes: Notes, world_size: int = 1, ranks: Ranks | None = None) -> list[tuple[Any, dict[str, Any]]]:
+def spawned_ranks_in_process(notes: Notes, world_size: int, ranks: Ranks) -> list[tuple[Any, dict[str, Any]]]:
     """``torch.multiprocessing.spawn`` and ``start_processes`` run rank 0's function in this
     process, as (owner, attributes) to set.
 
@@ -142,8 +141,7 @@ def spawned_ranks_in_process(notes: Notes, world_size: int = 1, ranks: Ranks | N
 
     def start_processes(fn: Any, args: Any = (), nprocs: int = 1, join: bool = True, *_: Any, **__: Any) -> Any:
         if nprocs > 1 or world_size > 1:
-            if ranks is not None:
-                ranks.used = True
+            ranks.used = True
             differs = nprocs > 1 and nprocs != world_size
             notes.add(
                 f"the script starts {nprocs} process(es) with torch.multiprocessing: rank 0's function ran in the script's "
@@ -173,7 +171,7 @@ def dtensor_random_on_shards() -> list[tuple[Any, dict[str, Any]]]:
     return [(dtensor_dispatch, {"is_rng_supported_mesh": lambda *_, **__: False})]
 
 
-def data_parallel_on_first_gpu(notes: Notes, world_size: int = 1, ranks: Ranks | None = None) -> list[tuple[Any, dict[str, Any]]]:
+def data_parallel_on_first_gpu(notes: Notes, world_size: int, ranks: Ranks) -> list[tuple[Any, dict[str, Any]]]:
     """What lets ``nn.DataParallel`` run as its first GPU, the one that holds the most.
 
     DataParallel keeps the model on its first GPU, splits each batch along
@@ -200,8 +198,7 @@ def data_parallel_on_first_gpu(notes: Notes, world_size: int = 1, ranks: Ranks |
         gpus = getattr(self, "_oomkit_gpus", 1)
         if gpus <= 1:
             return self.module(*inputs, **kwargs)
-        if ranks is not None:
-            ranks.used = True
+        ranks.used = True
         notes.add(
             f"nn.DataParallel over {gpus} GPUs: the first is measured, which runs 1/{gpus} of each batch and gathers "
             "the outputs of all; the replicas on the others are not counted here"
