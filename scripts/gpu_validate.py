@@ -90,6 +90,9 @@ EXPECTED = {
 #: The bugs a quick run (on CPU, for the tests) plants in the language model.
 QUICK_BUGS = ["leak", "stale_copy", "eval_keeps_outputs"]
 
+#: The framework examples run with oomkit's callback on a clean run: script and arguments.
+FRAMEWORK_CASES = (("hf_trainer.py", ["--out", "hf"]), ("lightning_trainer.py", ["--root", "pl", "--oomkit"]))
+
 #: The largest file packed into artifacts.tar.gz.
 ARTIFACT_MAX_BYTES = 10 << 20
 
@@ -263,8 +266,9 @@ def planted(v: Validation) -> dict[str, Any]:
             else:
                 row["named"] = None
             rows.append(row)
-    # The frameworks, each with oomkit's callback, on a clean run.
-    for script, flags in (("hf_trainer.py", ["--out", "hf"]), ("lightning_trainer.py", ["--root", "pl", "--oomkit"])):
+    # The frameworks, each with oomkit's callback, on a clean run. Quick runs take Transformers' alone:
+    # the tests run Lightning's, the same command, and analyze its log (test_integration_lightning.py).
+    for script, flags in FRAMEWORK_CASES[:1] if v.args.quick else FRAMEWORK_CASES:
         r = v.sh([sys.executable, os.path.join(EXAMPLES, script)] + flags)
         folder = os.path.join(v.work, flags[1], "oomkit-logs")
         logs = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
@@ -498,10 +502,19 @@ def allocator(v: Validation) -> dict[str, Any]:
     return out
 
 
+#: The cases of scripts/gpu_preflight_check.py that the preflight section measures.
+PREFLIGHT_CASES = ("gpt-100m", "hf-gpt2-medium-bf16", "resnet50")
+
+#: The one a quick run predicts.
+QUICK_PREFLIGHT_CASES = ("gpt-100m",)
+
+
 def preflight(v: Validation) -> dict[str, Any]:
     """oomkit.preflight's peaks and largest micro-batch beside the same steps measured (scripts/gpu_preflight_check.py)."""
     rows = []
-    for case in ("gpt-100m", "hf-gpt2-medium-bf16", "resnet50"):
+    # Quick runs predict one case: the tests predict every case in full beside its GPU figures
+    # (test_preflight_gpu_measured.py), so on CPU this section checks its own path once.
+    for case in QUICK_PREFLIGHT_CASES if v.args.quick else PREFLIGHT_CASES:
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight_check.py"), "--case", case]
         if not v.cuda:
             cmd.append("--predict-only")

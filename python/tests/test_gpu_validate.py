@@ -67,6 +67,7 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path: Path, group: str) -> No
 def _check_preflight_side(s: dict[str, Any]) -> None:
     # Preflight's side runs anywhere: each case's predictions and its search.
     cases = {c["case"]: c for c in s["preflight"]["cases"]}
+    assert list(cases) == ["gpt-100m"], cases
     assert cases["gpt-100m"]["predicted_largest_micro_batch"] == 11, cases["gpt-100m"]
     assert all(len(c.get("rows", [])) == 2 for name, c in cases.items() if name != "resnet50"), cases
 
@@ -113,8 +114,8 @@ def _check_runs(s: dict[str, Any]) -> None:
 
 def _check_planted(out: Path, s: dict[str, Any]) -> None:
     rows = {row["case"]: row for row in s["planted"]["rows"]}
-    # Quick: the bugs a CPU shows in the language model, a clean run and the stale copy in the CNN, the two callbacks.
-    assert len(rows) == 4 + 2 + 2, sorted(rows)
+    # Quick: the bugs a CPU shows in the language model, a clean run and the stale copy in the CNN, Transformers' callback.
+    assert len(rows) == 4 + 2 + 1, sorted(rows)
     assert all(row["rc"] == 0 for row in rows.values()), rows
     # What CPU can show: the language model's kept outputs (1 MiB a step) are a leak.
     assert rows["gpt-leak"]["named"], rows["gpt-leak"]
@@ -123,13 +124,25 @@ def _check_planted(out: Path, s: dict[str, Any]) -> None:
     # An eval that keeps its outputs, though the resident set never gives the memory back.
     assert rows["gpt-eval_keeps_outputs"]["named"]
     assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
-    assert rows["hf-callback"]["log_findings"] == [] and rows["lightning-callback"]["log_findings"] == []
+    assert rows["hf-callback"]["log_findings"] == []
 
     draft = (out / "VALIDATION-draft.md").read_text()
     assert "| gpt-stale_copy | duplicate_copy |" in draft
     with tarfile.open(out / "artifacts.tar.gz") as tar:
         names = tar.getnames()
     assert any(n.endswith(".jsonl") for n in names)
+
+
+def test_what_a_quick_run_leaves_out_the_tests_run_elsewhere(tmp_path: Path) -> None:
+    # A quick run predicts one preflight case and runs one framework's callback; the rest are the
+    # tests' own: every case beside its GPU figures, Lightning's example analyzed clean.
+    gv, _ = _validation(tmp_path)
+    measured = json.loads((Path(__file__).with_name("gpu_h200_preflight.json")).read_text())["cases"]
+    assert list(gv.PREFLIGHT_CASES) == [c["case"] for c in measured]
+    assert set(gv.QUICK_PREFLIGHT_CASES) <= set(gv.PREFLIGHT_CASES)
+    lightning = (Path(__file__).with_name("test_integration_lightning.py")).read_text()
+    assert [script for script, _ in gv.FRAMEWORK_CASES[1:]] == ["lightning_trainer.py"]
+    assert '"lightning_trainer.py"), "--root", "runs/pl", "--oomkit"]' in lightning and 'analysis["findings"] == []' in lightning
 
 
 def test_the_measuring_wrapper_runs_a_script_as_python_would(tmp_path):

@@ -146,5 +146,8 @@ def test_the_example_script_with_the_callback_reads_accumulation_and_validation(
     out = subprocess.run([OOMKIT, "analyze", str(log.relative_to(tmp_path))], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "6 steps" in out.stdout and "[eval]" in out.stdout and "[sanity_check]" in out.stdout
-    counts = {s["name"]: s["count"] for s in oomkit.analyze(log)["stages"]}
+    analysis = oomkit.analyze(log)
+    counts = {s["name"]: s["count"] for s in analysis["stages"]}
     assert (counts["forward"], counts["backward"], counts["optimizer"]) == (12, 12, 6)
+    # A clean run: nothing to report (scripts/gpu_validate.py's planted section asks the same on a GPU).
+    assert analysis["findings"] == [], analysis["findings"]
