@@ -56,6 +56,9 @@ then:
 6. big: a recording of at least 1 M events timed under `oomkit analyze`,
    `pickle.load` and `torch.cuda._memory_viz stats` (CUDA only).
 
+A quick run (CPU, for the tests) predicts one preflight case and runs one
+framework's callback: the tests run the others themselves.
+
 The folder gets `results.json` (everything), `VALIDATION-draft.md` (the
 tables), `artifacts.tar.gz` (run logs, commands' outputs, reports) and
 `snapshots.tar.gz`: few files, as the device tool brings back at most eight.
