@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 fn analyze(args: &[&str], cwd: &Path) -> String {
@@ -28,12 +28,6 @@ fn oomkit_in(args: &[&str], cwd: &Path) -> std::process::Output {
 /// The first `n` lines of a report.
 fn head(text: &str, n: usize) -> String {
     text.lines().take(n).collect::<Vec<_>>().join("\n")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = tempdir(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// A DataParallel-like snapshot: cuda:0 healthy, cuda:1 out of memory in update_nodes.
@@ -81,7 +75,7 @@ fn run_log(dir: &Path, name: &str, rank: u32, oom: bool) {
 
 #[test]
 fn a_multi_device_snapshot_leads_with_the_failing_device() {
-    let dir = scratch("first-screen-dp");
+    let dir = tempdir("first-screen-dp");
     two_device_snapshot(&dir);
     let text = analyze(&["dp.pickle"], &dir);
     insta::assert_snapshot!("multi_device_oom", head(&text, 5));
@@ -99,14 +93,14 @@ fn a_multi_device_snapshot_leads_with_the_failing_device() {
 
 #[test]
 fn a_run_log_with_an_oom_leads_with_its_step_stage_and_fix() {
-    let dir = scratch("first-screen-run");
+    let dir = tempdir("first-screen-run");
     run_log(&dir, "rank1.jsonl", 1, true);
     insta::assert_snapshot!("run_log_oom", head(&analyze(&["rank1.jsonl"], &dir), 3));
 }
 
 #[test]
 fn several_ranks_lead_with_the_one_that_failed() {
-    let dir = scratch("first-screen-ranks");
+    let dir = tempdir("first-screen-ranks");
     run_log(&dir, "rank0.jsonl", 0, false);
     run_log(&dir, "rank1.jsonl", 1, true);
     let text = analyze(&["rank0.jsonl", "rank1.jsonl"], &dir);
@@ -117,7 +111,7 @@ fn several_ranks_lead_with_the_one_that_failed() {
 
 #[test]
 fn a_healthy_file_leads_with_its_peak() {
-    let dir = scratch("first-screen-healthy");
+    let dir = tempdir("first-screen-healthy");
     run_log(&dir, "rank0.jsonl", 0, false);
     insta::assert_snapshot!("healthy_run_log", head(&analyze(&["rank0.jsonl"], &dir), 3));
 }

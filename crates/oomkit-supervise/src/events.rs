@@ -136,17 +136,28 @@ pub fn close_killed_logs(logs: &[PathBuf], killed: &Killed) -> Vec<PathBuf> {
 mod tests {
     use super::*;
 
-    fn temp(name: &str, text: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("oomkit-events-{}", std::process::id()));
+    /// A file of `text` in a scratch folder of its own (the tests run on threads side by side),
+    /// and a guard that removes the folder.
+    fn temp(name: &str, text: &str) -> (PathBuf, Scratch) {
+        let dir = std::env::temp_dir().join(format!("oomkit-events-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let p = dir.join(name);
         std::fs::write(&p, text).expect("write");
-        p
+        (p, Scratch(dir))
+    }
+
+    /// Removes its folder when dropped, so that the tests leave nothing in the temporary folder.
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     #[test]
     fn ooms_logs_and_a_plan_not_applied() {
-        let p = temp(
+        let (p, _scratch) = temp(
             "events.jsonl",
             "{\"log\": \"/runs/a.jsonl\", \"rank\": 0}\n\
              {\"plan\": {\"micro_batch\": 20}, \"applied\": true, \"by\": \"auto_batch\"}\n\
@@ -170,11 +181,11 @@ mod tests {
 
     #[test]
     fn a_killed_log_gets_one_end_record_after_its_torn_line() {
-        let log = temp(
+        let (log, _scratch) = temp(
             "run.jsonl",
             "{\"type\":\"start\",\"version\":1}\n{\"type\":\"step\",\"step\":0,\"peak_bytes\":5}\n{\"type\":\"st",
         );
-        let closed_log = temp("closed.jsonl", "{\"type\":\"end\",\"steps\":1}\n");
+        let (closed_log, _closed) = temp("closed.jsonl", "{\"type\":\"end\",\"steps\":1}\n");
         let killed = Killed {
             signal: 9,
             oom_kill: true,

@@ -1,7 +1,7 @@
 //! Helpers shared by the CLI tests.
 #![allow(dead_code, clippy::print_stderr)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The shared fixtures folder, or `None` (with a note on stderr) where it is absent.
@@ -140,12 +140,43 @@ pub(crate) fn python_script(script: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> 
     out.stdout
 }
 
+/// An empty scratch folder for one test, unique to this process, removed with
+/// everything in it when the test drops it (a failing test's unwinding too), so
+/// that the suite leaves nothing in the system's temporary folder.
+pub(crate) struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Makes an empty scratch folder for one test, unique to this process.
-pub(crate) fn tempdir(tag: &str) -> PathBuf {
+pub(crate) fn tempdir(tag: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("oomkit-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 /// A run log as the tracker writes it: three steps of forward, backward
