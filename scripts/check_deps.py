@@ -295,7 +295,7 @@ PYTHON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("preflight's world (the fake GPU and its stand-ins)", ("oomkit.preflight.world.*",)),
     ("preflight's driver and fixes", ("oomkit.preflight.driver", "oomkit.preflight.fixes")),
     ("preflight's answer", ("oomkit.preflight.answer", "oomkit.preflight.snapshot")),
-    ("preflight's ways in", ("oomkit.preflight", "oomkit.preflight.api", "oomkit.preflight.script", "oomkit.preflight.config")),
+    ("preflight's ways in", ("oomkit.preflight", "oomkit.preflight.api", "oomkit.preflight.script", "oomkit.preflight.config", "oomkit.preflight.warm")),
     ("the console script", ("oomkit._cli",)),
     ("the framework integrations (imported only when used, by nothing of the core)", ("oomkit.integrations.*",)),
 ]

@@ -35,7 +35,8 @@ module to its layer):
   model.
 - ``api``, ``script``, ``config``: the three ways a preflight starts
   (this function, ``oomkit preflight -- python train.py``, ``oomkit
-  estimate --trace``).
+  estimate --trace``), and ``warm``: the interpreter the command's runs
+  after the first are forked from.
 
 Importing this package imports no torch: the rest is imported when a
 preflight runs.

@@ -14,11 +14,14 @@ use oomkit_report::{FixRow, OutOfMemory, PreflightReport, PreflightRun, Recipe, 
 use oomkit_supervise::search::{largest_that_fits, Measured};
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use warm::Ended;
 
 mod recipe;
+mod warm;
 
 /// What `{batch}` in the command is replaced with.
 const BATCH: &str = "{batch}";
@@ -120,6 +123,9 @@ pub(crate) struct Args {
     /// given what is left of it.
     #[arg(skip)]
     started: Option<std::time::Instant>,
+    /// The warm interpreter the runs after the first are forked from.
+    #[arg(skip)]
+    warm: warm::Warm,
     #[command(flatten)]
     format: FormatArgs,
     /// The training command, after `--`: python train.py ARGS.
@@ -236,21 +242,12 @@ pub(crate) fn run(mut a: Args) -> u8 {
         refuse: a.max_micro_batch.is_none() && a.search.is_none(),
         ..base
     };
-    let first = match run_once(&a, &first_run) {
+    // Runs known to follow the first: it too is forked from the warm interpreter they share.
+    if a.fixes || a.max_micro_batch.is_some() || a.search.is_some() {
+        a.warm.want();
+    }
+    let first = match first_answer(&a, &first_run) {
         Ok(r) => r,
-        Err(Failure::Refused(oom)) => match run_once(
-            &a,
-            &Variant {
-                refuse: false,
-                ..first_run
-            },
-        ) {
-            Ok(mut r) => {
-                r.out_of_memory = Some(oom);
-                r
-            }
-            Err(f) => return failed(f),
-        },
         Err(f) => return failed(f),
     };
     let mut report = PreflightReport {
@@ -302,6 +299,7 @@ pub(crate) fn run(mut a: Args) -> u8 {
         }
     }
     if a.fixes || (!report.run.fits && !a.no_fixes) {
+        a.warm.want();
         let replayed = report.run.replayed.take();
         let script = AsWritten {
             accumulation: report.run.grad_accum.unwrap_or(1),
@@ -743,6 +741,27 @@ fn failed(f: Failure) -> u8 {
     }
 }
 
+/// The first run's answer: where the GPU ran out and the script stopped, the same run
+/// again refusing nothing, for the figures of the whole step, told where it ran out.
+fn first_answer(a: &Args, first_run: &Variant<'_>) -> Result<PreflightRun, Failure> {
+    match run_once(a, first_run) {
+        Err(Failure::Refused(oom)) => {
+            // From the warm interpreter the fixes will use too.
+            a.warm.want();
+            let mut r = run_once(
+                a,
+                &Variant {
+                    refuse: false,
+                    ..*first_run
+                },
+            )?;
+            r.out_of_memory = Some(oom);
+            Ok(r)
+        }
+        outcome => outcome,
+    }
+}
+
 /// What a run measured, as the search reads it: whether it fits, and the
 /// most it reserved (within the capacity where it fits, else without a limit).
 fn measured(r: &PreflightRun) -> Measured {
@@ -851,30 +870,22 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
         path.push(":");
         path.push(old);
     }
-    let status = Command::new(&words[0])
-        .args(&words[1..])
-        .env("PYTHONPATH", path)
-        .env("OOMKIT_PREFLIGHT", settings.to_string())
-        // The script's own prints go to stderr: stdout is the answer alone.
-        .stdout(if v.quiet {
-            Stdio::null()
-        } else {
-            Stdio::from(std::io::stderr())
-        })
-        .stderr(if v.quiet {
-            Stdio::null()
-        } else {
-            Stdio::inherit()
-        })
-        .status()
-        .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
+    let settings = OsString::from(settings.to_string());
+    let env = [("PYTHONPATH", &path), ("OOMKIT_PREFLIGHT", &settings)];
+    // A run the warm interpreter could not take, or one whose script set what its imports had
+    // already read (it left a mark and stopped), starts fresh.
+    let ended = match a.warm.run(&words, &env, v.quiet) {
+        Some(ended) if !dir.0.join(warm::FRESH).exists() => ended,
+        _ => spawn(&words, &env, v.quiet)?,
+    };
     if !result.exists() {
         return Err(Failure::NoAnswer(format!(
             "preflight: `{}` exited with {} before preflight could answer; it must be a Python script that trains (oomkit preflight -- python train.py)",
             words.join(" "),
-            status
-                .code()
-                .map_or("a signal".to_string(), |c| format!("code {c}"))
+            match ended {
+                Ended::Code(c) => format!("code {c}"),
+                Ended::Signal(_) => "a signal".to_string(),
+            }
         )));
     }
     let no_answer = |e: String| Failure::NoAnswer(format!("preflight: {e}"));
@@ -889,6 +900,30 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
     let mut run = run_of(&doc).map_err(no_answer)?;
     run.micro_batch = batch;
     Ok(run)
+}
+
+/// Starts `words` as a fresh process with `env` added, and waits for its end.
+fn spawn(words: &[String], env: &[(&str, &OsString)], quiet: bool) -> Result<Ended, Failure> {
+    let status = Command::new(&words[0])
+        .args(&words[1..])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        // The script's own prints go to stderr: stdout is the answer alone.
+        .stdout(if quiet {
+            Stdio::null()
+        } else {
+            Stdio::from(std::io::stderr())
+        })
+        .stderr(if quiet {
+            Stdio::null()
+        } else {
+            Stdio::inherit()
+        })
+        .status()
+        .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
+    Ok(status.code().map_or_else(
+        || Ended::Signal(std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0)),
+        Ended::Code,
+    ))
 }
 
 /// The document the Python side wrote: `{"result"}`, `{"error"}`, or `{"refused"}` where the
