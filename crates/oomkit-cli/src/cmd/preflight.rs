@@ -809,6 +809,8 @@ struct Variant<'v> {
 /// Runs the command once, as `v` says, and reads its answer.
 fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
     let (batch, knob, snapshot, alloc_conf) = (v.batch, v.knob, v.snapshot, v.alloc_conf);
+    // The warm interpreter's imports, where it starts now, are the command's time, not the run's.
+    a.warm.prepare(&a.command);
     // What is left of the command's time limit is this run's.
     let spent = a.started.map_or(0.0, |t| t.elapsed().as_secs_f64());
     let left = a.time_limit - spent;

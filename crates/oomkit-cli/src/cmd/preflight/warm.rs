@@ -64,9 +64,18 @@ impl Warm {
         self.wanted.store(true, Ordering::Relaxed);
     }
 
+    /// Starts the warm interpreter for `command` where runs are wanted from it and the
+    /// command is one it can take, waiting until it has imported; a second call finds it
+    /// started. Called before a run's time is counted, so that the wait is not the run's.
+    pub(super) fn prepare(&self, command: &[String]) {
+        if self.wanted.load(Ordering::Relaxed) && python_script(command) {
+            self.server.get_or_init(|| Server::start(&command[0]));
+        }
+    }
+
     /// Runs `words` (`python train.py ARGS`) forked from the warm interpreter, with `env`
     /// added to the command's environment, and says how it ended; None where this run
-    /// cannot go through it (not wanted yet, not a Python script, or the interpreter is
+    /// cannot go through it (not prepared, not a Python script, or the interpreter is
     /// gone), for the caller to start it as a fresh process.
     pub(super) fn run(
         &self,
@@ -74,14 +83,8 @@ impl Warm {
         env: &[(&str, &OsString)],
         quiet: bool,
     ) -> Option<Ended> {
-        if !self.wanted.load(Ordering::Relaxed) || !python_script(words) {
-            return None;
-        }
-        let server = self
-            .server
-            .get_or_init(|| Server::start(&words[0]))
-            .as_ref()?;
-        if server.python != words[0] {
+        let server = self.server.get()?.as_ref()?;
+        if !python_script(words) || server.python != words[0] {
             return None;
         }
         server.run(words, env, quiet)
@@ -242,11 +245,18 @@ mod tests {
 
     #[test]
     fn a_run_not_wanted_yet_is_started_fresh() {
+        let dir = std::env::temp_dir().join(format!("oomkit-warm-want-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("train.py");
+        std::fs::write(&script, "print(1)\n").unwrap();
+        let command = words(&["python", script.to_str().unwrap()]);
         let w = Warm::default();
-        assert_eq!(w.run(&words(&["python", file!()]), &[], true), None);
+        w.prepare(&command);
         assert!(
             w.server.get().is_none(),
             "nothing started before it is wanted"
         );
+        assert_eq!(w.run(&command, &[], true), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
