@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from preflight_cli import OOMKIT
 
 #: A script that writes down what it can see of how it was started, then trains a step a batch wide.
@@ -37,7 +38,7 @@ FACTS = textwrap.dedent(
         "scratch_on_path": sys.path[1] == os.environ["PYTHONPATH"].split(os.pathsep)[0],
         "pickled_by": pickle.dumps(Made()).split(b"\\x94")[0][-8:].decode("latin-1"),
         "stdin": sys.stdin.read(),
-        "spec": repr(main.__spec__),
+        "spec": getattr(main.__spec__, "name", None),
         "cwd": os.getcwd(),
         "threads": threading.active_count(),
     }
@@ -53,35 +54,49 @@ FACTS = textwrap.dedent(
 )
 
 
-def _preflight(script: Path, *flags: str, args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+def _preflight(
+    script: Path, *flags: str, args: tuple[str, ...], command: tuple[str, ...] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``oomkit preflight --json FLAGS -- COMMAND ARGS`` in the script's folder (COMMAND: ``python SCRIPT``)."""
     return subprocess.run(
-        [OOMKIT, "preflight", "--json", "--capacity", "1GiB", *flags, "--", sys.executable, script.name, *args],
+        [OOMKIT, "preflight", "--json", "--capacity", "1GiB", *flags, "--", *(command or (sys.executable, script.name)), *args],
         capture_output=True, text=True, timeout=300, cwd=script.parent,
     )  # fmt: skip
 
 
-def test_a_forked_run_sees_what_a_fresh_python_shows_the_script_and_measures_the_same(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["python train.py", "python -m train", "a program that starts Python on itself"])
+def test_a_forked_run_sees_what_a_fresh_python_shows_the_script(tmp_path: Path, form: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(FACTS)
+    command: tuple[str, ...] | None = None
+    if form == "python -m train":
+        command = (sys.executable, "-m", "train")
+    elif form != "python train.py":
+        # As pip writes a console script: the interpreter on its first line, the file executable.
+        program = tmp_path / "trainer"
+        program.write_text(f"#!{sys.executable}\n{FACTS}")
+        program.chmod(0o755)
+        command = (str(program),)
     # A search asks for more than one run from the start: every run of it is forked.
-    searched = _preflight(script, "--micro-batch", "1", "--max-micro-batch", "2", args=("--batch", "{batch}", "warm"))
+    searched = _preflight(script, "--micro-batch", "1", "--max-micro-batch", "2", args=("--batch", "{batch}", "warm"), command=command)
     assert searched.returncode == 0, searched.stderr
-    tried = dict(json.loads(searched.stdout)["tried"])
-    for batch in (1, 2):
-        # The answer alone (--no-fixes) is one run, started as a fresh process.
-        fresh = _preflight(script, "--no-fixes", "--micro-batch", str(batch), args=("--batch", "{batch}", "fresh"))
-        assert fresh.returncode == 0, fresh.stderr
-        warm_facts = json.loads((tmp_path / f"facts-{batch}-warm.json").read_text())
-        fresh_facts = json.loads((tmp_path / f"facts-{batch}-fresh.json").read_text())
-        warm_facts["argv"][-1] = fresh_facts["argv"][-1] = "-"
-        assert warm_facts == fresh_facts, (warm_facts, fresh_facts)
-        assert fresh_facts["name"] == "__main__" and fresh_facts["pickled_by"].endswith("__main__"), fresh_facts
-        assert tried[batch] == json.loads(fresh.stdout)["run"]["fits"]
-    # Each figure of a forked run is the fresh run's.
+    # The answer alone (--no-fixes) is one run, started as a fresh process.
+    fresh = _preflight(script, "--no-fixes", "--micro-batch", "2", args=("--batch", "{batch}", "fresh"), command=command)
+    assert fresh.returncode == 0, fresh.stderr
+    warm_facts = json.loads((tmp_path / "facts-2-warm.json").read_text())
+    fresh_facts = json.loads((tmp_path / "facts-2-fresh.json").read_text())
+    warm_facts["argv"][-1] = fresh_facts["argv"][-1] = "-"
+    assert warm_facts == fresh_facts, (warm_facts, fresh_facts)
+    assert fresh_facts["name"] == "__main__" and fresh_facts["pickled_by"].endswith("__main__"), fresh_facts
+    assert dict(json.loads(searched.stdout)["tried"])[2] == json.loads(fresh.stdout)["run"]["fits"]
+
+
+def test_each_figure_of_a_forked_run_is_the_fresh_runs(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(FACTS)
     one = json.loads(_preflight(script, "--no-fixes", "--micro-batch", "2", args=("--batch", "{batch}", "x")).stdout)["run"]
-    forked = json.loads(_preflight(script, "--fixes", "--micro-batch", "2", args=("--batch", "{batch}", "x")).stdout)[
-        "run"
-    ]  # --fixes: the first run too is forked, the fixes after it
+    # --fixes: the first run too is forked, the fixes after it.
+    forked = json.loads(_preflight(script, "--fixes", "--micro-batch", "2", args=("--batch", "{batch}", "x")).stdout)["run"]
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "by_role", "by_line", "phase_peaks", "step_peaks", "allocations", "notes"):
         assert forked[key] == one[key], key
 

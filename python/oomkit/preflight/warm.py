@@ -20,7 +20,7 @@ and the command runs it again as a fresh process, where the script's setting
 is read as it would be.
 
 The protocol, a line of JSON each way: the command writes a run on stdin
-(``{"id", "script", "args", "env", "quiet"}``); this process answers ``{"ready": true}``
+(``{"id", "script" or "module", "args", "env", "quiet"}``); this process answers ``{"ready": true}``
 once imported, then ``{"id", "code"}`` when that run's process has ended (its exit
 code, or minus the signal that ended it). At the end of stdin it waits for the runs
 still going and exits. Where it cannot import, it exits with
@@ -116,7 +116,8 @@ def _ended(answers: int, running: dict[int, Any], pid: int, status: int) -> None
 
 
 def _as_a_run(request: dict[str, Any], answers: int, shown: int, null: int) -> None:
-    """In the forked process: the files, environment and ``sys`` a fresh ``python SCRIPT ARGS`` has."""
+    """In the forked process: the files, environment and ``sys`` a fresh ``python SCRIPT ARGS``
+    (or ``python -m MODULE ARGS``) has."""
     os.close(answers)
     # The script reads no requests: its stdin is empty, as the command's runs have it.
     os.dup2(null, 0)
@@ -131,12 +132,14 @@ def _as_a_run(request: dict[str, Any], answers: int, shown: int, null: int) -> N
             stream.reconfigure(line_buffering=os.isatty(stream.fileno()))
     env = request["env"]
     os.environ.update(env)
-    script = request["script"]
-    sys.argv = [script, *request["args"]]
-    # sys.path as Python makes it: the script's folder, then PYTHONPATH's folders, then the rest.
+    # sys.argv and sys.path as Python makes them: the script as given (``-m`` until runpy names the
+    # module's file), then the script's folder (the working one for ``-m``), PYTHONPATH's, the rest.
+    module = request.get("module")
+    sys.argv = ["-m" if module else request["script"], *request["args"]]
     rest = sys.path[1:]
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in rest]
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *rest]
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(request["script"]))
+    sys.path[:] = [first, *extra, *rest]
     _fresh_where_the_compiler_is_set(env)
 
 
@@ -166,34 +169,41 @@ def _fresh_where_the_compiler_is_set(env: dict[str, str]) -> None:
 
 
 def _run(request: dict[str, Any]) -> None:
-    """Runs the script as ``__main__`` under the preflight and exits as Python would after it."""
+    """Runs the script (or ``-m`` module) as ``__main__`` under the preflight and exits as Python would after it."""
     import builtins
     import importlib.machinery
+    import runpy
 
     from oomkit.preflight.script import install
 
+    here = _run.__code__.co_filename
     install()
-    # Python names the script's file in full (``__file__``, its frames), whatever ``sys.argv[0]`` says.
-    script = os.path.abspath(request["script"])
     main = types.ModuleType("__main__")
-    main.__file__ = script
     main.__dict__["__builtins__"] = builtins
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
-    main.__spec__ = None
-    main.__dict__["__cached__"] = None
     # The script is __main__ for the rest of the process (its classes pickle by that name).
     sys.modules["__main__"] = main
     code = 0
     try:
-        with open(script, "rb") as f:
-            source = f.read()
-        exec(compile(source, script, "exec"), main.__dict__)
+        module = request.get("module")
+        if module:
+            # What ``python -m`` itself calls, in the fresh ``__main__`` above.
+            runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            # Python names the script's file in full (``__file__``, its frames), whatever ``sys.argv[0]`` says.
+            script = os.path.abspath(request["script"])
+            main.__file__ = script
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+            main.__spec__ = None
+            main.__dict__["__cached__"] = None
+            with open(script, "rb") as f:
+                source = f.read()
+            exec(compile(source, script, "exec"), main.__dict__)
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001  (what Python does with any: print it, exit 1)
-        # As Python prints it: from the script's first frame, not this module's.
+        # As Python prints it: from the script's first frame (runpy's, for -m), not this module's.
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == _run.__code__.co_filename:
+        while tb is not None and tb.tb_frame.f_code.co_filename == here:
             tb = tb.tb_next
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 1

@@ -3,10 +3,11 @@
 //! for each run of the script the fixes and searches ask for, so that each
 //! starts at the script's first line instead of several seconds of imports.
 //!
-//! Only a command that is a Python interpreter and a script file
-//! (`python train.py ARGS`) is run this way; any other (a launcher, `python -m`,
-//! interpreter flags) is started as a fresh process, as is every run where the
-//! warm interpreter could not start or has gone.
+//! Only a command that runs Python on a script is run this way: `python
+//! train.py ARGS`, `python -m MODULE ARGS`, or a program whose first line
+//! starts Python on it (pip's console scripts: `tune run`, `litgpt`); any
+//! other (a shell script, interpreter flags) is started as a fresh process,
+//! as is every run where the warm interpreter could not start or has gone.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -68,8 +69,11 @@ impl Warm {
     /// command is one it can take, waiting until it has imported; a second call finds it
     /// started. Called before a run's time is counted, so that the wait is not the run's.
     pub(super) fn prepare(&self, command: &[String]) {
-        if self.wanted.load(Ordering::Relaxed) && python_script(command) {
-            self.server.get_or_init(|| Server::start(&command[0]));
+        if !self.wanted.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(script) = python_script(command) {
+            self.server.get_or_init(|| Server::start(&script.python));
         }
     }
 
@@ -84,26 +88,97 @@ impl Warm {
         quiet: bool,
     ) -> Option<Ended> {
         let server = self.server.get()?.as_ref()?;
-        if !python_script(words) || server.python != words[0] {
-            return None;
-        }
-        server.run(words, env, quiet)
+        let script = python_script(words).filter(|s| s.python == server.python)?;
+        server.run(&script, env, quiet)
     }
 }
 
-/// Whether `words` is a Python interpreter and a script file after it, nothing between.
-fn python_script(words: &[String]) -> bool {
-    let [python, script, ..] = words else {
-        return false;
-    };
-    let name = Path::new(python)
+/// A command the warm interpreter can take: a Python script and its arguments.
+#[derive(Debug, PartialEq, Eq)]
+struct Script<'w> {
+    /// The interpreter that runs it, as the command or the script's first line names it.
+    python: String,
+    /// What Python runs: a file, as it is given it (`sys.argv[0]`), or a module (`-m`).
+    main: Main,
+    args: &'w [String],
+}
+
+/// What a Python command runs as `__main__`.
+#[derive(Debug, PartialEq, Eq)]
+enum Main {
+    /// A script file: `python train.py`.
+    File(String),
+    /// A module: `python -m torchtune._cli.tune`.
+    Module(String),
+}
+
+/// `words` as a Python script: an interpreter and a script file or `-m MODULE` after it,
+/// nothing between (`python train.py ARGS`, `python -m torchtune._cli.tune run ...`), or a
+/// program whose first line starts Python on it (a console script pip installed: `tune run
+/// ...`, `litgpt finetune ...`), which the system would run as `PYTHON PROGRAM ARGS`. None
+/// for anything else.
+fn python_script(words: &[String]) -> Option<Script<'_>> {
+    let (first, rest) = words.split_first()?;
+    if is_python(first) {
+        let (script, args) = rest.split_first()?;
+        if script == "-m" {
+            let (module, args) = args.split_first()?;
+            return Some(Script {
+                python: first.clone(),
+                main: Main::Module(module.clone()),
+                args,
+            });
+        }
+        return (script.ends_with(".py") && Path::new(script).is_file()).then(|| Script {
+            python: first.clone(),
+            main: Main::File(script.clone()),
+            args,
+        });
+    }
+    let program = on_path(first)?;
+    let python = shebang_python(&program)?;
+    Some(Script {
+        python,
+        main: Main::File(program.to_str()?.to_string()),
+        args: rest,
+    })
+}
+
+/// Whether a program's name is a Python interpreter's: `python`, `python3`, `python3.11`.
+fn is_python(program: &str) -> bool {
+    let name = Path::new(program)
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or("");
-    let version = name.strip_prefix("python").unwrap_or("-");
-    version.chars().all(|c| c.is_ascii_digit() || c == '.')
-        && script.ends_with(".py")
-        && Path::new(script).is_file()
+    name.strip_prefix("python")
+        .is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
+}
+
+/// The file a program's name runs, as the system finds it: the name itself where it has
+/// a `/`, else the first match on `PATH`.
+fn on_path(program: &str) -> Option<std::path::PathBuf> {
+    if program.contains('/') {
+        return Path::new(program).is_file().then(|| program.into());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+}
+
+/// The Python interpreter a program's first line starts it with (`#!/venv/bin/python`,
+/// `#!/usr/bin/env python3`), where it is one.
+fn shebang_python(program: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut head = [0u8; 512];
+    let n = std::fs::File::open(program).ok()?.read(&mut head).ok()?;
+    let line = std::str::from_utf8(&head[..n]).ok()?.lines().next()?;
+    let mut words = line.strip_prefix("#!")?.split_whitespace();
+    let mut interpreter = words.next()?;
+    if Path::new(interpreter).file_name().and_then(|n| n.to_str()) == Some("env") {
+        interpreter = words.next()?;
+    }
+    // Interpreter flags on the line (`-u`, `-E`) would be lost in a fork: such a program runs fresh.
+    (is_python(interpreter) && words.next().is_none()).then(|| interpreter.to_string())
 }
 
 impl Server {
@@ -143,7 +218,7 @@ impl Server {
     }
 
     /// Asks for one run and waits for its end; None where the interpreter is gone.
-    fn run(&self, words: &[String], env: &[(&str, &OsString)], quiet: bool) -> Option<Ended> {
+    fn run(&self, script: &Script<'_>, env: &[(&str, &OsString)], quiet: bool) -> Option<Ended> {
         let mut vars = serde_json::Map::new();
         for (name, value) in env {
             vars.insert(
@@ -152,13 +227,17 @@ impl Server {
             );
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let request = serde_json::json!({
+        let (key, main) = match &script.main {
+            Main::File(path) => ("script", path),
+            Main::Module(name) => ("module", name),
+        };
+        let mut request = serde_json::json!({
             "id": id,
-            "script": words[1],
-            "args": &words[2..],
+            "args": script.args,
             "env": vars,
             "quiet": quiet,
         });
+        request[key] = Value::String(main.clone());
         let (tx, rx) = mpsc::channel();
         lock(&self.waiting).insert(id, tx);
         let sent = lock(&self.requests)
@@ -220,36 +299,78 @@ mod tests {
         w.iter().map(|s| s.to_string()).collect()
     }
 
+    /// Writes a file in a test's scratch folder (removed at the test's end) and gives its path.
+    fn file(dir: &super::super::Scratch, name: &str, text: &str) -> String {
+        let path = dir.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    }
+
     #[test]
-    fn only_a_python_and_a_script_file_go_through_it() {
-        let here = file!();
-        let dir = std::env::temp_dir().join(format!("oomkit-warm-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let script = dir.join("train.py");
-        std::fs::write(&script, "print(1)\n").unwrap();
-        let s = script.to_str().unwrap();
-        assert!(python_script(&words(&["python", s, "--batch", "4"])));
-        assert!(python_script(&words(&["/usr/bin/python3.11", s])));
-        assert!(!python_script(&words(&["python", "-u", s])));
-        assert!(!python_script(&words(&["python", "-m", "train"])));
-        assert!(!python_script(&words(&["torchrun", s])));
-        assert!(!python_script(&words(&["pythonw", s])));
-        assert!(!python_script(&words(&[
-            "python",
-            &dir.join("missing.py").to_string_lossy()
-        ])));
-        assert!(!python_script(&words(&["python", here])));
-        assert!(!python_script(&words(&["python"])));
-        std::fs::remove_dir_all(&dir).unwrap();
+    fn only_a_python_and_a_script_file_or_module_go_through_it() {
+        let dir = super::super::Scratch::new().unwrap();
+        let s = file(&dir, "train.py", "print(1)\n");
+        let taken =
+            |w: &[&str]| python_script(&words(w)).map(|s| (s.python, s.main, s.args.to_vec()));
+        assert_eq!(
+            taken(&["python", &s, "--batch", "4"]),
+            Some((
+                "python".into(),
+                Main::File(s.clone()),
+                words(&["--batch", "4"])
+            ))
+        );
+        assert!(taken(&["/usr/bin/python3.11", &s]).is_some());
+        assert_eq!(taken(&["python", "-u", &s]), None);
+        assert_eq!(
+            taken(&["python3", "-m", "torchtune._cli.tune", "run"]),
+            Some((
+                "python3".into(),
+                Main::Module("torchtune._cli.tune".into()),
+                words(&["run"])
+            ))
+        );
+        assert_eq!(taken(&["python", "-m"]), None);
+        assert_eq!(taken(&["python", "-X", "importtime", &s]), None);
+        assert_eq!(taken(&["pythonw", &s]), None);
+        assert_eq!(taken(&["python", &file(&dir, "notes.txt", "")]), None);
+        assert_eq!(
+            taken(&["python", &format!("{}/missing.py", dir.0.display())]),
+            None
+        );
+        assert_eq!(taken(&["python"]), None);
+    }
+
+    #[test]
+    fn a_program_that_starts_python_on_itself_goes_through_it_as_the_system_runs_it() {
+        let dir = super::super::Scratch::new().unwrap();
+        let tune = file(&dir, "tune", "#!/venv/bin/python3.11\nimport sys\n");
+        let env = file(&dir, "litgpt", "#!/usr/bin/env python3\nimport sys\n");
+        let flagged = file(&dir, "flagged", "#!/venv/bin/python -u\nimport sys\n");
+        let shell = file(&dir, "launch", "#!/bin/sh\nexec python \"$@\"\n");
+        let taken =
+            |w: &[&str]| python_script(&words(w)).map(|s| (s.python, s.main, s.args.to_vec()));
+        assert_eq!(
+            taken(&[&tune, "run", "lora_finetune_single_device"]),
+            Some((
+                "/venv/bin/python3.11".into(),
+                Main::File(tune.clone()),
+                words(&["run", "lora_finetune_single_device"])
+            ))
+        );
+        assert_eq!(
+            taken(&[&env, "finetune"]).map(|t| t.0),
+            Some("python3".into())
+        );
+        assert_eq!(taken(&[&flagged]), None);
+        assert_eq!(taken(&[&shell, "train.py"]), None);
+        assert_eq!(taken(&["no-such-program-anywhere"]), None);
     }
 
     #[test]
     fn a_run_not_wanted_yet_is_started_fresh() {
-        let dir = std::env::temp_dir().join(format!("oomkit-warm-want-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let script = dir.join("train.py");
-        std::fs::write(&script, "print(1)\n").unwrap();
-        let command = words(&["python", script.to_str().unwrap()]);
+        let dir = super::super::Scratch::new().unwrap();
+        let command = words(&["python", &file(&dir, "train.py", "print(1)\n")]);
         let w = Warm::default();
         w.prepare(&command);
         assert!(
@@ -257,6 +378,5 @@ mod tests {
             "nothing started before it is wanted"
         );
         assert_eq!(w.run(&command, &[], true), None);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
