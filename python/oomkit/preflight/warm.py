@@ -119,7 +119,8 @@ def _as_a_run(request: dict[str, Any], answers: int, shown: int, null: int) -> N
     """In the forked process: the files, environment and ``sys`` a fresh ``python SCRIPT ARGS``
     (or ``python -m MODULE ARGS``) has."""
     os.close(answers)
-    # The script reads no requests: its stdin is empty, as the command's runs have it.
+    # The requests are this process's to read, not the script's: its stdin is empty (a fresh
+    # run has the command's; a script that asks for input under preflight waits either way).
     os.dup2(null, 0)
     out = null if request["quiet"] else shown
     os.dup2(out, 1)
