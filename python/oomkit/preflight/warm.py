@@ -163,6 +163,7 @@ def _fresh_where_the_compiler_is_set(env: dict[str, str]) -> None:
             if frame is not None and classify(frame.f_code.co_filename) != TORCH:
                 with open(os.path.join(folder, FRESH), "w") as f:
                     f.write(key)
+                # The code is not read: the mark says what happened.
                 os._exit(EXIT_CANNOT_WARM)
         setitem(self, key, value)
 

@@ -886,7 +886,7 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
             words.join(" "),
             match ended {
                 Ended::Code(c) => format!("code {c}"),
-                Ended::Signal(_) => "a signal".to_string(),
+                Ended::Signal => "a signal".to_string(),
             }
         )));
     }
@@ -922,10 +922,7 @@ fn spawn(words: &[String], env: &[(&str, &OsString)], quiet: bool) -> Result<End
         })
         .status()
         .map_err(|e| Failure::Spawn(format!("preflight: cannot run {}: {e}", words[0])))?;
-    Ok(status.code().map_or_else(
-        || Ended::Signal(std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0)),
-        Ended::Code,
-    ))
+    Ok(status.code().map_or(Ended::Signal, Ended::Code))
 }
 
 /// The document the Python side wrote: `{"result"}`, `{"error"}`, or `{"refused"}` where the

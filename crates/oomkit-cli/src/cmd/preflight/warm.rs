@@ -32,8 +32,8 @@ pub(super) const FRESH: &str = "fresh";
 pub(super) enum Ended {
     /// It exited with this code.
     Code(i32),
-    /// A signal ended it.
-    Signal(i32),
+    /// A signal ended it (which one, no message says).
+    Signal,
 }
 
 /// The runs still going, each waiting for how it ended.
@@ -69,7 +69,8 @@ impl Warm {
     /// command is one it can take, waiting until it has imported; a second call finds it
     /// started. Called before a run's time is counted, so that the wait is not the run's.
     pub(super) fn prepare(&self, command: &[String]) {
-        if !self.wanted.load(Ordering::Relaxed) {
+        // Once started (or found not to start), there is nothing to look up again.
+        if !self.wanted.load(Ordering::Relaxed) || self.server.get().is_some() {
             return;
         }
         if let Some(script) = python_script(command) {
@@ -275,7 +276,7 @@ fn tell_ends(answers: impl BufRead, waiting: &Waiting) {
             continue;
         };
         let ended = match i32::try_from(code) {
-            Ok(c) if c < 0 => Ended::Signal(-c),
+            Ok(c) if c < 0 => Ended::Signal,
             Ok(c) => Ended::Code(c),
             Err(_) => continue,
         };
