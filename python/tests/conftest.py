@@ -2,8 +2,11 @@ import atexit
 import getpass
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The tests' own models, and the example training scripts they run.
@@ -29,3 +32,45 @@ _CHILDREN_TMP = tempfile.mkdtemp(prefix="oomkit-test-tmp-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 os.environ["TMPDIR"] = _CHILDREN_TMP
 atexit.register(shutil.rmtree, _CHILDREN_TMP, True)
+
+# Each test process shares one warm Python among the `oomkit preflight` commands its tests
+# run (`python -m oomkit.preflight.warm --serve`, named by OOMKIT_PREFLIGHT_SERVER): a run it
+# takes starts at the script's first line instead of after torch's imports, as a fresh one
+# would. It takes a command's runs only where the command's interpreter and environment are
+# its own (a test that sets a variable for its child gets fresh runs, as without it; pytest's
+# name of the test running is the one variable let differ), so what a run sees is what a
+# fresh Python shows it: test_preflight_warm.py checks that, and the pages' examples
+# (test_doc_examples.py) run as a reader would, without it. OOMKIT_TEST_FRESH=1 runs the
+# suite without it.
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_warm_python():
+    if os.environ.get("OOMKIT_TEST_FRESH") == "1" or os.environ.get("OOMKIT_PREFLIGHT_SERVER"):
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="oomkit-test-warm-")
+    socket_path = os.path.join(folder, "preflight.sock")
+    # What it refused, and why, goes to OOMKIT_TEST_SERVER_LOG where that names a file.
+    with open(os.environ.get("OOMKIT_TEST_SERVER_LOG", os.devnull), "a") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "oomkit.preflight.warm", "--serve", socket_path, "--ignore", "PYTEST_CURRENT_TEST"],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )  # fmt: skip
+    ready = server.stdout.readline() if server.stdout else ""
+    if '"ready": true' not in ready:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, True)
+        pytest.fail(f"the shared warm Python did not start: {ready!r}")
+    os.environ["OOMKIT_PREFLIGHT_SERVER"] = socket_path
+    try:
+        yield socket_path
+    finally:
+        os.environ.pop("OOMKIT_PREFLIGHT_SERVER", None)
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(folder, True)

@@ -176,7 +176,7 @@ def _scratch(tmp_path: Path, page: str) -> tuple[Path, dict[str, str]]:
         CARGO_TARGET_DIR=str(ROOT / "target"),
     )
     # What the pages show assumes none of these is set in the reader's shell.
-    for name in ("OOMKIT_FAKE_GPUS", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+    for name in ("OOMKIT_FAKE_GPUS", "OOMKIT_PREFLIGHT_SERVER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         env.pop(name, None)
     return scratch, env
 

@@ -10,6 +10,7 @@ figure what a fresh run measures.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -57,10 +58,12 @@ FACTS = textwrap.dedent(
 def _preflight(
     script: Path, *flags: str, args: tuple[str, ...], command: tuple[str, ...] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``oomkit preflight --json FLAGS -- COMMAND ARGS`` in the script's folder (COMMAND: ``python SCRIPT``)."""
+    """``oomkit preflight --json FLAGS -- COMMAND ARGS`` in the script's folder (COMMAND: ``python SCRIPT``),
+    without the suite's shared warm Python: its own is what these tests set beside fresh runs."""
+    env = {k: v for k, v in os.environ.items() if k != "OOMKIT_PREFLIGHT_SERVER"}
     return subprocess.run(
         [OOMKIT, "preflight", "--json", "--capacity", "1GiB", *flags, "--", *(command or (sys.executable, script.name)), *args],
-        capture_output=True, text=True, timeout=300, cwd=script.parent,
+        capture_output=True, text=True, timeout=300, cwd=script.parent, env=env,
     )  # fmt: skip
 
 

@@ -25,13 +25,30 @@ once imported, then ``{"id", "code"}`` when that run's process has ended (its ex
 code, or minus the signal that ended it). At the end of stdin it waits for the runs
 still going and exits. Where it cannot import, it exits with
 :data:`EXIT_CANNOT_WARM` and the command starts each run as a fresh process.
+
+Started as ``python -m oomkit.preflight.warm --serve SOCKET``, the same
+interpreter serves every ``oomkit preflight`` whose environment names it
+(``OOMKIT_PREFLIGHT_SERVER=SOCKET``), first runs included, until it is stopped:
+for a machine that runs many (CI, a sweep). A command asks on a connection of
+its own (a line of JSON: the run as above, with ``python``, ``cwd`` and
+``environ``, the command's whole environment) and is answered a line
+(``{"accepted": true}``, or ``{"refused": why}`` where the run would not see what
+a fresh Python shows it: another interpreter, or an environment that differs
+in anything but :data:`IGNORED_ALWAYS` and the names given to ``--ignore``, as
+the imports here read it), then the run's output in frames (``O``, a 4-byte
+length, the bytes) and its end (``E``, its code as 4 signed bytes). A run whose
+command goes away is killed, with what it started.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
+import signal
+import socket
+import struct
 import sys
 import types
 from typing import Any
@@ -52,9 +69,21 @@ FRESH = "fresh"
 #: How long the loop waits for a request before it reaps the runs that ended (seconds).
 POLL_SECONDS = 0.05
 
+#: What may differ between a served command's environment and the server's: the shell's
+#: own bookkeeping, the server's name, what the command sets for each run itself, and the
+#: interpreter pip's ``oomkit`` names for the command (the run is given the command's own).
+IGNORED_ALWAYS = frozenset({"PWD", "OLDPWD", "_", "SHLVL", "OOMKIT_PREFLIGHT_SERVER", "OOMKIT_PREFLIGHT", "OOMKIT_PYTHON"})
+
+#: How many commands may wait to be accepted by the shared server at once.
+BACKLOG = 64
+
 
 def main() -> None:
-    """Imports what a run needs, serves runs until stdin ends, and in each forked run, runs the script."""
+    """Imports what a run needs, serves runs until stdin ends (or, with ``--serve``, every
+    command that asks on the socket), and in each forked run, runs the script."""
+    if len(sys.argv) > 1:
+        serve_shared(sys.argv[1:])
+        return
     shown = os.dup(2)  # where a run that is shown writes (the command's stderr)
     answers = os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
@@ -117,8 +146,9 @@ def _ended(answers: int, running: dict[int, Any], pid: int, status: int) -> None
 
 def _as_a_run(request: dict[str, Any], answers: int, shown: int, null: int) -> None:
     """In the forked process: the files, environment and ``sys`` a fresh ``python SCRIPT ARGS``
-    (or ``python -m MODULE ARGS``) has."""
-    os.close(answers)
+    (or ``python -m MODULE ARGS``) has; ``answers`` is closed where there is one (-1: none)."""
+    if answers >= 0:
+        os.close(answers)
     # The requests are this process's to read, not the script's: its stdin is empty (a fresh
     # run has the command's; a script that asks for input under preflight waits either way).
     os.dup2(null, 0)
@@ -132,6 +162,8 @@ def _as_a_run(request: dict[str, Any], answers: int, shown: int, null: int) -> N
         if stream is not None and hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=os.isatty(stream.fileno()))
     env = request["env"]
+    if "cwd" in request:
+        os.chdir(request["cwd"])
     os.environ.update(env)
     # sys.argv and sys.path as Python makes them: the script as given (``-m`` until runpy names the
     # module's file), then the script's folder (the working one for ``-m``), PYTHONPATH's, the rest.
@@ -210,6 +242,153 @@ def _run(request: dict[str, Any]) -> None:
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 1
     sys.exit(code)
+
+
+def serve_shared(argv: list[str]) -> None:
+    """``--serve SOCKET [--ignore NAME,...]``: imports once, then serves every command that asks, until stopped."""
+    ap = argparse.ArgumentParser(prog="python -m oomkit.preflight.warm", description=serve_shared.__doc__)
+    ap.add_argument("--serve", required=True, metavar="SOCKET", help="the Unix socket to listen on (made here; removed at the end)")
+    ap.add_argument("--ignore", default="", metavar="NAME,...", help="environment variables a command may set otherwise")
+    args = ap.parse_args(argv)
+    ignored = IGNORED_ALWAYS | {n for n in args.ignore.split(",") if n}
+    # What a command's must match: the environment as started (the imports add to it, as a fresh run's do).
+    environ = dict(os.environ)
+    try:
+        import torch._dynamo  # noqa: F401
+
+        import oomkit.preflight.script  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        print(f"oomkit preflight server: cannot import what a run needs: {e}", file=sys.stderr)
+        sys.exit(EXIT_CANNOT_WARM)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(args.serve)
+    except OSError as e:
+        print(f"oomkit preflight server: cannot listen on {args.serve}: {e.strerror}", file=sys.stderr)
+        sys.exit(2)
+    listener.listen(BACKLOG)
+    # The commands' handlers are reaped as they end; each handler waits for its own run.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(json.dumps({"ready": True, "socket": args.serve}), flush=True)
+    server = os.getpid()
+    try:
+        while True:
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                _handle(conn, environ, ignored)
+                os._exit(0)
+            conn.close()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # A run ends by leaving through here too (SystemExit): only the server takes its socket away.
+        if os.getpid() == server:
+            listener.close()
+            if os.path.exists(args.serve):
+                os.unlink(args.serve)
+
+
+def _refusal(request: dict[str, Any], environ: dict[str, str], ignored: frozenset[str] | set[str]) -> str | None:
+    """Why a command's run would not see here what a fresh Python shows it, or None where it would."""
+    if not _same_python(str(request.get("python")), sys.executable):
+        return f"it runs {request.get('python')}, this server {sys.executable}"
+    theirs = request.get("environ")
+    if not isinstance(theirs, dict):
+        return "the command sent no environment"
+    differ = sorted(k for k in set(environ) | set(theirs) if k not in ignored and environ.get(k) != theirs.get(k))
+    if differ:
+        shown = ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
+        return f"its environment differs from the server's in {shown}"
+    return None
+
+
+def _same_python(theirs: str, mine: str) -> bool:
+    """Whether two interpreters' paths start the same Python with the same packages: the same
+    file, or two names for one file in one folder (a virtual environment's ``python`` and ``python3``)."""
+    if theirs == mine:
+        return True
+    same_folder = os.path.dirname(theirs) == os.path.dirname(mine)
+    return same_folder and os.path.realpath(theirs) == os.path.realpath(mine)
+
+
+def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str] | set[str]) -> None:
+    """One command: its run checked, forked, its output and end sent back; killed if the command goes."""
+    stream = conn.makefile("rb")
+    try:
+        request = json.loads(stream.readline())
+    except ValueError:
+        return
+    why = _refusal(request, environ, ignored)
+    if why is not None:
+        # Said to the command, and to whoever watches the server.
+        print(f"oomkit preflight server: refused {request.get('script') or request.get('module')}: {why}", file=sys.stderr, flush=True)
+        conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+        return
+    conn.sendall(b'{"accepted": true}\n')
+    read, write = os.pipe()
+    null = os.open(os.devnull, os.O_RDWR)
+    pid = os.fork()
+    if pid == 0:
+        # The run and what it starts are a group of their own, killed together if the command goes.
+        os.setpgid(0, 0)
+        stream.close()
+        conn.close()
+        os.close(read)
+        # The rest is the server's already (with what the imports set): what may differ is the command's.
+        theirs = request["environ"]
+        for name in ignored:
+            if name in theirs:
+                os.environ[name] = theirs[name]
+            else:
+                os.environ.pop(name, None)
+        _as_a_run(request, -1, os.dup(write), null)
+        os.close(write)
+        _run(request)
+        return
+    os.close(write)
+    os.close(null)
+
+    def send(frame: bytes) -> bool:
+        try:
+            conn.sendall(frame)
+            return True
+        except OSError:
+            return False
+
+    code: int | None = None
+    gone = False
+    while code is None:
+        ready = select.select([read, conn], [], [], POLL_SECONDS)[0]
+        if read in ready:
+            data = os.read(read, 1 << 16)
+            if data and not gone:
+                gone = not send(b"O" + struct.pack(">I", len(data)) + data)
+        if conn in ready and not gone:
+            try:
+                gone = not conn.recv(1, socket.MSG_PEEK)
+            except OSError:
+                gone = True
+        if gone:
+            # The command is gone: so is its run, with what it started.
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+    # What the run wrote last, before it ended.
+    while select.select([read], [], [], 0)[0]:
+        data = os.read(read, 1 << 16)
+        if not data or not send(b"O" + struct.pack(">I", len(data)) + data):
+            break
+    send(b"E" + struct.pack(">i", code))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use warm::Ended;
 
 mod recipe;
+mod shared;
 mod warm;
 
 /// What `{batch}` in the command is replaced with.

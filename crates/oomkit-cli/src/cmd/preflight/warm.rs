@@ -20,6 +20,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::Value;
 
+use super::shared;
+
 /// The module the interpreter runs to serve the runs.
 const MODULE: &str = "oomkit.preflight.warm";
 
@@ -40,10 +42,14 @@ pub(super) enum Ended {
 type Waiting = Arc<Mutex<HashMap<u64, mpsc::Sender<Ended>>>>;
 
 /// The warm interpreter of one command: asked for once more runs are known to follow.
+/// Where the environment names a shared one (`OOMKIT_PREFLIGHT_SERVER`), every run is
+/// asked of that first, and this command starts its own only once that one refused a run.
 #[derive(Default)]
 pub(super) struct Warm {
     /// Whether runs go through it (set once a second run is known to come).
     wanted: AtomicBool,
+    /// Whether the shared interpreter refused a run of this command (it is not asked again).
+    refused: AtomicBool,
     /// The interpreter, started by the first run that goes through it; None where it could not start.
     server: OnceLock<Option<Server>>,
 }
@@ -73,21 +79,38 @@ impl Warm {
         if !self.wanted.load(Ordering::Relaxed) || self.server.get().is_some() {
             return;
         }
+        // A shared interpreter takes the runs while it takes them.
+        if shared::socket().is_some() && !self.refused.load(Ordering::Relaxed) {
+            return;
+        }
         if let Some(script) = python_script(command) {
             self.server.get_or_init(|| Server::start(&script.python));
         }
     }
 
-    /// Runs `words` (`python train.py ARGS`) forked from the warm interpreter, with `env`
-    /// added to the command's environment, and says how it ended; None where this run
-    /// cannot go through it (not prepared, not a Python script, or the interpreter is
-    /// gone), for the caller to start it as a fresh process.
+    /// Runs `words` (`python train.py ARGS`) forked from the shared warm interpreter or
+    /// this command's, with `env` added to the command's environment, and says how it
+    /// ended; None where this run cannot go through either (not prepared, not a Python
+    /// script, refused, or the interpreter is gone), for the caller to start it fresh.
     pub(super) fn run(
         &self,
         words: &[String],
         env: &[(&str, &OsString)],
         quiet: bool,
     ) -> Option<Ended> {
+        if let Some(socket) = shared::socket().filter(|_| !self.refused.load(Ordering::Relaxed)) {
+            if let Some(run) = python_script(words).as_ref().and_then(Script::shared) {
+                match shared::run(&socket, &run, env, quiet) {
+                    shared::Asked::Ran(code) => {
+                        return Some(code.map_or(Ended::Signal, Ended::Code))
+                    }
+                    shared::Asked::Refused(why) => {
+                        shared::tell_refused(&socket, &why);
+                        self.refused.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
         let server = self.server.get()?.as_ref()?;
         let script = python_script(words).filter(|s| s.python == server.python)?;
         server.run(&script, env, quiet)
@@ -102,6 +125,22 @@ struct Script<'w> {
     /// What Python runs: a file, as it is given it (`sys.argv[0]`), or a module (`-m`).
     main: Main,
     args: &'w [String],
+}
+
+impl Script<'_> {
+    /// The run as the shared interpreter is asked for it, its interpreter named in full
+    /// (the server compares it with its own); None where it is not found.
+    fn shared(&self) -> Option<shared::Run<'_>> {
+        let python = std::path::absolute(on_path(&self.python)?).ok()?;
+        Some(shared::Run {
+            python: python.to_str()?.to_string(),
+            main: match &self.main {
+                Main::File(path) => ("script", path.as_str()),
+                Main::Module(name) => ("module", name.as_str()),
+            },
+            args: self.args,
+        })
+    }
 }
 
 /// What a Python command runs as `__main__`.
