@@ -361,13 +361,14 @@ def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str
 
     code: int | None = None
     gone = False
+    command = conn.fileno()
     while code is None:
-        ready = select.select([read, conn], [], [], POLL_SECONDS)[0]
+        ready = select.select([read, command], [], [], POLL_SECONDS)[0]
         if read in ready:
             data = os.read(read, 1 << 16)
             if data and not gone:
                 gone = not send(b"O" + struct.pack(">I", len(data)) + data)
-        if conn in ready and not gone:
+        if command in ready and not gone:
             try:
                 gone = not conn.recv(1, socket.MSG_PEEK)
             except OSError:

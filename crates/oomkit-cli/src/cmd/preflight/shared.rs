@@ -53,6 +53,7 @@ pub(super) fn run(
 ) -> Asked {
     match ask(socket, script, env, quiet) {
         Ok(asked) => asked,
+        Err(e) if e.kind() == std::io::ErrorKind::Other => Asked::Refused(e.to_string()),
         Err(e) => Asked::Refused(format!("cannot reach it: {e}")),
     }
 }
@@ -78,6 +79,12 @@ fn ask(
     if let Some(why) = first.get("refused").and_then(Value::as_str) {
         return Ok(Asked::Refused(why.to_string()));
     }
+    relay(answers, quiet)
+        .map_err(|e| std::io::Error::other(format!("it went away during a run ({e})")))
+}
+
+/// Copies a taken run's output to standard error (unless `quiet`) until its end, and says how it ended.
+fn relay(mut answers: impl Read, quiet: bool) -> std::io::Result<Asked> {
     let mut stderr = std::io::stderr();
     loop {
         let mut kind = [0u8; 1];
