@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,18 @@ OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
 
 #: The caching allocator's rounding of a request (``kMinBlockSize``).
 BLOCK = 512
+
+#: The end of a test script that has ``batch`` and ``torch``: two AdamW steps of a Linear(512, 512) on the GPU.
+TRAIN_TWO_STEPS = textwrap.dedent(
+    """\
+    model = torch.nn.Linear(512, 512).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(batch, 512, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    """
+)
 
 #: Where scripts/test.sh installs torchvision and timm, apart from the other tests' libraries.
 VISION_SITE = Path(sys.prefix) / "vision-site"

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from preflight_cli import OOMKIT
+from preflight_cli import OOMKIT, TRAIN_TWO_STEPS
 
 #: A script that writes down what it can see of how it was started (and whose process forked it),
 #: then trains two steps a batch wide.
@@ -44,14 +44,8 @@ FACTS = textwrap.dedent(
     with open(sys.argv[2], "w") as f:
         json.dump(facts, f)
     print("training", batch)
-    model = torch.nn.Linear(512, 512).cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(torch.randn(batch, 512, device="cuda")).sum().backward()
-        opt.step()
-        opt.zero_grad()
     """
-)
+) + TRAIN_TWO_STEPS
 
 
 def _environ(**extra: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from preflight_cli import OOMKIT
+from preflight_cli import OOMKIT, TRAIN_TWO_STEPS
 
 #: A script that writes down what it can see of how it was started, then trains a step a batch wide.
 FACTS = textwrap.dedent(
@@ -45,14 +45,8 @@ FACTS = textwrap.dedent(
     }
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"facts-{batch}-{sys.argv[-1]}.json"), "w") as f:
         json.dump(facts, f)
-    model = torch.nn.Linear(512, 512).cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(torch.randn(batch, 512, device="cuda")).sum().backward()
-        opt.step()
-        opt.zero_grad()
     """
-)
+) + TRAIN_TWO_STEPS
 
 
 def _preflight(
