@@ -69,6 +69,9 @@ FRESH = "fresh"
 #: How long the loop waits for a request before it reaps the runs that ended (seconds).
 POLL_SECONDS = 0.05
 
+#: The exit code where the server's socket cannot be made (a file already there, a folder missing).
+EXIT_CANNOT_LISTEN = 2
+
 #: What may differ between a served command's environment and the server's: the shell's
 #: own bookkeeping, the server's name, what the command sets for each run itself, and the
 #: interpreter pip's ``oomkit`` names for the command (the run is given the command's own).
@@ -265,7 +268,7 @@ def serve_shared(argv: list[str]) -> None:
         listener.bind(args.serve)
     except OSError as e:
         print(f"oomkit preflight server: cannot listen on {args.serve}: {e.strerror}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CANNOT_LISTEN)
     listener.listen(BACKLOG)
     # The commands' handlers are reaped as they end; each handler waits for its own run.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -279,7 +282,11 @@ def serve_shared(argv: list[str]) -> None:
                 listener.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                _handle(conn, environ, ignored)
+                try:
+                    _handle(conn, environ, ignored)
+                except Exception as e:  # noqa: BLE001  (a request it cannot read: one line, this command only)
+                    print(f"oomkit preflight server: a command's request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    os._exit(1)
                 os._exit(0)
             conn.close()
     except KeyboardInterrupt:
