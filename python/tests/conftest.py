@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -58,10 +59,13 @@ def shared_warm_python():
         )  # fmt: skip
     ready = server.stdout.readline() if server.stdout else ""
     if '"ready": true' not in ready:
+        # The tests hold without it (each run starts fresh): only slower, and said so.
         server.kill()
         server.wait()
         shutil.rmtree(folder, True)
-        pytest.fail(f"the shared warm Python did not start: {ready!r}")
+        warnings.warn(f"the shared warm Python did not start (exit {server.returncode}): every preflight run starts fresh", stacklevel=1)
+        yield None
+        return
     os.environ["OOMKIT_PREFLIGHT_SERVER"] = socket_path
     try:
         yield socket_path

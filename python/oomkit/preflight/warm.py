@@ -267,7 +267,7 @@ def serve_shared(argv: list[str]) -> None:
     try:
         listener.bind(args.serve)
     except OSError as e:
-        print(f"oomkit preflight server: cannot listen on {args.serve}: {e.strerror}", file=sys.stderr)
+        print(f"oomkit preflight server: cannot listen on {args.serve}: {e.strerror or e}", file=sys.stderr)
         sys.exit(EXIT_CANNOT_LISTEN)
     listener.listen(BACKLOG)
     # The commands' handlers are reaped as they end; each handler waits for its own run.
