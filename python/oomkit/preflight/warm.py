@@ -80,6 +80,10 @@ IGNORED_ALWAYS = frozenset({"PWD", "OLDPWD", "_", "SHLVL", "OOMKIT_PREFLIGHT_SER
 #: How many commands may wait to be accepted by the shared server at once.
 BACKLOG = 64
 
+#: The most reads of a served run's output after it ended (a process it started may still
+#: write there): what the pipe held is read in one or two, and a writer without end is left.
+LAST_OUTPUT_READS = 16
+
 
 def main() -> None:
     """Imports what a run needs, serves runs until stdin ends (or, with ``--serve``, every
@@ -94,15 +98,21 @@ def main() -> None:
     os.dup2(null, 1)
     os.dup2(null, 2)
     try:
-        import torch._dynamo  # noqa: F401  (what every optimizer's constructor imports)
-
-        import oomkit.preflight.script  # noqa: F401  (what the hook of every run imports first)
+        _import_what_runs_need()
     except Exception:  # noqa: BLE001  (whatever stops the imports, each run starts fresh and says it)
         os._exit(EXIT_CANNOT_WARM)
     request = _serve(answers, shown, null)
     if request is None:
         os._exit(0)
     _run(request)
+
+
+def _import_what_runs_need() -> None:
+    """Imports what every run would import first: the hook of a run (``oomkit.preflight.script``,
+    and torch with it) and ``torch._dynamo``, which every optimizer's constructor imports."""
+    import torch._dynamo  # noqa: F401
+
+    import oomkit.preflight.script  # noqa: F401
 
 
 def _serve(answers: int, shown: int, null: int) -> dict[str, Any] | None:
@@ -257,9 +267,7 @@ def serve_shared(argv: list[str]) -> None:
     # What a command's must match: the environment as started (the imports add to it, as a fresh run's do).
     environ = dict(os.environ)
     try:
-        import torch._dynamo  # noqa: F401
-
-        import oomkit.preflight.script  # noqa: F401
+        _import_what_runs_need()
     except Exception as e:  # noqa: BLE001
         print(f"oomkit preflight server: cannot import what a run needs: {e}", file=sys.stderr)
         sys.exit(EXIT_CANNOT_WARM)
@@ -352,8 +360,7 @@ def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str
                 os.environ[name] = theirs[name]
             else:
                 os.environ.pop(name, None)
-        _as_a_run(request, -1, os.dup(write), null)
-        os.close(write)
+        _as_a_run(request, -1, write, null)
         _run(request)
         return
     os.close(write)
@@ -366,6 +373,9 @@ def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str
         except OSError:
             return False
 
+    def send_output(data: bytes) -> bool:
+        return send(b"O" + struct.pack(">I", len(data)) + data)
+
     code: int | None = None
     gone = False
     command = conn.fileno()
@@ -374,7 +384,7 @@ def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str
         if read in ready:
             data = os.read(read, 1 << 16)
             if data and not gone:
-                gone = not send(b"O" + struct.pack(">I", len(data)) + data)
+                gone = not send_output(data)
         if command in ready and not gone:
             try:
                 gone = not conn.recv(1, socket.MSG_PEEK)
@@ -392,9 +402,11 @@ def _handle(conn: socket.socket, environ: dict[str, str], ignored: frozenset[str
         if done:
             code = os.waitstatus_to_exitcode(status)
     # What the run wrote last, before it ended.
-    while select.select([read], [], [], 0)[0]:
+    for _ in range(LAST_OUTPUT_READS):
+        if not select.select([read], [], [], 0)[0]:
+            break
         data = os.read(read, 1 << 16)
-        if not data or not send(b"O" + struct.pack(">I", len(data)) + data):
+        if not data or not send_output(data):
             break
     send(b"E" + struct.pack(">i", code))
 

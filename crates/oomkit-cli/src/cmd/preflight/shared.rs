@@ -119,13 +119,7 @@ fn request(script: &Run<'_>, env: &[(&str, &OsString)], quiet: bool) -> Option<V
             Value::String(value.into_string().ok()?),
         );
     }
-    let mut added = serde_json::Map::new();
-    for (name, value) in env {
-        added.insert(
-            (*name).to_string(),
-            Value::String(value.to_str()?.to_string()),
-        );
-    }
+    let added = env_json(env)?;
     let (key, main) = script.main;
     let mut request = serde_json::json!({
         "python": script.python,
@@ -137,6 +131,19 @@ fn request(script: &Run<'_>, env: &[(&str, &OsString)], quiet: bool) -> Option<V
     });
     request[key] = Value::String(main.to_string());
     Some(request)
+}
+
+/// What a run adds to the command's environment, as every warm Python is told it (the
+/// shared one and a command's own); None where a value is not text.
+pub(super) fn env_json(env: &[(&str, &OsString)]) -> Option<serde_json::Map<String, Value>> {
+    env.iter()
+        .map(|(name, value)| {
+            Some((
+                (*name).to_string(),
+                Value::String(value.to_str()?.to_string()),
+            ))
+        })
+        .collect()
 }
 
 /// Says once per command why the shared interpreter did not take its runs.

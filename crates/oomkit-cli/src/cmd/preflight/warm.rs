@@ -98,8 +98,9 @@ impl Warm {
         env: &[(&str, &OsString)],
         quiet: bool,
     ) -> Option<Ended> {
+        let script = python_script(words)?;
         if let Some(socket) = shared::socket().filter(|_| !self.refused.load(Ordering::Relaxed)) {
-            if let Some(run) = python_script(words).as_ref().and_then(Script::shared) {
+            if let Some(run) = script.shared() {
                 match shared::run(&socket, &run, env, quiet) {
                     shared::Asked::Ran(code) => {
                         return Some(code.map_or(Ended::Signal, Ended::Code))
@@ -112,7 +113,9 @@ impl Warm {
             }
         }
         let server = self.server.get()?.as_ref()?;
-        let script = python_script(words).filter(|s| s.python == server.python)?;
+        if script.python != server.python {
+            return None;
+        }
         server.run(&script, env, quiet)
     }
 }
@@ -259,13 +262,7 @@ impl Server {
 
     /// Asks for one run and waits for its end; None where the interpreter is gone.
     fn run(&self, script: &Script<'_>, env: &[(&str, &OsString)], quiet: bool) -> Option<Ended> {
-        let mut vars = serde_json::Map::new();
-        for (name, value) in env {
-            vars.insert(
-                (*name).to_string(),
-                Value::String(value.to_str()?.to_string()),
-            );
-        }
+        let vars = shared::env_json(env)?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (key, main) = match &script.main {
             Main::File(path) => ("script", path),
