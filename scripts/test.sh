@@ -97,6 +97,13 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi
+# Built in the dev profile, from what `cargo test` compiled above: a release build took four
+# and a half minutes of the suite's time, this one under one. The crates that read and replay
+# snapshots are optimized there too (Cargo.toml's [profile.dev.package]), and overflow checks
+# and debug assertions are on. A user's `pip install .` builds the release profile, as the
+# README's `cargo install` does the command (the doc test runs it). test_install.py's
+# `pip install` inherits this, and builds from the same target/.
+export MATURIN_PEP517_ARGS="--profile dev"
 python -m pip install -q --no-build-isolation --force-reinstall --no-deps .
 # The Python side is linted and type-checked as a whole (pyproject.toml's
 # [tool.ruff] and [tool.mypy]), against the installed package and torch.
