@@ -2,10 +2,8 @@ import atexit
 import getpass
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import warnings
 
 import pytest
 
@@ -13,6 +11,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The tests' own models, and the example training scripts they run.
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+
+from preflight_cli import warm_python  # noqa: E402 - from the folder put on the path above
 
 # `oomkit run` remembers the plan that finished per command in the user's cache
 # and starts the same command from it next time. Tests that run one command
@@ -46,35 +46,13 @@ atexit.register(shutil.rmtree, _CHILDREN_TMP, True)
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_warm_python():
-    if os.environ.get("OOMKIT_TEST_FRESH") == "1" or os.environ.get("OOMKIT_PREFLIGHT_SERVER"):
+    if os.environ.get("OOMKIT_PREFLIGHT_SERVER"):
         yield None
         return
-    folder = tempfile.mkdtemp(prefix="oomkit-test-warm-")
-    socket_path = os.path.join(folder, "preflight.sock")
-    # What it refused, and why, goes to OOMKIT_TEST_SERVER_LOG where that names a file.
-    with open(os.environ.get("OOMKIT_TEST_SERVER_LOG", os.devnull), "a") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "oomkit.preflight.warm", "--serve", socket_path, "--ignore", "PYTEST_CURRENT_TEST"],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-        )  # fmt: skip
-    ready = server.stdout.readline() if server.stdout else ""
-    if '"ready": true' not in ready:
-        # The tests hold without it (each run starts fresh): only slower, and said so.
-        server.kill()
-        server.wait()
-        shutil.rmtree(folder, True)
-        warnings.warn(f"the shared warm Python did not start (exit {server.returncode}): every preflight run starts fresh", stacklevel=1)
-        yield None
-        return
-    os.environ["OOMKIT_PREFLIGHT_SERVER"] = socket_path
-    try:
-        yield socket_path
-    finally:
-        os.environ.pop("OOMKIT_PREFLIGHT_SERVER", None)
-        server.terminate()
+    with warm_python() as socket_path:
+        if socket_path is not None:
+            os.environ["OOMKIT_PREFLIGHT_SERVER"] = socket_path
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        shutil.rmtree(folder, True)
+            yield socket_path
+        finally:
+            os.environ.pop("OOMKIT_PREFLIGHT_SERVER", None)

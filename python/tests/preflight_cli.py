@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 #: The installed console script, beside this Python.
 OOMKIT = os.path.join(os.path.dirname(sys.executable), "oomkit")
@@ -55,3 +59,54 @@ def preflight_run(
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)["run"]
+
+
+@contextlib.contextmanager
+def warm_python(env: Optional[dict[str, str]] = None) -> Iterator[Optional[str]]:
+    """A shared warm Python started with ``env`` (this process's environment by default),
+    serving commands whose environment is the same: its socket, or None where it cannot
+    start (the tests hold without it, each run fresh: only slower, and said so), or where
+    OOMKIT_TEST_FRESH=1 asks for every run fresh."""
+    if os.environ.get("OOMKIT_TEST_FRESH") == "1":
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="oomkit-test-warm-")
+    socket_path = os.path.join(folder, "preflight.sock")
+    # What it refused, and why, goes to OOMKIT_TEST_SERVER_LOG where that names a file.
+    with open(os.environ.get("OOMKIT_TEST_SERVER_LOG", os.devnull), "a") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "oomkit.preflight.warm", "--serve", socket_path, "--ignore", "PYTEST_CURRENT_TEST"],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+        )  # fmt: skip
+    ready = server.stdout.readline() if server.stdout else ""
+    try:
+        if '"ready": true' not in ready:
+            server.kill()
+            server.wait()
+            warnings.warn(f"the shared warm Python did not start (exit {server.returncode}): every preflight run starts fresh", stacklevel=3)
+            yield None
+            return
+        yield socket_path
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        shutil.rmtree(folder, True)
+
+
+@contextlib.contextmanager
+def warm_python_for(env: dict[str, str], into: dict[str, str]) -> Iterator[None]:
+    """While open, ``into`` names a warm Python started with ``env`` (OOMKIT_PREFLIGHT_SERVER),
+    for a module whose commands run with ``env`` and ``into`` added: a library's folder on
+    ``PYTHONPATH``, which the suite's own warm Python, started without it, refuses."""
+    with warm_python(env) as socket_path:
+        if socket_path is not None:
+            into["OOMKIT_PREFLIGHT_SERVER"] = socket_path
+        try:
+            yield
+        finally:
+            into.clear()

@@ -118,12 +118,14 @@ def _cpu_inductor_works() -> str | None:
 def test_a_compiled_step_saves_what_inductor_saves_on_the_cpu(tmp_path: Path) -> None:
     script = tmp_path / "gpt.py"
     script.write_text(textwrap.dedent(GPT))
-    why = _cpu_inductor_works()
-    if why is not None:
-        pytest.skip(f"inductor cannot compile for the CPU here: {why}")
     real = {}
-    for how in ("eager", "compile"):
+    for how in ("compile", "eager"):
         p = subprocess.run([sys.executable, str(script), "cpu", how], capture_output=True, text=True, timeout=600)
+        # Only a compile that failed asks whether inductor compiles for this CPU at all (the
+        # probe is a compile of its own: not paid where the script's compiled).
+        why = _cpu_inductor_works() if p.returncode != 0 and how == "compile" else None
+        if why is not None:
+            pytest.skip(f"inductor cannot compile for the CPU here: {why}")
         assert p.returncode == 0, p.stderr
         real[how] = _saved(p.stdout)
     assert real["compile"] < real["eager"] * 0.9, real  # the partitioner recomputes what eager saves

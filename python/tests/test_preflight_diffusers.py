@@ -18,12 +18,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from preflight_cli import OOMKIT, allocator_bytes, pythonpath_with
+from preflight_cli import OOMKIT, allocator_bytes, pythonpath_with, warm_python_for
 
 SITE = Path(sys.prefix) / "diffusers-site"
 
@@ -119,8 +120,18 @@ images[0].save("out.png")
 """
 
 
+#: The warm Python this module's commands are served by, while its fixture is open.
+_SERVED: dict[str, str] = {}
+
+
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": pythonpath_with(SITE), "HF_HUB_OFFLINE": "1", **extra}
+    return {**os.environ, "PYTHONPATH": pythonpath_with(SITE), "HF_HUB_OFFLINE": "1", **_SERVED, **extra}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_with_diffusers() -> Iterator[None]:
+    with warm_python_for(_env(), _SERVED):
+        yield
 
 
 @pytest.fixture(scope="module")
