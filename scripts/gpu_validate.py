@@ -106,6 +106,12 @@ def _load(path: str) -> Any:
         return json.load(f)
 
 
+def command_env(work: str) -> dict[str, str]:
+    """What every command the script runs adds to its environment, ``work`` being its work folder."""
+    # A plan memory of the run's own: stepping down is measured, not skipped by a remembered plan.
+    return {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OOMKIT_CACHE_DIR": os.path.join(work, "cache")}
+
+
 class Validation:
     """The run's settings, its results, and the helpers every section uses."""
 
@@ -126,10 +132,7 @@ class Validation:
     def sh(self, cmd: list[str], timeout: float = 300, env: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> dict[str, Any]:
         """Runs a command; returns its exit code, seconds and output (kept in the artifacts)."""
         t = time.monotonic()
-        # A plan memory of the run's own: stepping down is measured, not skipped by a remembered plan.
-        full_env = dict(
-            os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OOMKIT_CACHE_DIR=os.path.join(self.work, "cache"), **(env or {})
-        )
+        full_env = dict(os.environ, **command_env(self.work), **(env or {}))
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or self.work)
             rc, out, err = p.returncode, p.stdout, p.stderr

@@ -35,9 +35,9 @@ def _run_sections(tmp_path: Path, sections: list[str]) -> tuple[Path, dict[str, 
     """Runs the script on CPU, quick, with these sections only; returns its folder and its sections' results."""
     out = tmp_path / "v"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    # The script adds these to its commands' environment (Validation.sh): a warm Python started
-    # with them serves its preflights, as the suite's own serves the tests'.
-    theirs = dict(env, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OOMKIT_CACHE_DIR=str(out / "work" / "cache"))
+    # The script adds these to its commands' environment (its work folder is out/work): a warm
+    # Python started with them serves its preflights, as the suite's own serves the tests'.
+    theirs = dict(env, **_script().command_env(str(out / "work")))
     with warm_python(theirs) as served:
         if served is not None:
             env["OOMKIT_PREFLIGHT_SERVER"] = served
@@ -162,12 +162,18 @@ def test_the_measuring_wrapper_runs_a_script_as_python_would(tmp_path):
     assert p.stdout.splitlines()[0] == "True ['--batch-size', '3'] imported beside the script"
 
 
-def _validation(tmp_path: Path) -> Any:
-    """The script as a module, and a run of it that believes it has a GPU."""
+def _script() -> Any:
+    """The script as a module."""
     spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
     assert spec is not None and spec.loader is not None
     gv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gv)
+    return gv
+
+
+def _validation(tmp_path: Path) -> Any:
+    """The script as a module, and a run of it that believes it has a GPU."""
+    gv = _script()
     v = gv.Validation(Namespace(device="cuda", quick=True, out=str(tmp_path / "out"), work=None, budget=300))
     v.oomkit = OOMKIT
     return gv, v
