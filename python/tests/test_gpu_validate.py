@@ -123,13 +123,20 @@ def _check_planted(out: Path, s: dict[str, Any]) -> None:
     # Quick: the bugs a CPU shows in the language model, a clean run and the stale copy in the CNN, Transformers' callback.
     assert len(rows) == 4 + 2 + 1, sorted(rows)
     assert all(row["rc"] == 0 for row in rows.values()), rows
-    # What CPU can show: the language model's kept outputs (1 MiB a step) are a leak.
-    assert rows["gpt-leak"]["named"], rows["gpt-leak"]
+    # Each step's figures, in full where a row is wrong (pytest shortens a dict).
+    def shown(case: str) -> str:
+        return json.dumps(rows[case])
+
+    # What CPU can show: the language model's kept outputs (about 3 MiB of resident set a step) are a leak.
+    assert rows["gpt-leak"]["named"], shown("gpt-leak")
+    assert len(rows["gpt-leak"]["step_end_bytes"]) == 24
     # The stale copy is named in both models; a clean run gets no finding.
-    assert rows["gpt-stale_copy"]["named"] and rows["cnn-stale_copy"]["named"]
+    assert rows["gpt-stale_copy"]["named"], shown("gpt-stale_copy")
+    assert rows["cnn-stale_copy"]["named"], shown("cnn-stale_copy")
     # An eval that keeps its outputs, though the resident set never gives the memory back.
-    assert rows["gpt-eval_keeps_outputs"]["named"]
-    assert rows["gpt-clean"]["log_findings"] == [] and rows["cnn-clean"]["log_findings"] == []
+    assert rows["gpt-eval_keeps_outputs"]["named"], shown("gpt-eval_keeps_outputs")
+    assert rows["gpt-clean"]["log_findings"] == [], shown("gpt-clean")
+    assert rows["cnn-clean"]["log_findings"] == [], shown("cnn-clean")
     assert rows["hf-callback"]["log_findings"] == []
 
     draft = (out / "VALIDATION-draft.md").read_text()
