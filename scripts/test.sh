@@ -101,8 +101,9 @@ fi
 # and a half minutes of the suite's time, this one under one. The crates that read and replay
 # snapshots are optimized there too (Cargo.toml's [profile.dev.package]), and overflow checks
 # and debug assertions are on. A user's `pip install .` builds the release profile, as the
-# README's `cargo install` does the command (the doc test runs it). test_install.py's
-# `pip install` inherits this, and builds from the same target/.
+# README's `cargo install` does the command (the doc test runs that command unoptimized, in
+# target/doc-test: test_doc_examples.py says why). test_install.py's `pip install` inherits
+# this, and builds from the same target/.
 export MATURIN_PEP517_ARGS="--profile dev"
 python -m pip install -q --no-build-isolation --force-reinstall --no-deps .
 # The Python side is linted and type-checked as a whole (pyproject.toml's
