@@ -86,6 +86,36 @@ pub fn take_signal() -> Option<i32> {
     }
 }
 
+/// Makes the process `cmd` starts get SIGTERM when the thread that started it ends (on Linux;
+/// elsewhere nothing), so that an oomkit killed by a time limit or a scheduler leaves no
+/// script running behind it.
+///
+/// The kernel ties the signal to the thread that forked, not to the process: that thread
+/// must wait for the child, as [`Command::status`] does.
+pub fn end_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: getpid touches no memory.
+        let parent = unsafe { libc::getpid() };
+        // SAFETY: between fork and exec only prctl and getppid run, both async-signal-safe;
+        // the error is made from a number, without allocating.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Where oomkit ended before the line above, no signal would come: start nothing.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 fn signal_group(pgid: i32, sig: i32) -> bool {
     // SAFETY: kill on a negative pid signals the process group; no memory is involved.
     unsafe { libc::kill(-pgid, sig) == 0 }

@@ -907,7 +907,10 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
 
 /// Starts `words` as a fresh process with `env` added, and waits for its end.
 fn spawn(words: &[String], env: &[(&str, &OsString)], quiet: bool) -> Result<Ended, Failure> {
-    let status = Command::new(&words[0])
+    let mut cmd = Command::new(&words[0]);
+    // A killed oomkit ends the script too: it would otherwise run on for minutes, unanswered.
+    oomkit_supervise::child::end_with_parent(&mut cmd);
+    let status = cmd
         .args(&words[1..])
         .envs(env.iter().map(|(k, v)| (k, v)))
         // The script's own prints go to stderr: stdout is the answer alone.
@@ -960,7 +963,9 @@ pub(crate) fn trace_config(mut settings: Value) -> Result<PreflightRun, String> 
     let result = dir.0.join("result.json");
     settings["result"] = Value::String(result.display().to_string());
     let py = python();
-    let out = Command::new(&py)
+    let mut cmd = Command::new(&py);
+    oomkit_supervise::child::end_with_parent(&mut cmd);
+    let out = cmd
         .args(["-m", "oomkit.preflight.config"])
         .env("OOMKIT_PREFLIGHT_CONFIG", settings.to_string())
         .stdout(Stdio::from(std::io::stderr()))
