@@ -242,10 +242,17 @@ def kinds(analysis: dict[str, Any]) -> list[str]:
 
 
 def step_end_bytes(log: str) -> list[int]:
-    """The memory each step of a run log ended with, in order."""
+    """The memory each step of a run log ended with, in order (a line cut short by a crash is left out)."""
+    ends = []
     with open(log) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r["end_bytes"] for r in records if r.get("type") == "step" and "end_bytes" in r]
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and r.get("type") == "step" and "end_bytes" in r:
+                ends.append(r["end_bytes"])
+    return ends
 
 
 def planted(v: Validation) -> dict[str, Any]:
