@@ -363,6 +363,44 @@ fn sigterm_reaches_the_whole_group_and_nothing_is_left() {
     }
 }
 
+/// A killed oomkit (SIGKILL, which it cannot pass on) leaves no command running: the
+/// command gets SIGTERM, as from a signal passed on.
+#[test]
+fn a_killed_supervisor_ends_its_command() {
+    let s = Sandbox::new("killed");
+    s.gpus(&[(80, 80)]);
+    let command = s.script("train.sh", "echo $$ > pid.txt\nexec sleep 300");
+    let mut child = s
+        .command(&["run", "--", command.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let pid: i32 = loop {
+        let text = std::fs::read_to_string(s.path("pid.txt")).unwrap_or_default();
+        if let Ok(pid) = text.trim().parse() {
+            break pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the command never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = alive(pid);
+    if left {
+        unsafe_kill(pid, 9);
+    }
+    assert!(!left, "the command outlived its supervisor");
+}
+
 fn unsafe_kill(pid: i32, sig: i32) {
     let status = Command::new("kill")
         .arg(format!("-{sig}"))

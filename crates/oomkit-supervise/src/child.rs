@@ -229,6 +229,9 @@ pub fn run(spec: &Spec, tick: &mut dyn FnMut(u32)) -> Result<Outcome, SuperviseE
         .stdin(Stdio::inherit())
         // Its own group, so one kill reaches torchrun and every worker it starts.
         .process_group(0);
+    // Where oomkit itself is killed (SIGKILL, which it cannot pass on), the command is told
+    // to stop: torchrun passes that to its workers, as it does the signals passed on below.
+    end_with_parent(&mut cmd);
     // Where both of the command's streams end up in one place, one pipe keeps
     // them in the order the command wrote them; two relayed pipes would let
     // a line of one overtake a line of the other.

@@ -53,9 +53,17 @@ pub(super) fn run(
 ) -> Asked {
     match ask(socket, script, env, quiet) {
         Ok(asked) => asked,
-        Err(e) if e.kind() == std::io::ErrorKind::Other => Asked::Refused(e.to_string()),
-        Err(e) => Asked::Refused(format!("cannot reach it: {e}")),
+        Err(AskError::Unreachable(e)) => Asked::Refused(format!("cannot reach it: {e}")),
+        Err(AskError::Broken(why)) => Asked::Refused(why),
     }
+}
+
+/// Why a run could not be asked of the shared interpreter.
+enum AskError {
+    /// The socket could not be connected to, written or read before an answer.
+    Unreachable(std::io::Error),
+    /// It answered, but not as the protocol says, or went away during the run: the reason.
+    Broken(String),
 }
 
 fn ask(
@@ -63,24 +71,30 @@ fn ask(
     script: &Run<'_>,
     env: &[(&str, &OsString)],
     quiet: bool,
-) -> std::io::Result<Asked> {
+) -> Result<Asked, AskError> {
     let Some(request) = request(script, env, quiet) else {
         return Ok(Asked::Refused(
             "the command's environment or folder is not text".to_string(),
         ));
     };
-    let mut conn = UnixStream::connect(socket)?;
-    writeln!(conn, "{request}")?;
-    let mut answers = BufReader::new(conn);
+    let mut answers = BufReader::new(
+        (|| {
+            let mut conn = UnixStream::connect(socket)?;
+            writeln!(conn, "{request}")?;
+            Ok(conn)
+        })()
+        .map_err(AskError::Unreachable)?,
+    );
     let mut first = String::new();
-    answers.read_line(&mut first)?;
+    answers
+        .read_line(&mut first)
+        .map_err(AskError::Unreachable)?;
     let first: Value = serde_json::from_str(&first)
-        .map_err(|_| std::io::Error::other("it answered no JSON line"))?;
+        .map_err(|_| AskError::Broken("it answered no JSON line".to_string()))?;
     if let Some(why) = first.get("refused").and_then(Value::as_str) {
         return Ok(Asked::Refused(why.to_string()));
     }
-    relay(answers, quiet)
-        .map_err(|e| std::io::Error::other(format!("it went away during a run ({e})")))
+    relay(answers, quiet).map_err(|e| AskError::Broken(format!("it went away during a run ({e})")))
 }
 
 /// Copies a taken run's output to standard error (unless `quiet`) until its end, and says how it ended.
