@@ -165,19 +165,27 @@ impl Allocator {
         Some(c)
     }
 
+    /// The first and last-plus-one pages of its segment that lie wholly inside the block, or
+    /// None where none does (nothing of it can be unmapped).
+    pub(crate) fn whole_pages(&self, id: BlockId) -> Option<(u64, u64)> {
+        let s = self.segment_of(id);
+        let b = self.b(id);
+        let begin = (b.addr - s.addr).div_ceil(s.page);
+        let end = (b.addr + b.size - s.addr) / s.page;
+        (begin < end).then_some((begin, end))
+    }
+
     /// `unmap_block`: gives the whole pages inside a free block back to the
     /// driver, keeping the partial pages at either end as free blocks.
     pub(crate) fn unmap_block(&mut self, id: BlockId) {
+        let Some((begin, end)) = self.whole_pages(id) else {
+            return;
+        };
         let (base, page) = {
             let s = self.segment_of(id);
             (s.addr, s.page)
         };
         let b = self.b(id).clone();
-        let begin = (b.addr - base).div_ceil(page);
-        let end = (b.addr + b.size - base) / page;
-        if begin >= end {
-            return;
-        }
         self.remove_free(id);
         let start = base + begin * page;
         let bytes = (end - begin) * page;

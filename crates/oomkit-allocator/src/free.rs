@@ -32,11 +32,48 @@ fn unpack(k: u128, id: BlockId) -> FreeKey {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FreeSet {
     map: BTreeMap<u128, BlockId>,
+    /// Whether a block was put in since [`FreeSet::take_inserted`] last asked.
+    inserted: bool,
 }
 
 impl FreeSet {
     pub(crate) fn insert(&mut self, stream: u16, size: u64, addr: u64, id: BlockId) {
         self.map.insert(pack(stream, size, addr), id);
+        self.inserted = true;
+    }
+
+    /// Whether a block was put in since the last call, which forgets it. A block's
+    /// neighbours and mapping change only while it is out of the set (split, merged,
+    /// mapped), so a pool with none put in since the allocator last released its cache
+    /// holds no block that a release would take.
+    pub(crate) fn take_inserted(&mut self) -> bool {
+        std::mem::replace(&mut self.inserted, false)
+    }
+
+    /// The size of the largest block, of any stream: the last of each stream's run of keys.
+    pub(crate) fn largest_size(&self) -> u64 {
+        use std::ops::Bound::{Included, Unbounded};
+        let mut largest = 0;
+        let mut from = Unbounded;
+        while let Some((&first, _)) = self.map.range((from, Unbounded)).next() {
+            let stream = (first >> (64 + SIZE_BITS)) as u16;
+            // The first key of the next stream; none after the last stream there can be.
+            let end = stream
+                .checked_add(1)
+                .map(|next| (next as u128) << (64 + SIZE_BITS));
+            let last = match end {
+                Some(end) => self.map.range(first..end).next_back(),
+                None => self.map.range(first..).next_back(),
+            };
+            if let Some((&k, &id)) = last {
+                largest = largest.max(unpack(k, id).1);
+            }
+            match end {
+                Some(end) => from = Included(end),
+                None => break,
+            }
+        }
+        largest
     }
 
     pub(crate) fn remove(&mut self, stream: u16, size: u64, addr: u64) -> bool {
@@ -74,6 +111,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_largest_block_is_the_largest_of_every_streams_last() {
+        let mut s = FreeSet::default();
+        assert_eq!(s.largest_size(), 0);
+        assert!(!s.take_inserted());
+        s.insert(0, 10, 1, 0);
+        s.insert(0, 30, 2, 1);
+        s.insert(3, 20, 3, 2);
+        s.insert(u16::MAX, 25, 4, 3);
+        assert!(s.take_inserted() && !s.take_inserted());
+        let naive = s.iter().map(|k| k.1).max().unwrap();
+        assert_eq!((s.largest_size(), naive), (30, 30));
+        s.remove(0, 30, 2);
+        assert_eq!(s.largest_size(), 25);
+        assert!(!s.take_inserted(), "taking a block out is no insertion");
+        s.remove(u16::MAX, 25, 4);
+        assert_eq!(s.largest_size(), 20);
+    }
+
+    #[test]
     fn keys_order_by_stream_then_size_then_address() {
         let mut s = FreeSet::default();
         s.insert(1, 10, 5, 0);
@@ -91,5 +147,6 @@ mod tests {
         let big = (1 << 47) + 512;
         s.insert(7, big, u64::MAX, 9);
         assert_eq!(s.iter().last(), Some((7, big, u64::MAX, 9)));
+        assert_eq!(s.largest_size(), big);
     }
 }

@@ -389,12 +389,7 @@ impl Allocator {
         }
         let Some(block) = found else {
             self.settle_peak();
-            let largest_free = self.pools[pool as usize]
-                .blocks
-                .iter()
-                .map(|k| k.1)
-                .max()
-                .unwrap_or(0);
+            let largest_free = self.pools[pool as usize].blocks.largest_size();
             return Err(Failure {
                 size,
                 alloc_size,
@@ -696,6 +691,13 @@ impl Allocator {
     /// `release_blocks`: frees the pool's unsplit cached segments and unmaps
     /// the free pages of its expandable ones.
     fn release_blocks(&mut self, pool: u16) {
+        // Nothing put in since the last pass: it left only blocks it does not release. A
+        // model near its capacity passes here at every failed allocation; PyTorch walks the
+        // whole pool each time, which here was most of a replay's time.
+        if !self.pools[pool as usize].blocks.take_inserted() {
+            debug_assert!(self.nothing_to_release(pool), "pool {pool}");
+            return;
+        }
         let all: Vec<FreeKey> = self.pools[pool as usize].blocks.iter().collect();
         let mut to_unmap = Vec::new();
         for k in all {
@@ -716,6 +718,20 @@ impl Allocator {
                 }
             }
         }
+    }
+
+    /// Whether a pass of `release_blocks` over the pool would release or unmap nothing.
+    fn nothing_to_release(&self, pool: u16) -> bool {
+        self.pools[pool as usize].blocks.iter().all(|k| {
+            let id = k.3;
+            if self.segment_of(id).page > 0 {
+                !(self.b(id).state == State::Free
+                    && self.b(id).mapped
+                    && self.whole_pages(id).is_some())
+            } else {
+                self.b(id).is_split()
+            }
+        })
     }
 
     /// `garbage_collect_cached_blocks`: above the threshold share of the
