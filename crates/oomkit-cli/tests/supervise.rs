@@ -323,6 +323,45 @@ fn alive(pid: i32) -> bool {
     }
 }
 
+/// Starts `oomkit run -- script` and waits until the script's processes have written
+/// `count` process ids to `pids.txt`, one a line.
+fn run_until_started(s: &Sandbox, script: &Path, count: usize) -> (std::process::Child, Vec<i32>) {
+    let mut child = s
+        .command(&["run", "--", script.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let pids = loop {
+        let text = std::fs::read_to_string(s.path("pids.txt")).unwrap_or_default();
+        let pids: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if pids.len() == count || started.elapsed() > Duration::from_secs(10) {
+            break pids;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if pids.len() != count {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the command never started");
+    }
+    (child, pids)
+}
+
+/// Whether every process is gone within 5 s; those still there are killed.
+fn all_gone(pids: &[i32]) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|p| alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<i32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+    for &p in &left {
+        unsafe_kill(p, 9);
+    }
+    left.is_empty()
+}
+
 #[test]
 fn sigterm_reaches_the_whole_group_and_nothing_is_left() {
     let s = Sandbox::new("signals");
@@ -332,35 +371,11 @@ fn sigterm_reaches_the_whole_group_and_nothing_is_left() {
         "launch.sh",
         "sleep 300 & echo $! >> pids.txt\nsleep 300 & echo $! >> pids.txt\necho $$ >> pids.txt\nwait",
     );
-    let mut child = s
-        .command(&["run", "--", launcher.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    let pids = loop {
-        let text = std::fs::read_to_string(s.path("pids.txt")).unwrap_or_default();
-        let pids: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
-        if pids.len() == 3 {
-            break pids;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "workers never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (mut child, pids) = run_until_started(&s, &launcher, 3);
     unsafe_kill(child.id() as i32, 15);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(143), "exit code is 128 + SIGTERM");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pids.iter().any(|p| alive(*p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for p in pids {
-        assert!(!alive(p), "process {p} was left behind");
-    }
+    assert!(all_gone(&pids), "a process of {pids:?} was left behind");
 }
 
 /// A killed oomkit (SIGKILL, which it cannot pass on) leaves no command running: the
@@ -369,36 +384,11 @@ fn sigterm_reaches_the_whole_group_and_nothing_is_left() {
 fn a_killed_supervisor_ends_its_command() {
     let s = Sandbox::new("killed");
     s.gpus(&[(80, 80)]);
-    let command = s.script("train.sh", "echo $$ > pid.txt\nexec sleep 300");
-    let mut child = s
-        .command(&["run", "--", command.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    let pid: i32 = loop {
-        let text = std::fs::read_to_string(s.path("pid.txt")).unwrap_or_default();
-        if let Ok(pid) = text.trim().parse() {
-            break pid;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the command never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let command = s.script("train.sh", "echo $$ > pids.txt\nexec sleep 300");
+    let (mut child, pids) = run_until_started(&s, &command, 1);
     child.kill().unwrap();
     child.wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(pid) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let left = alive(pid);
-    if left {
-        unsafe_kill(pid, 9);
-    }
-    assert!(!left, "the command outlived its supervisor");
+    assert!(all_gone(&pids), "the command outlived its supervisor");
 }
 
 fn unsafe_kill(pid: i32, sig: i32) {
