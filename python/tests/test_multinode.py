@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import running
 
 pytest.importorskip("torch")
 
@@ -139,25 +140,10 @@ def _run_job(tmp_path: Path, mode: str, limit: int, nodes: int = 2, min_batch: i
     deadline = time.monotonic() + 5
     alive = [p.name for p in (out / "pids").iterdir()]
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _alive(int(pid))]
+        alive = [pid for pid in alive if running(int(pid))]
         time.sleep(0.1)
     assert not alive, f"workers left behind: {alive}"
     return done, results, wall
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is gone in all but name.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _all_on(results: dict[int, dict], plan: list[int]) -> None:
@@ -281,7 +267,7 @@ def test_oomkit_run_around_srun_retries_the_whole_step(tmp_path: Path) -> None:
     for f in out.glob("task*.json"):
         assert json.loads(f.read_text()) == {"micro": 8, "accum": 16, "effective": 128}
     assert "attempt 3: micro-batch 8 x accumulation 16 = 128" in p.stderr
-    assert not [pid for pid in (out / "pids").iterdir() if _alive(int(pid.name))]
+    assert not [pid for pid in (out / "pids").iterdir() if running(int(pid.name))]
 
 
 def test_the_same_code_under_oomkit_run_and_torchrun_without_restarts(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from preflight_cli import OOMKIT, TRAIN_TWO_STEPS
+from procs import running
 
 #: A script that writes down what it can see of how it was started (and whose process forked it),
 #: then trains two steps a batch wide.
@@ -129,16 +130,6 @@ def test_a_server_that_cannot_be_reached_is_said_and_every_run_starts_here(tmp_p
     assert json.loads(p.stdout)["run"]["fits"] is True
 
 
-def _running(pid: int) -> bool:
-    """Whether the process is there and not a zombie (one whose parent died is reaped by whoever
-    adopted it, which in a container may be slow to)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("how", ["served", "fresh", "fixes"])
 def test_a_run_whose_command_is_killed_is_killed_with_it(tmp_path: Path, how: str, request) -> None:
     """A time limit or a scheduler that kills oomkit ends the script it was running: served by a
@@ -165,7 +156,7 @@ def test_a_run_whose_command_is_killed_is_killed_with_it(tmp_path: Path, how: st
     p.kill()
     p.wait()
     deadline = time.monotonic() + 30
-    while _running(pid):
+    while running(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             pytest.fail("the run outlived its command")
