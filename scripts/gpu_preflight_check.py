@@ -2,6 +2,7 @@
 
     python scripts/gpu_preflight_check.py --case gpt-100m              # on the GPU machine
     python scripts/gpu_preflight_check.py --case resnet50 --predict-only  # the predictions alone, on CPU
+    python scripts/gpu_preflight_check.py --case resnet50-bf16 --no-search --batches 64  # under autocast, no search
 
 For each micro-batch of the case, preflight runs the step on tensors
 without memory and says its peak allocated and reserved; then (unless
@@ -84,7 +85,19 @@ def resnet50() -> Case:
                 lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), None, (32, 64), 1024)
 
 
-CASES = {"gpt-100m": gpt_100m, "hf-gpt2-medium-bf16": hf_gpt2_medium, "resnet50": resnet50}
+def under_autocast(build: Callable[[], Case], dtype: torch.dtype) -> Callable[[], Case]:
+    """The same case, its loss under ``torch.autocast`` to ``dtype`` (mixed precision, as a training script sets it)."""
+
+    def case() -> Case:
+        c = build()
+        c.autocast = dtype
+        return c
+
+    return case
+
+
+CASES = {"gpt-100m": gpt_100m, "hf-gpt2-medium-bf16": hf_gpt2_medium, "resnet50": resnet50,
+         "resnet50-fp16": under_autocast(resnet50, torch.float16), "resnet50-bf16": under_autocast(resnet50, torch.bfloat16)}
 
 
 def predict(case: Case, micro: int, capacity: str, search: bool) -> dict[str, Any]:
@@ -134,13 +147,18 @@ def main() -> None:
     ap.add_argument("--case", choices=list(CASES), required=True)
     ap.add_argument("--capacity", default="16GiB", help="what the allocator may hold, for the largest micro-batch")
     ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--no-search", action="store_true", help="the peaks alone, without the largest micro-batch")
+    ap.add_argument("--batches", default=None, help="comma-separated micro-batches in place of the case's own")
     args = ap.parse_args()
     case = CASES[args.case]()
-    result: dict[str, Any] = {"case": args.case, "steps": STEPS, "capacity": args.capacity, "rows": []}
+    if args.batches:
+        case.batches = tuple(int(b) for b in args.batches.split(","))
+    result: dict[str, Any] = {"case": args.case, "steps": STEPS, "capacity": args.capacity, "autocast": str(case.autocast), "rows": []}
     preds = {m: predict(case, m, "1TiB", False) for m in case.batches}
-    search = predict(case, case.batches[0], args.capacity, True)
-    result["predicted_largest_micro_batch"] = search.get("largest_micro_batch")
-    result["predicted_tried"] = search.get("tried")
+    if not args.no_search:
+        search = predict(case, case.batches[0], args.capacity, True)
+        result["predicted_largest_micro_batch"] = search.get("largest_micro_batch")
+        result["predicted_tried"] = search.get("tried")
     if args.predict_only:
         result["rows"] = [{"micro_batch": m, "predicted": preds[m]} for m in case.batches]
         print("RESULT " + json.dumps(result), flush=True)
@@ -149,6 +167,9 @@ def main() -> None:
     model = case.build().to("cuda")
     for m in case.batches:
         result["rows"].append({"micro_batch": m, "predicted": preds[m], "measured": measure(case, model, m)})
+    if args.no_search:
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     # The largest micro-batch under the capacity, by bisection of real steps.
     cap = oomkit._native.parse_capacity(args.capacity)[0]
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)

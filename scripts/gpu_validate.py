@@ -7,6 +7,20 @@ Sections, most important first (each is skipped when the time budget left
 is smaller than its estimate, and one that fails is recorded and the next
 runs):
 
+- amp: mixed precision on a convolutional network: ResNet-50's training
+  step in fp32 and under autocast to fp16 and to bf16, preflight's peaks
+  beside the same steps measured (scripts/gpu_preflight_check.py); mixed
+  precision must hold less than fp32;
+- nanogpt: build-nanogpt's train_gpt2.py, unchanged, at its defaults
+  (micro-batch 64 x 1024 tokens, bf16 autocast, 8 micro-batches a step),
+  with stand-ins for its data, asked whether it fits an 80 GB GPU, beside
+  its first two optimizer steps on the GPU capped at that capacity (the
+  script and GPT-2's BPE files come from --nanogpt DIR, which
+  scripts/nanogpt_inputs.sh fills; skipped without it);
+- config: examples/preflight/finetune.py fine-tuning a Llama-shaped model
+  of about 1.2 B (full, LoRA, QLoRA where bitsandbytes is installed)
+  from a folder holding only its config, beside the same script on the
+  GPU loading random weights written beside the same config;
 - allocator: oomkit's model of the caching allocator against PyTorch's own
   (scripts/gpu_allocator_run.py): a GPT-2-small-shaped model trained on
   sequences of changing length under four settings, each trace replayed by
@@ -752,6 +766,172 @@ def workspaces(v: Validation) -> dict[str, Any]:
     return {"gpu": probe["stdout"].strip(), "workspace_sizes": found, "count": len(found)}
 
 
+#: A convolutional network's training step in fp32 and under autocast to fp16 and to bf16 (scripts/gpu_preflight_check.py's cases).
+AMP_CASES = ("resnet50", "resnet50-fp16", "resnet50-bf16")
+
+
+def amp(v: Validation) -> dict[str, Any]:
+    """Mixed precision on a convolutional network: preflight's peaks for ResNet-50's step in fp32 and
+    under autocast (fp16, bf16) beside the same steps measured; mixed precision must hold less."""
+    rows = []
+    for case in AMP_CASES:
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight_check.py"), "--case", case, "--no-search"]
+        if not v.cuda:
+            cmd += ["--predict-only", "--batches", "4"]
+        r = v.sh(cmd, timeout=300)
+        res = result_line(r["stdout"])
+        rows.append(res if res is not None else {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
+    out: dict[str, Any] = {"cases": rows}
+    if all("rows" in row for row in rows):
+        fp32, *mixed = rows
+        for side in ("predicted", "measured"):
+            pairs = [(m[side], f[side]) for row in mixed for m, f in zip(row["rows"], fp32["rows"]) if side in m and side in f]
+            if pairs and all(a.get("fits") and b.get("fits") for a, b in pairs):
+                out[f"{side}_mixed_below_fp32"] = all(a["peak_allocated_bytes"] < b["peak_allocated_bytes"] for a, b in pairs)
+    return out
+
+
+#: The capacity build-nanogpt's script is asked about: an 80 GB GPU, as its author trained it on.
+NANOGPT_CAPACITY = "H100"
+
+#: The URLs tiktoken reads GPT-2's BPE from (its cache names each file by the SHA-1 of its URL).
+GPT2_BPE_URLS = {name: f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}" for name in ("vocab.bpe", "encoder.json")}
+
+
+def nanogpt_standins(src: str, folder: str, tokens: int) -> dict[str, str]:
+    """build-nanogpt's two scripts copied from ``src`` into ``folder`` beside stand-ins for what they read
+    (token shards of ``tokens`` random tokens, a few made-up HellaSwag examples, tiktoken's cache of
+    GPT-2's BPE from ``src``); returns the environment the scripts need."""
+    import hashlib
+
+    import numpy as np
+
+    os.makedirs(os.path.join(folder, "edu_fineweb10B"), exist_ok=True)
+    for name in ("train_gpt2.py", "hellaswag.py"):
+        shutil.copy(os.path.join(src, name), folder)
+    rng = np.random.default_rng(0)
+    # The names fineweb.py writes; GPT-2's tokens fit in uint16, as there.
+    for shard in ("edufineweb_val_000000.npy", "edufineweb_train_000001.npy"):
+        np.save(os.path.join(folder, "edu_fineweb10B", shard), rng.integers(0, 50257, tokens, dtype=np.uint16))
+    # Its step-0 eval reads HellaSwag's validation set: 16 examples of the same form (4 rows of under
+    # 100 tokens each, far below the step's 64 x 1024) keep it short; the real set has 10,042.
+    os.makedirs(os.path.join(folder, "hellaswag"), exist_ok=True)
+    words = ["a", "the", "person", "dog", "boat", "kitchen", "slowly", "then", "turns", "walks", "holds", "pours", "water", "into", "onto", "table"]
+    with open(os.path.join(folder, "hellaswag", "hellaswag_val.jsonl"), "w", encoding="utf-8") as f:
+        for i in range(16):
+            pick = [words[(i * 7 + k * 3) % len(words)] for k in range(60)]
+            f.write(json.dumps({"ctx": " ".join(pick[:30]), "label": i % 4, "endings": [" ".join(pick[30 + 7 * e :][:12]) for e in range(4)]}) + "\n")
+    cache = os.path.join(folder, "tiktoken-cache")
+    os.makedirs(cache, exist_ok=True)
+    for name, url in GPT2_BPE_URLS.items():
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
+    return {"TIKTOKEN_CACHE_DIR": cache}
+
+
+def nanogpt(v: Validation) -> dict[str, Any]:
+    """build-nanogpt's train_gpt2.py, unchanged, at its defaults (micro-batch 64 x 1024 tokens, bf16 autocast,
+    8 micro-batches a step): preflight's answer for an 80 GB GPU beside its first two optimizer steps
+    run on the GPU capped at the same capacity."""
+    src = v.args.nanogpt
+    if not src or not os.path.isfile(os.path.join(src, "train_gpt2.py")):
+        return {"skipped": "no build-nanogpt folder: --nanogpt DIR (scripts/nanogpt_inputs.sh makes one)"}
+    folder = os.path.join(v.work, "nanogpt")
+    # Two steps of 8 micro-batches, then the 20 of the step-0 evaluation, from one shard each.
+    env = nanogpt_standins(src, folder, 21 * 64 * 1024 + 1)
+    pred = v.sh([v.oomkit, "preflight", "--json", "--no-fixes", "--capacity", NANOGPT_CAPACITY, "--", sys.executable, "train_gpt2.py"],
+                timeout=400, env=env, cwd=folder)  # fmt: skip
+    if pred["rc"] not in (0, 5):
+        return {"error": "preflight failed", "stderr": pred["stderr"][-800:]}
+    doc = json.loads(pred["stdout"])
+    run = doc["run"]
+    out: dict[str, Any] = {"capacity": NANOGPT_CAPACITY, "capacity_bytes": run["capacity_bytes"], "predicted_fits": run["fits"],
+                           "predicted_allocated_bytes": run["peak_allocated_bytes"], "predicted_reserved_bytes": run["peak_reserved_bytes"]}
+    if not v.cuda:
+        return out
+    share = run["capacity_bytes"] / v.gpu_total_bytes()
+    m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), "--memory-fraction", f"{share:.6f}", "--steps", "2",
+              "train_gpt2.py"], timeout=400, env=env, cwd=folder)  # fmt: skip
+    got = result_line(m["stdout"])
+    out["measured_rc"] = m["rc"]
+    if got is None:
+        out["measured_error"] = m["stderr"][-800:]
+        return out
+    out.update(measured_fits=not got["oom"] and m["rc"] == 0, measured_allocated_bytes=got["peak_allocated_bytes"],
+               measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"])
+    out["fits_right"] = out["measured_fits"] == out["predicted_fits"]
+    if out["measured_fits"]:
+        for kind in ("allocated", "reserved"):
+            out[f"{kind}_error"] = round(out[f"predicted_{kind}_bytes"] / out[f"measured_{kind}_bytes"] - 1, 4)
+    return out
+
+
+#: The fine-tunes run from a config alone: name and examples/preflight/finetune.py's flags.
+CONFIG_MODES: tuple[tuple[str, list[str]], ...] = (("full", []), ("LoRA r16", ["--lora", "16"]), ("QLoRA r16", ["--lora", "16", "--4bit"]))
+
+#: A quick run's model: the 1B config at a few hundredths of its size, the same architecture.
+QUICK_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "num_hidden_layers": 2, "vocab_size": 512}
+
+#: Writes random weights in the config's dtype beside it, as a downloaded folder would hold them: config folder, weights folder.
+WRITE_RANDOM_WEIGHTS = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16).save_pretrained(sys.argv[2])
+"""
+
+
+def config(v: Validation) -> dict[str, Any]:
+    """A Llama-shaped model of about 1.2 B fine-tuned by examples/preflight/finetune.py (full, LoRA, QLoRA):
+    preflight from a folder holding only its config, beside the same script on the GPU loading random
+    weights written beside the same config."""
+    import importlib.util
+
+    with open(os.path.join(EXAMPLES, "preflight", "llama_1b", "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    quick = v.args.quick
+    if quick:
+        cfg.update(QUICK_CONFIG)
+    cfg_dir, weights_dir = os.path.join(v.work, "llama-config"), os.path.join(v.work, "llama-weights")
+    os.makedirs(cfg_dir, exist_ok=True)
+    with open(os.path.join(cfg_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    seq = "64" if quick else "2048"
+    script = os.path.join(EXAMPLES, "preflight", "finetune.py")
+    rows: list[dict[str, Any]] = []
+    written: Optional[dict[str, Any]] = None
+    for name, flags in CONFIG_MODES:
+        args = ["--seq", seq, "--steps", "2", *flags]
+        row: dict[str, Any] = {"case": name, "command": " ".join(["finetune.py", *args])}
+        if "--4bit" in flags and importlib.util.find_spec("bitsandbytes") is None:
+            row["skipped"] = "bitsandbytes is not installed"
+            rows.append(row)
+            continue
+        pred = v.sh([v.oomkit, "preflight", "--json", "--no-fixes", "--", sys.executable, script, "--model", cfg_dir, *args], timeout=300)
+        row["preflight_rc"] = pred["rc"]
+        if pred["rc"] in (0, 5):
+            run = json.loads(pred["stdout"])["run"]
+            row.update(predicted_allocated_bytes=run["peak_allocated_bytes"], predicted_reserved_bytes=run["peak_reserved_bytes"])
+        else:
+            row["preflight_error"] = pred["stderr"][-800:]
+        if v.cuda:
+            if written is None:
+                written = v.sh([sys.executable, "-c", WRITE_RANDOM_WEIGHTS, cfg_dir, weights_dir], timeout=300)
+            m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), script, "--model", weights_dir, *args], timeout=300)
+            got = result_line(m["stdout"])
+            row["measured_rc"] = m["rc"]
+            if got is not None and m["rc"] == 0:
+                row.update(measured_allocated_bytes=got["peak_allocated_bytes"], measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"])
+                for kind in ("allocated", "reserved"):
+                    if row.get(f"predicted_{kind}_bytes"):
+                        row[f"{kind}_error"] = round(row[f"predicted_{kind}_bytes"] / got[f"peak_{kind}_bytes"] - 1, 4)
+            else:
+                row["measured_error"] = (written or {}).get("stderr", "")[-400:] + m["stderr"][-800:]
+        rows.append(row)
+    return {"model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "seq": int(seq), "rows": rows}
+
+
 def draft(v: Validation) -> str:
     """The tables for VALIDATION.md."""
     s = v.results["sections"]
@@ -764,7 +944,8 @@ def draft(v: Validation) -> str:
             lines.append(f"| {row['case']} | {', '.join(row.get('expected', [])) or '(none)'} | "
                          f"{', '.join(row.get('log_findings') or []) or '-'} | {', '.join(row.get('snapshot_findings') or []) or '-'} | {named} |")
         lines.append("")
-    for name in ("allocator", "preflight", "scripts", "boundary", "fixes", "warm", "workspaces", "oom", "overhead", "estimate", "gpus", "big"):
+    for name in ("amp", "nanogpt", "config", "allocator", "preflight", "scripts", "boundary", "fixes", "warm", "workspaces", "oom", "overhead",
+                 "estimate", "gpus", "big"):
         if name in s:
             lines += [f"## {name}", "", "```json", json.dumps({k: val for k, val in s[name].items() if k != "traceback"}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(lines)
@@ -778,12 +959,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (for CPU and CI)")
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
     ap.add_argument("--only", default=None, help="comma-separated sections to run")
+    ap.add_argument("--nanogpt", default=os.path.join(ROOT, ".gpu-inputs", "build-nanogpt"),
+                    help="a folder with build-nanogpt's train_gpt2.py and hellaswag.py and GPT-2's vocab.bpe and encoder.json (scripts/nanogpt_inputs.sh)")
     args = ap.parse_args()
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
-    plan = [("allocator", 90, allocator), ("preflight", 60, preflight), ("scripts", 180, scripts), ("boundary", 90, boundary), ("fixes", 60, fixes), ("warm", 90, warm),
-            ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
+    plan = [("amp", 60, amp), ("nanogpt", 120, nanogpt), ("config", 120, config), ("allocator", 90, allocator), ("preflight", 60, preflight),
+            ("scripts", 180, scripts), ("boundary", 90, boundary), ("fixes", 60, fixes), ("warm", 90, warm), ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
             ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:

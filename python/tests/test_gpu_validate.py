@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from preflight_cli import OOMKIT, warm_python
+from preflight_cli import OOMKIT, VISION_SITE, pythonpath_with, warm_python
 
 pytest.importorskip("transformers", reason="transformers is not installed for this Python (it needs Python 3.10 or newer)")
 pytest.importorskip("lightning", reason="lightning is not installed for this Python")
@@ -23,18 +23,79 @@ pytest.importorskip("lightning", reason="lightning is not installed for this Pyt
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "gpu_validate.py")
 
 
-# The sections in three runs, so that the suite's two workers share them.
+# The sections in four runs, so that the suite's two workers share them.
 GROUPS = {
-    "preflight's side": ["preflight", "scripts", "boundary", "fixes"],
+    "preflight's side": ["preflight", "scripts", "boundary", "fixes", "config", "nanogpt"],
     "runs": ["allocator", "warm", "workspaces", "oom", "overhead", "gpus", "estimate", "big"],
     "planted": ["planted"],
+    # torchvision is installed in a folder of its own (scripts/test.sh): on the path of this run alone.
+    "mixed precision": ["amp"],
 }
+
+#: A stand-in for build-nanogpt's folder, in this project's words, small: train_gpt2.py reads the
+#: token shards and HellaSwag's examples where the real one does, checks tiktoken's cache holds
+#: GPT-2's two BPE files under tiktoken's names for them, and trains until stopped, 2 micro-batches
+#: a step under bf16 autocast (the real one trains 19,073 steps of 8).
+STANDIN_TRAIN = """
+import hashlib, os
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hellaswag import iterate_examples
+
+cache = os.environ["TIKTOKEN_CACHE_DIR"]
+for name in ("vocab.bpe", "encoder.json"):
+    url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/" + name
+    assert os.path.exists(os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())), name
+shards = sorted(os.listdir("edu_fineweb10B"))
+tokens = torch.tensor(np.load(os.path.join("edu_fineweb10B", [s for s in shards if "train" in s][0])).astype(np.int64))
+assert len([s for s in shards if "val" in s]) == 1 and len(list(iterate_examples("val"))) == 16
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = torch.nn.Sequential(torch.nn.Embedding(50304, 32), torch.nn.Linear(32, 50304)).to(device)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+B, T = 4, 64
+for step in range(19073):
+    for micro in range(2):
+        at = (step * 2 + micro) * B * T
+        x, y = tokens[at : at + B * T].view(B, T).to(device), tokens[at + 1 : at + B * T + 1].view(B, T).to(device)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / 2
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+#: hellaswag.py's reader, as the stand-in needs it: the examples from hellaswag/ beside the file.
+STANDIN_HELLASWAG = """
+import json, os
+
+
+def iterate_examples(split):
+    with open(os.path.join(os.path.dirname(__file__), "hellaswag", f"hellaswag_{split}.jsonl")) as f:
+        for line in f:
+            yield json.loads(line)
+"""
+
+
+def _nanogpt_standin(folder: Path) -> Path:
+    """A build-nanogpt folder of the stand-ins above, with BPE files that are not GPT-2's (never read)."""
+    folder.mkdir()
+    (folder / "train_gpt2.py").write_text(STANDIN_TRAIN)
+    (folder / "hellaswag.py").write_text(STANDIN_HELLASWAG)
+    for name in ("vocab.bpe", "encoder.json"):
+        (folder / name).write_text("a stand-in\n")
+    return folder
 
 
 def _run_sections(tmp_path: Path, sections: list[str]) -> tuple[Path, dict[str, Any]]:
     """Runs the script on CPU, quick, with these sections only; returns its folder and its sections' results."""
     out = tmp_path / "v"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if "amp" in sections:
+        if not (VISION_SITE / "torchvision").is_dir():
+            pytest.skip(f"torchvision is not installed in {VISION_SITE} (scripts/test.sh installs it)")
+        env["PYTHONPATH"] = pythonpath_with(VISION_SITE)
+    extra = ["--nanogpt", str(_nanogpt_standin(tmp_path / "build-nanogpt"))] if "nanogpt" in sections else []
     # The script adds these to its commands' environment (its work folder is out/work): a warm
     # Python started with them serves its preflights, as the suite's own serves the tests'.
     theirs = dict(env, **_script().command_env(str(out / "work")))
@@ -42,7 +103,7 @@ def _run_sections(tmp_path: Path, sections: list[str]) -> tuple[Path, dict[str, 
         if served is not None:
             env["OOMKIT_PREFLIGHT_SERVER"] = served
         p = subprocess.run(
-            [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), "--budget", "900", "--only", ",".join(sections)],
+            [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), "--budget", "900", "--only", ",".join(sections), *extra],
             capture_output=True, text=True, env=env, timeout=900,
         )
     assert p.returncode == 0, p.stderr[-3000:]
@@ -66,8 +127,10 @@ def test_every_section_runs_on_cpu_and_reports(tmp_path: Path, group: str) -> No
         _check_preflight_side(s)
     elif group == "runs":
         _check_runs(s)
-    else:
+    elif group == "planted":
         _check_planted(out, s)
+    else:
+        _check_mixed_precision(s)
 
 
 def _check_preflight_side(s: dict[str, Any]) -> None:
@@ -96,6 +159,31 @@ def _check_preflight_side(s: dict[str, Any]) -> None:
     assert checkpointed["predicted_allocated_bytes"] > 0 and "measured_rc" not in checkpointed, checkpointed
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert fixes["8-bit AdamW (bitsandbytes) for torch.optim.AdamW"]["predicted_allocated_bytes"] > 0
+
+    # A fine-tune from a folder holding only its config: full, LoRA and (where bitsandbytes is installed) QLoRA.
+    config = {row["case"]: row for row in s["config"]["rows"]}
+    assert list(config) == ["full", "LoRA r16", "QLoRA r16"], config
+    for name, row in config.items():
+        if name == "QLoRA r16" and importlib.util.find_spec("bitsandbytes") is None:
+            assert row["skipped"] == "bitsandbytes is not installed"
+            continue
+        assert row["preflight_rc"] == 0 and row["predicted_reserved_bytes"] >= row["predicted_allocated_bytes"] > 0, row
+    assert s["config"]["seq"] == 64 and s["config"]["model"]["num_hidden_layers"] == 2
+
+    # build-nanogpt's folder, here a stand-in: answered from its own folder, with its stand-in inputs.
+    nanogpt = s["nanogpt"]
+    assert nanogpt["predicted_fits"] and nanogpt["predicted_reserved_bytes"] >= nanogpt["predicted_allocated_bytes"] > 0, nanogpt
+    assert nanogpt["capacity_bytes"] > 75 << 30 and "measured_rc" not in nanogpt  # an 80 GB GPU, less its CUDA context
+
+
+def _check_mixed_precision(s: dict[str, Any]) -> None:
+    # ResNet-50's step under autocast holds less than in fp32, fp16 and bf16 alike (each 2 bytes an element).
+    amp = s["amp"]
+    cases = {c["case"]: c for c in amp["cases"]}
+    assert list(cases) == ["resnet50", "resnet50-fp16", "resnet50-bf16"], amp
+    assert [cases[c]["autocast"] for c in cases] == ["None", "torch.float16", "torch.bfloat16"]
+    assert all([row["micro_batch"] for row in c["rows"]] == [4] for c in cases.values()), cases
+    assert amp["predicted_mixed_below_fp32"] is True and "measured_mixed_below_fp32" not in amp, amp
 
 
 def _check_runs(s: dict[str, Any]) -> None:
@@ -167,6 +255,29 @@ def test_the_measuring_wrapper_runs_a_script_as_python_would(tmp_path):
     p = subprocess.run([sys.executable, wrapper, str(script), "--batch-size", "3"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == "True ['--batch-size', '3'] imported beside the script"
+
+
+def test_the_measuring_wrapper_ends_a_script_after_its_steps(tmp_path):
+    # A script that would train for hours is measured over its first optimizer steps, as preflight runs it;
+    # the script's own `except Exception` does not stop that, and what it registered at exit still runs.
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import atexit, torch\n"
+        "atexit.register(lambda: print('the script exits'))\n"
+        "w = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "for step in range(10**9):\n"
+        "    try:\n"
+        "        w.sum().backward()\n"
+        "        opt.step()\n"
+        "    except Exception:\n"
+        "        print('swallowed')\n"
+        "    print('step', step)\n"
+    )
+    wrapper = os.path.join(os.path.dirname(SCRIPT), "measure_script.py")
+    p = subprocess.run([sys.executable, wrapper, "--steps", "3", str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["step 0", "step 1", "the script exits"]
 
 
 def _script() -> Any:
