@@ -587,33 +587,44 @@ QUICK_SCRIPT_ARGS = {"preflight/train.py": ["--ctx", "256", "--dim", "128", "--h
                      "preflight/decode.py": ["--size", "64"]}
 
 
+def _predicted_into(row: dict[str, Any], pred: dict[str, Any]) -> None:
+    """`oomkit preflight --json`'s peaks (or its error) into a row."""
+    row["preflight_rc"] = pred["rc"]
+    if pred["rc"] in (0, 5):
+        run = json.loads(pred["stdout"])["run"]
+        row.update(predicted_allocated_bytes=run["peak_allocated_bytes"], predicted_reserved_bytes=run["peak_reserved_bytes"])
+    else:
+        row["preflight_error"] = pred["stderr"][-800:]
+
+
+def _measured_into(row: dict[str, Any], m: dict[str, Any]) -> None:
+    """scripts/measure_script.py's peaks on the GPU (or its error) into a row, with each prediction's error against them."""
+    got = result_line(m["stdout"])
+    row["measured_rc"] = m["rc"]
+    if got is None:
+        row["measured_error"] = m["stderr"][-800:]
+        return
+    # A run that failed still gives its peaks up to the failure; its exit code and "oom" say how it ended.
+    row.update(measured_allocated_bytes=got["peak_allocated_bytes"], measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"],
+               measured_oom=got["oom"])
+    for kind in ("allocated", "reserved"):
+        predicted = row.get(f"predicted_{kind}_bytes")
+        if predicted:
+            row[f"{kind}_error"] = round(predicted / got[f"peak_{kind}_bytes"] - 1, 4)
+
+
 def scripts(v: Validation) -> dict[str, Any]:
     """`oomkit preflight -- python SCRIPT` (the CLI, autocast and all) beside the same unchanged script run on the GPU."""
     rows = []
     for name, script, flags, torchrun in SCRIPT_CASES:
         path = os.path.join(EXAMPLES, script)
         args = flags + (QUICK_SCRIPT_ARGS[script] if v.args.quick else [])
-        pred = v.sh([v.oomkit, "preflight", "--json", "--", sys.executable, path, *args], timeout=180)
-        row: dict[str, Any] = {"case": name, "command": " ".join([script, *args]), "preflight_rc": pred["rc"]}
-        if pred["rc"] in (0, 5):
-            run = json.loads(pred["stdout"])["run"]
-            row.update(predicted_allocated_bytes=run["peak_allocated_bytes"], predicted_reserved_bytes=run["peak_reserved_bytes"])
-        else:
-            row["preflight_error"] = pred["stderr"][-800:]
+        row: dict[str, Any] = {"case": name, "command": " ".join([script, *args])}
+        _predicted_into(row, v.sh([v.oomkit, "preflight", "--json", "--", sys.executable, path, *args], timeout=180))
         if v.cuda:
             measure = [os.path.join(ROOT, "scripts", "measure_script.py"), path, *args]
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if torchrun else [sys.executable]
-            m = v.sh(launcher + measure, timeout=240)
-            got = result_line(m["stdout"])
-            row["measured_rc"] = m["rc"]
-            if got is not None:
-                row.update(measured_allocated_bytes=got["peak_allocated_bytes"], measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"])
-                for kind in ("allocated", "reserved"):
-                    predicted = row.get(f"predicted_{kind}_bytes")
-                    if predicted:
-                        row[f"{kind}_error"] = round(predicted / got[f"peak_{kind}_bytes"] - 1, 4)
-            else:
-                row["measured_error"] = m["stderr"][-800:]
+            _measured_into(row, v.sh(launcher + measure, timeout=240))
         rows.append(row)
     return {"cases": rows}
 
@@ -909,26 +920,15 @@ def config(v: Validation) -> dict[str, Any]:
             row["skipped"] = "bitsandbytes is not installed"
             rows.append(row)
             continue
-        pred = v.sh([v.oomkit, "preflight", "--json", "--no-fixes", "--", sys.executable, script, "--model", cfg_dir, *args], timeout=300)
-        row["preflight_rc"] = pred["rc"]
-        if pred["rc"] in (0, 5):
-            run = json.loads(pred["stdout"])["run"]
-            row.update(predicted_allocated_bytes=run["peak_allocated_bytes"], predicted_reserved_bytes=run["peak_reserved_bytes"])
-        else:
-            row["preflight_error"] = pred["stderr"][-800:]
+        _predicted_into(row, v.sh([v.oomkit, "preflight", "--json", "--no-fixes", "--", sys.executable, script, "--model", cfg_dir, *args],
+                                  timeout=300))  # fmt: skip
         if v.cuda:
             if written is None:
                 written = v.sh([sys.executable, "-c", WRITE_RANDOM_WEIGHTS, cfg_dir, weights_dir], timeout=300)
-            m = v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), script, "--model", weights_dir, *args], timeout=300)
-            got = result_line(m["stdout"])
-            row["measured_rc"] = m["rc"]
-            if got is not None and m["rc"] == 0:
-                row.update(measured_allocated_bytes=got["peak_allocated_bytes"], measured_reserved_bytes=got["peak_reserved_bytes"], device=got["device"])
-                for kind in ("allocated", "reserved"):
-                    if row.get(f"predicted_{kind}_bytes"):
-                        row[f"{kind}_error"] = round(row[f"predicted_{kind}_bytes"] / got[f"peak_{kind}_bytes"] - 1, 4)
-            else:
-                row["measured_error"] = (written or {}).get("stderr", "")[-400:] + m["stderr"][-800:]
+                if written["rc"] != 0:
+                    return {"error": "the random weights could not be written", "stderr": written["stderr"][-800:]}
+            _measured_into(row, v.sh([sys.executable, os.path.join(ROOT, "scripts", "measure_script.py"), script, "--model", weights_dir, *args],
+                                     timeout=300))  # fmt: skip
         rows.append(row)
     return {"model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "seq": int(seq), "rows": rows}
 
