@@ -6,7 +6,6 @@
     python scripts/measure_script.py --memory-fraction 0.3 examples/preflight/train.py --ctx 4096
     python scripts/measure_script.py --steps 2 train_gpt2.py
 
-
 The script runs as `python SCRIPT ARGS` would run it (as `__main__`, with
 its own arguments); when it ends, rank 0 prints one line
 `RESULT {"peak_allocated_bytes", "peak_reserved_bytes", "device", "oom"}`, from

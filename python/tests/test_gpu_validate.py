@@ -174,6 +174,9 @@ def _check_preflight_side(s: dict[str, Any]) -> None:
     nanogpt = s["nanogpt"]
     assert nanogpt["predicted_fits"] and nanogpt["predicted_reserved_bytes"] >= nanogpt["predicted_allocated_bytes"] > 0, nanogpt
     assert nanogpt["capacity_bytes"] > 75 << 30 and "measured_rc" not in nanogpt  # an 80 GB GPU, less its CUDA context
+    # At least the stand-in's float32 weights, their gradients and AdamW's two moments: 4 x 4 bytes a weight.
+    weights = 50304 * 32 + 32 * 50304 + 50304
+    assert nanogpt["predicted_allocated_bytes"] >= 16 * weights, nanogpt
 
 
 def _check_mixed_precision(s: dict[str, Any]) -> None:
