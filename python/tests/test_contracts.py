@@ -24,10 +24,19 @@ def test_every_exception_oomkit_exports_is_an_oomkit_error_named_under_oomkit():
         oomkit.auto_batch(batch_size=0)
 
 
-def test_the_stub_matches_the_extension():
+#: stubtest's mypy settings: the stub names no torch type, and following the package's imports
+#: into torch took 32 of the check's 34 s. What the stub says of the module is checked as before.
+STUBTEST_CONFIG = "[mypy]\n[mypy-torch.*]\nfollow_imports = skip\n"
+
+
+def test_the_stub_matches_the_extension(tmp_path):
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (scripts/test.sh installs it): the stub is not checked")
-    p = subprocess.run([sys.executable, "-m", "mypy.stubtest", "oomkit._native"], capture_output=True, text=True)
+    config = tmp_path / "stubtest.ini"
+    config.write_text(STUBTEST_CONFIG)
+    p = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "--mypy-config-file", str(config), "oomkit._native"], capture_output=True, text=True
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
