@@ -144,16 +144,30 @@ def measure(case: Case, model: nn.Module, micro: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", choices=list(CASES), required=True)
+    ap.add_argument("--case", required=True, help=f"one of {', '.join(CASES)}; with --predict-only, several, comma-separated")
     ap.add_argument("--capacity", default="16GiB", help="what the allocator may hold, for the largest micro-batch")
     ap.add_argument("--predict-only", action="store_true")
     ap.add_argument("--no-search", action="store_true", help="the peaks alone, without the largest micro-batch")
     ap.add_argument("--batches", default=None, help="comma-separated micro-batches in place of the case's own")
     args = ap.parse_args()
-    case = CASES[args.case]()
+    names = args.case.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        ap.error(f"unknown case {unknown[0]!r}: one of {', '.join(CASES)}")
+    # On the GPU each case measures in a process of its own: a model left from the case before would
+    # sit in the next one's peaks. Predictions hold no memory, so several share one process's imports.
+    if len(names) > 1 and not args.predict_only:
+        ap.error("several cases at once only with --predict-only")
+    for name in names:
+        run_case(name, args)
+
+
+def run_case(name: str, args: argparse.Namespace) -> None:
+    """One case's predictions (and, without ``--predict-only``, its measurements): one RESULT line."""
+    case = CASES[name]()
     if args.batches:
         case.batches = tuple(int(b) for b in args.batches.split(","))
-    result: dict[str, Any] = {"case": args.case, "steps": STEPS, "capacity": args.capacity, "autocast": str(case.autocast), "rows": []}
+    result: dict[str, Any] = {"case": name, "steps": STEPS, "capacity": args.capacity, "autocast": str(case.autocast), "rows": []}
     preds = {m: predict(case, m, "1TiB", False) for m in case.batches}
     if not args.no_search:
         search = predict(case, case.batches[0], args.capacity, True)

@@ -785,14 +785,19 @@ AMP_CASES = ("resnet50", "resnet50-fp16", "resnet50-bf16")
 def amp(v: Validation) -> dict[str, Any]:
     """Mixed precision on a convolutional network: preflight's peaks for ResNet-50's step in fp32 and
     under autocast (fp16, bf16) beside the same steps measured; mixed precision must hold less."""
-    rows = []
-    for case in AMP_CASES:
-        cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight_check.py"), "--case", case, "--no-search"]
-        if not v.cuda:
-            cmd += ["--predict-only", "--batches", "4"]
-        r = v.sh(cmd, timeout=300)
-        res = result_line(r["stdout"])
-        rows.append(res if res is not None else {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
+    check = [sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight_check.py"), "--no-search"]
+    # On the GPU a process for each case (each measures its own model); predictions alone share one.
+    runs = [["--case", case] for case in AMP_CASES] if v.cuda else [["--case", ",".join(AMP_CASES), "--predict-only", "--batches", "4"]]
+    found: dict[str, dict[str, Any]] = {}
+    for flags in runs:
+        r = v.sh(check + flags, timeout=300)
+        for line in r["stdout"].splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                found[res["case"]] = res
+        for case in flags[1].split(","):
+            found.setdefault(case, {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
+    rows = [found[case] for case in AMP_CASES]
     out: dict[str, Any] = {"cases": rows}
     if all("rows" in row for row in rows):
         fp32, *mixed = rows
