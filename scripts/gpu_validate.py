@@ -82,6 +82,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -230,9 +232,14 @@ class Validation:
         return ["--size", "resnet", "--batch", "64"] if not self.args.quick and self.cuda else ["--size", "tiny", "--batch", "32"]
 
 
+def result_lines(stdout: str) -> list[dict[str, Any]]:
+    """The JSON of each ``RESULT {...}`` line a script of this project prints (one for each case it ran)."""
+    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
+
 def result_line(stdout: str) -> Optional[dict[str, Any]]:
     """The JSON of the ``RESULT {...}`` line a script of this project ends with, or None."""
-    return next((json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")), None)
+    return next(iter(result_lines(stdout)), None)
 
 
 def last_json_object(text: str) -> Optional[dict[str, Any]]:
@@ -791,10 +798,7 @@ def amp(v: Validation) -> dict[str, Any]:
     found: dict[str, dict[str, Any]] = {}
     for flags in runs:
         r = v.sh(check + flags, timeout=300)
-        for line in r["stdout"].splitlines():
-            if line.startswith("RESULT "):
-                res = json.loads(line[len("RESULT "):])
-                found[res["case"]] = res
+        found.update((res["case"], res) for res in result_lines(r["stdout"]))
         for case in flags[1].split(","):
             found.setdefault(case, {"case": case, "rc": r["rc"], "error": r["stderr"][-800:]})
     rows = [found[case] for case in AMP_CASES]
@@ -819,8 +823,6 @@ def nanogpt_standins(src: str, folder: str, tokens: int) -> dict[str, str]:
     """build-nanogpt's two scripts copied from ``src`` into ``folder`` beside stand-ins for what they read
     (token shards of ``tokens`` random tokens, a few made-up HellaSwag examples, tiktoken's cache of
     GPT-2's BPE from ``src``); returns the environment the scripts need."""
-    import hashlib
-
     import numpy as np
 
     os.makedirs(os.path.join(folder, "edu_fineweb10B"), exist_ok=True)
@@ -903,8 +905,6 @@ def config(v: Validation) -> dict[str, Any]:
     """A Llama-shaped model of about 1.2 B fine-tuned by examples/preflight/finetune.py (full, LoRA, QLoRA):
     preflight from a folder holding only its config, beside the same script on the GPU loading random
     weights written beside the same config."""
-    import importlib.util
-
     with open(os.path.join(EXAMPLES, "preflight", "llama_1b", "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     quick = v.args.quick
@@ -966,14 +966,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
     ap.add_argument("--only", default=None, help="comma-separated sections to run")
     ap.add_argument("--nanogpt", default=os.path.join(ROOT, ".gpu-inputs", "build-nanogpt"),
-                    help="a folder with build-nanogpt's train_gpt2.py and hellaswag.py and GPT-2's vocab.bpe and encoder.json (scripts/nanogpt_inputs.sh)")
+                    help="a folder with build-nanogpt's train_gpt2.py and hellaswag.py and GPT-2's vocab.bpe and encoder.json "
+                    "(scripts/nanogpt_inputs.sh)")
     args = ap.parse_args()
     v = Validation(args)
     if not v.oomkit:
         sys.exit("gpu_validate: the oomkit command is not on PATH: pip install the oomkit wheel first")
     plan = [("amp", 60, amp), ("nanogpt", 120, nanogpt), ("config", 120, config), ("allocator", 90, allocator), ("preflight", 60, preflight),
-            ("scripts", 180, scripts), ("boundary", 90, boundary), ("fixes", 60, fixes), ("warm", 90, warm), ("workspaces", 20, workspaces), ("oom", 60, oom), ("overhead", 20, overhead),
-            ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
+            ("scripts", 180, scripts), ("boundary", 90, boundary), ("fixes", 60, fixes), ("warm", 90, warm), ("workspaces", 20, workspaces),
+            ("oom", 60, oom), ("overhead", 20, overhead), ("gpus", 5, gpus), ("planted", 60, planted), ("estimate", 30, estimate), ("big", 120, big)]
     only = set(args.only.split(",")) if args.only else None
     for name, est, fn in plan:
         if only is None or name in only:
