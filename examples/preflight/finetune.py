@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true", help="recompute each layer's activations in the backward")
     p.add_argument("--steps", type=int, default=100)
     args = p.parse_args()
+    if args.four_bit and not args.lora:
+        # 4-bit weights cannot be trained: without adapters the optimizer would get no parameters.
+        p.error("--4bit needs --lora (QLoRA trains adapters over the frozen 4-bit weights)")
 
     loading = {"dtype": torch.bfloat16, "device_map": "cuda"}
     if args.four_bit:
