@@ -130,6 +130,26 @@ def test_a_server_that_cannot_be_reached_is_said_and_every_run_starts_here(tmp_p
     assert json.loads(p.stdout)["run"]["fits"] is True
 
 
+def test_a_served_run_that_starts_again_fresh_says_why_its_output_repeats(tmp_path: Path, server) -> None:
+    """A script that sets a compiler setting after printing: the served run stops where it sets it
+    and runs again fresh, so its first line shows twice, and the command says why between them."""
+    _, sock = server
+    (tmp_path / "train.py").write_text(
+        "import os\nprint('starting', flush=True)\nos.environ['TORCHINDUCTOR_MAX_AUTOTUNE'] = '1'\nimport torch\nbatch = 4\n"
+        + TRAIN_TWO_STEPS
+    )
+    p = _preflight(tmp_path, "train.py", env=_environ(OOMKIT_PREFLIGHT_SERVER=str(sock)))
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    said = (
+        "oomkit: preflight: the script sets TORCHINDUCTOR_MAX_AUTOTUNE, which PyTorch reads as it is imported: "
+        "the run starts again as a fresh process, and what it printed above is printed again"
+    )
+    assert lines.count("starting") == 2 and said in lines, p.stderr
+    assert lines.index("starting") < lines.index(said) < len(lines) - 1 - lines[::-1].index("starting"), p.stderr
+    assert json.loads(p.stdout)["run"]["fits"] is True
+
+
 @pytest.mark.parametrize("how", ["served", "fresh", "fixes"])
 def test_a_run_whose_command_is_killed_is_killed_with_it(tmp_path: Path, how: str, request) -> None:
     """A time limit or a scheduler that kills oomkit ends the script it was running: served by a

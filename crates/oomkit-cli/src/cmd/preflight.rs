@@ -879,7 +879,16 @@ fn run_once(a: &Args, v: &Variant<'_>) -> Result<PreflightRun, Failure> {
     // already read (it left a mark and stopped), starts fresh.
     let ended = match a.warm.run(&words, &env, v.quiet) {
         Some(ended) if !dir.0.join(warm::FRESH).exists() => ended,
-        _ => spawn(&words, &env, v.quiet)?,
+        Some(_) => {
+            // What the stopped run printed is on the screen already, and the fresh run prints
+            // it again: the reader is told why it repeats.
+            if !v.quiet {
+                let name = std::fs::read_to_string(dir.0.join(warm::FRESH)).unwrap_or_default();
+                say(&warm::restarted(name.trim()));
+            }
+            spawn(&words, &env, v.quiet)?
+        }
+        None => spawn(&words, &env, v.quiet)?,
     };
     if !result.exists() {
         return Err(Failure::NoAnswer(format!(

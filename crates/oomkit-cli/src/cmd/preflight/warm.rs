@@ -29,6 +29,20 @@ const MODULE: &str = "oomkit.preflight.warm";
 /// (its script set a compiler setting that the warm interpreter's imports had read).
 pub(super) const FRESH: &str = "fresh";
 
+/// What the command says where a forked run stopped to start again fresh: `name` is the
+/// variable its script set (the text of the [`FRESH`] mark), which PyTorch's compiler had
+/// read when the warm interpreter imported it.
+pub(super) fn restarted(name: &str) -> String {
+    let what = if name.is_empty() {
+        "a compiler setting"
+    } else {
+        name
+    };
+    format!(
+        "preflight: the script sets {what}, which PyTorch reads as it is imported: the run starts again as a fresh process, and what it printed above is printed again"
+    )
+}
+
 /// How a run forked from the warm interpreter ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Ended {
@@ -341,6 +355,13 @@ mod tests {
         let path = dir.0.join(name);
         std::fs::write(&path, text).unwrap();
         path.to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_restart_names_the_setting_or_a_compiler_setting_where_the_mark_is_empty() {
+        assert!(restarted("TORCHINDUCTOR_MAX_AUTOTUNE")
+            .starts_with("preflight: the script sets TORCHINDUCTOR_MAX_AUTOTUNE, which"));
+        assert!(restarted("").starts_with("preflight: the script sets a compiler setting, which"));
     }
 
     #[test]
