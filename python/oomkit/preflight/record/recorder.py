@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -350,6 +351,8 @@ class Recorder(TorchDispatchMode):
         self._above: dict[int, tuple[tuple[str, int, str], ...] | None] = {}
         # The frames backward passes run below, held while they run (``frames_fixed``).
         self._fixed: list[Any] = []
+        # While a compiled graph runs (``one_stack``): the thread running it, and its call's stack.
+        self._one_stack: tuple[int, int] | None = None
         # The modules whose forward checkpointing is running again in backward,
         # innermost last, each by its call's id: named, never held.
         self._recomputing: list[tuple[int, str]] = []
@@ -503,6 +506,21 @@ class Recorder(TorchDispatchMode):
         finally:
             self._fixed.remove(frame)
             self._above.pop(key, None)
+
+    def one_stack(self) -> bool:
+        """A compiled graph begins to run: until ``end_one_stack``, what it allocates and frees on
+        this thread is named by the stack of the graph's call, taken once here. Each of its
+        operations would otherwise walk the same frames out, below the graph interpreter's own,
+        which name nothing (a compiled module's memory is named by the line that calls it).
+        False where a graph running already named the stack (nothing to end)."""
+        if self._one_stack is not None:
+            return False
+        self._one_stack = (threading.get_ident(), self._stack_id())
+        return True
+
+    def end_one_stack(self) -> None:
+        """The compiled graph that ``one_stack`` began has ended."""
+        self._one_stack = None
 
     def _drop_ended(self, call: Any) -> None:
         """Takes off the list the forwards' calls that ended without their forward hook (an
@@ -1100,6 +1118,9 @@ class Recorder(TorchDispatchMode):
         del ended
 
     def _stack_id(self) -> int:
+        one = self._one_stack
+        if one is not None and one[0] == threading.get_ident():
+            return one[1]
         stack = self._stack()
         sid = self._stack_ids.get(stack)
         if sid is None:

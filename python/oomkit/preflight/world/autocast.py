@@ -75,12 +75,27 @@ class Autocast:
         self.policies = CastPolicies()
         #: Told of each weight's cast as it enters the cache (the recorder's ``weight_cast``).
         self.on_cached: Optional[Callable[[torch.Tensor], None]] = None
+        #: How many compiled graphs are running now, whose casts are operations of their own.
+        self.graphs_running = 0
 
     def dtype(self) -> torch.dtype | None:
         """The lower precision in force, or None outside autocast."""
         if self.stack and self.stack[-1][0]:
             return self.stack[-1][1]
         return None
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The block runs a compiled graph, traced with the casts autocast made: no call in it is cast again."""
+        self.graphs_running += 1
+        try:
+            yield
+        finally:
+            self.graphs_running -= 1
+
+    def casts_now(self) -> bool:
+        """Whether a call made now is cast: inside a region, and not an operation of a compiled graph."""
+        return not self.graphs_running and self.dtype() is not None
 
     def enter(self, enabled: bool, dtype: torch.dtype) -> None:
         """Enters a region."""

@@ -514,7 +514,7 @@ class _Graphs:
             # The first graph ready ends the capture: what runs from here is the step, recorded.
             self.captured = True
             self.ends_capture()
-            return _ran(gm, self.compiler.recorder)
+            return _ran(gm, self.compiler.recorder, self.compiler.autocast)
 
         def aot(fn: Callable[..., Any], params_and_buffers: int) -> Any:
             # The first so many of its inputs are the parameters and buffers, as AOTAutograd is told.
@@ -794,9 +794,10 @@ _REGISTRIES = frozenset(
 _MISSING = object()
 
 
-def _ran(gm: torch.fx.GraphModule, recorder: Recorder) -> Any:
+def _ran(gm: torch.fx.GraphModule, recorder: Recorder, autocast: Autocast) -> Any:
     """A graph run as eager operations, in AOTAutograd's boxed convention (it frees its inputs
-    as it goes), its fused intermediates unrecorded."""
+    as it goes), its fused intermediates unrecorded. The casts autocast made are operations of
+    the graph, traced with them: the emulated autocast is not asked again as it runs."""
     fused = fused_away(gm.graph)
 
     class Run(torch.fx.Interpreter):
@@ -811,8 +812,13 @@ def _ran(gm: torch.fx.GraphModule, recorder: Recorder) -> Any:
 
     def run(args: list[Any]) -> Any:
         # The backward graph runs from autograd's engine, outside the compiled call.
-        with recorder.placement.running_compiled():
-            return Run(gm).boxed_run(args)
+        named = recorder.one_stack()
+        try:
+            with recorder.placement.running_compiled(), autocast.replaying():
+                return Run(gm).boxed_run(args)
+        finally:
+            if named:
+                recorder.end_one_stack()
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

@@ -741,7 +741,7 @@ class CudaFunctions(TorchFunctionMode):
         if name == "to":
             args = tuple(_to_meta(a) for a in args)
         policy = UNTOUCHED
-        if self.autocast.dtype() is not None:
+        if self.autocast.casts_now():
             # As CUDA's autocast would, above autograd: what it casts, PyTorch says (``autocast``).
             policy = self.autocast.policy(func, args, kwargs)
             args, kwargs = self.autocast.apply(policy, args, kwargs)
