@@ -507,20 +507,21 @@ class Recorder(TorchDispatchMode):
             self._fixed.remove(frame)
             self._above.pop(key, None)
 
-    def one_stack(self) -> bool:
-        """A compiled graph begins to run: until ``end_one_stack``, what it allocates and frees on
-        this thread is named by the stack of the graph's call, taken once here. Each of its
-        operations would otherwise walk the same frames out, below the graph interpreter's own,
-        which name nothing (a compiled module's memory is named by the line that calls it).
-        False where a graph running already named the stack (nothing to end)."""
+    @contextlib.contextmanager
+    def one_stack(self) -> Iterator[None]:
+        """The block runs a compiled graph: what it allocates and frees on this thread is named
+        by the stack of the graph's call, taken once here. Each of its operations would otherwise
+        walk the same frames out, below the graph interpreter's own, which name nothing (a
+        compiled module's memory is named by the line that calls it). Inside a graph running
+        already, the stack it named stands."""
         if self._one_stack is not None:
-            return False
+            yield
+            return
         self._one_stack = (threading.get_ident(), self._stack_id())
-        return True
-
-    def end_one_stack(self) -> None:
-        """The compiled graph that ``one_stack`` began has ended."""
-        self._one_stack = None
+        try:
+            yield
+        finally:
+            self._one_stack = None
 
     def _drop_ended(self, call: Any) -> None:
         """Takes off the list the forwards' calls that ended without their forward hook (an

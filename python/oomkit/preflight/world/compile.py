@@ -812,13 +812,8 @@ def _ran(gm: torch.fx.GraphModule, recorder: Recorder, autocast: Autocast) -> An
 
     def run(args: list[Any]) -> Any:
         # The backward graph runs from autograd's engine, outside the compiled call.
-        named = recorder.one_stack()
-        try:
-            with recorder.placement.running_compiled(), autocast.replaying():
-                return Run(gm).boxed_run(args)
-        finally:
-            if named:
-                recorder.end_one_stack()
+        with recorder.one_stack(), recorder.placement.running_compiled(), autocast.replaying():
+            return Run(gm).boxed_run(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
