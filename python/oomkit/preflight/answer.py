@@ -38,13 +38,7 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
     rec, known = recording.recorder, recording.known
     tr = rec.trace
     roles = known.roles(tr)
-    realized, capped = _served(tr, recording.alloc_conf, recording.capacity_bytes)
-    fits = _fits(tr, capped)
-    if fits:
-        # Served within the capacity, as the GPU serves it: where it came close, the allocator
-        # released its cache and retried (and where the script caught an error, it ran out),
-        # which the model without a limit never does; the two agree everywhere else.
-        realized = capped
+    realized, fits = _served(tr, recording.alloc_conf, recording.capacity_bytes)
     peak_reserved, peak_allocated, _peak_op, free_at_peak, _ = realized[2]
     allocated_after = since = realized[3][0]
     went_on_from = max(_after_last_refusal(tr), tr.measured_from)
@@ -76,7 +70,7 @@ def answer(recording: Recording, settings: Settings, header: dict[str, Any]) -> 
         capacity_bytes=recording.capacity_bytes,
         capacity=settings.capacity,
         fits=fits,
-        margin_bytes=recording.capacity_bytes - (capped[2][0] if fits else peak_reserved),
+        margin_bytes=recording.capacity_bytes - (realized[2][0] if fits else peak_reserved),
         by_role=by_role,
         by_line=by_line,
         allocations=sum(1 for k in tr.kinds if k == 0),
@@ -114,10 +108,8 @@ def replayed(recording: Recording, alloc_conf: str) -> dict[str, Any]:
     """The recorded step served through the allocator model again under ``alloc_conf``
     (the same capacity): what a run with those settings measures, without the run."""
     tr = recording.recorder.trace
-    realized, capped = _served(tr, alloc_conf, recording.capacity_bytes)
-    fits = _fits(tr, capped)
-    # (Within the capacity where it fits, as the answer's own figures are.)
-    peak_reserved, peak_allocated = (capped if fits else realized)[2][:2]
+    served, fits = _served(tr, alloc_conf, recording.capacity_bytes)
+    peak_reserved, peak_allocated = served[2][:2]
     return {
         "alloc_conf": alloc_conf,
         "peak_allocated_bytes": peak_allocated,
@@ -142,13 +134,20 @@ def _fits(tr: Trace, capped: Any) -> bool:
     return all(tr.kinds[i] == REFUSED for i in capped[2][4])
 
 
-def _served(tr: Trace, alloc_conf: str | None, capacity_bytes: int) -> tuple[Any, Any]:
-    """The recorded step served through the allocator model without a limit (its peaks) and
-    limited to the capacity (whether it fits)."""
+def _served(tr: Trace, alloc_conf: str | None, capacity_bytes: int) -> tuple[Any, bool]:
+    """The recorded step served through the allocator model, and whether it fits the capacity.
+
+    Where it fits, as served within the capacity, as the GPU serves it: where
+    it came close, the allocator released its cache and retried (and where
+    the script caught an error, it ran out), which the model without a limit
+    never does. Where it does not, as served without a limit, for the peaks
+    it would have reached; only then is it served a second time.
+    """
     streams = tr.streams()
-    realized = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None)
     capped = _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, capacity_bytes)
-    return realized, capped
+    if _fits(tr, capped):
+        return capped, True
+    return _native.realize_ops(tr.kinds, tr.args, streams, alloc_conf, None), False
 
 
 def unsupported(e: StepUnsupportedError) -> PreflightError:
@@ -175,13 +174,19 @@ def _at_peak(tr: Trace, roles: dict[int, str], allocated_after: list[int], since
     freed_by = {arg: i for i, (kind, arg) in enumerate(zip(tr.kinds, tr.args)) if kind == 1}
     by_role = dict.fromkeys(ROLES, 0)
     lines: dict[tuple[str, str], int] = {}
+    # Many allocations share a stack (each block of a deep network's): its line is found once.
+    line_of: dict[int, str] = {}
     for i in range(peak_at + 1):
         if tr.kinds[i] != 0 or freed_by.get(i, len(tr.kinds)) <= peak_at:
             continue
         size = allocated_after[i] - (allocated_after[i - 1] if i else 0)
         role = roles.get(i, "other")
         by_role[role] = by_role.get(role, 0) + size
-        key = (user_line(tr.stacks[tr.stack_of[i]]), role)
+        sid = tr.stack_of[i]
+        line = line_of.get(sid)
+        if line is None:
+            line = line_of[sid] = user_line(tr.stacks[sid])
+        key = (line, role)
         lines[key] = lines.get(key, 0) + size
     by_line = [{"line": line, "role": role, "bytes": b} for (line, role), b in sorted(lines.items(), key=lambda kv: -kv[1])[:TOP_LINES]]
     return by_role, by_line
