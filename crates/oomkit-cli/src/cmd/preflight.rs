@@ -246,6 +246,10 @@ pub(crate) fn run(mut a: Args) -> u8 {
     // Runs known to follow the first: it too is forked from the warm interpreter they share.
     if a.fixes || a.max_micro_batch.is_some() || a.search.is_some() {
         a.warm.want();
+    } else if !a.no_fixes {
+        // The fixes follow where the step does not fit: the interpreter they fork from
+        // imports beside the first run, not after it.
+        a.warm.start_early(&a.command);
     }
     let first = match first_answer(&a, &first_run) {
         Ok(r) => r,
@@ -318,6 +322,9 @@ pub(crate) fn run(mut a: Args) -> u8 {
             replayed.as_ref(),
             &mut report.fix_notes,
         );
+    } else {
+        // No run follows the first: what started beside it for the fixes is stopped.
+        a.warm.stop_early();
     }
     print(a.format.output(), &report);
     let fits = match &report.largest {

@@ -2,6 +2,8 @@
 //! imported torch once (`python -m oomkit.preflight.warm`), forking a process
 //! for each run of the script the fixes and searches ask for, so that each
 //! starts at the script's first line instead of several seconds of imports.
+//! Where runs may follow the first (the fixes, where the step does not fit), it
+//! imports beside that first run, and is stopped where none follows.
 //!
 //! Only a command that runs Python on a script is run this way: `python
 //! train.py ARGS`, `python -m MODULE ARGS`, or a program whose first line
@@ -66,6 +68,16 @@ pub(super) struct Warm {
     refused: AtomicBool,
     /// The interpreter, started by the first run that goes through it; None where it could not start.
     server: OnceLock<Option<Server>>,
+    /// An interpreter started beside the first run, still importing, for the runs that may follow it.
+    early: Mutex<Option<Starting>>,
+}
+
+/// A warm interpreter started and importing, not yet asked whether it is ready.
+struct Starting {
+    /// The interpreter it runs.
+    python: String,
+    /// Taken by [`Starting::ready`]; one still here when it is dropped is stopped.
+    child: Option<Child>,
 }
 
 /// A started warm interpreter.
@@ -85,6 +97,28 @@ impl Warm {
         self.wanted.store(true, Ordering::Relaxed);
     }
 
+    /// Starts the warm interpreter's imports now, beside the first run of `command`, where more
+    /// runs may follow it (the fixes, where the step does not fit): those then start at once
+    /// instead of after several seconds of imports. Not used, it is stopped ([`Warm::stop_early`]).
+    /// Nothing starts where a shared interpreter takes the runs or the command is no Python script.
+    pub(super) fn start_early(&self, command: &[String]) {
+        if self.server.get().is_some() || shared::socket().is_some() {
+            return;
+        }
+        let Some(script) = python_script(command) else {
+            return;
+        };
+        let mut early = lock(&self.early);
+        if early.is_none() {
+            *early = Starting::spawn(&script.python);
+        }
+    }
+
+    /// Stops the interpreter [`Warm::start_early`] started, where no run will go through it.
+    pub(super) fn stop_early(&self) {
+        lock(&self.early).take();
+    }
+
     /// Starts the warm interpreter for `command` where runs are wanted from it and the
     /// command is one it can take, waiting until it has imported; a second call finds it
     /// started. Called before a run's time is counted, so that the wait is not the run's.
@@ -98,7 +132,13 @@ impl Warm {
             return;
         }
         if let Some(script) = python_script(command) {
-            self.server.get_or_init(|| Server::start(&script.python));
+            self.server.get_or_init(|| {
+                // The one started beside the first run, where it runs the same interpreter.
+                let early = lock(&self.early)
+                    .take()
+                    .filter(|e| e.python == script.python);
+                early.map_or_else(|| Server::start(&script.python), Starting::ready)
+            });
         }
     }
 
@@ -238,10 +278,10 @@ fn shebang_python(program: &Path) -> Option<String> {
     (is_python(interpreter) && words.next().is_none()).then(|| interpreter.to_string())
 }
 
-impl Server {
-    /// Starts `python -m oomkit.preflight.warm` and waits until it has imported; None where it cannot.
-    fn start(python: &str) -> Option<Server> {
-        let mut child = Command::new(python)
+impl Starting {
+    /// Starts `python -m oomkit.preflight.warm` without waiting for its imports; None where it cannot.
+    fn spawn(python: &str) -> Option<Starting> {
+        let child = Command::new(python)
             .args(["-m", MODULE])
             .env_remove("OOMKIT_PREFLIGHT")
             .stdin(Stdio::piped())
@@ -249,6 +289,16 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .ok()?;
+        Some(Starting {
+            python: python.to_string(),
+            child: Some(child),
+        })
+    }
+
+    /// Waits until it has imported, and gives the interpreter that serves runs; None where it cannot.
+    fn ready(mut self) -> Option<Server> {
+        let mut child = self.child.take()?;
+        let python = std::mem::take(&mut self.python);
         let mut answers = BufReader::new(child.stdout.take()?);
         let mut first = String::new();
         let ready = answers.read_line(&mut first).is_ok()
@@ -266,12 +316,29 @@ impl Server {
         let told = Arc::clone(&waiting);
         std::thread::spawn(move || tell_ends(answers, &told));
         Some(Server {
-            python: python.to_string(),
+            python,
             requests: Mutex::new(child.stdin.take()),
             child: Mutex::new(child),
             waiting,
             next: AtomicU64::new(0),
         })
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        // Started for runs that did not come: its imports are stopped, not waited for.
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Server {
+    /// Starts `python -m oomkit.preflight.warm` and waits until it has imported; None where it cannot.
+    fn start(python: &str) -> Option<Server> {
+        Starting::spawn(python)?.ready()
     }
 
     /// Asks for one run and waits for its end; None where the interpreter is gone.
@@ -436,5 +503,79 @@ mod tests {
             "nothing started before it is wanted"
         );
         assert_eq!(w.run(&command, &[], true), None);
+    }
+
+    /// A stand-in interpreter in `dir`: it says it is ready, gives its process id, and serves until its input ends.
+    fn standin_python(dir: &super::super::Scratch) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let pid = dir.0.join("pid");
+        let python = file(
+            dir,
+            "python3",
+            &format!(
+                "#!/bin/sh\necho $$ > {}.tmp && mv {0}.tmp {0}\necho '{{\"ready\": true}}'\nexec cat > /dev/null\n",
+                pid.display()
+            ),
+        );
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        python
+    }
+
+    /// The stand-in's process id, once it has started.
+    fn standin_pid(dir: &super::super::Scratch) -> u32 {
+        let path = dir.0.join("pid");
+        for _ in 0..500 {
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                return text.trim().parse().unwrap();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the stand-in interpreter did not start");
+    }
+
+    #[test]
+    fn an_interpreter_started_early_serves_the_runs_once_they_are_wanted() {
+        if shared::socket().is_some() {
+            return; // A shared interpreter takes the runs instead: nothing starts early.
+        }
+        let dir = super::super::Scratch::new().unwrap();
+        let command = words(&[&standin_python(&dir), &file(&dir, "train.py", "print(1)\n")]);
+        let w = Warm::default();
+        w.start_early(&command);
+        assert!(lock(&w.early).is_some(), "it imports beside the first run");
+        w.prepare(&command);
+        assert!(
+            w.server.get().is_none(),
+            "the first run is not forked from it: it is not wanted yet"
+        );
+        w.want();
+        w.prepare(&command);
+        assert!(
+            matches!(w.server.get(), Some(Some(_))),
+            "the runs after the first go through it"
+        );
+        assert!(
+            lock(&w.early).is_none(),
+            "the one started early is the one serving"
+        );
+    }
+
+    #[test]
+    fn an_interpreter_started_early_and_not_needed_is_stopped() {
+        if shared::socket().is_some() {
+            return;
+        }
+        let dir = super::super::Scratch::new().unwrap();
+        let command = words(&[&standin_python(&dir), &file(&dir, "train.py", "print(1)\n")]);
+        let w = Warm::default();
+        w.start_early(&command);
+        let pid = standin_pid(&dir);
+        assert!(Path::new(&format!("/proc/{pid}")).exists());
+        w.stop_early();
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "stopped and reaped, not left importing"
+        );
+        assert!(w.server.get().is_none());
     }
 }
