@@ -3,9 +3,10 @@
 ``oomkit preflight`` runs the user's script once, then again for each fix it
 tries and each micro-batch it searches. A fresh Python spends several seconds
 importing torch before the script's first line (more than the whole run of a
-small script on tensors without data), so the command starts this module once
-(``python -m oomkit.preflight.warm``), with the script's own interpreter and
-environment, and asks it for each run. It imports what the hook of a run imports
+small script on tensors without data), so the command starts this module's
+:func:`main` once (from ``python -c``, which exits quietly where this module does
+not import), with the script's own interpreter and environment, and asks it for
+each run. It imports what the hook of a run imports
 before the script (``oomkit.preflight.script``, and torch with it) and
 ``torch._dynamo`` (which every optimizer's constructor imports), nothing more, so a
 run forked from it starts where a fresh one would: the script is ``__main__``,

@@ -1,5 +1,5 @@
 //! A warm interpreter for the runs after the first: one Python that has
-//! imported torch once (`python -m oomkit.preflight.warm`), forking a process
+//! imported torch once (`oomkit.preflight.warm`), forking a process
 //! for each run of the script the fixes and searches ask for, so that each
 //! starts at the script's first line instead of several seconds of imports.
 //! Where runs may follow the first (the fixes, where the step does not fit), it
@@ -24,8 +24,18 @@ use serde_json::Value;
 
 use super::shared;
 
-/// The module the interpreter runs to serve the runs.
-const MODULE: &str = "oomkit.preflight.warm";
+/// What the interpreter runs to serve the runs: `oomkit.preflight.warm`'s `main`, where that
+/// module imports. Not `python -m`: an interpreter without oomkit would print Python's own
+/// "Error while finding module specification" beside the one line the fresh run then says,
+/// and an interpreter that started importing beside the first run must stay quiet. It exits
+/// with 3 there, as the module does where it cannot import what runs need.
+const BOOTSTRAP: &str = "import importlib, sys
+try:
+    warm = importlib.import_module('oomkit.preflight.warm')
+except Exception:
+    sys.exit(3)
+warm.main()
+";
 
 /// The file a forked run leaves in its folder where it must run again as a fresh process
 /// (its script set a compiler setting that the warm interpreter's imports had read).
@@ -279,10 +289,10 @@ fn shebang_python(program: &Path) -> Option<String> {
 }
 
 impl Starting {
-    /// Starts `python -m oomkit.preflight.warm` without waiting for its imports; None where it cannot.
+    /// Starts the interpreter on [`BOOTSTRAP`] without waiting for its imports; None where it cannot.
     fn spawn(python: &str) -> Option<Starting> {
         let child = Command::new(python)
-            .args(["-m", MODULE])
+            .args(["-c", BOOTSTRAP])
             .env_remove("OOMKIT_PREFLIGHT")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -336,7 +346,7 @@ impl Drop for Starting {
 }
 
 impl Server {
-    /// Starts `python -m oomkit.preflight.warm` and waits until it has imported; None where it cannot.
+    /// Starts the interpreter on [`BOOTSTRAP`] and waits until it has imported; None where it cannot.
     fn start(python: &str) -> Option<Server> {
         Starting::spawn(python)?.ready()
     }
