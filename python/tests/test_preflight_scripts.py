@@ -510,6 +510,98 @@ def test_sampling_on_the_host_from_values_read_back_runs(tmp_path: Path) -> None
     assert any("taken as 0" in n for n in run["notes"]), run["notes"]
 
 
+#: What pytorch/examples' scripts do around their step (read there, written here in this project's
+#: words): a rotary table's positions made where its frequencies are, remade under ``with
+#: torch.device(buffer.device)`` (its tensor-parallel Llama), ``model.share_memory()`` of a model
+#: on the GPU (Hogwild), and images saved from the GPU converted on the way (DCGAN's
+#: ``save_image``: ``.to("cpu", torch.uint8)``).
+AROUND_THE_STEP = """
+    import numpy as np
+    import torch
+    from torch import nn
+
+
+    def rotary(dim, end):
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+        positions = torch.arange(end, device=freqs.device)
+        angles = torch.outer(positions, freqs)
+        return torch.polar(torch.ones_like(angles), angles)
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(1024, 1024)
+            self.register_buffer("rope", rotary(16, 64))
+
+        def remake(self):
+            with torch.device(self.rope.device):
+                self.rope = rotary(16, 64)
+
+
+    model = Net().cuda()
+    model.remake()
+    model.share_memory()
+    assert all(p.is_shared() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        out = model.proj(torch.randn(32, 1024, device="cuda"))
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        image = (out.detach().clamp(0, 1) * 255).to("cpu", torch.uint8)
+        kept = out.detach().to("cpu", dtype=torch.bfloat16)
+        assert image.dtype == torch.uint8 and image.numpy().dtype == np.uint8, image.dtype
+        assert kept.dtype == torch.bfloat16 and kept.shape == (32, 1024)
+"""
+
+
+def test_tables_made_on_the_cpu_by_name_shared_models_and_converted_copies_run_as_on_a_gpu(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, AROUND_THE_STEP), cwd=tmp_path)
+    assert run["steps"] == 2, run
+    # The weights, and the table kept on the GPU: 64 positions x 8 frequencies in complex64.
+    assert run["by_role"]["parameters"] == LINEAR_1024 + 64 * 8 * 8, run["by_role"]
+    # The first step's copies on the host, each of the type it was converted to (the second step ends the run).
+    assert run["host_peak_bytes"] == 32 * 1024 * (1 + 2), run
+
+
+#: Hogwild training on the GPU (pytorch/examples' ``mnist_hogwild --cuda``, read there): the
+#: model's weights shared with processes of the script's own, each training them.
+HOGWILD = """
+    import torch
+    import torch.multiprocessing as mp
+
+
+    def train(rank, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            model(torch.randn(32, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+    if __name__ == "__main__":
+        mp.set_start_method("spawn", force=True)
+        model = torch.nn.Linear(1024, 1024).cuda()
+        model.share_memory()
+        workers = [mp.Process(target=train, args=(rank, model)) for rank in range(4)]
+        for p in workers:
+            p.start()
+        for p in workers:
+            p.join()
+        assert all(p.exitcode == 0 and not p.is_alive() for p in workers)
+"""
+
+
+def test_processes_given_the_models_gpu_weights_run_the_first_here(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, HOGWILD), cwd=tmp_path)
+    # The first process's training is the step measured: the shared weights, its gradients and momentum.
+    assert run["steps"] == 2 and run["mode"] == "training", run
+    assert run["by_role"]["parameters"] == run["by_role"]["optimizer_state"] == LINEAR_1024, run["by_role"]
+    said = [n for n in run["notes"] if n.startswith("the script starts processes of its own (multiprocessing)")]
+    assert said and "the others were not started" in said[0], run["notes"]
+
+
 def test_a_python_without_oomkit_is_one_line(tmp_path: Path) -> None:
     # The interpreter this virtual environment was made from has no oomkit of its own.
     base = getattr(sys, "_base_executable", sys.executable)

@@ -332,6 +332,14 @@ def _building_module() -> bool:
 #: Tensor methods that read a device tensor's values back to the host.
 _READ_BACK = frozenset({"cpu", "to", "tolist", "numpy"})
 
+#: ``Tensor`` methods that share a tensor's storage between processes, or ask whether it is.
+_SHARED = frozenset({"share_memory_", "is_shared"})
+
+
+def _dtype_asked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The type ``Tensor.to``'s arguments (after the tensor) convert to, if they name one."""
+    return next((a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
+
 
 def _is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``Tensor.to``'s arguments name the CPU."""
@@ -666,6 +674,9 @@ class CudaFunctions(TorchFunctionMode):
             # generation's tokens): those the step made known, else zeros,
             # as the scalars read with item() are.
             host = self._host(args[0], f"Tensor.{name}()")
+            if name == "to":
+                # ``t.to("cpu", torch.uint8)`` (an image saved from the GPU): the copy is of the type asked.
+                host = self._converted(host, _dtype_asked(args[1:], kwargs))
             if name in ("cpu", "to"):
                 # A copy kept on the host (an offload): host memory, without data until read.
                 self.host.hold(host, pinned=False)
@@ -691,6 +702,10 @@ class CudaFunctions(TorchFunctionMode):
             args = (torch.ones_like(args[0]), *args[1:])
         if name == "is_pinned" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             return self.host.pinned(args[0])
+        if name in _SHARED and isinstance(args[0], torch.Tensor) and self.placement.on_gpu(args[0]):
+            # ``model.share_memory()`` before training in processes of its own (Hogwild): a CUDA
+            # tensor is shared between processes as it is, so sharing it is nothing, and it is shared.
+            return args[0] if name == "share_memory_" else True
         if kwargs.get("pin_memory"):
             # A factory's pinned buffer (a data loader's, a script's own): plain host memory here,
             # counted as pinned. Answered here and not only by the recorder, which answers one
@@ -721,11 +736,12 @@ class CudaFunctions(TorchFunctionMode):
             # puts its mode below this one, where it would add a real CUDA device.
             kwargs["device"] = FAKE_DEVICE
             named_gpu = True
-        if kwargs.get("device") is not None:
-            kwargs["device"] = _to_meta(kwargs["device"])
-        elif self.build_on_meta and name in _FACTORIES and name != "tensor" and _building_module():
+        device = kwargs.get("device")
+        if self.build_on_meta and name in _FACTORIES and name != "tensor" and (device is None or _names_cpu(device)) and _building_module():
             # A module's weights made without a device would be made on the CPU and moved; on
             # meta they are never allocated at all, and stand for the host's until they are moved.
+            # So are those made on the CPU by name: a rotary table's positions made where its
+            # frequencies are (``torch.arange(end, device=freqs.device)``) meet them there.
             # (``torch.tensor(data)``, data the module holds, is made on the host as it is.)
             kwargs["device"] = FAKE_DEVICE
             placement = self.placement
@@ -734,6 +750,8 @@ class CudaFunctions(TorchFunctionMode):
                 return self._call(func, name, args, kwargs)
             finally:
                 placement.asked = before
+        if device is not None:
+            kwargs["device"] = _to_meta(device)
         if name == "tensor" and named_gpu and args and next(tensors_in(args[0]), None) is None:
             # (Data holding tensors, a list of 0-d ones as torchtune's rotary scaling builds, has no
             # values on the host: it is made on the fake GPU as it is.)
@@ -769,6 +787,15 @@ class CudaFunctions(TorchFunctionMode):
             return done
         out = func(*args, **kwargs)
         return self.autocast.outputs(policy, out)
+
+    def _converted(self, host: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """``host``, values read back, as ``dtype``: zeros stay zeros, and a large copy stays unread."""
+        if dtype is None or dtype == host.dtype:
+            return host
+        if not self.host.is_taken_as_zero(host):
+            # Values the step made known: few, so converted as they are.
+            return host.to(dtype)
+        return self.host.taken_as_zero(host_zeros(host.shape, dtype))
 
     def _host(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """``t``'s values on the host, as the script reads them (``what``): ``read_back``'s, else zeros."""

@@ -106,6 +106,7 @@ def parallel_stand_ins(notes: Notes, world_size: int, ranks: Ranks) -> list[tupl
         + data_parallel_on_first_gpu(notes, world_size, ranks)
         + dtensor_random_on_shards()
         + spawned_ranks_in_process(notes, world_size, ranks)
+        + processes_given_gpu_tensors(notes)
     )
 
 
@@ -153,6 +154,77 @@ def spawned_ranks_in_process(notes: Notes, world_size: int, ranks: Ranks) -> lis
     spawn_module = sys.modules.get("torch.multiprocessing.spawn")
     values = {"spawn": start_processes, "start_processes": start_processes}
     return [(owner, values) for owner in (mp, spawn_module) if owner is not None]
+
+
+class _EndedHere:
+    """What a process started with ``multiprocessing`` holds as its running child, where its
+    function ran in this process instead (or was not run): a child that has ended well."""
+
+    returncode = 0
+
+    def poll(self, *_: Any) -> int:
+        """Its exit code: it has ended, well."""
+        return 0
+
+    def wait(self, *_: Any) -> int:
+        """Its exit code, at once."""
+        return 0
+
+    def terminate(self) -> None:
+        """Nothing: it has ended."""
+
+    kill = terminate
+    close = terminate
+
+
+def _given_gpu_tensors(values: Any) -> bool:
+    """Whether ``values`` (a process's arguments) hold a tensor or a module's weight on the GPU."""
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            found = any(t.is_cuda for t in value.parameters())
+        elif isinstance(value, torch.Tensor):
+            found = value.is_cuda
+        elif isinstance(value, dict):
+            found = _given_gpu_tensors(value.values())
+        else:
+            found = isinstance(value, (list, tuple)) and _given_gpu_tensors(value)
+        if found:
+            return True
+    return False
+
+
+def processes_given_gpu_tensors(notes: Notes) -> list[tuple[Any, dict[str, Any]]]:
+    """A process the script starts with ``multiprocessing`` and gives its GPU tensors runs its
+    function in this process, as (owner, attributes) to set.
+
+    Hogwild training (pytorch/examples' ``mnist_hogwild`` with ``--cuda``)
+    shares the model's weights (``share_memory()``) with processes of its
+    own, each training them on the same GPU. A fresh interpreter has no fake
+    GPU, so the first such process's function runs here, its steps measured
+    as the script's; the others are not started, and the answer says what
+    each would add.
+    """
+    from multiprocessing import process
+
+    start = process.BaseProcess.start
+    given: list[Any] = []
+
+    def start_here(self: Any) -> None:
+        if not _given_gpu_tensors((*self._args, *self._kwargs.values())):
+            start(self)
+            return
+        given.append(self)
+        # As a started child that has ended: join(), exitcode and is_alive() answer as for one.
+        self._popen, self._sentinel = _EndedHere(), None
+        if len(given) == 1:
+            notes.add(
+                "the script starts processes of its own (multiprocessing) given its GPU tensors: the first one's "
+                "function ran in the script's process and is what is measured; the others were not started, and "
+                "each would hold on the same GPU what it holds beyond the tensors they share"
+            )
+            self.run()
+
+    return [(process.BaseProcess, {"start": start_here})]
 
 
 def dtensor_random_on_shards() -> list[tuple[Any, dict[str, Any]]]:
