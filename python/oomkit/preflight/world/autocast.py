@@ -20,6 +20,7 @@ PyTorch's own error, as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -338,10 +339,27 @@ def _asking() -> Iterator[Any]:
     clean = torch._C._ForceDispatchKeyGuard(_PLAIN_INCLUDE, keep)
     # The question is preflight's own: what PyTorch warns while answering it (why a fake CUDA
     # tensor cannot take flash attention, where the script allows no other) is not the script's.
+    # Nor is what the fake mode logs of a call that refuses without autocast (torchvision's
+    # roi_align, given a 16-bit input and float32 boxes, which CUDA autocast casts alike).
     quiet = warnings.catch_warnings()
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher(), clean, quiet:
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher(), clean, quiet, _silent(FAKE_LOG):
         warnings.simplefilter("ignore")
         yield FakeTensorMode(allow_non_fake_inputs=True)
+
+
+#: The logger of PyTorch's fake tensor mode, which logs each call its kernels refuse.
+FAKE_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextlib.contextmanager
+def _silent(name: str) -> Iterator[None]:
+    """The logger ``name`` says nothing meanwhile."""
+    logger = logging.getLogger(name)
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 @contextlib.contextmanager
