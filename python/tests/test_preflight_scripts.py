@@ -1156,6 +1156,49 @@ def test_a_selection_the_data_sizes_is_made_at_its_largest_and_noted(tmp_path: P
     assert said and said[0].startswith("8 operation(s)") and "nonzero at train.py:12 (<lambda>)" in said[0], run["notes"]
 
 
+#: An object detector's sampler (torchvision's BalancedPositiveNegativeSampler, read there, in this
+#: project's words): of positives and negatives the data decides, a fixed number of each chosen at
+#: random, each kept as a mask of zeros with the chosen positions set, and the two masks' union
+#: selected; beside it, a mask written with data the step lacks after its positions were set.
+SAMPLED = """
+    import sys
+    import torch
+    from torch import nn
+
+    head = nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    for step in range(3):
+        feats = torch.randn(4096, 1024, device="cuda")
+        labels = head(feats)[:, 0] > 0
+        positive, negative = torch.where(labels)[0], torch.where(~labels)[0]
+        num_pos = min(positive.numel(), 64)
+        num_neg = min(negative.numel(), 256 - num_pos)
+        chosen_pos = positive[torch.randperm(positive.numel(), device="cuda")[:num_pos]]
+        chosen_neg = negative[torch.randperm(negative.numel(), device="cuda")[:num_neg]]
+        pos_mask = torch.zeros_like(labels, dtype=torch.uint8)
+        neg_mask = torch.zeros_like(labels, dtype=torch.uint8)
+        pos_mask[chosen_pos] = 1
+        neg_mask[chosen_neg] = 1
+        sampled = torch.where(pos_mask | neg_mask)[0]
+        both = torch.where(torch.cat([pos_mask, neg_mask]))[0]
+        pos_mask |= labels
+        rewritten = torch.where(pos_mask)[0]
+        print("SAMPLED", tuple(sampled.shape), tuple(both.shape), tuple(rewritten.shape), file=sys.stderr)
+        head(feats[sampled]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_samplers_chosen_positions_select_no_more_than_it_chose(tmp_path: Path) -> None:
+    run, printed = _answer_and_output(tmp_path, SAMPLED)
+    # 64 positives and 192 negatives chosen of 4,096 (every one of them, at their largest): the
+    # union selects at most 256, as on a GPU; the masks side by side as many; a mask written
+    # with the data's own comparison after its positions were set, at its largest again.
+    assert "SAMPLED (256,) (256,) (4096,)" in printed, printed[-2000:]
+    assert run["steps"] == 2
+
+
 #: Masks a contrastive loss builds from values it knows, larger than the values kept for any
 #: small tensor (512 x 512): the pairs off the diagonal of a batch's similarities, selected and
 #: reshaped to one row per sample, as NT-Xent losses do; beside them a mask made on the host and

@@ -32,7 +32,7 @@ from oomkit.preflight.record.host import HostMemory, host_zeros
 from oomkit.preflight.record.out_of_memory import OutOfMemory
 from oomkit.preflight.record.placement import ASKED_HOST, Placement, on_meta, plain_tensors
 from oomkit.preflight.record.values import Values, tensors_in
-from oomkit.preflight.record.worst import PARTITIONING, Selections
+from oomkit.preflight.record.worst import SELECTING, Selections
 from oomkit.preflight.settings import DEFAULT_TIME_LIMIT
 
 #: The device fake tensors live on: shapes and dtypes, no memory.
@@ -709,8 +709,11 @@ class Recorder(TorchDispatchMode):
                 self._carry_forward_origin(args, out)
             if not self._deferred:
                 self._note_update(func, args, kwargs, out)
+        selecting = func in SELECTING
+        if selecting or self.selections.bounds:
+            self.selections.bounded(func, args, kwargs, out)
         self.values.after(func, args, kwargs, out)
-        if func in PARTITIONING:
+        if selecting:
             self.selections.made(func, args, out)
         if self._cublas_workspace > 0 and not self._deferred and _multiplies(func):
             thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
@@ -1025,6 +1028,7 @@ class Recorder(TorchDispatchMode):
 
     def _free(self, index: int) -> None:
         self._refs.pop(index, None)
+        self.selections.freed(index)
         self.live_bytes -= self.trace.args[index]
         self.trace.freed_in[index] = self.current_phase()
         self._append(1, index)

@@ -10,6 +10,15 @@ element selected, every box kept, every value distinct. A step on real
 data holds at most that, as a generation run to its ``max_new_tokens``
 holds at most what its longest run would.
 
+A mask made of zeros with chosen positions set holds at most that many:
+an object detector's sampler keeps a fixed number of its proposals
+(``mask = zeros_like(labels); mask[chosen] = 1``, torchvision's
+``BalancedPositiveNegativeSampler``), however many the data would offer,
+and the union of two such masks (``pos | neg``) at most both counts. Each
+tensor's bound is kept from how it was made (``Selections.bounded``) and
+a selection from it made no larger; written to in any other way, it is
+bounded by its size again.
+
 Masks that partition one tensor select each of its elements once in all:
 ``idx == i`` for each expert ``i`` of a mixture of experts' router (its
 top-k choices), or the slices of ``one_hot(idx)``. Each alone could take
@@ -132,6 +141,36 @@ _COPY = torch.ops.aten._to_copy.default
 #: Every operator ``Selections.made`` notes.
 PARTITIONING = _EQUALITY | {_ONE_HOT, _COPY}
 
+_aten = torch.ops.aten
+#: Operators whose result holds no nonzero element.
+_ZEROS = frozenset({_aten.zeros_like.default, _aten.zeros.default, _aten.new_zeros.default, _aten.zero_.default})
+#: ``x.index_fill_(dim, index, value)``: at most ``index``'s positions along ``dim`` set, besides those already.
+_INDEX_FILL = frozenset(
+    {_aten.index_fill_.int_Scalar, _aten.index_fill_.int_Tensor, _aten.index_fill.int_Scalar, _aten.index_fill.int_Tensor}
+)
+#: ``x[indices] = values``: at most as many elements set as integer indices pick, besides those already.
+_INDEX_PUT = frozenset({_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default})
+#: A union holds at most what its operands hold together; an intersection at most what the fewer holds.
+_UNION = frozenset({_aten.bitwise_or.Tensor, _aten.bitwise_or_.Tensor, _aten.logical_or.default, _aten.logical_or_.default})
+_INTERSECTION = frozenset({_aten.bitwise_and.Tensor, _aten.bitwise_and_.Tensor, _aten.logical_and.default, _aten.logical_and_.default})
+_CAT = _aten.cat.default
+_FILL = _aten.fill_.Scalar
+#: Every operator ``Selections.bounded`` takes the bound of its result from.
+BOUNDING = _ZEROS | _INDEX_FILL | _INDEX_PUT | _UNION | _INTERSECTION | {_CAT, _COPY, _FILL}
+#: Every operator either notes (one set, so that most operators are passed over with one lookup).
+SELECTING = PARTITIONING | BOUNDING
+
+
+def _scalar_zero(value: Any) -> bool:
+    """Whether ``value`` is a Python number equal to zero (a fill that sets nothing)."""
+    return isinstance(value, (bool, int, float)) and value == 0
+
+
+def _mutates(func: Any) -> bool:
+    """Whether ``func`` writes into one of its arguments (an in-place or ``out=`` operator)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.is_mutable
+
 
 class Selections:
     """Results at their largest (``worst_case``), with the masks that partition one tensor
@@ -143,6 +182,86 @@ class Selections:
         self._index_of = index_of
         self._source_of: dict[int, tuple[int, Any]] = {}
         self._left: dict[tuple[int, Any], int] = {}
+        #: The most nonzero elements a tensor can hold, by allocation, where how it was made bounds it.
+        self._most: dict[int, int] = {}
+        # Whether ``func`` writes into an argument, by operator (asked once each).
+        self._mutating: dict[Any, bool] = {}
+
+    @property
+    def bounds(self) -> bool:
+        """Whether any tensor is bounded now (every operator that writes into one must then be noted)."""
+        return bool(self._most)
+
+    def freed(self, index: int) -> None:
+        """Forgets the bound of allocation ``index``, freed (so that a step without masks alive notes nothing)."""
+        if self._most:
+            self._most.pop(index, None)
+
+    def _bound(self, t: Any) -> int:
+        """The most nonzero elements ``t`` can hold: its bound, else its size."""
+        if not isinstance(t, torch.Tensor):
+            return 0
+        index = self._index_of(t)
+        n = t.numel()
+        return min(n, self._most[index]) if index is not None and index in self._most else n
+
+    def bounded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Notes the bound of what ``func`` made or wrote, where it has one; called before the values
+        are noted, with ``args`` as the operator took them (an in-place one's target as it was)."""
+        if func in BOUNDING:
+            most = self._made_at_most(func, args, kwargs, out)
+            target = out[0] if isinstance(out, (list, tuple)) and out else out
+            index = self._index_of(target) if isinstance(target, torch.Tensor) else None
+            if index is not None:
+                if most is None or most >= target.numel():
+                    self._most.pop(index, None)
+                else:
+                    self._most[index] = most
+            return
+        if not self._most:
+            return
+        mutating = self._mutating.get(func)
+        if mutating is None:
+            mutating = self._mutating[func] = _mutates(func)
+        if mutating:
+            # Written to some other way: bounded by its size again.
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor):
+                    index = self._index_of(t)
+                    if index is not None:
+                        self._most.pop(index, None)
+
+    def _made_at_most(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int | None:
+        """How many nonzero elements ``func``'s result holds at most; None where nothing bounds it."""
+        if func in _ZEROS:
+            return 0
+        if func is _FILL:
+            return 0 if _scalar_zero(args[1]) else None
+        if func is _COPY:
+            return self._bound(args[0])
+        if func in _INDEX_FILL:
+            x, dim, index, value = args[:4]
+            if _scalar_zero(value):
+                return self._bound(x)
+            if x.dim() == 0 or not isinstance(index, torch.Tensor):
+                return None
+            return self._bound(x) + index.numel() * (x.numel() // max(x.shape[dim], 1))
+        if func in _INDEX_PUT:
+            x, indices = args[0], list(args[1])
+            if not indices or any(not isinstance(i, torch.Tensor) or i.dtype in _MASKS for i in indices):
+                return None
+            picked = torch.broadcast_shapes(*(i.shape for i in indices)).numel()
+            return self._bound(x) + picked * int(torch.Size(x.shape[len(indices) :]).numel())
+        if not isinstance(out, torch.Tensor):
+            return None
+        if func is _CAT:
+            return sum(self._bound(t) for t in args[0])
+        operands = [t for t in args[:2] if isinstance(t, torch.Tensor)]
+        if len(operands) != 2:
+            return None
+        # An operand broadcast over the result holds its elements once per copy.
+        each = [self._bound(t) * (out.numel() // max(t.numel(), 1)) for t in operands]
+        return sum(each) if func in _UNION else min(each)
 
     def made(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
         """Notes a partitioning mask ``func`` made: ``idx == i`` of its source ``idx``, or a one-hot."""
@@ -170,6 +289,9 @@ class Selections:
     def _count(self, mask: torch.Tensor, most: int) -> int:
         """How many of ``mask``'s ``most`` elements it selects at its largest: all, or what its source has left."""
         index = self._index_of(mask)
+        if index is not None and index in self._most and mask.untyped_storage().nbytes() >= mask.numel() * mask.element_size():
+            # (A mask broadcast over more elements than it holds repeats them: its bound is not theirs.)
+            most = min(most, self._most[index])
         key = self._source_of.get(index) if index is not None else None
         if key is None:
             return most
