@@ -254,6 +254,55 @@ def test_processes_the_script_spawns_itself_run_rank_zero_here(tmp_path: Path) -
     assert any("starts 2 process(es) with torch.multiprocessing" in n and "rank 0 of 2" in n for n in run["notes"]), run["notes"]
 
 
+#: A launcher other than torchrun (DeepSpeed's ``deepspeed --num_gpus N``, read there, here in this
+#: project's words): it starts the training script once per GPU, each told its rank and the world
+#: in its environment, and waits for them all.
+LAUNCHER = """
+import os, subprocess, sys
+
+world = int(sys.argv[1])
+procs = [
+    subprocess.Popen([sys.executable, "-u", "sharded.py", f"--local_rank={rank}"], env=dict(
+        os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29517"))
+    for rank in range(world)
+]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+#: Each rank's script: the optimizer's state sharded over the world (ZeRO stage 1), two equal layers.
+SHARDED = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(__import__("os").environ["LOCAL_RANK"]))
+net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).cuda()
+opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW)
+for _ in range(3):
+    net(torch.randn(16, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("RANK", dist.get_rank(), "OF", dist.get_world_size(), flush=True)
+"""
+
+
+def test_a_launcher_that_starts_each_rank_itself_is_measured_as_rank_zero_of_its_world(tmp_path: Path) -> None:
+    (tmp_path / "sharded.py").write_text(SHARDED)
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    layer = (1024 * 1024 + 1024) * 4
+    run = preflight_run(launcher, args=("2",), cwd=tmp_path)
+    # Rank 0 of 2 keeps AdamW's two moments of one of the two layers; the other rank ran nothing.
+    assert run["steps"] == 2 and run["by_role"]["optimizer_state"] == 2 * layer, run["by_role"]
+    assert any(n.startswith("the command's launcher started the script as 2 ranks") for n in run["notes"]), run["notes"]
+    # Given --gpus, that is the world: ZeRO gives each of 4 ranks one of the four tensors, rank 0 a weight.
+    run = preflight_run(launcher, "--gpus", "4", args=("4",), cwd=tmp_path)
+    assert run["by_role"]["optimizer_state"] == 2 * 1024 * 1024 * 4, run["by_role"]
+    assert not any("launcher started" in n for n in run["notes"]) and any("rank 0 of 4 GPUs" in n for n in run["notes"]), run["notes"]
+
+
 #: Lightning's own DDP over the machine's GPUs: it counts them, and gives the loader a distributed sampler.
 LIGHTNING_DDP = """
 import torch

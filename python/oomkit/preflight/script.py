@@ -694,6 +694,18 @@ def _a_script_of_its_own() -> bool:
     return not any(where.startswith(os.path.abspath(h) + os.sep) for h in homes)
 
 
+def _launched_rank() -> tuple[int, int] | None:
+    """The rank and world size a launcher gave this process (``RANK`` and ``WORLD_SIZE``, as
+    DeepSpeed's launcher sets them for each process it starts), where it started several; else
+    None. (Under torchrun only rank 0 is started, with the world the command measures.)"""
+    try:
+        world = int(os.environ.get("WORLD_SIZE") or 1)
+        rank = int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    except ValueError:
+        return None
+    return (rank, world) if world > 1 else None
+
+
 def install() -> None:
     """Starts a preflight of this process if ``oomkit preflight`` asked for one: the command's
     own process, and the Python scripts it starts (a launcher's training script)."""
@@ -705,10 +717,28 @@ def install() -> None:
         return
     os.environ[CHILD_ENV] = "1"
     try:
-        session = _Session(Launch.from_json(json.loads(raw)), child=child)
+        doc = json.loads(raw)
+        launched = _launched_rank() if child else None
+        if launched is not None:
+            rank, started = launched
+            if rank != 0:
+                # Another rank of a launcher's world: rank 0 answers for them all, and this one's
+                # figures would be its own again.
+                os._exit(0)
+            if int(doc.get("world_size") or 1) > 1:
+                # The world the command measures (``--gpus``, torchrun's, whose environment this is).
+                launched = None
+            else:
+                doc = dict(doc, world_size=started, torchrun=True)
+        session = _Session(Launch.from_json(doc), child=child)
     except (ValueError, KeyError, TypeError, PreflightError) as e:
         sys.stderr.write(f"oomkit preflight: bad settings in {ENV}: {e}\n")
         os._exit(2)
+    if launched is not None:
+        session.notes.add(
+            f"the command's launcher started the script as {launched[1]} ranks (WORLD_SIZE, RANK): rank 0 ran, as rank 0 "
+            f"of {launched[1]} GPUs, and the others ended at once"
+        )
     try:
         session.start()
     except PreflightError as e:
