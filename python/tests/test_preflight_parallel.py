@@ -5,10 +5,12 @@ project's own; each answer is checked against sizes worked out by hand."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from preflight_cli import preflight_run
+from preflight_cli import OOMKIT, preflight_run
 
 #: Two Linear layers split over the tensor-parallel GPUs, built as a DeviceMesh starts its own group.
 TENSOR_PARALLEL = """
@@ -301,6 +303,30 @@ def test_a_launcher_that_starts_each_rank_itself_is_measured_as_rank_zero_of_its
     run = preflight_run(launcher, "--gpus", "4", args=("4",), cwd=tmp_path)
     assert run["by_role"]["optimizer_state"] == 2 * 1024 * 1024 * 4, run["by_role"]
     assert not any("launcher started" in n for n in run["notes"]) and any("rank 0 of 4 GPUs" in n for n in run["notes"]), run["notes"]
+
+
+#: A script that counts the machine's GPUs and refuses fewer than it wants, as Lightning's ``devices=2`` does.
+WANTS_TWO = """
+import torch
+if torch.cuda.device_count() < 2:
+    raise RuntimeError("this script trains on 2 GPUs")
+net = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for _ in range(3):
+    net(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_that_counts_more_gpus_than_the_machine_has_is_told_of_gpus(tmp_path: Path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text(WANTS_TWO)
+    p = subprocess.run([OOMKIT, "preflight", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "RuntimeError: this script trains on 2 GPUs" in last, p.stderr[-2000:]
+    assert last.endswith("if the script asks for N, run it with --gpus N"), last
+    assert preflight_run(script, "--gpus", "2")["steps"] == 2
 
 
 #: Lightning's own DDP over the machine's GPUs: it counts them, and gives the loader a distributed sampler.

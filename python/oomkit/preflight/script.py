@@ -276,12 +276,19 @@ class _Session:
                     # real tensors; what it was doing is the answer.
                     self._write({"error": ON_THE_CPU})
                 else:
-                    self._write({"error": f"the script failed under preflight after {self.steps_done} optimizer step(s){where}: {error}"})
+                    self._write({"error": f"the script failed under preflight after {self.steps_done} optimizer step(s){where}: {error}{self._gpus_hint()}"})  # noqa: E501
             self.finished = True
             previous(kind, value, tb)
 
         sys.excepthook = excepthook
         self._watch_exit()
+
+    def _gpus_hint(self) -> str:
+        """What to try where a script that counted the machine's GPUs failed before its first step on a
+        machine of one: it may want more (Lightning's ``devices=2`` refuses a machine of one)."""
+        if self.settings.gpus > 1 or not self.world.devices_counted:
+            return ""
+        return "; preflight's machine has 1 GPU unless --gpus N says more: if the script asks for N, run it with --gpus N"
 
     def _watch_exit(self) -> None:
         """Notes a ``sys.exit`` with a failure before the first step: a script that stops

@@ -171,6 +171,8 @@ class FakeGpu:
         self.notes = notes
         self.start_process_group = start_process_group
         self.torchrun_environment = torchrun_environment
+        #: Whether the script asked how many GPUs the machine has (a failure then may be its asking for more).
+        self.devices_counted = False
         self.extra_hooks = hooks or []
         self.extra_stand_ins = stand_ins or []
         self.on_optimizer_made = on_optimizer_made
@@ -193,6 +195,11 @@ class FakeGpu:
         #: The stand-ins for checkpoints and downloads that are not there, once the ledger is made.
         self.absent: AbsentCheckpoints | None = None
 
+    def _count_devices(self) -> int:
+        """The machine's GPUs (``--gpus``), as ``torch.cuda.device_count()`` tells the script, noting it asked."""
+        self.devices_counted = True
+        return self.settings.gpus
+
     # ----- the ledger ---------------------------------------------------------
 
     def ledger(self) -> list[Entry]:
@@ -207,6 +214,7 @@ class FakeGpu:
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
         gpus = device_answers(s.capacity, s.capacity_bytes, rec, memory, s.gpus)
+        gpus["device_count"] = self._count_devices
         attrs("torch.cuda answers as a machine of --gpus GPUs of the capacity, the script on the first", torch.cuda, gpus)
         attrs("a CUDA random generator is a host one, which tensors without data draw from", torch, {"Generator": CudaGenerator})
         # cuDNN would copy a recurrent layer's weights into one buffer of the same size, views of it
@@ -242,6 +250,7 @@ class FakeGpu:
             {**memory.cuda_answers(), **memory.history_answers()},
         )
         accelerator = accelerator_answers(rec, memory, s.gpus)
+        accelerator["device_count"] = self._count_devices
         device_api = getattr(torch, "accelerator", None)
         for owner in (device_api, getattr(device_api, "memory", None)):
             attrs("torch.accelerator answers as CUDA", owner, {k: v for k, v in accelerator.items() if hasattr(owner, k)})
