@@ -260,3 +260,38 @@ def test_fsdp_wrapper_class_with_mixed_precision_keeps_a_shard_on_each_gpu(tmp_p
     # AdamW's two moments of the shard; a moment served from a larger cached block counts that
     # block, as CUDA's allocator does (a remainder under 1 MiB is not split off).
     assert 2 * shard <= run["by_role"]["optimizer_state"] < 2 * shard + (1 << 20), run["by_role"]
+
+
+#: FSDP2 with its parameters offloaded to the host (``CPUOffloadPolicy``): each GPU keeps its
+#: shards and AdamW's state on the host, pinned, and gathers a layer's weights as it runs it.
+FSDP2_OFFLOADED = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+dist.init_process_group("nccl")
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+for layer in model:
+    fully_shard(layer, offload_policy=CPUOffloadPolicy())
+fully_shard(model, offload_policy=CPUOffloadPolicy())
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(16, 2048, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_fsdp_with_its_parameters_offloaded_to_the_host_is_measured_on_the_gpu_it_gathers_on(tmp_path: Path) -> None:
+    script = tmp_path / "offloaded.py"
+    script.write_text(FSDP2_OFFLOADED)
+    run = preflight_run(script, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    layer = (2048 * 2048 + 2048) * 4
+    # On the host: each layer's half, pinned, and the gradients' halves brought back.
+    assert run["host_pinned_peak_bytes"] == 2 * layer and run["host_peak_bytes"] == 4 * layer, run
+    # On the GPU: the layer running and the next, gathered whole, a layer's whole gradient before
+    # it is reduce-scattered, and no optimizer state (AdamW steps on the host).
+    assert run["by_role"]["parameters"] == 2 * layer and run["by_role"]["gradients"] == layer, run["by_role"]
+    assert run["by_role"]["optimizer_state"] == 0 and run["steps"] == 2, run
+    assert not any("nothing was trained" in n for n in run["notes"]), run["notes"]

@@ -248,6 +248,6 @@ def _notes(tr: Trace, known: Known, mode: str) -> list[str]:
             f"sharing its elements (first {first_op} at {first_at}); "
             "a step on real data holds at most that there"
         )
-    if not known.grads and mode == TRAINING:
+    if not known.grads and not known.graded and mode == TRAINING:
         notes.append("no parameter received a gradient: nothing was trained")
     return notes

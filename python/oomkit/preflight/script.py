@@ -585,7 +585,7 @@ class _Session:
                 else:
                     failed_at = "did not complete a step (the failure above): the figures are at the data's own lengths"
                     notes.append(f"a training batch padded to {kept} {failed_at}")
-        if not self.known.params:
+        if not self.known.params and not self.rec.forwards:
             self._write({"error": ON_THE_CPU})
             return
         if os.path.isdir(os.path.join(self.run_dir, PREFLIGHT_LOGS)):

@@ -30,6 +30,9 @@ class Known:
         self.state: set[int] = set()
         # The weights being trained: an optimizer's, and those a forward with gradients reads.
         self.trained: set[int] = set()
+        #: Whether any parameter got a gradient, wherever it is held (one offloaded to the host
+        #: by FSDP's CPU offload is no allocation of the GPU's, but the step trained).
+        self.graded = False
         self._watched: set[int] = set()
         # Storages told before the step began, with the set each belongs in: the set-up's
         # allocations are recorded only as the step begins (Recorder.begin), and known then.
@@ -73,7 +76,7 @@ class Known:
             self._add(rec, self.trained, tensors)
 
     def add_grad_tensors(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
-        self._add(rec, self.grads, grads)
+        self._graded(rec, grads)
 
     def watch_grads(self, rec: Recorder, params: Any) -> None:
         """Every tensor that becomes a parameter's ``.grad`` is a gradient, even one replaced
@@ -83,7 +86,7 @@ class Known:
             # use_orig_params) gets no gradient of its own: the flat parameter does, and is watched.
             if p.requires_grad and p.is_leaf and id(p) not in self._watched:
                 self._watched.add(id(p))
-                p.register_post_accumulate_grad_hook(lambda p: self._add(rec, self.grads, [p.grad]))
+                p.register_post_accumulate_grad_hook(lambda p: self._graded(rec, [p.grad]))
 
     def add_state_of(self, rec: Recorder, opt: torch.optim.Optimizer) -> None:
         for holder in (opt, *inner_optimizers(opt)):
@@ -100,7 +103,12 @@ class Known:
         self._add(rec, self.inputs, data)
 
     def add_grads(self, rec: Recorder, model: torch.nn.Module) -> None:
-        self._add(rec, self.grads, [p.grad for p in model.parameters() if p.grad is not None])
+        self._graded(rec, [p.grad for p in model.parameters() if p.grad is not None])
+
+    def _graded(self, rec: Recorder, grads: list[torch.Tensor]) -> None:
+        """Tells gradients, noting that some parameter got one."""
+        self.graded = self.graded or bool(grads)
+        self._add(rec, self.grads, grads)
 
     def add_state(self, rec: Recorder, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         self.add_state_of(rec, opt)
