@@ -95,6 +95,15 @@ def test_fsdp_over_eight_gpus_keeps_an_eighth_of_adamws_state(workdir: Path) -> 
     assert any("8 x 2048 tokens" in n for n in run["notes"]), run["notes"]
 
 
+def test_cpu_offload_keeps_the_shards_and_adamws_state_on_the_host(workdir: Path) -> None:
+    run = _titan(workdir, "--training.enable_cpu_offload")
+    # FSDP2's CPU offload: rank 0's eighth of every weight pinned on the host (a little over,
+    # each shard padded to whole rows), and AdamW stepping there: no optimizer state on the GPU.
+    shards = PARAMETERS * 4 // 8
+    assert shards <= run["host_pinned_peak_bytes"] <= shards * 1.02, run
+    assert run["by_role"]["optimizer_state"] == 0 and run["by_role"]["parameters"] > 0, run["by_role"]
+
+
 def test_tensor_parallel_inside_fsdp_splits_the_same_state_eight_ways(workdir: Path) -> None:
     run = _titan(workdir, "--parallelism.tensor_parallel_degree", "2")
     # FSDP over 4 and tensor parallelism over 2: the matrices split eight ways, the norms (which

@@ -20,6 +20,7 @@ the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -237,10 +238,17 @@ def dtensor_random_on_shards() -> list[tuple[Any, dict[str, Any]]]:
     each one fills is the same.
     """
     import torch.distributed.tensor._dispatch as dtensor_dispatch
+    import torch.distributed.tensor._random as dtensor_random
 
-    if not hasattr(dtensor_dispatch, "is_rng_supported_mesh"):
-        return []
-    return [(dtensor_dispatch, {"is_rng_supported_mesh": lambda *_, **__: False})]
+    stand_ins: list[tuple[Any, dict[str, Any]]] = []
+    if hasattr(dtensor_dispatch, "is_rng_supported_mesh"):
+        stand_ins.append((dtensor_dispatch, {"is_rng_supported_mesh": lambda *_, **__: False}))
+    tracker = getattr(dtensor_random, "OffsetBasedRNGTracker", None)
+    if tracker is not None and hasattr(tracker, "_distribute_region"):
+        # Newer PyTorch steps into the region for a shard on another device than the GPU (FSDP2's
+        # shards offloaded to the host, initialised there), reading the GPU generator's state.
+        stand_ins.append((tracker, {"_distribute_region": lambda *_, **__: contextlib.nullcontext()}))
+    return stand_ins
 
 
 def data_parallel_on_first_gpu(notes: Notes, world_size: int, ranks: Ranks) -> list[tuple[Any, dict[str, Any]]]:
