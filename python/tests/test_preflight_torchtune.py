@@ -67,10 +67,16 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _tune(
-    assets: Path, recipe: str, config: str, *overrides: str, flags: tuple[str, ...] = (), checkpoint: str = "ckpt"
+    assets: Path,
+    recipe: str,
+    config: str,
+    *overrides: str,
+    flags: tuple[str, ...] = (),
+    checkpoint: str = "ckpt",
+    launcher: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """``tune run RECIPE --config CONFIG`` on the tiny model and the stand-ins, under ``oomkit preflight FLAGS``,
-    its weights read from the folder ``checkpoint``."""
+    """``tune run LAUNCHER RECIPE --config CONFIG`` on the tiny model and the stand-ins, under ``oomkit
+    preflight FLAGS``, its weights read from the folder ``checkpoint`` (``LAUNCHER``: ``--nproc_per_node 2``)."""
     model = [f"model.{k}={v}" for k, v in MODEL.items()]
     builder = "torchtune.models.llama3_2.lora_llama3_2" if recipe.startswith("lora") else "torchtune.models.llama3_2.llama3_2"
     common = (
@@ -81,7 +87,7 @@ def _tune(
         f"dataset.data_files={assets / 'ckpt' / 'alpaca.json'}", "dataset.split=train", "dataset.packed=True",
         f"output_dir={assets / 'out'}", "max_steps_per_epoch=2", "batch_size=2", "gradient_accumulation_steps=1",
     )  # fmt: skip
-    command = [sys.executable, "-m", "torchtune._cli.tune", "run", recipe, "--config", config, *common, *overrides]
+    command = [sys.executable, "-m", "torchtune._cli.tune", "run", *launcher, recipe, "--config", config, *common, *overrides]
     return subprocess.run(
         [OOMKIT, "preflight", "--steps", "2", *flags, "--", *command],
         capture_output=True, text=True, timeout=900, cwd=assets, env=_env(),
@@ -125,6 +131,28 @@ def test_the_fixes_of_a_torchtune_recipe_are_its_own_switches_each_run(assets: P
     assert rows[eight_bit]["peak_allocated_bytes"] < run["peak_allocated_bytes"]
     everything = rows["all of the above"]
     assert everything["peak_allocated_bytes"] <= min(r["peak_allocated_bytes"] for r in measured), rows
+
+
+def _weights() -> int:
+    """The tiny model's weights, counted from MODEL: the embedding (the output projection is tied to
+    it), each layer's attention (grouped keys and values), its SwiGLU and two norms, the last norm."""
+    d, head = MODEL["embed_dim"], MODEL["embed_dim"] // MODEL["num_heads"]
+    kv = MODEL["num_kv_heads"] * head
+    layer = 2 * d * d + 2 * d * kv + 3 * d * MODEL["intermediate_dim"] + 2 * d
+    return MODEL["vocab_size"] * d + MODEL["num_layers"] * layer + d
+
+
+def test_a_distributed_recipe_with_its_weights_offloaded_to_the_host(assets: Path) -> None:
+    # full_finetune_distributed over 2 GPUs with fsdp_cpu_offload: each rank loads its DTensor shards
+    # and moves them to the host (.cpu()) before FSDP2 offloads them, and AdamW steps there.
+    overrides = ("--nproc_per_node", "2")
+    p = _tune(assets, "full_finetune_distributed", "llama3_2/1B_full", "fsdp_cpu_offload=True", "optimizer.fused=False",
+              "dataset.packed=False", flags=("--json",), launcher=overrides)  # fmt: skip
+    run = _answer(p)["run"]
+    assert run["steps"] == 2 and any("rank 0 of 2 GPUs" in n for n in run["notes"]), run
+    # Rank 0's half of the bf16 weights, pinned on the host; no optimizer state on the GPU.
+    assert run["host_pinned_peak_bytes"] == _weights() * 2 // 2, (run["host_pinned_peak_bytes"], _weights())
+    assert run["by_role"]["optimizer_state"] == 0, run["by_role"]
 
 
 def test_an_unpacked_recipe_runs_its_second_step_at_the_tokenizers_longest(assets: Path) -> None:

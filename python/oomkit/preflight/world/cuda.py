@@ -669,6 +669,15 @@ class CudaFunctions(TorchFunctionMode):
                 return args[0]
             return func(*(_cpu_as_meta(a) for a in args), **{k: _cpu_as_meta(v) for k, v in kwargs.items()})
         reads_back = name in _READ_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type == FAKE_DEVICE
+        source = args[0] if reads_back else None
+        if (
+            reads_back
+            and is_traceable_wrapper_subclass(source)
+            and (name == "cpu" or (name == "to" and _is_cpu(args[1:], kwargs) and _dtype_asked(args[1:], kwargs) in (None, args[0].dtype)))
+        ):
+            # A sharded tensor's copy on the host (torchtune's CPU offload moves each DTensor there as it
+            # loads it): of the same kind, each tensor it wraps read back as a plain one is.
+            return self._copied_to_host(source)
         if reads_back and (name != "to" or _is_cpu(args[1:], kwargs)):
             # Values read back to the host (a loss logged, a metric, a
             # generation's tokens): those the step made known, else zeros,
@@ -787,6 +796,20 @@ class CudaFunctions(TorchFunctionMode):
             return done
         out = func(*args, **kwargs)
         return self.autocast.outputs(policy, out)
+
+    def _copied_to_host(self, t: Any) -> torch.Tensor:
+        """A copy on the host of ``t``, a tensor subclass on the fake GPU (a DTensor): the same kind,
+        each tensor it wraps read back as a plain one is (``.cpu()``), what else it holds (its mesh) kept."""
+        names, context = t.__tensor_flatten__()
+        inner = {}
+        for name in names:
+            value = getattr(t, name)
+            if isinstance(value, torch.Tensor):
+                value = self._host(value, "Tensor.cpu()")
+                self.host.hold(value, pinned=False)
+            inner[name] = value
+        out: torch.Tensor = type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
+        return out
 
     def _converted(self, host: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """``host``, values read back, as ``dtype``: zeros stay zeros, and a large copy stays unread."""
