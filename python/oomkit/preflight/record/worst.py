@@ -210,10 +210,9 @@ class Selections:
         are noted, with ``args`` as the operator took them (an in-place one's target as it was)."""
         if func in BOUNDING:
             most = self._made_at_most(func, args, kwargs, out)
-            target = out[0] if isinstance(out, (list, tuple)) and out else out
-            index = self._index_of(target) if isinstance(target, torch.Tensor) else None
+            index = self._index_of(out) if isinstance(out, torch.Tensor) else None
             if index is not None:
-                if most is None or most >= target.numel():
+                if most is None or most >= out.numel():
                     self._most.pop(index, None)
                 else:
                     self._most[index] = most

@@ -199,10 +199,10 @@ def capability(capacity: str | None) -> tuple[int, int]:
     return found if found is not None else HOPPER
 
 
-def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries, gpus: int = 1) -> dict[str, Any]:
+def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQueries, count: Callable[[], int]) -> dict[str, Any]:
     """What ``torch.cuda`` answers under preflight: one GPU of the capacity, whose memory is the recorder's (through ``memory``).
 
-    The machine has ``gpus`` of them (``--gpus``), as a script that chooses its
+    The machine has ``count()`` of them (``--gpus``), as a script that chooses its
     devices counts them (Lightning's ``devices=4``, ``mp.spawn(nprocs=device_count())``);
     the script runs as rank 0 on the first, the one measured.
     """
@@ -219,7 +219,7 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
 
     return {
         "is_available": lambda: True,
-        "device_count": lambda: gpus,
+        "device_count": count,
         "current_device": lambda: 0,
         "set_device": nothing(),
         "synchronize": nothing(),
@@ -241,8 +241,8 @@ def device_answers(capacity: str, capacity_bytes: int, rec: Any, memory: MemoryQ
     }
 
 
-def accelerator_answers(rec: Any, memory: MemoryQueries, gpus: int = 1) -> dict[str, Any]:
-    """What ``torch.accelerator`` (PyTorch's device-agnostic API) answers under preflight: CUDA, ``gpus`` GPUs, as ``torch.cuda`` does.
+def accelerator_answers(rec: Any, memory: MemoryQueries, count: Callable[[], int]) -> dict[str, Any]:
+    """What ``torch.accelerator`` (PyTorch's device-agnostic API) answers under preflight: CUDA, ``count()`` GPUs, as ``torch.cuda`` does.
 
     Without these a PyTorch built for the CPU has no accelerator at all, and
     a script written for ``torch.accelerator`` would train on the CPU.
@@ -252,7 +252,7 @@ def accelerator_answers(rec: Any, memory: MemoryQueries, gpus: int = 1) -> dict[
     return {
         "current_accelerator": lambda *_, **__: torch.device("cuda"),
         "is_available": lambda: True,
-        "device_count": lambda: gpus,
+        "device_count": count,
         "current_device_index": lambda: 0,
         "current_device_idx": lambda: 0,
         "set_device_index": lambda *_, **__: None,

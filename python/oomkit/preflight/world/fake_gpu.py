@@ -213,8 +213,7 @@ class FakeGpu:
         # Every operation runs a meta kernel: the C++ ones are about a hundred times faster than the Python ones.
         entries.append(Hook("PyTorch's C++ meta kernels current in place of its Python ones", _called, native_meta_kernels))
         s = self.settings
-        gpus = device_answers(s.capacity, s.capacity_bytes, rec, memory, s.gpus)
-        gpus["device_count"] = self._count_devices
+        gpus = device_answers(s.capacity, s.capacity_bytes, rec, memory, self._count_devices)
         attrs("torch.cuda answers as a machine of --gpus GPUs of the capacity, the script on the first", torch.cuda, gpus)
         attrs("a CUDA random generator is a host one, which tensors without data draw from", torch, {"Generator": CudaGenerator})
         # cuDNN would copy a recurrent layer's weights into one buffer of the same size, views of it
@@ -249,8 +248,7 @@ class FakeGpu:
             torch.cuda.memory,
             {**memory.cuda_answers(), **memory.history_answers()},
         )
-        accelerator = accelerator_answers(rec, memory, s.gpus)
-        accelerator["device_count"] = self._count_devices
+        accelerator = accelerator_answers(rec, memory, self._count_devices)
         device_api = getattr(torch, "accelerator", None)
         for owner in (device_api, getattr(device_api, "memory", None)):
             attrs("torch.accelerator answers as CUDA", owner, {k: v for k, v in accelerator.items() if hasattr(owner, k)})
