@@ -82,9 +82,12 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def test_every_operator_pytorchs_autocast_lists_name_comes_out_as_they_say() -> None:
+@pytest.mark.parametrize("mode", ["autograd", "inference"])
+def test_every_operator_pytorchs_autocast_lists_name_comes_out_as_they_say(mode: str) -> None:
+    # Under inference_mode (a predictor's, as YOLO's AMP check runs) autocast's casts are ``to``
+    # calls seen whole, not the ``_to_copy`` they become elsewhere.
     checked, unrunnable, wrong = 0, [], []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.inference_mode(mode == "inference"):
         warnings.simplefilter("ignore")
         for name, op, args, kwargs in _entries():
             fn, call_args = _callable(name, op, args)
@@ -130,6 +133,16 @@ def test_mixed_inputs_that_run_only_under_autocast_are_cast_as_autocast_casts_th
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = _under_autocast(sdpa, (q, q, v), {"attn_mask": mask, "scale": 0.25}, torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+def test_a_16_bit_input_to_float32_weights_under_inference_mode_is_cast_as_autocast_casts_it() -> None:
+    # YOLO's AMP check: a fused convolution (with a bias) given a half-precision image, its weights
+    # float32, all under inference_mode; autocast casts the weight and bias down, or it fails.
+    x = torch.empty(8, 3, 64, 64, device="meta", dtype=torch.float16)
+    w, b = torch.empty(16, 3, 3, 3, device="meta"), torch.empty(16, device="meta")
+    with torch.inference_mode():
+        out = _under_autocast(torch.conv2d, (x, w, b, (1, 1), (1, 1)), {}, torch.float16)
+    assert out.dtype == torch.float16 and out.shape == (8, 16, 64, 64)
 
 
 def test_casts_are_made_above_autograd_and_weights_cast_once_per_region() -> None:

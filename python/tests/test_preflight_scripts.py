@@ -290,6 +290,38 @@ def test_training_roles_of_recurrent_state_kept_tables_and_state_made_in_init(tm
     assert run["by_role"]["parameters"] == weights + 4096 * 256 * 4, (weights, run["by_role"])
 
 
+#: Images copied to the GPU as bytes and made floats there, outside the model (YOLO's trainer:
+#: ``batch["img"].float() / 255``), the last batch's kept while the next one trains.
+BATCH_MADE_ON_GPU = """
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    last = None
+    for _ in range(3):
+        raw = torch.randint(0, 255, (64, 224, 224, 3), dtype=torch.uint8).cuda()
+        labels = torch.randint(0, 10, (64,)).cuda()
+        images = raw.permute(0, 3, 1, 2).float() / 255
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        last = images
+"""
+
+
+def test_what_the_script_makes_of_the_batch_alone_is_the_batch(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, BATCH_MADE_ON_GPU), "--no-fixes", cwd=tmp_path)
+    floats = 64 * 3 * 224 * 224 * 4
+    # This batch's floats and the last one's, both made of the batch alone, beside its bytes and labels.
+    assert run["by_role"]["inputs"] >= 2 * floats + 64 * 224 * 224 * 3, run["by_role"]
+    made = [row for row in run["by_line"] if row["line"].endswith(":11 (<module>)")]
+    assert made and {row["role"] for row in made} == {"inputs"}, run["by_line"]
+    # The loss, made of the model's output and the labels, is not the batch.
+    assert not [row for row in run["by_line"] if row["line"].endswith(":12 (<module>)") and row["role"] == "inputs"], run["by_line"]
+
+
 #: An autoencoder of which a step trains only the encoder, as a latent model's training encodes with
 #: its VAE and never decodes; and a data set moved to the GPU whole before training, sampled from there.
 UNUSED_PART_AND_DATA_ON_GPU = """
@@ -710,6 +742,81 @@ def test_a_scripts_own_triton_kernels_launch_as_nothing_into_what_the_step_alloc
     # The launches allocate nothing: the memory is the two buffers they write, 64 x 1024 floats each.
     grew = [line for line in p.stderr.splitlines() if line.startswith("GREW")]
     assert grew == [f"GREW {2 * 64 * 1024 * 4} True"] * 2, p.stderr[-3000:]
+
+
+#: A check of mixed precision before training, as YOLO's trainer makes: a fused convolution (its
+#: bias kept) run on the same images in float32 and, under autocast, given them in half
+#: precision, inside ``inference_mode``; the two predictions compared with ``allclose``.
+AMP_CHECK = """
+    import torch
+    from torch import nn
+
+    conv = nn.Conv2d(3, 64, 3, padding=1).cuda().eval()
+    images = torch.zeros(8, 3, 256, 256, device="cuda")
+    with torch.inference_mode():
+        full = conv(images)
+        with torch.autocast("cuda"):
+            half = conv(images.half())
+        same = full.shape == half.shape and torch.allclose(full, half.float(), atol=0.5)
+    print("AMP", same, half.dtype, torch.equal(full, full))
+"""
+
+
+def test_predictions_compared_in_full_and_half_precision_under_inference_mode(tmp_path: Path) -> None:
+    p = subprocess.run([OOMKIT, "preflight", "--json", "--", sys.executable, str(_script(tmp_path, AMP_CHECK))],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    # Autocast casts the weight and bias down to meet the half-precision images, as on a GPU.
+    assert "AMP True torch.float16 True" in p.stderr, p.stderr[-3000:]
+    run = json.loads(p.stdout)["run"]
+    # Both predictions are held at the end: 8 x 64 x 256 x 256 in float32, and in float16.
+    assert run["peak_allocated_bytes"] >= 8 * 64 * 256 * 256 * (4 + 2), run
+    # The comparisons read values the step does not have, as zeros, and say so.
+    assert any("taken as 0" in n and ":11 (<module>)" in n for n in run["notes"]), run["notes"]
+
+
+#: A classic loop: modules that hold no tensor (a loss, a matcher of its own made of one) called on
+#: the models' outputs, beside a model whose weights are plain tensors it keeps as attributes.
+LOSS_MODULES = """
+import torch
+from torch import nn
+
+class Matcher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.SmoothL1Loss()
+
+    def forward(self, a, b):
+        return self.inner(a, b)
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.zeros(256, 64, device="cuda", requires_grad=True)
+
+    def forward(self, x):
+        return x @ self.w
+
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 8192)).cuda()
+plain = Plain()
+criterion, matcher = nn.CrossEntropyLoss(), Matcher()
+opt = torch.optim.SGD([*model.parameters(), plain.w], lr=0.1)
+for _ in range(3):
+    x = torch.randn(512, 256, device="cuda")
+    y = torch.randint(0, 8192, (512,), device="cuda")
+    loss = criterion(model(x), y) + matcher(plain(x), torch.zeros(512, 64, device="cuda"))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_loss_module_called_on_the_output_is_no_forward_of_a_model(tmp_path: Path) -> None:
+    run = preflight_run(_script(tmp_path, LOSS_MODULES), "--no-fixes", cwd=tmp_path)
+    # Two models' forwards a step; the loss and the matcher are functions of their outputs.
+    assert run["steps"] == 2 and run["forwards"] == 4, run
+    # The loss's log-probabilities (512 x 8192 floats) are still kept for its backward.
+    assert run["by_role"]["activations"] >= 512 * 8192 * 4, run["by_role"]
 
 
 OPTIMIZER_IN_BACKWARD = """

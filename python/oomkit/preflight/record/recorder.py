@@ -107,6 +107,12 @@ def _composite(func: Any) -> bool:
     return found
 
 
+def _answers_a_value(func: Any) -> bool:
+    """Whether an operator's one result is a flag or a number, not a tensor (``allclose``, ``equal``)."""
+    returns: list[Any] = list(getattr(getattr(func, "_schema", None), "returns", ()))
+    return len(returns) == 1 and str(returns[0].type) in ("bool", "int", "float", "Scalar")
+
+
 #: ``detach``, whose result shares its input's storage.
 _DETACH = torch.ops.aten.detach.default
 
@@ -189,6 +195,9 @@ class _ByStorage:
         if st not in self:
             raise KeyError(st)
         del self._entries[id(st)]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
 
     def forget(self, key: int, index: int) -> None:
         """Drops the entry of a storage that died (by its id then), if it is still that allocation's."""
@@ -279,6 +288,9 @@ class Trace:
     #: whether it wrote in place), by allocation index: where a copy of the weights that
     #: the script keeps in step with them (an EMA) is found (``roles.Known.roles``).
     updates: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = field(default_factory=list)
+    #: Allocations made of the batch alone outside any forward (images made floats and
+    #: scaled, a permuted copy), by allocation index: by role, inputs, as the batch is.
+    batch: set[int] = field(default_factory=set)
 
     def streams(self) -> list[int]:
         """Each operation's pool as the allocator model takes it (its stream): a CUDA graph's
@@ -313,6 +325,9 @@ class Recorder(TorchDispatchMode):
         self._stopped: PreflightStopped | None = None
         self.phase = "setup"
         self._index = _ByStorage()
+        # The batch's storages as the script copied it to the GPU, and those it made of them
+        # alone outside any forward (``Trace.batch``); before the step begins too.
+        self._batch = _ByStorage()
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._stack_ids: dict[tuple[tuple[str, int, str], ...], int] = {}
         self._cublas_workspace = cublas_workspace
@@ -437,7 +452,7 @@ class Recorder(TorchDispatchMode):
                 return
             self._drop_ended(call)
             if not self._modules:
-                self.on_host = not _touches_gpu(module, _args, self.placement.on_gpu)
+                self.on_host = not _touches_gpu(module, _args, self.placement.on_gpu, call)
                 if self.on_host and torch.is_grad_enabled() and not self.trains_on_host:
                     # A model the script trains where it is, on the host (``use_cpu=True``).
                     on_host = self.placement.on_host
@@ -446,7 +461,7 @@ class Recorder(TorchDispatchMode):
                     # A part of a model seen (torchtitan's loss runs the output projection
                     # chunk by chunk after the model's forward): that forward, continued.
                     self.forward_open = self.forwards
-                elif not self.on_host:
+                elif not self.on_host and not _holds_no_tensor(module):
                     self._forward_begins(module)
             self._modules.append(type(module).__name__)
             self._calls.append(call)
@@ -643,6 +658,12 @@ class Recorder(TorchDispatchMode):
         try:
             out = _run(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:
+            if _answers_a_value(func) and any(on_meta(t) for t in args):
+                # A flag or a number answered from values inside one operator (``allclose``,
+                # ``equal``: YOLO's AMP check compares two predictions), which meta cannot
+                # give: computed on the host from the values the step knows, the rest read as 0.
+                name = f"torch.{func.overloadpacket.__name__}"
+                return func(*(self.read_back(t, name) if on_meta(t) else t for t in args), **kwargs)
             # An operation whose result's shape depends on values (nonzero,
             # masked_select) runs on the CPU where its inputs' values are known.
             computed = self.values.run_on_cpu(func, args, kwargs) if isinstance(e, NotImplementedError) else None
@@ -709,6 +730,8 @@ class Recorder(TorchDispatchMode):
                 self._carry_forward_origin(args, out)
             if not self._deferred:
                 self._note_update(func, args, kwargs, out)
+            if self._batch and isinstance(out, torch.Tensor):
+                self._made_of_batch(func, args, kwargs, out)
         selecting = func in SELECTING
         if selecting or self.selections.bounds:
             self.selections.bounded(func, args, kwargs, out)
@@ -761,6 +784,27 @@ class Recorder(TorchDispatchMode):
         read = {i for t in tensors_in(args, kwargs) if (i := self.index_of(t)) is not None} - made
         if made and read:
             self.trace.updates.append((tuple(made), tuple(read), in_place))
+
+    def batch_given(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` are the batch, copied to the GPU: what the script makes of them alone outside any forward is the batch too."""
+        for t in tensors:
+            if on_meta(t):
+                self._batch[t.untyped_storage()] = 0
+
+    def _made_of_batch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        """Marks a tensor made outside any forward from the batch and nothing else (YOLO's
+        ``batch["img"].float() / 255``) as the batch; one made of the batch and the model's
+        output (a loss), or only shaped like the batch (``zeros_like``), is not."""
+        if not on_meta(out) or func.overloadpacket.__name__ in _NO_DATA_FROM_INPUTS:
+            return
+        read = [t.untyped_storage() for t in tensors_in(args, kwargs) if on_meta(t)]
+        st = out.untyped_storage()
+        if not read or st in self._batch or not all(r in self._batch for r in read):
+            return
+        self._batch[st] = 0
+        index = self._index.get(st)
+        if index is not None:
+            self.trace.batch.add(int(index))
 
     def _carry_forward_origin(self, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Gives a tensor made between forwards, as a whole rearranged copy of one a forward
@@ -923,7 +967,9 @@ class Recorder(TorchDispatchMode):
         open_now, self.forward_open = self.forward_open, 0
         for st, stack_id in alive:
             # Its size now: a storage resized since (FSDP frees by resizing to 0) holds what it holds now.
-            self._allocate(st, st.nbytes(), stack_id)
+            index = self._allocate(st, st.nbytes(), stack_id)
+            if st in self._batch:
+                self.trace.batch.add(index)
         self.forward_open = open_now
 
     def step_ended(self, later: bool = False) -> None:
@@ -1168,15 +1214,32 @@ def tensors_kept(values: list[Any], depth: int = KEPT_DEPTH) -> list[torch.Tenso
     return found
 
 
-def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...], on_gpu: Callable[[Any], bool]) -> bool:
+def _holds_no_tensor(module: torch.nn.Module) -> bool:
+    """Whether a module and those inside it hold no tensor: a loss, an activation or a box
+    matcher called on a model's output (``nn.CrossEntropyLoss()(logits, y)``, YOLO's assigner
+    in its validation loss) is a function, as ``F.cross_entropy`` is, not a model's forward.
+    A model that keeps its weights as plain tensor attributes holds them, and is one."""
+    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+        return False
+    return not any(isinstance(v, torch.Tensor) for m in module.modules() for v in vars(m).values())
+
+
+def _touches_gpu(module: torch.nn.Module, args: tuple[Any, ...], on_gpu: Callable[[Any], bool], call: Any) -> bool:
     """Whether a module's call works on the GPU: its first weight is there, or an argument
-    is. A transform a data loader runs on the host does neither."""
+    is. A transform a data loader runs on the host does neither. ``call`` is the frame of
+    the module's call, which holds the keyword arguments a global hook is not given (a model
+    whose weights FSDP offloads to the host, called as ``model(**batch)`` by torchtune)."""
     first: torch.Tensor | None = next(module.parameters(), None)
     if first is None:
         first = next(module.buffers(), None)
     if first is not None and on_gpu(first):
         return True
-    return any(on_gpu(t) for t in tensors_kept(list(args)))
+    if any(on_gpu(t) for t in tensors_kept(list(args))):
+        return True
+    # (``Module._call_impl``, or the ``inner`` it runs a module with hooks in: both see ``self`` and ``kwargs``.)
+    seen = call.f_locals
+    kwargs = seen.get("kwargs") if seen.get("self") is module else None
+    return isinstance(kwargs, dict) and any(on_gpu(t) for t in tensors_kept(list(kwargs.values())))
 
 
 def _first_sentence(e: BaseException) -> str:

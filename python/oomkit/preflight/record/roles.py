@@ -101,6 +101,7 @@ class Known:
 
     def add_inputs(self, rec: Recorder, data: Any) -> None:
         self._add(rec, self.inputs, data)
+        rec.batch_given([t for t in torch.utils._pytree.tree_leaves(data) if isinstance(t, torch.Tensor)])
 
     def add_grads(self, rec: Recorder, model: torch.nn.Module) -> None:
         self._graded(rec, [p.grad for p in model.parameters() if p.grad is not None])
@@ -136,7 +137,7 @@ class Known:
                 role = "optimizer_state"
             elif i in self.grads:
                 role = "gradients"
-            elif i in self.inputs:
+            elif i in self.inputs or i in tr.batch:
                 role = "inputs"
             elif (spread := _parallel_role(tr.stacks[tr.stack_of[i]])) is not None:
                 role = spread

@@ -254,11 +254,16 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and args and id(args[0]) in self.index:
-            to = kwargs.get("dtype")
+        if func.overloadpacket in _CASTS and args and id(args[0]) in self.index:
+            to = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
             if to is not None and to != args[0].dtype:
                 self.found.setdefault(self.index[id(args[0])], to)
         return func(*args, **kwargs)
+
+
+#: The operators autocast casts with: ``to`` is seen whole under ``torch.inference_mode()``
+#: (a predictor's, as YOLO's AMP check runs), ``_to_copy``, what it becomes, elsewhere.
+_CASTS = (torch.ops.aten._to_copy, torch.ops.aten.to)
 
 
 #: The dispatch keys autocast is switched on and off with (excluded: off).
