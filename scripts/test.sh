@@ -94,6 +94,12 @@ if python -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
   # of their own for the same reason. No dependencies: torch and huggingface_hub are above.
   [ -d .venv/vision-site/timm ] || python -m pip install -q --no-deps --target .venv/vision-site \
     "torchvision==0.29.2" "timm==1.0.31" "pillow==13.0.0"
+  # Ultralytics' YOLO trainer (test_preflight_yolo.py), with OpenCV, matplotlib and polars, in a folder of
+  # its own for the same reason. No dependencies: torch, numpy, PyYAML, requests and psutil are above.
+  [ -d .venv/ultralytics-site/ultralytics ] || python -m pip install -q --no-deps --target .venv/ultralytics-site \
+    "ultralytics==8.4.190" "ultralytics-thop==2.2.3" "opencv-python-headless==5.1.0.95" "matplotlib==3.11.2" \
+    "contourpy==1.3.3" "cycler==0.12.1" "fonttools==4.68.0" "kiwisolver==1.5.1" "pyparsing==3.3.3" \
+    "python-dateutil==2.9.0.post0" "six==1.17.0" "polars==2.1.0" "polars-runtime-32==2.1.0"
 else
   echo "test.sh: Python older than 3.10: the Hugging Face and Lightning tests will be skipped" >&2
 fi
